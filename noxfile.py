@@ -1,0 +1,58 @@
+"""Sessions: `tests` per package (fresh venv, only what the package declares), `lint`, and `gpu`.
+
+`nox` with no arguments runs lint and every package's tests on the CPU, as CI does.
+The `gpu` session is meant for the lent GPU machine; it runs the tests marked `gpu`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import tomllib
+
+import nox
+
+ROOT = pathlib.Path(__file__).parent
+PACKAGES = ["slide-kernels", "slide-memory", "slide-io", "slide-scheduler", "slide-train"]
+# The CPU build of torch lies on CI's disk; a plain `torch` would pull a multi-GB CUDA build.
+TORCH = "torch==2.13.0"
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def siblings(package: str) -> list[str]:
+    """The monorepo packages `package` depends on, directly or not, in install order."""
+    meta = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())["project"]
+    found: list[str] = []
+    for dep in meta.get("dependencies", []):
+        name = re.split(r"[<>=!~; \[]", dep, maxsplit=1)[0]
+        if name in PACKAGES:
+            for sub in [*siblings(name), name]:
+                if sub not in found:
+                    found.append(sub)
+    return found
+
+
+@nox.session(python=False)
+def lint(session: nox.Session) -> None:
+    session.run("python", "-m", "pip", "install", "-q", "ruff>=0.6")
+    session.run("python", "-m", "ruff", "check", ".")
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    # Siblings come from this checkout, so a missing dependency declaration fails here, not for a user.
+    local = [arg for sib in siblings(package) for arg in ("-e", f"packages/{sib}")]
+    session.install(TORCH)
+    session.install(*local, "-e", f"packages/{package}[test]")
+    session.run("pytest", f"packages/{package}/tests", "-m", "not gpu", *session.posargs)
+
+
+@nox.session(python=False)
+def gpu(session: nox.Session) -> None:
+    """On the GPU machine (no network): its python3 with packages/*/src on PYTHONPATH, tests marked gpu."""
+    paths = ":".join(str(ROOT / "packages" / p / "src") for p in PACKAGES)
+    session.run("python3", "-m", "pytest", "-m", "gpu", *[f"packages/{p}/tests" for p in PACKAGES],
+                *session.posargs, env={"PYTHONPATH": paths})
