@@ -1,0 +1,26 @@
+"""slide-memory: where training state lives between device visits.
+
+Flat per-unit parameter layouts, host (pinned) buffers and arenas, pre-allocated GPU slots, and AdamW over flat
+fp32 master weights on the host.
+"""
+
+from .__about__ import __version__
+from .adamw import AdamWConfig, HostAdamW
+from .host import HostArena, can_pin, host_empty, host_zeros
+from .layout import ALIGN, Entry, FlatLayout
+from .slots import Slot, SlotQueue
+
+__all__ = [
+    "ALIGN",
+    "AdamWConfig",
+    "Entry",
+    "FlatLayout",
+    "HostAdamW",
+    "HostArena",
+    "Slot",
+    "SlotQueue",
+    "__version__",
+    "can_pin",
+    "host_empty",
+    "host_zeros",
+]

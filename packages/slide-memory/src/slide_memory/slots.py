@@ -1,0 +1,51 @@
+"""GPU slots: pre-allocated device buffers, each able to hold any block of a homogeneous stack.
+
+A slot owns flat parameter and gradient buffers and a template module whose parameters are views into them, so
+loading a block is one copy into the slot and running it needs no allocation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .layout import FlatLayout
+
+
+class Slot:
+    def __init__(self, layout: FlatLayout, module: nn.Module, device: torch.device, dtype: torch.dtype):
+        self.layout = layout
+        self.params = torch.zeros(layout.numel, dtype=dtype, device=device)
+        self.grads = torch.zeros(layout.numel, dtype=dtype, device=device)
+        self.module = module  # may be built on the meta device: binding gives it real parameters
+        layout.bind(module, self.params, self.grads)
+        self.unit: int | None = None  # which block the slot holds now
+
+    def load(self, source: torch.Tensor, unit: int, non_blocking: bool = False) -> None:
+        self.params.copy_(source, non_blocking=non_blocking)
+        self.unit = unit
+
+
+class SlotQueue:
+    """A fixed ring of `count` slots (the window); blocks take them round-robin."""
+
+    def __init__(self, layout: FlatLayout, make_module: Callable[[], nn.Module], count: int,
+                 device: torch.device, dtype: torch.dtype):
+        if count < 1:
+            raise ValueError("a slot queue needs at least one slot")
+        self.slots = [Slot(layout, make_module(), device, dtype) for _ in range(count)]
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def next(self) -> Slot:
+        slot = self.slots[self._next]
+        self._next = (self._next + 1) % len(self.slots)
+        return slot
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.params.nbytes + s.grads.nbytes for s in self.slots)

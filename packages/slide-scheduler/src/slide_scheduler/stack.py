@@ -1,0 +1,44 @@
+"""What the engine trains: a head, a stack of structurally identical blocks and a tail.
+
+The engine never sees a model library. An adapter (slide-train's, or your own) describes the model through this
+protocol; the parameters of the head and the tail form one "edge" unit, so weights tied between the embedding and
+the output projection stay one tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+Batch = dict[str, torch.Tensor]
+Context = dict[str, Any]
+
+
+class Edges(Protocol):
+    """The head and tail parameters as one module (stays on the device for the whole step)."""
+
+    def parameters(self, recurse: bool = True): ...
+
+    def head(self, batch: Batch) -> tuple[torch.Tensor, Context]:
+        """Token ids -> first boundary activation, plus what every block needs (positions, masks)."""
+
+    def tail(self, hidden: torch.Tensor, batch: Batch, normalizer: float) -> torch.Tensor:
+        """Last boundary activation -> this micro-batch's share of the step loss: sum of token losses / normalizer."""
+
+
+class Stack(Protocol):
+    num_blocks: int
+
+    def make_edges(self) -> nn.Module:
+        """An `Edges` module; its parameters may be on the meta device, its buffers must be real."""
+
+    def make_block(self) -> nn.Module:
+        """One block with `forward(hidden, ctx) -> hidden`; parameters may be on the meta device, no buffers."""
+
+    def load_edges(self, params: dict[str, torch.Tensor]) -> None:
+        """Fill the given views (edge parameter name -> fp32 host tensor) with the initial weights."""
+
+    def load_block(self, index: int, params: dict[str, torch.Tensor]) -> None:
+        """Fill block `index`'s views (block parameter name -> fp32 host tensor) with its initial weights."""

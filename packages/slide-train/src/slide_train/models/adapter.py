@@ -1,0 +1,159 @@
+"""Hugging Face decoder-only models as a `Stack`: edges (embedding, final norm, lm head) and decoder blocks.
+
+Every supported family has the same outer shape (`model.embed_tokens`, `model.layers`, `model.norm`,
+`model.rotary_emb`, `lm_head`); what differs inside a decoder layer (Qwen2 biases, Qwen3 q/k norms) is left to
+the HF layer class itself, so one adapter serves them all.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from torch import nn
+
+from ..errors import ModelError
+from .loss import causal_lm_loss
+
+# model_type -> notes; the HF classes do the family-specific work.
+FAMILIES = {
+    "llama": "Llama 2 / 3.x",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2 / Qwen2.5",
+    "qwen3": "Qwen3 (dense)",
+}
+
+# Edge parameter name -> HF checkpoint name.
+EDGE_PREFIXES = {"embed_tokens.": "model.embed_tokens.", "norm.": "model.norm.", "lm_head.": "lm_head."}
+
+
+def check_supported(config: transformers.PretrainedConfig) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        names = ", ".join(f"{k} ({v})" for k, v in FAMILIES.items())
+        raise ModelError(f"model_type {model_type!r} has no adapter yet; supported: {names}")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and len(set(layer_types)) > 1:
+        raise ModelError(f"{model_type} with mixed layer types {sorted(set(layer_types))} is not supported yet: "
+                         "the engine runs structurally identical blocks")
+
+
+def sliding_window(config: transformers.PretrainedConfig) -> int | None:
+    """The attention window all layers use, or None for full causal attention."""
+    window = getattr(config, "sliding_window", None)
+    if config.model_type == "mistral":
+        return window
+    layer_types = getattr(config, "layer_types", None) or []
+    return window if layer_types and layer_types[0] == "sliding_attention" else None
+
+
+class Edges(nn.Module):
+    """Embedding + rotary tables (head) and final norm + lm head + loss (tail)."""
+
+    def __init__(self, embed_tokens: nn.Embedding, rotary: nn.Module, norm: nn.Module, lm_head: nn.Linear,
+                 window: int | None):
+        super().__init__()
+        self.embed_tokens, self.rotary, self.norm, self.lm_head = embed_tokens, rotary, norm, lm_head
+        self.window = window
+
+    def head(self, batch):
+        ids = batch["input_ids"]
+        hidden = self.embed_tokens(ids)
+        positions = batch["position_ids"]
+        ctx = {
+            "position_embeddings": self.rotary(hidden, positions),
+            "position_ids": positions,
+            "attention_mask": attention_mask(batch.get("document_ids"), self.window, ids.shape[1], ids.device),
+        }
+        return hidden, ctx
+
+    def tail(self, hidden, batch, normalizer: float):
+        hidden = self.norm(hidden)
+        return causal_lm_loss(hidden, self.lm_head.weight, batch["targets"]) / normalizer
+
+
+def attention_mask(document_ids: torch.Tensor | None, window: int | None, seq: int, device) -> torch.Tensor | None:
+    """A boolean [B, 1, S, S] mask (True = may attend), or None when plain causal attention is exact.
+
+    Packed rows must not attend across documents; padding (document -1) attends to itself only, so no row of the
+    mask is empty (an empty row would give NaN that leaks into weight gradients).
+    """
+    if document_ids is None and (window is None or seq <= window):
+        return None
+    q = torch.arange(seq, device=device)
+    allowed = q[:, None] >= q[None, :]
+    if window is not None:
+        allowed = allowed & (q[:, None] - q[None, :] < window)
+    allowed = allowed[None, None]
+    if document_ids is not None:
+        same = document_ids[:, None, :, None] == document_ids[:, None, None, :]
+        allowed = (allowed & same) | torch.eye(seq, dtype=torch.bool, device=device)
+    return allowed
+
+
+class DecoderBlock(nn.Module):
+    """One HF decoder layer with the engine's block signature: forward(hidden, ctx) -> hidden."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden: torch.Tensor, ctx: dict) -> torch.Tensor:
+        out = self.layer(hidden, **ctx)
+        return out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
+
+
+class HFStack:
+    """`slide_scheduler.Stack` for an HF causal LM given its config and a weight source."""
+
+    def __init__(self, config: transformers.PretrainedConfig, weights):
+        check_supported(config)
+        config._attn_implementation = "sdpa"  # masks above are for SDPA; eager would ignore a None mask
+        self.config = config
+        self.weights = weights
+        self.num_blocks = config.num_hidden_layers
+        with torch.device("meta"):
+            skeleton = transformers.AutoModelForCausalLM.from_config(config)
+        self._layer_cls = type(skeleton.model.layers[0])
+        self._rotary_cls = type(skeleton.model.rotary_emb)
+        self._skeleton = skeleton
+
+    def make_edges(self) -> Edges:
+        cfg = self.config
+        with torch.device("meta"):
+            embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            norm = type(self._skeleton.model.norm)(cfg.hidden_size, eps=cfg.rms_norm_eps)
+            lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            lm_head.weight = embed.weight
+        rotary = self._rotary_cls(config=cfg)  # real buffers (inv_freq), built on the host
+        return Edges(embed, rotary, norm, lm_head, sliding_window(cfg))
+
+    def make_block(self) -> DecoderBlock:
+        with torch.device("meta"):
+            return DecoderBlock(self._layer_cls(self.config, layer_idx=0))
+
+    def load_edges(self, params: dict[str, torch.Tensor]) -> None:
+        for name, view in params.items():
+            self._fill(view, edge_hf_name(name))
+
+    def load_block(self, index: int, params: dict[str, torch.Tensor]) -> None:
+        for name, view in params.items():
+            self._fill(view, block_hf_name(index, name))
+
+    def _fill(self, view: torch.Tensor, hf_name: str) -> None:
+        tensor = self.weights.get(hf_name)
+        if tuple(tensor.shape) != tuple(view.shape):
+            raise ModelError(f"{hf_name} has shape {tuple(tensor.shape)} in the weights, the config implies "
+                             f"{tuple(view.shape)}: do config.json and the safetensors files belong together?")
+        view.copy_(tensor)
+
+
+def edge_hf_name(name: str) -> str:
+    for ours, theirs in EDGE_PREFIXES.items():
+        if name.startswith(ours):
+            return theirs + name[len(ours) :]
+    raise KeyError(name)
+
+
+def block_hf_name(index: int, name: str) -> str:
+    return f"model.layers.{index}." + name.removeprefix("layer.")

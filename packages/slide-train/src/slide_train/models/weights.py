@@ -1,0 +1,85 @@
+"""Reading HF weights tensor by tensor from safetensors files (sharded or not), never the whole model at once.
+
+Only safetensors are read: pickle-based `*.bin` checkpoints can run arbitrary code when loaded, so they are
+refused with a hint to convert them.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..errors import ModelError
+
+
+class SafetensorsWeights:
+    """name -> tensor over the `*.safetensors` files of a local HF model directory."""
+
+    def __init__(self, directory: str | pathlib.Path):
+        self.dir = pathlib.Path(directory)
+        self._handles: dict[pathlib.Path, object] = {}
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ModelError(f"{index} is not a valid safetensors index ({e})") from e
+            self.files = {name: self.dir / file for name, file in weight_map.items()}
+        else:
+            shards = sorted(self.dir.glob("*.safetensors"))
+            if not shards:
+                pickled = sorted(p.name for p in self.dir.glob("*.bin"))
+                hint = (f" It has {', '.join(pickled)}: pickle checkpoints are not loaded because they can run"
+                        " code; convert them to safetensors first." if pickled else "")
+                raise ModelError(f"no *.safetensors weights in {self.dir}.{hint}")
+            self.files = {}
+            for shard in shards:
+                for name in self._open(shard).keys():
+                    self.files[name] = shard
+
+    def _open(self, path: pathlib.Path):
+        if path not in self._handles:
+            if not path.is_file():
+                raise ModelError(f"weight file {path} is listed in the index but missing")
+            try:
+                self._handles[path] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise ModelError(f"cannot read weights {path}: {e} (the file may be truncated or corrupt)") from e
+        return self._handles[path]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def keys(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.files:
+            raise ModelError(f"tensor {name!r} is missing from the weights in {self.dir}")
+        path = self.files[name]
+        try:
+            return self._open(path).get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ModelError(f"cannot read {name!r} from {path}: {e} (truncated or corrupt file?)") from e
+
+
+class StateDictWeights:
+    """The same interface over an in-memory state dict (random-init presets, tests)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state = state
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.state
+
+    def keys(self) -> Iterator[str]:
+        return iter(self.state)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.state:
+            raise ModelError(f"tensor {name!r} is missing from the model's state")
+        return self.state[name]
