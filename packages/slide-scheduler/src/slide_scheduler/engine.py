@@ -138,18 +138,8 @@ class SlidingEngine:
         """Forward, backward and AdamW update over `micro_batches`; the loss is normalized by `normalizer`."""
         clock = _Clock(self.device)
         n, acts = self.num_blocks, self.activations
-        batches = [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
-
-        with torch.no_grad():
-            contexts = []
-            for j, batch in enumerate(batches):
-                hidden, ctx = self.edges.head(batch)
-                contexts.append(ctx)
-                acts.put(0, j, hidden)
-            for i in range(n):
-                slot = self._load(i)
-                for j, ctx in enumerate(contexts):
-                    acts.put(i + 1, j, slot.module(acts.get(i, j).detach(), ctx))
+        batches = self._to_device(micro_batches)
+        contexts = self._forward(batches)
         clock.lap("forward")
 
         self.edge_grads.zero_()
@@ -181,9 +171,36 @@ class SlidingEngine:
         clock.lap("update")
         return StepStats(loss=loss.item(), grad_norm=grad_norm, seconds=clock.total, phases=clock.laps)
 
+    def evaluate(self, micro_batches: list[Batch], *, normalizer: float) -> float:
+        """The loss over `micro_batches` (normalized by `normalizer`) with no gradient and no update."""
+        batches = self._to_device(micro_batches)
+        with torch.no_grad():
+            contexts = self._forward(batches)
+            del contexts
+            loss = sum(float(self.edges.tail(self.activations.get(self.num_blocks, j), batch, normalizer))
+                       for j, batch in enumerate(batches))
+        return loss
+
+    def _to_device(self, micro_batches: list[Batch]) -> list[Batch]:
+        return [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
+
+    @torch.no_grad()
+    def _forward(self, batches: list[Batch]) -> list:
+        """Head and blocks, layer-major: each block visits a slot once and sees every micro-batch there."""
+        acts, contexts = self.activations, []
+        for j, batch in enumerate(batches):
+            hidden, ctx = self.edges.head(batch)
+            contexts.append(ctx)
+            acts.put(0, j, hidden)
+        for i in range(self.num_blocks):
+            slot = self._load(i)
+            for j, ctx in enumerate(contexts):
+                acts.put(i + 1, j, slot.module(acts.get(i, j), ctx))
+        return contexts
+
     def _update(self, lr: float) -> float:
         # Exact global clipping needs every gradient first: the norm is taken over all units before any update.
-        sq = sum(float(u.grad.float().pow(2).sum()) for u in self.units)
+        sq = sum(float(torch.linalg.vector_norm(u.grad, dtype=torch.float32)) ** 2 for u in self.units)
         grad_norm = math.sqrt(sq)
         max_norm = self.config.max_grad_norm
         scale = min(1.0, max_norm / (grad_norm + 1e-6)) if max_norm else 1.0

@@ -1,0 +1,103 @@
+"""`slide-train`: finetune | data | export | presets. Every subcommand that takes a config accepts `--key=value`
+overrides of any config key (see `slide-train finetune --help`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import describe_keys, load_config
+from .errors import SlideError
+
+
+def _keys_help() -> str:
+    rows = describe_keys()
+    width = max(len(k) for k, _ in rows)
+    return "config keys (YAML or --key=value), with defaults:\n" + "\n".join(
+        f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _config_parser(sub, name: str, help: str):
+    p = sub.add_parser(name, help=help, description=help, epilog=_keys_help(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", help="YAML file (optional: every key has a default)")
+    return p
+
+
+def cmd_finetune(args, overrides) -> int:
+    from .trainer import Trainer
+
+    cfg = load_config(args.config, overrides)
+    Trainer(cfg, progress=not args.no_progress).fit()
+    return 0
+
+
+def cmd_data(args, overrides) -> int:
+    from .data import build_data, render_examples
+    from .models.build import load_model
+
+    cfg = load_config(args.config, overrides)
+    model = load_model(cfg.model, cfg.seed)
+    data = build_data(cfg.data, model.tokenizer, cfg.seq_len, cfg.micro_batch_size, cfg.seed)
+    print(data.summary())
+    print(render_examples(cfg.data, model.tokenizer, cfg.seq_len, n=args.n))
+    return 0
+
+
+def cmd_export(args, overrides) -> int:
+    from .checkpoint import export_run
+
+    out = export_run(args.run_dir, step=args.step, out=args.out)
+    print(f"exported to {out}")
+    return 0
+
+
+def cmd_presets(args, overrides) -> int:
+    from .models.presets import PRESETS
+
+    for name, spec in PRESETS.items():
+        print(f"{name:14s} {spec['model_type']:8s} hidden {spec['hidden_size']}, {spec['num_hidden_layers']} layers")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="slide-train", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    p = _config_parser(sub, "finetune", "fine-tune every parameter of a model (default: the built-in tiny demo)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)")
+    p.set_defaults(func=cmd_finetune)
+    p = _config_parser(sub, "data", "print a few training rows as the model sees them, with the label mask")
+    p.add_argument("-n", type=int, default=3, help="how many examples")
+    p.set_defaults(func=cmd_data)
+    p = sub.add_parser("export", help="write a run's weights as an HF model directory")
+    p.add_argument("run_dir")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/export)")
+    p.set_defaults(func=cmd_export)
+    sub.add_parser("presets", help="list the built-in model presets").set_defaults(func=cmd_presets)
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        argv = ["finetune"]
+    args, rest = parser.parse_known_args(argv)
+    overrides = [a for a in rest if a.startswith("--") and "=" in a]
+    unknown = [a for a in rest if a not in overrides]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (config overrides look like --key.sub=value)")
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args, overrides)
+    except SlideError as e:
+        print(f"slide-train: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # the data pipeline's DataError and other validation errors carry their own message
+        if type(e).__name__ == "DataError":
+            print(f"slide-train: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""The run configuration: nested dataclasses loaded from YAML plus `--dot.key=value` overrides, validated up
+front so that a typo fails in the first second, not after an hour of training."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import pathlib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from .data import FORMATS, DataConfig
+from .errors import ConfigError
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = 0
+    decay: str = "cosine"  # constant | cosine | linear
+    min_lr_ratio: float = 0.1  # lr at the last step, as a share of optimizer.lr (cosine / linear)
+
+
+@dataclass
+class OptimizerOffloadConfig:
+    nvme_fraction: float = 0.0
+    dir: str | None = None
+
+
+@dataclass
+class EngineSection:
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    compute_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
+    gpu_memory_limit_gb: float | None = None  # cap this process's GPU memory (e.g. 24 to act as a 24 GB card)
+    window: int = 2  # GPU slots for sliding blocks
+    activation_offload: str = "cpu"  # none | cpu
+    optimizer_offload: OptimizerOffloadConfig = field(default_factory=OptimizerOffloadConfig)
+    states_dtype: str = "fp32"  # fp32 (bf16 is planned)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep: int = 2
+
+
+@dataclass
+class TrainConfig:
+    model: str = "tiny-llama"  # a local HF model directory, or a built-in preset (see `slide-train presets`)
+    data: DataConfig = field(default_factory=DataConfig)
+    seq_len: int = 128
+    micro_batch_size: int = 8
+    grad_accum: int = 2
+    steps: int = 60
+    epochs: float | None = None  # when set, overrides `steps`
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    max_grad_norm: float | None = 1.0
+    seed: int = 0
+    output_dir: str = "runs/default"
+    engine: EngineSection = field(default_factory=EngineSection)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: str | None = None  # auto | PATH of a checkpoint
+    eval_every: int = 0
+    log_every: int = 1
+    export: bool = True  # write an HF model directory to output_dir/export at the end
+    export_dtype: str = "auto"  # auto (the source model's dtype) | bf16 | fp16 | fp32
+
+
+CHOICES = {
+    "data.format": FORMATS,
+    "schedule.decay": ("constant", "cosine", "linear"),
+    "engine.compute_dtype": ("auto", "bf16", "fp32"),
+    "engine.activation_offload": ("none", "cpu"),
+    "engine.states_dtype": ("fp32",),
+    "export_dtype": ("auto", "bf16", "fp16", "fp32"),
+}
+
+
+def _build(cls, values: dict[str, Any], prefix: str = ""):
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {values!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            near = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {prefix}{near[0]}?" if near else f"; valid keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown config key {prefix}{key!r}{hint}")
+        kwargs[key] = _coerce(hints[key], value, prefix + key)
+    return cls(**kwargs)
+
+
+def _coerce(kind, value, key: str):
+    if dataclasses.is_dataclass(kind):
+        return _build(kind, value or {}, key + ".")
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(inner, value, key)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key} must be a list of {len(args)} numbers, got {value!r}")
+        return tuple(_coerce(a, v, key) for a, v in zip(args, value))
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if kind in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise ConfigError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+        return kind(value)
+    if kind is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    for key, allowed in CHOICES.items():
+        value = get_key(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got {value!r}")
+    positive = ["seq_len", "micro_batch_size", "grad_accum", "steps", "engine.window", "checkpoint.keep",
+                "log_every"]
+    for key in positive:
+        if get_key(cfg, key) < 1:
+            raise ConfigError(f"{key} must be at least 1, got {get_key(cfg, key)}")
+    if cfg.optimizer.lr <= 0:
+        raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
+    if not all(0 <= b < 1 for b in cfg.optimizer.betas):
+        raise ConfigError(f"optimizer.betas must be in [0, 1), got {cfg.optimizer.betas}")
+    if cfg.max_grad_norm is not None and cfg.max_grad_norm <= 0:
+        raise ConfigError("max_grad_norm must be positive, or null to disable clipping")
+    if cfg.epochs is not None and cfg.epochs <= 0:
+        raise ConfigError(f"epochs must be positive, got {cfg.epochs}")
+    if cfg.engine.optimizer_offload.nvme_fraction != 0.0:
+        raise ConfigError("engine.optimizer_offload.nvme_fraction > 0 is not implemented yet; keep it 0 (host RAM)")
+    if cfg.engine.gpu_memory_limit_gb is not None and cfg.engine.gpu_memory_limit_gb <= 0:
+        raise ConfigError("engine.gpu_memory_limit_gb must be positive, or null for no cap")
+    if cfg.eval_every and cfg.data.eval_fraction <= 0:
+        raise ConfigError("eval_every needs a validation split: set data.eval_fraction (e.g. 0.05)")
+    return cfg
+
+
+def get_key(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def parse_override(arg: str) -> tuple[str, Any]:
+    """`--a.b=value` -> ("a.b", value), the value read as YAML (so 3, 1e-4, true, null, [0.9, 0.95] work)."""
+    body = arg.removeprefix("--")
+    if "=" not in body:
+        raise ConfigError(f"override {arg!r} must look like --key.sub=value")
+    key, raw = body.split("=", 1)
+    try:
+        return key, yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"cannot read the value of {arg!r}: {e}") from e
+
+
+def load_config(path: str | pathlib.Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = pathlib.Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from e
+    for arg in overrides:
+        key, value = parse_override(arg)
+        node = values
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {arg!r}: {part} is not a section")
+        node[last] = value
+    return validate(_build(TrainConfig, values))
+
+
+def to_dict(cfg) -> dict[str, Any]:
+    out = dataclasses.asdict(cfg)
+    return _plain(out)
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def describe_keys(cls=TrainConfig, prefix: str = "") -> list[tuple[str, str]]:
+    """Every config key with its default, for `--help`."""
+    rows = []
+    default = cls()
+    for f in dataclasses.fields(cls):
+        value = getattr(default, f.name)
+        if dataclasses.is_dataclass(value):
+            rows += describe_keys(type(value), prefix + f.name + ".")
+        else:
+            rows.append((prefix + f.name, repr(value)))
+    return rows

@@ -1,0 +1,90 @@
+"""Export: an HF model directory (config.json, safetensors shards, tokenizer files) that
+`transformers.AutoModelForCausalLM.from_pretrained` loads."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pathlib
+
+import torch
+from safetensors.torch import save_file
+
+from .models.adapter import block_hf_name, edge_hf_name
+
+SHARD_BYTES = 5 * 2**30
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def hf_tensors(masters: dict[str, dict[str, torch.Tensor]]):
+    """Yield (HF name, fp32 master view) in checkpoint order: embedding, layers, final norm, lm head."""
+    edges = masters["edges"]
+    for name, t in edges.items():
+        if name.startswith("embed_tokens."):
+            yield edge_hf_name(name), t
+    blocks = sorted((k for k in masters if k.startswith("block.")), key=lambda k: int(k.split(".")[1]))
+    for key in blocks:
+        index = int(key.split(".")[1])
+        for name, t in masters[key].items():
+            yield block_hf_name(index, name), t
+    for name, t in edges.items():
+        if not name.startswith("embed_tokens."):
+            yield edge_hf_name(name), t
+
+
+def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype: torch.dtype) -> pathlib.Path:
+    """Write the model in HF layout, one shard at a time (at most SHARD_BYTES of tensors in memory)."""
+    out = pathlib.Path(directory)
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    weight_map = {}
+    names = []
+
+    def flush():
+        index = len(names) + 1
+        name = f"model-{index:05d}.safetensors"
+        save_file(shards[-1], str(tmp / name), metadata={"format": "pt"})
+        for key in shards[-1]:
+            weight_map[key] = name
+        names.append(name)
+        shards[-1] = {}
+
+    for hf_name, tensor in hf_tensors(masters):
+        nbytes = tensor.numel() * torch.empty((), dtype=dtype).element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            flush()
+            size = 0
+        shards[-1][hf_name] = tensor.to(dtype).contiguous()
+        size += nbytes
+    flush()
+    if len(names) == 1:
+        (tmp / names[0]).rename(tmp / "model.safetensors")
+    else:
+        total = sum(t.numel() * torch.empty((), dtype=dtype).element_size() for _, t in hf_tensors(masters))
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    cfg = copy.deepcopy(hf_config)
+    cfg.torch_dtype = dtype  # transformers 5 maps this onto `dtype`
+    cfg.architectures = [type_name(cfg)]
+    cfg.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if out.exists():
+        _remove_tree(out)
+    tmp.rename(out)
+    return out
+
+
+def _remove_tree(path: pathlib.Path) -> None:
+    for child in path.iterdir():
+        child.unlink() if child.is_file() else _remove_tree(child)
+    path.rmdir()
+
+
+def type_name(hf_config) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]

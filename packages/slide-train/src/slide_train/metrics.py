@@ -1,0 +1,76 @@
+"""What a run reports: metrics.jsonl (one JSON object per optimizer step), TensorBoard scalars, a loss plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import resource
+
+import torch
+
+
+def host_rss_gib() -> float:
+    """Resident set size of this process now (falls back to the peak where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def gpu_peak_gib(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+class MetricsLog:
+    def __init__(self, run_dir: pathlib.Path, tensorboard: bool = True):
+        self.path = run_dir / "metrics.jsonl"
+        self._file = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_loss(metrics_path: pathlib.Path, out: pathlib.Path) -> pathlib.Path | None:
+    rows = read_metrics(metrics_path)
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = [r for r in rows if "loss" in r]
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+    evals = [r for r in rows if "eval_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="validation loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

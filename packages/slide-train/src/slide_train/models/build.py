@@ -1,0 +1,72 @@
+"""From the config's `model` key to what the engine needs: the HF config, a weight source and a tokenizer."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+from ..data import builtin_tokenizer
+from ..errors import ConfigError, ModelError
+from .adapter import HFStack, check_supported
+from .presets import PRESETS, preset_config
+from .random_init import RandomWeights
+from .weights import SafetensorsWeights
+
+
+@dataclass
+class ModelBundle:
+    name: str
+    hf_config: transformers.PretrainedConfig
+    weights: object
+    tokenizer: object | None
+    dtype: torch.dtype  # the dtype the weights came in (the default export dtype)
+
+    def stack(self) -> HFStack:
+        return HFStack(self.hf_config, self.weights)
+
+
+def load_model(name: str, seed: int = 0, need_tokenizer: bool = True) -> ModelBundle:
+    if name in PRESETS:
+        tokenizer = builtin_tokenizer() if name.startswith("tiny-") else None
+        vocab = -(-len(tokenizer) // 64) * 64 if tokenizer is not None else None
+        config = preset_config(name, vocab)
+        return ModelBundle(name, config, RandomWeights(config, seed), tokenizer, torch.float32)
+    path = pathlib.Path(name).expanduser()
+    if not path.exists():
+        raise ModelError(f"model {name!r} is neither a built-in preset ({', '.join(PRESETS)}) nor an existing "
+                         "directory; give the path of a local HF model directory")
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path} has no config.json: is it a Hugging Face model directory?")
+    try:
+        json.loads((path / "config.json").read_text())
+        config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot read {path / 'config.json'}: {e}") from e
+    check_supported(config)
+    weights = SafetensorsWeights(path)
+    tokenizer = None
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        if need_tokenizer:
+            raise ModelError(f"cannot load the tokenizer of {path}: {e}. Put the tokenizer files next to the "
+                             "weights, or use data.format=tokens with pre-tokenized data") from e
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return ModelBundle(str(path), config, weights, tokenizer, dtype)
+
+
+def check_fits(bundle: ModelBundle, seq_len: int) -> None:
+    limit = getattr(bundle.hf_config, "max_position_embeddings", None)
+    if limit is not None and seq_len > limit:
+        raise ConfigError(f"seq_len={seq_len} is larger than the model's max_position_embeddings={limit}; "
+                          f"use seq_len <= {limit}")
+    tok = bundle.tokenizer
+    if tok is not None and len(tok) > bundle.hf_config.vocab_size:
+        raise ModelError(f"the tokenizer has {len(tok)} tokens but the model's vocab_size is "
+                         f"{bundle.hf_config.vocab_size}: they do not belong together")

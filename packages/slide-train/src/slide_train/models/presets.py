@@ -1,0 +1,36 @@
+"""Built-in model shapes: random-initialized from a transformers config, so nothing is downloaded.
+
+`tiny-*` are for the quick start and tests (byte-level tokenizer). The public shapes (`llama-3.2-1b`, ...) are for
+benchmarks; their dimensions are the published configs' dimensions.
+"""
+
+from __future__ import annotations
+
+import transformers
+
+_TINY = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5)
+
+PRESETS: dict[str, dict] = {
+    "tiny-llama": dict(model_type="llama", **_TINY),
+    "tiny-qwen2": dict(model_type="qwen2", tie_word_embeddings=True, **_TINY),
+    "tiny-qwen3": dict(model_type="qwen3", head_dim=32, **_TINY),
+    "tiny-mistral": dict(model_type="mistral", sliding_window=None, **_TINY),
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                         max_position_embeddings=131072, tie_word_embeddings=True, rms_norm_eps=1e-5),
+    "llama-3.2-3b": dict(model_type="llama", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                         max_position_embeddings=131072, tie_word_embeddings=True, rms_norm_eps=1e-5),
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                         max_position_embeddings=131072, tie_word_embeddings=False, rms_norm_eps=1e-5),
+}
+
+
+def preset_config(name: str, vocab_size: int | None = None) -> transformers.PretrainedConfig:
+    spec = dict(PRESETS[name])
+    model_type = spec.pop("model_type")
+    if vocab_size is not None and "vocab_size" not in spec:
+        spec["vocab_size"] = vocab_size
+    return transformers.AutoConfig.for_model(model_type, **spec)

@@ -1,0 +1,167 @@
+"""The trainer: a model bundle, a data pipeline and an engine, built from one `TrainConfig` and stepped.
+
+    trainer = Trainer(load_config(overrides=["--steps=10"]))
+    for _ in range(3):
+        print(trainer.step())        # one optimizer step -> its metrics
+    trainer.fit()                    # the rest of the run, with progress, checkpoints and export
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import time
+
+import torch
+import yaml
+from slide_memory import AdamWConfig
+from slide_scheduler import EngineConfig, SlidingEngine
+
+from .config import TrainConfig, to_dict
+from .data import build_data
+from .errors import ConfigError
+from .export import DTYPES, export_hf
+from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss
+from .models.build import check_fits, load_model
+from .schedule import lr_at
+
+
+def build_engine(cfg: TrainConfig, stack) -> SlidingEngine:
+    e = cfg.engine
+    opt = cfg.optimizer
+    engine_cfg = EngineConfig(
+        device=e.device, compute_dtype=e.compute_dtype, window=e.window, activation_offload=e.activation_offload,
+        max_grad_norm=cfg.max_grad_norm,
+        optimizer=AdamWConfig(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay),
+    )
+    device = engine_cfg.resolve_device()
+    if e.gpu_memory_limit_gb is not None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        fraction = e.gpu_memory_limit_gb * 2**30 / total
+        if fraction > 1:
+            raise ConfigError(f"engine.gpu_memory_limit_gb={e.gpu_memory_limit_gb} is more than the "
+                              f"{total / 2**30:.1f} GiB this GPU has")
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return SlidingEngine(stack, engine_cfg)
+
+
+def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Loader micro-batch -> engine micro-batch: next-token targets, no target across a document boundary."""
+    labels, docs = batch["labels"], batch["document_ids"]
+    targets = torch.full_like(labels, -100)
+    same_doc = docs[:, 1:] == docs[:, :-1]
+    targets[:, :-1] = torch.where(same_doc, labels[:, 1:], -100)
+    out = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "targets": targets}
+    # Rows holding one document and no padding need no explicit mask: plain causal attention is exact.
+    if bool((docs != docs[:, :1]).any()):
+        out["document_ids"] = docs
+    return out
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, progress: bool = True):
+        self.cfg = cfg
+        self.progress = progress
+        torch.manual_seed(cfg.seed)
+        self.model = load_model(cfg.model, cfg.seed, need_tokenizer=cfg.data.format != "tokens")
+        check_fits(self.model, cfg.seq_len)
+        self.data = build_data(cfg.data, self.model.tokenizer, cfg.seq_len, cfg.micro_batch_size, cfg.seed)
+        self.engine = build_engine(cfg, self.model.stack())
+        self.num_params = sum(u.layout.numel for u in self.engine.units)
+        rows = self.data.train.rows_per_epoch
+        per_step = cfg.micro_batch_size * cfg.grad_accum
+        self.total_steps = math.ceil(cfg.epochs * rows / per_step) if cfg.epochs else cfg.steps
+        self.step_index = 0
+        self.run_dir = pathlib.Path(cfg.output_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        self.log = MetricsLog(self.run_dir)
+
+    # -- stepping -----------------------------------------------------------------------------------------------
+
+    def step(self) -> dict:
+        cfg = self.cfg
+        batches = [self.data.train.next_micro_batch() for _ in range(cfg.grad_accum)]
+        micro = [prepare(b) for b in batches]
+        targets = sum(int((m["targets"] != -100).sum()) for m in micro)
+        tokens = sum(int((b["document_ids"] >= 0).sum()) for b in batches)
+        s = cfg.schedule
+        lr = lr_at(self.step_index, self.total_steps, cfg.optimizer.lr, s.warmup_steps, s.decay, s.min_lr_ratio)
+        stats = self.engine.step(micro, lr=lr, normalizer=max(targets, 1))
+        self.step_index += 1
+        record = {
+            "step": self.step_index,
+            "loss": stats.loss,
+            "lr": lr,
+            "grad_norm": stats.grad_norm,
+            "tokens": tokens,
+            "target_tokens": targets,
+            "step_s": stats.seconds,
+            "tokens_per_s": tokens / stats.seconds,
+            # Model FLOPs only (6 per parameter per token), as peers and papers count them: no recompute.
+            "tflops": 6 * self.num_params * tokens / stats.seconds / 1e12,
+            "gpu_peak_gib": gpu_peak_gib(self.engine.device),
+            "host_rss_gib": host_rss_gib(),
+            "epoch": self.data.train.epoch,
+            **{f"{k}_s": v for k, v in stats.phases.items()},
+        }
+        self.log.write(record)
+        return record
+
+    def evaluate(self) -> dict:
+        """Validation loss (mean over label tokens) and perplexity on the held-out micro-batches."""
+        micro = [prepare(b) for b in self.data.eval]
+        targets = sum(int((m["targets"] != -100).sum()) for m in micro)
+        loss = self.engine.evaluate(micro, normalizer=max(targets, 1))
+        record = {"step": self.step_index, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+        self.log.write(record)
+        return record
+
+    # -- the whole run --------------------------------------------------------------------------------------------
+
+    def plan(self) -> str:
+        cfg, e = self.cfg, self.engine
+        tokens = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len
+        return (f"model: {self.model.name} ({self.model.hf_config.model_type}, {self.num_params / 1e6:.1f}M "
+                f"params, {e.num_blocks} blocks)\n{self.data.summary()}\n"
+                f"steps: {self.total_steps} x {cfg.grad_accum} micro-batches of {cfg.micro_batch_size} x "
+                f"{cfg.seq_len} = {tokens} tokens per step\n"
+                f"engine: {e.device} {str(e.dtype).removeprefix('torch.')} compute, window of {len(e.slots)} "
+                f"slots, activations on {'host' if e.activations.offload else 'device'}\n"
+                f"run dir: {self.run_dir}")
+
+    def fit(self) -> dict | None:
+        from tqdm.auto import tqdm
+
+        cfg = self.cfg
+        print(self.plan(), flush=True)
+        last = None
+        bar = tqdm(total=self.total_steps, initial=self.step_index, disable=not self.progress, unit="step",
+                   dynamic_ncols=True)
+        start = time.perf_counter()
+        while self.step_index < self.total_steps:
+            last = self.step()
+            bar.update(1)
+            bar.set_postfix_str(f"loss {last['loss']:.3f} | {last['tokens_per_s']:,.0f} tok/s | "
+                                f"{last['tflops']:.2f} TFLOP/s | gpu {last['gpu_peak_gib']:.1f} GiB | "
+                                f"host {last['host_rss_gib']:.1f} GiB")
+            if cfg.eval_every and self.step_index % cfg.eval_every == 0:
+                ev = self.evaluate()
+                bar.write(f"step {self.step_index}: validation loss {ev['eval_loss']:.4f} "
+                          f"(ppl {ev['eval_ppl']:.2f})")
+        bar.close()
+        if self.data.eval is not None and (not cfg.eval_every or self.step_index % cfg.eval_every):
+            self.evaluate()
+        self.log.close()
+        plot_loss(self.log.path, self.run_dir / "loss.png")
+        print(f"done: {self.step_index} steps in {time.perf_counter() - start:.1f}s; "
+              f"metrics in {self.log.path}", flush=True)
+        if cfg.export:
+            out = self.export()
+            print(f"exported to {out}", flush=True)
+        return last
+
+    def export(self, directory: str | pathlib.Path | None = None) -> pathlib.Path:
+        dtype = self.model.dtype if self.cfg.export_dtype == "auto" else DTYPES[self.cfg.export_dtype]
+        directory = directory or self.run_dir / "export"
+        return export_hf(directory, self.model.hf_config, self.engine.named_masters(), self.model.tokenizer, dtype)
