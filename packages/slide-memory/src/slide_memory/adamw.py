@@ -39,9 +39,12 @@ class HostAdamW:
         self.masters = masters
         self.config = config
         fused = _fused_cpu_supported()
+        # torch's fused CPU kernel when this build has it, else the single-tensor loop (one flat tensor per unit
+        # leaves nothing for foreach to batch).
+        kind = {"fused": True} if fused else {"foreach": False}
         self._opts = [
             torch.optim.AdamW([m], lr=config.lr, betas=config.betas, eps=config.eps,
-                              weight_decay=config.weight_decay, fused=fused or None, foreach=False if not fused else None)
+                              weight_decay=config.weight_decay, **kind)
             for m in masters
         ]
 

@@ -7,6 +7,7 @@ the device or on the host ("cpu" tier) so that device memory does not grow with 
 from __future__ import annotations
 
 import torch
+
 from slide_memory import host_empty
 
 
@@ -14,7 +15,7 @@ class ActivationStore:
     def __init__(self, tier: str, device: torch.device):
         if tier not in ("none", "cpu"):
             raise ValueError(f"activation tier must be 'none' (keep on device) or 'cpu', got {tier!r}")
-        self.offload = tier == "cpu" and device.type != "cpu"
+        self.offload = tier == "cpu"  # on a CPU device this still copies, so CI exercises the same path
         self.device = device
         self._saved: dict[tuple[int, int], torch.Tensor] = {}
 

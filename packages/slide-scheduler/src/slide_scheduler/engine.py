@@ -21,8 +21,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from slide_memory import AdamWConfig, FlatLayout, HostAdamW, SlotQueue, host_empty, host_zeros
 from torch import nn
+
+from slide_memory import AdamWConfig, FlatLayout, HostAdamW, SlotQueue, host_empty, host_zeros
 
 from .activations import ActivationStore
 from .stack import Batch, Stack
@@ -119,13 +120,12 @@ class SlidingEngine:
             unit.refresh()
         self.edge_params.copy_(self.units[0].compute)
 
+    def unit_names(self) -> list[str]:
+        return ["edges"] + [f"block.{i}" for i in range(self.num_blocks)]
+
     def named_masters(self) -> dict[str, dict[str, torch.Tensor]]:
         """Unit name ('edges', 'block.<i>') -> parameter name -> fp32 master view."""
-        out = {"edges": self.units[0].layout.views(self.units[0].master)}
-        for i in range(self.num_blocks):
-            unit = self.units[i + 1]
-            out[f"block.{i}"] = unit.layout.views(unit.master)
-        return out
+        return {name: u.layout.views(u.master) for name, u in zip(self.unit_names(), self.units)}
 
     def _load(self, block: int):
         slot = self.slots.next()

@@ -92,11 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     except SlideError as e:
         print(f"slide-train: error: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:  # the data pipeline's DataError and other validation errors carry their own message
-        if type(e).__name__ == "DataError":
-            print(f"slide-train: error: {e}", file=sys.stderr)
-            return 2
-        raise
 
 
 if __name__ == "__main__":

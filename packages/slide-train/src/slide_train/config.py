@@ -3,6 +3,7 @@ front so that a typo fails in the first second, not after an hour of training.""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import pathlib
@@ -71,7 +72,7 @@ class TrainConfig:
     output_dir: str = "runs/default"
     engine: EngineSection = field(default_factory=EngineSection)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    resume: str | None = None  # auto | PATH of a checkpoint
+    resume: str | None = None  # auto (newest good checkpoint in output_dir, if any) | PATH of a checkpoint
     eval_every: int = 0
     log_every: int = 1
     export: bool = True  # write an HF model directory to output_dir/export at the end
@@ -121,6 +122,9 @@ def _coerce(kind, value, key: str):
             return value
         raise ConfigError(f"{key} must be true or false, got {value!r}")
     if kind in (int, float):
+        if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
+            with contextlib.suppress(ValueError):
+                value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
             raise ConfigError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
         return kind(value)

@@ -67,7 +67,8 @@ def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype
         (tmp / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     cfg = copy.deepcopy(hf_config)
-    cfg.torch_dtype = dtype  # transformers 5 maps this onto `dtype`
+    # transformers 5 calls it `dtype`, 4.x `torch_dtype`
+    setattr(cfg, "dtype" if "dtype" in cfg.to_dict() else "torch_dtype", dtype)
     cfg.architectures = [type_name(cfg)]
     cfg.save_pretrained(tmp)
     if tokenizer is not None:

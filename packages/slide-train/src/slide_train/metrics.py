@@ -26,7 +26,7 @@ def gpu_peak_gib(device: torch.device) -> float:
 class MetricsLog:
     def __init__(self, run_dir: pathlib.Path, tensorboard: bool = True):
         self.path = run_dir / "metrics.jsonl"
-        self._file = open(self.path, "a")
+        self._file = open(self.path, "a")  # noqa: SIM115 - stays open for the run, closed by close()
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

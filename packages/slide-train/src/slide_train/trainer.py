@@ -8,20 +8,24 @@
 
 from __future__ import annotations
 
+import json
 import math
 import pathlib
+import signal
 import time
 
 import torch
 import yaml
+
 from slide_memory import AdamWConfig
 from slide_scheduler import EngineConfig, SlidingEngine
 
+from . import checkpoint as ckpt
 from .config import TrainConfig, to_dict
 from .data import build_data
 from .errors import ConfigError
 from .export import DTYPES, export_hf
-from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss
+from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics
 from .models.build import check_fits, load_model
 from .schedule import lr_at
 
@@ -75,7 +79,40 @@ class Trainer:
         self.run_dir = pathlib.Path(cfg.output_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        self.checkpoints = self.run_dir / "checkpoints"
+        self.resumed_from = self._resume() if cfg.resume else None
         self.log = MetricsLog(self.run_dir)
+        self._stop_signal: int | None = None
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+
+    def _resume(self) -> pathlib.Path | None:
+        if self.cfg.resume == "auto":
+            path = ckpt.find_resumable(self.checkpoints)
+            if path is None:
+                return None  # nothing saved yet: a fresh start
+        else:
+            path = pathlib.Path(self.cfg.resume)
+            if not path.is_dir():
+                raise ckpt.CheckpointError(f"resume: checkpoint {path} does not exist")
+        state = ckpt.load_checkpoint(path, self.engine)
+        self.step_index = state["step"]
+        self.data.train.load_state_dict(state["data"])
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.is_file():  # drop records of steps after the checkpoint: they will be redone
+            kept = [r for r in read_metrics(metrics) if r["step"] <= self.step_index]
+            metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        return path
+
+    def save_checkpoint(self) -> pathlib.Path:
+        state = {"step": self.step_index, "total_steps": self.total_steps, "data": self.data.train.state_dict(),
+                 "config": to_dict(self.cfg)}
+        path = ckpt.save_checkpoint(self.checkpoints, self.step_index, self.engine, state)
+        ckpt.prune(self.checkpoints, self.cfg.checkpoint.keep)
+        return path
+
+    def _on_signal(self, signum, frame) -> None:
+        self._stop_signal = signum  # finish the step in flight, then checkpoint and stop
 
     # -- stepping -----------------------------------------------------------------------------------------------
 
@@ -131,10 +168,20 @@ class Trainer:
                 f"run dir: {self.run_dir}")
 
     def fit(self) -> dict | None:
+        print(self.plan(), flush=True)
+        if self.resumed_from is not None:
+            print(f"resumed from {self.resumed_from} at step {self.step_index}", flush=True)
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._loop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _loop(self) -> dict | None:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
-        print(self.plan(), flush=True)
         last = None
         bar = tqdm(total=self.total_steps, initial=self.step_index, disable=not self.progress, unit="step",
                    dynamic_ncols=True)
@@ -149,7 +196,19 @@ class Trainer:
                 ev = self.evaluate()
                 bar.write(f"step {self.step_index}: validation loss {ev['eval_loss']:.4f} "
                           f"(ppl {ev['eval_ppl']:.2f})")
+            every = cfg.checkpoint.every
+            if self._stop_signal is not None or (every and self.step_index % every == 0):
+                path = self.save_checkpoint()
+                if self._stop_signal is not None:
+                    bar.close()
+                    self.log.close()
+                    name = signal.Signals(self._stop_signal).name
+                    print(f"{name}: stopped after step {self.step_index}; checkpoint {path} "
+                          "(continue with --resume=auto)", flush=True)
+                    raise SystemExit(128 + self._stop_signal)
         bar.close()
+        if not (cfg.checkpoint.every and self.step_index % cfg.checkpoint.every == 0):
+            self.save_checkpoint()
         if self.data.eval is not None and (not cfg.eval_every or self.step_index % cfg.eval_every):
             self.evaluate()
         self.log.close()

@@ -1,0 +1,182 @@
+"""Checkpoints that resume exactly: fp32 masters, AdamW states, step, data position and RNG states.
+
+Layout of `RUN_DIR/checkpoints/step-<N>/`: one safetensors file per unit (`edges`, `block-000`, ...) holding its
+master and optimizer state, `trainer.json` (step, data position, config), `rng.safetensors`, and
+`manifest.json` with the size and SHA-256 of every other file. A checkpoint is written under a temporary name,
+fsynced and renamed, so a crash never leaves a half-written `step-<N>`; the manifest catches later damage.
+Nothing here is pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import warnings
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .errors import CheckpointError
+
+MANIFEST = "manifest.json"
+
+
+def unit_file(name: str) -> str:
+    return "edges.safetensors" if name == "edges" else f"block-{int(name.split('.')[1]):03d}.safetensors"
+
+
+def _sha256(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(root: pathlib.Path, step: int, engine, trainer_state: dict) -> pathlib.Path:
+    final = root / f"step-{step}"
+    tmp = root / f".step-{step}.partial"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    for index, name in enumerate(engine.unit_names()):
+        tensors = {"master": engine.units[index].master}
+        tensors.update({f"adamw.{k}": v for k, v in engine.optimizer.state_tensors(index).items()})
+        save_file(tensors, str(tmp / unit_file(name)))
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(rng, str(tmp / "rng.safetensors"))
+    (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=2))
+    files = sorted(p for p in tmp.iterdir() if p.is_file())
+    manifest = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=2))
+    for p in [*files, tmp / MANIFEST]:
+        _fsync(p)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _fsync(root)
+    return final
+
+
+def verify(path: pathlib.Path) -> dict:
+    """The manifest of a checkpoint, after checking every file's size and checksum; CheckpointError if not."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"checkpoint {path} has no {MANIFEST}: it is incomplete or not a checkpoint")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"{manifest_path} is corrupt ({e})") from e
+    for name, meta in files.items():
+        p = path / name
+        if not p.is_file():
+            raise CheckpointError(f"checkpoint {path} is missing {name}")
+        if p.stat().st_size != meta["bytes"]:
+            raise CheckpointError(f"{p} has {p.stat().st_size} bytes, the manifest says {meta['bytes']}: "
+                                  "the file is truncated or was changed")
+        if _sha256(p) != meta["sha256"]:
+            raise CheckpointError(f"{p} does not match its checksum in the manifest: the file is corrupt")
+    return manifest
+
+
+def list_checkpoints(root: pathlib.Path) -> list[pathlib.Path]:
+    """Finished checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def find_resumable(root: pathlib.Path) -> pathlib.Path | None:
+    """The newest checkpoint that verifies; damaged newer ones are reported and skipped."""
+    for path in reversed(list_checkpoints(root)):
+        try:
+            verify(path)
+            return path
+        except CheckpointError as e:
+            warnings.warn(f"skipping damaged checkpoint: {e}; falling back to the previous one", stacklevel=2)
+    return None
+
+
+def load_checkpoint(path: pathlib.Path, engine) -> dict:
+    """Restore masters and optimizer states into `engine` (after verifying); returns trainer.json."""
+    verify(path)
+    for index, name in enumerate(engine.unit_names()):
+        try:
+            tensors = load_file(str(path / unit_file(name)))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read {path / unit_file(name)}: {e}") from e
+        master = tensors.pop("master")
+        if master.shape != engine.units[index].master.shape:
+            raise CheckpointError(f"{path / unit_file(name)} holds {master.numel()} parameters, the model has "
+                                  f"{engine.units[index].master.numel()}: the checkpoint is from another model")
+        engine.units[index].master.copy_(master)
+        engine.optimizer.load_state_tensors(index, {k.removeprefix("adamw."): v for k, v in tensors.items()})
+    engine.refresh()
+    rng = load_file(str(path / "rng.safetensors"))
+    torch.set_rng_state(rng["torch"])
+    cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda."))]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    return json.loads((path / "trainer.json").read_text())
+
+
+def prune(root: pathlib.Path, keep: int) -> None:
+    for path in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(path)
+
+
+def read_masters(path: pathlib.Path, layouts: dict[str, object]) -> dict[str, dict[str, torch.Tensor]]:
+    """Unit name -> parameter name -> fp32 tensor, read from a verified checkpoint (for export)."""
+    verify(path)
+    out = {}
+    for name, layout in layouts.items():
+        master = load_file(str(path / unit_file(name)))["master"]
+        out[name] = layout.views(master)
+    return out
+
+
+def export_run(run_dir: str | os.PathLike, step: int | None = None, out: str | None = None) -> pathlib.Path:
+    """Export a run's checkpoint (the newest, or `step`) as an HF model directory."""
+    from slide_memory import FlatLayout
+
+    from .config import load_config
+    from .export import DTYPES, export_hf
+    from .models.build import load_model
+
+    run = pathlib.Path(run_dir)
+    if not (run / "config.yaml").is_file():
+        raise CheckpointError(f"{run} is not a run directory (no config.yaml)")
+    cfg = load_config(run / "config.yaml")
+    root = run / "checkpoints"
+    if step is None:
+        path = find_resumable(root)
+        if path is None:
+            raise CheckpointError(f"{root} holds no usable checkpoint to export")
+    else:
+        path = root / f"step-{step}"
+        if not path.is_dir():
+            have = ", ".join(p.name for p in list_checkpoints(root)) or "none"
+            raise CheckpointError(f"no checkpoint for step {step} in {root} (have: {have})")
+    model = load_model(cfg.model, cfg.seed, need_tokenizer=False)
+    stack = model.stack()
+    block = FlatLayout(stack.make_block())
+    layouts = {"edges": FlatLayout(stack.make_edges())}
+    layouts.update({f"block.{i}": block for i in range(stack.num_blocks)})
+    dtype = model.dtype if cfg.export_dtype == "auto" else DTYPES[cfg.export_dtype]
+    return export_hf(out or run / "export", model.hf_config, read_masters(path, layouts), model.tokenizer, dtype)

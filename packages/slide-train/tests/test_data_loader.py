@@ -1,0 +1,119 @@
+"""The training stream: deterministic by seed, reshuffled per epoch, exactly resumable; the eval split."""
+
+import json
+
+import pytest
+import torch
+
+from slide_train.data import DataConfig, DataError, build_data, builtin_corpus_path, builtin_tokenizer
+
+
+def make_corpus(tmp_path, n=40):
+    path = tmp_path / "c.txt"
+    path.write_text("\n\n".join(f"document {i}: " + "x" * (i % 7) for i in range(n)) + "\n")
+    return str(path)
+
+
+def build(path, seed=0, seq_len=32, mbs=2, **kw):
+    return build_data(DataConfig(path=path, **kw), builtin_tokenizer(), seq_len, mbs, seed)
+
+
+def take(loader, n):
+    return [loader.next_micro_batch() for _ in range(n)]
+
+
+def same(a, b):
+    return len(a) == len(b) and all(all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+
+
+def test_same_seed_same_stream_other_seed_other_stream(tmp_path):
+    path = make_corpus(tmp_path)
+    n = 3 * build(path).train.rows_per_epoch // 2  # crosses at least one epoch boundary
+    assert same(take(build(path).train, n), take(build(path).train, n))
+    assert not same(take(build(path).train, n), take(build(path, seed=1).train, n))
+
+
+def test_each_epoch_has_every_token_once_in_a_new_order(tmp_path):
+    path = make_corpus(tmp_path)
+    loader = build(path, mbs=1).train
+    docs = {i: f"document {i}: " + "x" * (i % 7) for i in range(40)}
+    tok = builtin_tokenizer()
+
+    def epoch_text():
+        rows = [loader.next_micro_batch() for _ in range(loader.rows_per_epoch)]
+        return "".join(tok.decode(r["input_ids"][0][r["document_ids"][0] >= 0]) for r in rows)
+
+    e0, e1 = epoch_text(), epoch_text()
+    assert loader.epoch == 2
+    for text in (e0, e1):
+        assert text.count("<bos>") == text.count("<eos>") == 40
+        assert sorted(text.replace("<bos>", "").split("<eos>")[:-1]) == sorted(docs.values())
+    assert e0 != e1  # reshuffled
+
+
+def test_no_shuffle_keeps_file_order(tmp_path):
+    path = make_corpus(tmp_path, n=3)
+    batch = build(path, seq_len=64, mbs=1, shuffle=False).train.next_micro_batch()
+    text = builtin_tokenizer().decode(batch["input_ids"][0][batch["document_ids"][0] >= 0])
+    assert text == "<bos>document 0: <eos><bos>document 1: x<eos><bos>document 2: xx<eos>"
+
+
+@pytest.mark.parametrize("stop", [0, 1, 7, 8, 15, 16])
+def test_resume_gives_the_same_micro_batches(tmp_path, stop):
+    path = make_corpus(tmp_path)
+    first = build(path, mbs=3).train
+    # 23 rows an epoch, 3 a micro-batch: micro-batches 7 and 15 straddle the ends of epochs 0 and 1
+    assert first.rows_per_epoch == 23
+    take(first, stop)
+    state = json.loads(json.dumps(first.state_dict()))  # it must survive a JSON file
+    expected = take(first, 10)
+    resumed = build(path, mbs=3).train
+    resumed.load_state_dict(state)
+    assert resumed.epoch == state["epoch"]
+    assert same(take(resumed, 10), expected)
+
+
+def test_resume_refuses_a_different_dataset_or_seed(tmp_path):
+    path = make_corpus(tmp_path)
+    state = build(path).train.state_dict()
+    with pytest.raises(DataError, match="dataset, tokenizer, seq_len or seed differ"):
+        build(path, seed=5).train.load_state_dict(state)
+    with pytest.raises(DataError, match="dataset, tokenizer, seq_len or seed differ"):
+        build(make_corpus(tmp_path, n=41)).train.load_state_dict(state)
+
+
+def test_eval_split_is_held_out_and_fixed(tmp_path):
+    path = make_corpus(tmp_path)
+    data = build(path, eval_fraction=0.25, eval_batches=2, seq_len=16, mbs=2)
+    assert data.stats["eval_examples"] == 10 and data.stats["train_examples"] == 30
+    assert len(data.eval) == 2 and all(b["input_ids"].shape == (2, 16) for b in data.eval)
+    tok = builtin_tokenizer()
+    # no held-out document appears in a training epoch
+    train_text = "".join(
+        tok.decode(b["input_ids"][r]) for b in take(data.train, data.train.rows_per_epoch) for r in range(2)
+    )
+    eval_docs = {
+        doc for b in data.eval for r in range(2) for doc in tok.decode(b["input_ids"][r]).split("<bos>")[1:]
+    }
+    eval_docs = {d.split("<eos>")[0] for d in eval_docs if "<eos>" in d}
+    assert eval_docs and not any(f"<bos>{d}<eos>" in train_text for d in eval_docs)
+    again = build(path, eval_fraction=0.25, eval_batches=2, seq_len=16, mbs=2)
+    assert same(data.eval, again.eval)
+
+
+def test_eval_batches_padded_to_full_shape(tmp_path):
+    path = make_corpus(tmp_path, n=10)
+    data = build(path, eval_fraction=0.1, seq_len=64, mbs=4)  # one held-out document: one row of four
+    [batch] = data.eval
+    assert batch["input_ids"].shape == (4, 64)
+    assert (batch["document_ids"][1:] == -1).all() and (batch["labels"][1:] == -100).all()
+
+
+def test_builtin_corpus_default(tmp_path):
+    data = build_data(DataConfig(), builtin_tokenizer(), 128, 4, 0)
+    assert data.stats["source"] == str(builtin_corpus_path())
+    assert data.train.rows_per_epoch > 1000
+    assert data.eval is None
+    batch = data.train.next_micro_batch()
+    assert (batch["document_ids"] >= 0).all()  # text fills every row: no padding
+    assert "train examples" in data.summary()
