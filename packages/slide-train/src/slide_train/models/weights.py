@@ -38,7 +38,7 @@ class SafetensorsWeights:
                 raise ModelError(f"no *.safetensors weights in {self.dir}.{hint}")
             self.files = {}
             for shard in shards:
-                for name in self._open(shard).keys()  # noqa: SIM118 - a safetensors handle, not a dict:
+                for name in self._open(shard).keys():  # noqa: SIM118 - a safetensors handle, not a dict
                     self.files[name] = shard
 
     def _open(self, path: pathlib.Path):
