@@ -99,7 +99,7 @@ def _build(cls, values: dict[str, Any], prefix: str = ""):
         if key not in fields:
             near = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {prefix}{near[0]}?" if near else f"; valid keys: {', '.join(fields)}"
-            raise ConfigError(f"unknown config key {prefix}{key!r}{hint}")
+            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
         kwargs[key] = _coerce(hints[key], value, prefix + key)
     return cls(**kwargs)
 

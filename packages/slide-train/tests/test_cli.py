@@ -1,0 +1,44 @@
+"""The quick start: `slide-train finetune` with no arguments trains the built-in tiny model and its loss falls."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import transformers
+
+
+def test_default_finetune_learns_and_exports(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "slide_train.cli", "finetune", f"--output_dir={tmp_path / 'run'}", "--steps=40",
+         "--no-progress"],
+        capture_output=True, text=True, env=env, timeout=600, check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "tokens per step" in out.stdout and "exported to" in out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "tflops", "gpu_peak_gib",
+                "host_rss_gib"):
+        assert key in rows[0], key
+    first, last = sum(r["loss"] for r in rows[:5]) / 5, sum(r["loss"] for r in rows[-5:]) / 5
+    assert last < first - 1.0, f"loss did not clearly fall: {first:.3f} -> {last:.3f}"
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 0
+    assert any((tmp_path / "run" / "tensorboard").iterdir())
+
+    export = tmp_path / "run" / "export"
+    model = transformers.AutoModelForCausalLM.from_pretrained(export)
+    tok = transformers.AutoTokenizer.from_pretrained(export)
+    ids = torch.tensor([tok.encode("The cat")])
+    assert model(ids).logits.shape == (1, ids.shape[1], model.config.vocab_size)
+
+
+def test_help_lists_every_key_with_default():
+    out = subprocess.run([sys.executable, "-m", "slide_train.cli", "finetune", "--help"], capture_output=True,
+                         text=True, check=True)
+    for key in ("engine.window", "optimizer.lr", "schedule.warmup_steps", "data.format", "checkpoint.every"):
+        assert key in out.stdout

@@ -1,0 +1,113 @@
+"""Bad input fails early with a message that names what is wrong and what would fix it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from conftest import save_tiny_model, write_token_rows
+
+from slide_train.cli import main
+from slide_train.config import load_config
+from slide_train.errors import CheckpointError, ConfigError, ModelError
+from slide_train.models.build import load_model
+from slide_train.trainer import Trainer
+
+
+def test_unknown_key_suggests_the_nearest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'optimizer.lrr'.*did you mean optimizer.lr\?"):
+        load_config(None, ["--optimizer.lrr=1e-4"])
+    with pytest.raises(ConfigError, match=r"did you mean seq_len\?"):
+        load_config(None, ["--seqlen=64"])
+
+
+def test_wrong_types_and_values_name_the_key():
+    with pytest.raises(ConfigError, match="steps must be an integer"):
+        load_config(None, ["--steps=ten"])
+    with pytest.raises(ConfigError, match="schedule.decay must be one of constant, cosine, linear"):
+        load_config(None, ["--schedule.decay=exp"])
+    with pytest.raises(ConfigError, match="micro_batch_size must be at least 1"):
+        load_config(None, ["--micro_batch_size=0"])
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("seq_len: 64\noptimizer:\n  lr: 1e-4\n  betas: [0.9, 0.99]\nengine:\n  window: 3\n")
+    cfg = load_config(path, ["--engine.window=1", "--max_grad_norm=null"])
+    assert (cfg.seq_len, cfg.optimizer.lr, cfg.optimizer.betas) == (64, 1e-4, (0.9, 0.99))
+    assert cfg.engine.window == 1 and cfg.max_grad_norm is None
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_unsupported_model_type_lists_supported(tmp_path):
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ModelError, match=r"model_type 'gpt2' has no adapter yet; supported: llama .*qwen3"):
+        load_model(str(tmp_path / "gpt2"))
+
+
+def test_missing_or_broken_model_directory(tmp_path):
+    with pytest.raises(ModelError, match="neither a built-in preset .* nor an existing directory"):
+        load_model(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match="has no config.json"):
+        load_model(str(tmp_path / "empty"))
+    save_tiny_model(tmp_path / "m", "llama")
+    (tmp_path / "m" / "model.safetensors").unlink()
+    torch.save({}, tmp_path / "m" / "pytorch_model.bin")
+    with pytest.raises(ModelError, match="pickle checkpoints are not loaded"):
+        load_model(str(tmp_path / "m"))
+
+
+def test_truncated_weights_are_named(tmp_path):
+    save_tiny_model(tmp_path / "m", "llama")
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelError, match=r"model.safetensors.*(truncated|corrupt)"):
+        Trainer(load_config(None, [f"--model={tmp_path / 'm'}", f"--output_dir={tmp_path / 'run'}"]),
+                progress=False)
+
+
+def test_seq_len_beyond_the_model(tmp_path):
+    save_tiny_model(tmp_path / "m", "llama")  # max_position_embeddings = 256
+    cfg = load_config(None, [f"--model={tmp_path / 'm'}", "--seq_len=512", f"--output_dir={tmp_path / 'r'}"])
+    with pytest.raises(ConfigError, match="seq_len=512 is larger than the model's max_position_embeddings=256"):
+        Trainer(cfg, progress=False)
+
+
+def test_dataset_without_tokens(tmp_path):
+    (tmp_path / "empty.txt").write_text("\n\n")
+    cfg = load_config(None, [f"--data.path={tmp_path / 'empty.txt'}", f"--output_dir={tmp_path / 'r'}"])
+    with pytest.raises(Exception, match="empty.txt") as info:
+        Trainer(cfg, progress=False)
+    assert "token" in str(info.value)
+
+
+def test_cli_prints_errors_without_traceback(tmp_path, capsys):
+    assert main(["finetune", "--optimizer.lrr=1", f"--output_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean optimizer.lr?" in err and "Traceback" not in err
+
+
+def test_corrupted_checkpoint_is_refused_and_auto_falls_back(tmp_path):
+    save_tiny_model(tmp_path / "m", "llama")
+    rows = torch.randint(3, 259, (16, 16)).tolist()
+    write_token_rows(tmp_path / "d.jsonl", rows)
+    base = [f"--model={tmp_path / 'm'}", f"--data.path={tmp_path / 'd.jsonl'}", "--data.format=tokens",
+            "--seq_len=16", "--micro_batch_size=2", "--grad_accum=1", "--engine.device=cpu",
+            f"--output_dir={tmp_path / 'run'}", "--checkpoint.every=1", "--checkpoint.keep=3", "--export=false"]
+    Trainer(load_config(None, base + ["--steps=2"]), progress=False).fit()
+    newest = tmp_path / "run" / "checkpoints" / "step-2" / "block-001.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte inside the tensor data
+    newest.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"block-001.safetensors does not match its checksum"):
+        Trainer(load_config(None, base + ["--steps=3", f"--resume={newest.parent}"]), progress=False)
+    with pytest.warns(UserWarning, match="skipping damaged checkpoint.*step-2"):
+        trainer = Trainer(load_config(None, base + ["--steps=3", "--resume=auto"]), progress=False)
+    assert trainer.step_index == 1
+    manifest = json.loads((newest.parent / "manifest.json").read_text())
+    assert "block-001.safetensors" in manifest["files"]
