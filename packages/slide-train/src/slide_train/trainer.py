@@ -87,17 +87,17 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
     def _resume(self) -> pathlib.Path | None:
+        path = None
         if self.cfg.resume == "auto":
-            path = ckpt.find_resumable(self.checkpoints)
-            if path is None:
-                return None  # nothing saved yet: a fresh start
+            path = ckpt.find_resumable(self.checkpoints)  # None: nothing saved yet, a fresh start
         else:
             path = pathlib.Path(self.cfg.resume)
             if not path.is_dir():
                 raise ckpt.CheckpointError(f"resume: checkpoint {path} does not exist")
-        state = ckpt.load_checkpoint(path, self.engine)
-        self.step_index = state["step"]
-        self.data.train.load_state_dict(state["data"])
+        if path is not None:
+            state = ckpt.load_checkpoint(path, self.engine)
+            self.step_index = state["step"]
+            self.data.train.load_state_dict(state["data"])
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.is_file():  # drop records of steps after the checkpoint: they will be redone
             kept = [r for r in read_metrics(metrics) if r["step"] <= self.step_index]

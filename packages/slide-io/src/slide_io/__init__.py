@@ -1,0 +1,22 @@
+"""slide-io: tensor stores with asynchronous futures (pinned host tier, NVMe tier) and disk preflight."""
+
+from slide_io.__about__ import __version__
+from slide_io.disk import free_bytes, preflight
+from slide_io.errors import StoreFullError
+from slide_io.host import HostStore
+from slide_io.kvikio_path import PATHS, PathChoice, select_path
+from slide_io.nvme import NVMeStore
+from slide_io.store import TensorStore
+
+__all__ = [
+    "PATHS",
+    "HostStore",
+    "NVMeStore",
+    "PathChoice",
+    "StoreFullError",
+    "TensorStore",
+    "__version__",
+    "free_bytes",
+    "preflight",
+    "select_path",
+]

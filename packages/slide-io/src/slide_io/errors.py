@@ -1,0 +1,31 @@
+"""The one error slide-io adds: a tier without room for what it was asked to hold."""
+
+from __future__ import annotations
+
+import errno
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes:,} bytes ({nbytes / 2**30:.2f} GiB)"
+
+
+class StoreFullError(OSError):
+    """A directory has too little free space: at preflight, or when a write hit ENOSPC.
+
+    It is an OSError with errno ENOSPC, so code that already handles a full disk keeps working;
+    `directory`, `needed` and `free` say what was asked of which directory.
+    """
+
+    def __init__(self, directory: str, needed: int, free: int, what: str = "") -> None:
+        self.directory = str(directory)
+        self.needed = int(needed)
+        self.free = int(free)
+        message = (
+            f"slide-io: {what or 'the store'} needs {_size(self.needed)} in {self.directory}, "
+            f"but only {_size(self.free)} are free there; free some space or point the store at "
+            "another directory (e.g. a larger NVMe mount)"
+        )
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return self.strerror or ""
