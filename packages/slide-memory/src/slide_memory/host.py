@@ -40,7 +40,8 @@ class HostArena:
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        start = -(-self.used // 128) * 128  # keep every tensor 128-byte aligned
+        base = self.buffer.data_ptr()
+        start = self.used + (-(base + self.used)) % 128  # every tensor starts 128-byte aligned in memory
         end = start + numel * itemsize
         if end > self.nbytes:
             raise MemoryError(f"host arena of {self.nbytes} bytes cannot hold {end - self.used} more bytes")

@@ -102,9 +102,10 @@ class SlidingEngine:
         block_layout = FlatLayout(stack.make_block())
         self.units = [Unit(edge_layout, self.dtype, self.device)]
         self.units += [Unit(block_layout, self.dtype, self.device) for _ in range(self.num_blocks)]
-        stack.load_edges(edge_layout.views(self.units[0].master))
-        for i in range(self.num_blocks):
-            stack.load_block(i, block_layout.views(self.units[i + 1].master))
+        with torch.no_grad():
+            stack.load_edges(edge_layout.views(self.units[0].master))
+            for i in range(self.num_blocks):
+                stack.load_block(i, block_layout.views(self.units[i + 1].master))
         self.slots = SlotQueue(block_layout, stack.make_block, config.window, self.device, self.dtype)
 
         self.optimizer = HostAdamW([u.master for u in self.units], config.optimizer)
