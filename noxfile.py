@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pathlib
 import re
-import tomllib
 
 import nox
+import tomllib
 
 ROOT = pathlib.Path(__file__).parent
 PACKAGES = ["slide-kernels", "slide-memory", "slide-io", "slide-scheduler", "slide-train"]
