@@ -80,7 +80,6 @@ def test_layout_binding_survives_cuda_and_grads_accumulate_in_slot():
     cfg = transformers.AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
     from slide_memory import FlatLayout, Slot
-
     from slide_train.models.adapter import HFStack
     from slide_train.models.random_init import RandomWeights
 

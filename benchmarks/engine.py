@@ -1,0 +1,152 @@
+"""Engine benchmark: slide-train's engine vs the plain GPU-resident HF peer, random-init HF shapes, bf16.
+
+    python benchmarks/engine.py --model llama-3.2-1b --seq 2048 --micro 1 --accum 4 --cap 24 --peer plain
+
+Writes one JSON (commit, date, device, config, figures) to --out (default benchmarks/results/). The peer runs
+first without a cap (as in ANCHORS.md); then the process is capped with set_per_process_memory_fraction and our
+engine runs. TFLOP/s count 6·N·T (no recompute), as the peers' figures do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def git_commit() -> str:
+    if os.environ.get("SLIDE_COMMIT"):
+        return os.environ["SLIDE_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def random_batches(vocab: int, micro: int, seq: int, accum: int, steps: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, vocab, (micro, seq), generator=g) for _ in range(accum)] for _ in range(steps)]
+
+
+def run_plain_peer(args, hf_config) -> dict:
+    """HF model on the GPU: fp32 weights, bf16 autocast, activation checkpointing, fused AdamW."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).cuda()
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for step in random_batches(hf_config.vocab_size, args.micro, args.seq, args.accum, args.warmup + args.steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for ids in step:
+            ids = ids.cuda()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss / args.accum
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    tokens = args.micro * args.seq * args.accum
+    step_s = statistics.median(times[args.warmup :])
+    out = {"system": "plain GPU-resident (HF, fp32 weights + bf16 autocast, activation checkpointing, fused AdamW)",
+           "cap_gib": None, "step_s": step_s, "tokens_per_s": tokens / step_s,
+           "tflops": 6 * n_params * tokens / step_s / 1e12, "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    del model, opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def run_slide(args) -> dict:
+    sys.path[:0] = [str(p / "src") for p in (ROOT / "packages").iterdir()]
+    from slide_train.config import load_config
+    from slide_train.trainer import Trainer
+
+    overrides = [f"--model={args.model}", f"--seq_len={args.seq}", f"--micro_batch_size={args.micro}",
+                 f"--grad_accum={args.accum}", f"--steps={args.warmup + args.steps}", f"--engine.device={args.device}",
+                 f"--engine.window={args.window}", "--export=false", "--data.pack=true",
+                 f"--output_dir={args.run_dir}"]
+    if args.cap:
+        overrides.append(f"--engine.gpu_memory_limit_gb={args.cap}")
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    trainer = Trainer(load_config(None, overrides), progress=False)
+    setup_s = time.perf_counter() - t0
+    records = [trainer.step() for _ in range(args.warmup + args.steps)]
+    timed = records[args.warmup :]
+    step_s = statistics.median(r["step_s"] for r in timed)
+    tokens = statistics.median(r["tokens"] for r in timed)
+    phases = {k: statistics.median(r[f"{k}_s"] for r in timed) for k in ("forward", "tail", "backward", "update")}
+    return {"system": "slide (synchronous engine)", "cap_gib": args.cap, "setup_s": setup_s, "step_s": step_s,
+            "tokens_per_s": tokens / step_s, "tflops": 6 * trainer.num_params * tokens / step_s / 1e12,
+            "gpu_peak_gib": max(r["gpu_peak_gib"] for r in records),
+            "host_rss_gib": max(r["host_rss_gib"] for r in records), "phases_s": phases,
+            "losses": [r["loss"] for r in records], "num_params": trainer.num_params}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="llama-3.2-1b")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--micro", type=int, default=1)
+    p.add_argument("--accum", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--window", type=int, default=2)
+    p.add_argument("--cap", type=float, default=24.0)
+    p.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself (with --peer none)")
+    p.add_argument("--peer", choices=["plain", "none"], default="plain")
+    p.add_argument("--tag", default="")
+    p.add_argument("--run-dir", default="/tmp/slide-bench-run")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = p.parse_args()
+
+    sys.path[:0] = [str(p / "src") for p in (ROOT / "packages").iterdir()]
+    from slide_train.models.presets import preset_config
+
+    results = []
+    if args.peer == "plain":
+        results.append(run_plain_peer(args, preset_config(args.model)))
+        print(json.dumps(results[-1]), flush=True)
+    results.append(run_slide(args))
+    print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
+    record = {
+        "benchmark": "engine", "commit": git_commit(), "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+        "config": {"model": args.model, "seq": args.seq, "micro": args.micro, "accum": args.accum,
+                   "tokens_per_step": args.seq * args.micro * args.accum, "steps_timed": args.steps,
+                   "warmup": args.warmup, "window": args.window, "cap_gib": args.cap},
+        "results": results,
+    }
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"engine-{args.model}-{args.tag or 'run'}-{record['date'][:10]}.json"
+    (out / name).write_text(json.dumps(record, indent=2))
+    print(f"wrote {out / name}")
+    for r in results:
+        print(f"{r['system'][:40]:40s} {r['tokens_per_s']:>10,.0f} tok/s {r['tflops']:7.1f} TFLOP/s "
+              f"{r['gpu_peak_gib']:6.1f} GiB")
+
+
+if __name__ == "__main__":
+    main()
