@@ -54,5 +54,6 @@ def tests(session: nox.Session, package: str) -> None:
 def gpu(session: nox.Session) -> None:
     """On the GPU machine (no network): its python3 with packages/*/src on PYTHONPATH, tests marked gpu."""
     paths = ":".join(str(ROOT / "packages" / p / "src") for p in PACKAGES)
-    session.run("python3", "-m", "pytest", "-m", "gpu", *[f"packages/{p}/tests" for p in PACKAGES],
-                *session.posargs, env={"PYTHONPATH": paths})
+    for package in PACKAGES:  # one pytest per package: each tests/ folder has its own conftest
+        session.run("python3", "-m", "pytest", "-m", "gpu", f"packages/{package}/tests", *session.posargs,
+                    env={"PYTHONPATH": paths}, success_codes=[0, 5])
