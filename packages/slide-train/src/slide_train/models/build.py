@@ -31,8 +31,8 @@ class ModelBundle:
 
 def load_model(name: str, seed: int = 0, need_tokenizer: bool = True) -> ModelBundle:
     if name in PRESETS:
-        tokenizer = builtin_tokenizer() if name.startswith("tiny-") else None
-        vocab = -(-len(tokenizer) // 64) * 64 if tokenizer is not None else None
+        tokenizer = builtin_tokenizer()  # bytes: fits any vocabulary, so public shapes train on text too
+        vocab = -(-len(tokenizer) // 64) * 64 if name.startswith("tiny-") else None
         config = preset_config(name, vocab)
         return ModelBundle(name, config, RandomWeights(config, seed), tokenizer, torch.float32)
     path = pathlib.Path(name).expanduser()
