@@ -40,6 +40,7 @@ def build_engine(cfg: TrainConfig, stack) -> SlidingEngine:
     )
     device = engine_cfg.resolve_device()
     if e.gpu_memory_limit_gb is not None and device.type == "cuda":
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         total = torch.cuda.get_device_properties(device).total_memory
         fraction = e.gpu_memory_limit_gb * 2**30 / total
         if fraction > 1:
