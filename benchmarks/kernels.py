@@ -1,0 +1,353 @@
+"""Benchmark slide-kernels against torch eager, torch.compile and Liger-Kernel in one run (CUDA, bf16).
+
+Forward+backward of each op: median time of `triton.testing.do_bench`, and extra peak memory (the rise of
+`torch.cuda.max_memory_allocated` over what was allocated before the call, inputs excluded). Shapes and targets
+are issue 3's. Writes `kernels-<date>.json` (git commit, date, GPU, versions, config, figures) to --out and
+prints a markdown table.
+
+    PYTHONPATH=packages/slide-kernels/src python3 benchmarks/kernels.py --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+import slide_kernels as sk
+
+GIB = 1 << 30
+
+
+def measure(fn, grad_to_none):
+    """fn() runs forward+backward once. Returns (median ms, extra peak GiB)."""
+    fn()  # warm up (compiles)
+    torch.cuda.synchronize()
+    for t in grad_to_none:
+        t.grad = None
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / GIB
+    for t in grad_to_none:
+        t.grad = None
+    ms = do_bench(fn, grad_to_none=grad_to_none, warmup=25, rep=200, return_mode="median")
+    return ms, peak
+
+
+def fwd_bwd(forward, grad_of=None):
+    def run():
+        out = forward()
+        if isinstance(out, tuple):
+            torch.autograd.backward(out, grad_of)
+        elif out.dim() == 0:
+            out.backward()
+        else:
+            out.backward(grad_of)
+    return run
+
+
+def liger():
+    try:
+        import liger_kernel  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------- linear cross-entropy
+def bench_linear_ce(bt, h, v, providers):
+    torch.manual_seed(0)
+    hidden = (torch.randn(bt, h, device="cuda") * 0.5).bfloat16().requires_grad_()
+    weight = (torch.randn(v, h, device="cuda") * 0.02).bfloat16().requires_grad_()
+    labels = torch.randint(0, v, (bt,), device="cuda")
+    labels[::17] = -100
+
+    def eager():
+        return F.cross_entropy((hidden @ weight.t()).float(), labels)
+
+    fns = {"eager": eager}
+    if "compile" in providers:
+        fns["compile"] = torch.compile(eager)
+    if "liger" in providers and liger():
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+        lg = LigerFusedLinearCrossEntropyLoss()
+        fns["liger"] = lambda: lg(weight, hidden, labels)
+    fns["slide"] = lambda: sk.linear_cross_entropy(hidden, weight, labels)
+    # Variant through the env knob: the shorter token chunks of the first version (lower peak, slower).
+    def chunk2048():
+        os.environ["SLIDE_LCE_CHUNK_TOKENS"] = "2048"
+        try:
+            return sk.linear_cross_entropy(hidden, weight, labels)
+        finally:
+            os.environ.pop("SLIDE_LCE_CHUNK_TOKENS")
+    fns["slide-chunk2048"] = chunk2048
+    results = run_all(fns, [hidden, weight], None, check=lambda f: f().item())
+    results["_breakdown_per_2048_token_chunk"] = lce_breakdown(hidden.detach(), weight.detach(), labels)
+    return results
+
+
+def lce_breakdown(hidden, weight, labels, rows=2048):
+    """Times of the pieces of one chunk, to see where the fused loss spends its time."""
+    m = sys.modules["slide_kernels.ops.linear_cross_entropy"]
+
+    v = weight.shape[0]
+    x = hidden[:rows]
+    buf = torch.mm(x, weight.t())
+    loss = torch.empty(rows, device="cuda")
+    scale = torch.ones((), device="cuda")
+    out = {}
+
+    def ce():
+        torch.mm(x, weight.t(), out=buf)
+        m._ce_rows_kernel[(rows,)](buf, buf.stride(0), labels[:rows], loss, scale, 0, v, -100, 0.0, 1.0, 0.0,
+                                   HAS_SOFTCAP=False, HAS_SMOOTHING=False, WRITE_GRAD=True, BLOCK_V=4096,
+                                   num_warps=8)
+    out["logits_mm"] = do_bench(lambda: torch.mm(x, weight.t(), out=buf), return_mode="median")
+    out["logits_mm+ce_kernel"] = do_bench(ce, return_mode="median")
+    out["grad_hidden_mm"] = do_bench(lambda: torch.mm(buf, weight), return_mode="median")
+    out["grad_weight_cublas_bf16"] = do_bench(lambda: torch.mm(buf.t(), x), return_mode="median")
+    for gemm in ("128,256,64,8,3", "128,128,64,4,3"):
+        os.environ["SLIDE_LCE_GEMM"] = gemm
+        for first in (True, False):
+            acc = m._WeightGradTriton(weight, 3)
+            acc.add(buf, x)  # first chunk: fills the planes
+            acc.done = 0 if first else 1
+            out[f"grad_weight_triton_{gemm}_{'first' if first else 'middle'}"] = do_bench(
+                lambda acc=acc, first=first: (acc.add(buf, x), setattr(acc, "done", 0 if first else 1)),
+                return_mode="median")
+        os.environ.pop("SLIDE_LCE_GEMM")
+    flop = 2 * rows * weight.shape[1] * v
+    return {k: {"ms": round(t, 4), "tflops": round(flop / t / 1e9, 1)} for k, t in out.items()}
+
+
+def run_all(fns, leaves, grad, check=None):
+    results = {}
+    for name, f in fns.items():
+        try:
+            t0 = time.time()
+            ms, peak = measure(fwd_bwd(f, grad), leaves)
+            row = {"ms": round(ms, 4), "peak_gib": round(peak, 4), "wall_s": round(time.time() - t0, 1)}
+            if check is not None:
+                with torch.no_grad():
+                    row["value"] = check(f)
+            results[name] = row
+        except Exception as e:  # a peer failing must not sink the run
+            results[name] = {"error": f"{type(e).__name__}: {e}"[:400]}
+            traceback.print_exc()
+        print(name, results[name], flush=True)
+        torch.cuda.empty_cache()
+    return results
+
+
+# ---------------------------------------------------------------- RMSNorm
+def bench_rms_norm(m, h, providers):
+    torch.manual_seed(0)
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.rand(h, device="cuda") + 0.5).bfloat16().requires_grad_()
+    dy = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+
+    def eager():
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    fns = {"eager": eager}
+    if "compile" in providers:
+        fns["compile"] = torch.compile(eager)
+    if "liger" in providers and liger():
+        from liger_kernel.transformers.rms_norm import LigerRMSNorm
+        mod = LigerRMSNorm(h, eps=1e-6).to("cuda", torch.bfloat16)
+        with torch.no_grad():
+            mod.weight.copy_(w)
+        fns["liger"] = lambda: mod(x)
+        leaves = [x, w, mod.weight]
+    else:
+        leaves = [x, w]
+    fns["slide"] = lambda: sk.rms_norm(x, w, 1e-6)
+    return run_all(fns, leaves, dy)
+
+
+# ---------------------------------------------------------------- RoPE
+def bench_rope(t, hq, hk, d, providers):
+    torch.manual_seed(0)
+    qb = torch.randn(1, t, hq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kb = torch.randn(1, t, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    pos = torch.arange(t, device="cuda", dtype=torch.float32)
+    inv = 1.0 / (500000 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
+    emb = torch.cat([torch.outer(pos, inv)] * 2, -1)[None]
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    dq = torch.randn(1, hq, t, d, device="cuda", dtype=torch.bfloat16)
+    dk = torch.randn(1, hk, t, d, device="cuda", dtype=torch.bfloat16)
+    from slide_kernels.ops.rope import rope_torch
+
+    def qk():  # HF's layout: view(B, T, H, D).transpose(1, 2)
+        return qb.transpose(1, 2), kb.transpose(1, 2)
+
+    fns = {"eager": lambda: rope_torch(*qk(), cos, sin)}
+    if "compile" in providers:
+        compiled = torch.compile(rope_torch)
+        fns["compile"] = lambda: compiled(*qk(), cos, sin)
+    if "liger" in providers and liger():
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+        # Liger rotates in place: give it fresh non-leaf copies each call, as an attention layer would.
+        fns["liger"] = lambda: liger_rotary_pos_emb(*(x * 1 for x in qk()), cos, sin)
+        fns["slide-copy-inputs"] = lambda: sk.rope(*(x * 1 for x in qk()), cos, sin)
+    fns["slide"] = lambda: sk.rope(*qk(), cos, sin)
+    return run_all(fns, [qb, kb], (dq, dk))
+
+
+# ---------------------------------------------------------------- SwiGLU
+def bench_swiglu(t, h, i, providers):
+    act = bench_swiglu_act(t, i, providers)
+    torch.cuda.empty_cache()
+    return {"act": act, "mlp": bench_swiglu_mlp(t, h, i, providers)}
+
+
+def bench_swiglu_act(t, i, providers):
+    torch.manual_seed(0)
+    a = torch.randn(t, i, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(t, i, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dc = torch.randn(t, i, device="cuda", dtype=torch.bfloat16)
+
+    def eager():
+        return F.silu(a) * b
+
+    fns = {"eager": eager}
+    if "compile" in providers:
+        fns["compile"] = torch.compile(eager)
+    if "liger" in providers and liger():
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+        # Liger writes its backward into the saved inputs: hand it non-leaf copies.
+        fns["liger"] = lambda: LigerSiLUMulFunction.apply(a * 1, b * 1)
+        fns["slide-copy-inputs"] = lambda: sk.swiglu(a * 1, b * 1)
+    fns["slide"] = lambda: sk.swiglu(a, b)
+    return run_all(fns, [a, b], dc)
+
+
+def bench_swiglu_mlp(t, h, i, providers):
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    mlp = sk.SwiGLUMLP(h, i, device="cuda", dtype=torch.bfloat16)
+
+    def mlp_eager():
+        return mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+    fns = {"eager": mlp_eager, "slide": lambda: mlp(x)}
+    if "liger" in providers and liger():
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+        fns["liger"] = lambda: mlp.down_proj(LigerSiLUMulFunction.apply(mlp.gate_proj(x), mlp.up_proj(x)))
+    return run_all(fns, [x, *mlp.parameters()], dy)
+
+
+def git_commit() -> str:
+    if os.environ.get("SLIDE_GIT_COMMIT"):
+        return os.environ["SLIDE_GIT_COMMIT"]
+    try:
+        root = pathlib.Path(__file__).resolve().parent.parent
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def table(res) -> str:
+    lines = ["| op | shape | provider | fwd+bwd ms | extra peak GiB |", "|---|---|---|---|---|"]
+    for op, (shape, rows) in res.items():
+        for name, r in rows.items():
+            if name.startswith("_"):
+                continue
+            if "error" in r:
+                lines.append(f"| {op} | {shape} | {name} | error | {r['error'][:60]} |")
+            else:
+                lines.append(f"| {op} | {shape} | {name} | {r['ms']:.3f} | {r['peak_gib']:.3f} |")
+    return "\n".join(lines)
+
+
+def targets(res) -> dict:
+    out = {}
+    lce = res.get("linear_cross_entropy", (None, {}))[1]
+    if "ms" in lce.get("slide", {}):
+        s = lce["slide"]
+        if "ms" in lce.get("eager", {}):
+            out["lce_peak_le_eager/8"] = s["peak_gib"] <= lce["eager"]["peak_gib"] / 8
+        if "ms" in lce.get("liger", {}):
+            out["lce_time_le_0.8_liger"] = s["ms"] <= 0.8 * lce["liger"]["ms"]
+            out["lce_time_ratio_vs_liger"] = round(s["ms"] / lce["liger"]["ms"], 3)
+    for op in ("rms_norm", "rope", "swiglu_act", "swiglu_mlp"):
+        rows = res.get(op, (None, {}))[1]
+        if "ms" in rows.get("slide", {}) and "ms" in rows.get("liger", {}):
+            out[f"{op}_time_ratio_vs_liger"] = round(rows["slide"]["ms"] / rows["liger"]["ms"], 3)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--ops", default="linear_cross_entropy,rms_norm,rope,swiglu")
+    p.add_argument("--providers", default="eager,compile,liger,slide")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs a CUDA GPU")
+    providers = set(args.providers.split(","))
+    ops = args.ops.split(",")
+    res = {}
+    jobs = {
+        "linear_cross_entropy": lambda: {"linear_cross_entropy": (
+            "BT=16384 H=4096 V=128256", bench_linear_ce(16384, 4096, 128256, providers))},
+        "rms_norm": lambda: {"rms_norm": ("16384x4096", bench_rms_norm(16384, 4096, providers))},
+        "rope": lambda: {"rope": ("T=16384 32q/8kv d=128", bench_rope(16384, 32, 8, 128, providers))},
+        "swiglu": lambda: (lambda sw: {
+            "swiglu_act": ("T=16384 I=14336 (silu(a)*b only)", sw["act"]),
+            "swiglu_mlp": ("T=16384 4096->14336 (whole MLP)", sw["mlp"]),
+        })(bench_swiglu(16384, 4096, 14336, providers)),
+    }
+    for op in ops:
+        try:  # one op failing must not lose the others' figures
+            res.update(jobs[op]())
+        except Exception as e:
+            traceback.print_exc()
+            res[op] = ("error", {"run": {"error": f"{type(e).__name__}: {e}"[:400]}})
+        torch.cuda.empty_cache()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    versions = {"torch": torch.__version__, "triton": triton.__version__}
+    try:
+        import liger_kernel
+        versions["liger_kernel"] = getattr(liger_kernel, "__version__", "installed")
+    except Exception:
+        versions["liger_kernel"] = None
+    doc = {
+        "benchmark": "benchmarks/kernels.py",
+        "git_commit": git_commit(),
+        "date": now.isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "versions": versions,
+        "config": {"dtype": "bfloat16", "measure": "forward+backward; triton.testing.do_bench median (ms); "
+                   "extra peak = max_memory_allocated - memory_allocated before the call (GiB)",
+                   "providers": sorted(providers), "ops": ops},
+        "results": {op: {"shape": shape, "providers": rows} for op, (shape, rows) in res.items()},
+        "targets": targets(res),
+    }
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"kernels-{now.date().isoformat()}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    (out / "kernels.md").write_text(table(res) + "\n")
+    print(table(res))
+    print(json.dumps(doc["targets"], indent=2))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,377 @@
+"""Fused linear + cross-entropy: the loss of `hidden @ weight.T` against labels without the [N, V] logits.
+
+Tokens are processed in chunks. For each chunk the logits live in one reused buffer; a Triton kernel turns them,
+in place, into d(loss)/d(logits) (log-sum-exp, label smoothing, soft-capping and z-loss folded in); two matmuls
+then give the chunk's hidden gradient and its share of the weight gradient. With `reduction` mean or sum the
+gradients are computed during the forward (the backward only scales them); with "none" the backward recomputes.
+
+The weight gradient is accumulated across chunks in fp32. For a bf16 weight the fp32 accumulator is stored as
+two 16-bit planes: the high half of each fp32 word (which is a bf16 number) and the low half. The last chunk
+rounds the sum to nearest into the high plane, which then *is* the bf16 gradient: fp32 accumulation for the
+memory of two bf16 copies, with no fp32 -> bf16 copy at the end.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .._dispatch import interpreting, use_triton
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+@triton.jit
+def _tanh(x):
+    # tanh without libdevice (the interpreter and AMD builds lack some of its functions).
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _ce_rows_kernel(
+    LOGITS, stride_row, LABELS, LOSS, SCALE, stride_scale, V, ignore_index,
+    smoothing, softcap, z_coef,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    ptr = LOGITS + row * stride_row
+    label = tl.load(LABELS + row)
+    valid = label != ignore_index
+    cols0 = tl.arange(0, BLOCK_V)
+
+    # Pass 1: log-sum-exp with a running max, and the sum of logits for label smoothing.
+    m = tl.max(tl.full([BLOCK_V], float("-inf"), tl.float32), axis=0)
+    s = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+    z_sum = tl.sum(tl.zeros([BLOCK_V], tl.float32), axis=0)
+    for start in range(0, V, BLOCK_V):
+        cols = start + cols0
+        mask = cols < V
+        z = tl.load(ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            z = softcap * _tanh(z / softcap)
+        if HAS_SMOOTHING:
+            z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+        z = tl.where(mask, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+
+    safe_label = tl.where(valid, label, 0)
+    z_label = tl.load(ptr + safe_label).to(tl.float32)
+    if HAS_SOFTCAP:
+        z_label = softcap * _tanh(z_label / softcap)
+    loss = lse - (1.0 - smoothing) * z_label + z_coef * lse * lse
+    if HAS_SMOOTHING:
+        loss -= smoothing * z_sum / V
+    tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+
+    if WRITE_GRAD:
+        # Pass 2: d loss / d logit_j = p_j (1 + 2 z_coef lse) - smoothing / V - (1 - smoothing) [j == label],
+        # times the soft-cap derivative and the row's scale (0 for ignored rows).
+        scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
+        scale = tl.where(valid, scale, 0.0)
+        p_coef = 1.0 + 2.0 * z_coef * lse
+        for start in range(0, V, BLOCK_V):
+            cols = start + cols0
+            mask = cols < V
+            x = tl.load(ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                t = _tanh(x / softcap)
+                z = softcap * t
+            else:
+                z = x
+            g = tl.exp(z - lse) * p_coef - smoothing / V
+            g = tl.where(cols == label, g - (1.0 - smoothing), g)
+            if HAS_SOFTCAP:
+                g = g * (1.0 - t * t)
+            tl.store(ptr + cols, (g * scale).to(LOGITS.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _grad_weight_kernel(
+    G, X, HI, LO, ACC, V, H, N, stride_gn, stride_gv, stride_xn, stride_xh,
+    FIRST: tl.constexpr, LAST: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # C[v, h] (+)= sum_n G[n, v] X[n, h]: the weight gradient of one token chunk, added to the fp32 sum.
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(V, BLOCK_M)
+    grid_n = tl.cdiv(H, BLOCK_N)
+    # Grouped order so that neighbouring programs share tiles of X in L2.
+    per_group = GROUP_M * grid_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    mmask = offs_m < V
+    nmask = offs_n < H
+    a_ptrs = G + offs_k[None, :] * stride_gn + offs_m[:, None] * stride_gv
+    b_ptrs = X + offs_k[:, None] * stride_xn + offs_n[None, :] * stride_xh
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(N, BLOCK_K)):
+        kmask = offs_k < N - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_gn
+        b_ptrs += BLOCK_K * stride_xn
+
+    offs_c = offs_m[:, None] * H + offs_n[None, :]
+    cmask = mmask[:, None] & nmask[None, :]
+    if SPLIT:
+        if not FIRST:
+            hi = tl.load(HI + offs_c, mask=cmask, other=0).to(tl.int32) & 0xFFFF
+            lo = tl.load(LO + offs_c, mask=cmask, other=0).to(tl.int32) & 0xFFFF
+            acc += ((hi << 16) | lo).to(tl.float32, bitcast=True)
+        bits = acc.to(tl.int32, bitcast=True)
+        if LAST:
+            # Round to nearest even into the high half: the high plane becomes the bf16 gradient.
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            tl.store(HI + offs_c, (bits >> 16).to(tl.int16), mask=cmask)
+        else:
+            tl.store(HI + offs_c, (bits >> 16).to(tl.int16), mask=cmask)
+            tl.store(LO + offs_c, (bits & 0xFFFF).to(tl.int16), mask=cmask)
+    else:
+        if not FIRST:
+            acc += tl.load(ACC + offs_c, mask=cmask, other=0.0)
+        tl.store(ACC + offs_c, acc, mask=cmask)
+
+
+def _gemm_config() -> tuple[int, ...]:
+    # SLIDE_LCE_GEMM="BM,BN,BK,warps,stages" overrides the tile shape (benchmarks/kernels.py compares some).
+    env = os.environ.get("SLIDE_LCE_GEMM")
+    if env:
+        return tuple(int(v) for v in env.split(","))
+    return 128, 256, 64, 8, 3
+
+
+class _WeightGradTriton:
+    """fp32 sum of per-chunk weight gradients: split bf16 planes for a bf16 weight, one fp32 tensor otherwise."""
+
+    def __init__(self, weight: torch.Tensor, n_chunks: int):
+        self.dtype, self.n_chunks, self.done = weight.dtype, n_chunks, 0
+        v, h = weight.shape
+        self.split = weight.dtype == torch.bfloat16
+        if self.split:
+            self.hi = torch.empty((v, h), dtype=torch.bfloat16, device=weight.device)
+            self.lo = torch.empty((v, h), dtype=torch.int16, device=weight.device)
+            self.acc = self.lo  # unused pointer
+        else:
+            self.acc = torch.empty((v, h), dtype=torch.float32, device=weight.device)
+            self.hi = self.lo = self.acc  # unused pointers
+
+    def add(self, g: torch.Tensor, x: torch.Tensor) -> None:
+        n, v = g.shape
+        h = x.shape[1]
+        if interpreting():
+            bm, bn, bk, warps, stages = 16, 16, 16, 4, 1
+        else:
+            bm, bn, bk, warps, stages = _gemm_config()
+        grid = (triton.cdiv(v, bm) * triton.cdiv(h, bn),)
+        hi = self.hi.view(torch.int16) if self.split else self.hi
+        _grad_weight_kernel[grid](
+            g, x, hi, self.lo, self.acc, v, h, n, g.stride(0), g.stride(1), x.stride(0), x.stride(1),
+            FIRST=self.done == 0, LAST=self.done == self.n_chunks - 1, SPLIT=self.split,
+            UPCAST=interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+            num_warps=warps, num_stages=stages,
+        )
+        self.done += 1
+
+    def result(self) -> torch.Tensor:
+        if self.split:
+            self.lo = self.acc = None
+            return self.hi
+        return self.acc.to(self.dtype)
+
+
+class _WeightGradTorch:
+    def __init__(self, weight: torch.Tensor, n_chunks: int):
+        self.dtype = weight.dtype
+        self.acc = torch.zeros(weight.shape, dtype=_acc_dtype(weight), device=weight.device)
+
+    def add(self, g: torch.Tensor, x: torch.Tensor) -> None:
+        self.acc.addmm_(g.t().to(self.acc.dtype), x.to(self.acc.dtype))
+
+    def result(self) -> torch.Tensor:
+        return self.acc.to(self.dtype)
+
+
+def _ce_rows_torch(logits, labels, loss_out, scale, ignore_index, smoothing, softcap, z_coef, write_grad):
+    """The torch twin of `_ce_rows_kernel` (fp32 math on one chunk)."""
+    z = logits.to(loss_out.dtype)
+    if softcap is not None:
+        t = torch.tanh(z / softcap)
+        z = softcap * t
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, 0).unsqueeze(1)
+    lse = torch.logsumexp(z, dim=-1)
+    loss = lse - (1.0 - smoothing) * z.gather(1, safe).squeeze(1) + z_coef * lse * lse
+    if smoothing:
+        loss = loss - smoothing * z.mean(-1)
+    loss_out.copy_(torch.where(valid, loss, 0.0))
+    if write_grad:
+        g = torch.exp(z - lse.unsqueeze(1)) * (1.0 + 2.0 * z_coef * lse).unsqueeze(1) - smoothing / z.shape[1]
+        g.scatter_add_(1, safe, torch.full_like(lse, smoothing - 1.0).unsqueeze(1))
+        if softcap is not None:
+            g = g * (1.0 - t * t)
+        g = g * torch.where(valid, scale.expand_as(lse), 0.0).unsqueeze(1)
+        logits.copy_(g)
+
+
+def _acc_dtype(weight: torch.Tensor) -> torch.dtype:
+    return torch.float64 if weight.dtype == torch.float64 else torch.float32
+
+
+def _chunk_rows(n: int, v: int, itemsize: int, on_triton: bool) -> int:
+    env = os.environ.get("SLIDE_LCE_CHUNK_TOKENS")
+    if env:
+        return max(1, min(n, int(env)))
+    # On the GPU the logits buffer is the knob between memory and time: fewer, longer chunks make the weight-
+    # gradient GEMM longer along its reduction axis and cut the fp32 read-modify-writes of the accumulator.
+    # 820 MiB keeps a 16k-token, 128k-vocab step under 1/8 of the eager peak (benchmarks/results/kernels.md).
+    budget = (820 << 20) if on_triton else (64 << 20)
+    chunks = max(1, math.ceil(n * v * itemsize / budget))
+    rows = math.ceil(n / chunks)
+    return min(n, max(1, (rows + 127) // 128 * 128))
+
+
+def _run(h2d, weight, bias, labels, scale, ignore_index, smoothing, softcap, z_coef, want, on_triton):
+    """One pass over all token chunks. `want` = (grad_hidden, grad_weight, grad_bias) flags.
+
+    Returns per-token losses (fp32, 0 where ignored) and the requested gradients, each multiplied by `scale`
+    (a 0-d or [N] fp32 tensor).
+    """
+    n, h = h2d.shape
+    v = weight.shape[0]
+    dtype = weight.dtype
+    losses = torch.empty(n, dtype=_acc_dtype(weight), device=h2d.device)
+    write_grad = any(want)
+    rows = _chunk_rows(n, v, weight.element_size(), on_triton)
+    n_chunks = max(1, math.ceil(n / rows))
+    buf = torch.empty((min(rows, n), v), dtype=dtype, device=h2d.device)
+    grad_h = torch.empty((n, h), dtype=dtype, device=h2d.device) if want[0] else None
+    acc = (_WeightGradTriton if on_triton else _WeightGradTorch)(weight, n_chunks) if want[1] else None
+    grad_b = torch.zeros(v, dtype=_acc_dtype(weight), device=h2d.device) if want[2] else None
+    scale_stride = 1 if scale.dim() == 1 else 0
+    for i in range(n_chunks):
+        s, e = i * rows, min(n, (i + 1) * rows)
+        x = h2d[s:e].to(dtype)
+        logits = buf[: e - s]
+        if bias is None:
+            torch.mm(x, weight.t(), out=logits)
+        else:
+            torch.addmm(bias.to(dtype), x, weight.t(), out=logits)
+        chunk_scale = scale[s:e] if scale_stride else scale
+        if on_triton:
+            _ce_rows_kernel[(e - s,)](
+                logits, logits.stride(0), labels[s:e], losses[s:e], chunk_scale, scale_stride, v, ignore_index,
+                float(smoothing), float(softcap or 1.0), float(z_coef),
+                HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=smoothing != 0.0, WRITE_GRAD=write_grad,
+                BLOCK_V=min(4096, triton.next_power_of_2(v)) if not interpreting() else 64,
+                num_warps=8 if not interpreting() else 1,
+            )
+        else:
+            _ce_rows_torch(logits, labels[s:e], losses[s:e], chunk_scale, ignore_index, smoothing, softcap,
+                           z_coef, write_grad)
+        if want[0]:
+            torch.mm(logits, weight, out=grad_h[s:e])
+        if want[1]:
+            acc.add(logits, x)
+        if want[2]:
+            grad_b += logits.sum(0, dtype=grad_b.dtype)
+    del buf
+    grad_w = acc.result() if want[1] else None
+    if grad_b is not None:
+        grad_b = grad_b.to(bias.dtype)
+    return losses, grad_h, grad_w, grad_b
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, normalizer, ignore_index, reduction, smoothing, softcap,
+                z_coef, on_triton):
+        h2d = hidden.reshape(-1, hidden.shape[-1])
+        lab = labels.reshape(-1).to(device=hidden.device, dtype=torch.long)
+        if lab.numel() != h2d.shape[0]:
+            raise ValueError(f"labels {tuple(labels.shape)} do not match hidden {tuple(hidden.shape)}")
+        want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        fp32 = dict(dtype=_acc_dtype(weight), device=hidden.device)
+        if reduction == "none":
+            losses, *_ = _run(h2d, weight, bias, lab, torch.ones((), **fp32), ignore_index, smoothing, softcap,
+                              z_coef, (False, False, False), on_triton)
+            ctx.save_for_backward(hidden, weight, bias, lab)
+            ctx.grads = None
+        else:
+            if reduction == "sum":
+                scale = torch.ones((), **fp32)
+            else:
+                count = (lab != ignore_index).sum() if normalizer is None else normalizer
+                denom = torch.as_tensor(count, **fp32).reshape(())
+                # An all-ignored batch has loss 0 and zero gradients, never 0/0.
+                scale = 1.0 / torch.where(denom == 0, torch.ones_like(denom), denom)
+            losses, *grads = _run(h2d, weight, bias, lab, scale, ignore_index, smoothing, softcap, z_coef,
+                                  want, on_triton)
+            ctx.grads = grads
+        ctx.hidden_dtype = hidden.dtype
+        ctx.cfg = (ignore_index, reduction, smoothing, softcap, z_coef, on_triton, hidden.shape)
+        if reduction == "none":
+            return losses.view(labels.shape)
+        return losses.sum() * scale
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ignore_index, reduction, smoothing, softcap, z_coef, on_triton, shape = ctx.cfg
+        if reduction == "none":
+            hidden, weight, bias, lab = ctx.saved_tensors
+            want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+            scale = grad_out.reshape(-1).to(_acc_dtype(weight)).contiguous()
+            _, gh, gw, gb = _run(hidden.reshape(-1, shape[-1]), weight, bias, lab, scale, ignore_index,
+                                 smoothing, softcap, z_coef, want, on_triton)
+        else:
+            if ctx.grads is None:
+                raise RuntimeError("linear_cross_entropy: backward through the same graph twice is not supported")
+            gh, gw, gb = ctx.grads
+            ctx.grads = None
+            # The gradients were made in the forward for a unit upstream gradient: scale them unless it is 1.
+            if not torch.equal(grad_out, torch.ones_like(grad_out)):
+                g = grad_out.float()
+                gh, gw, gb = (None if t is None else t.mul_(g.to(t.dtype)) for t in (gh, gw, gb))
+        if gh is not None:
+            gh = gh.view(shape).to(ctx.hidden_dtype)
+        return gh, gw, gb, None, None, None, None, None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                         bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+                         normalizer: float | torch.Tensor | None = None, label_smoothing: float = 0.0,
+                         softcap: float | None = None, z_loss: float = 0.0) -> torch.Tensor:
+    """Cross-entropy of `hidden @ weight.T (+ bias)` against `labels`, without materializing the logits.
+
+    hidden: [..., H]; weight: [V, H]; labels: [...], already aligned with hidden (no shift inside).
+    reduction "mean" divides the summed loss by `normalizer` when given (e.g. HF's num_items_in_batch, for
+    gradient accumulation), else by the number of non-ignored labels (an all-ignored batch gives 0).
+    `softcap` c applies c * tanh(logits / c) first; `z_loss` adds z_loss * logsumexp(logits)^2 per token.
+    The loss is fp32 (fp64 for fp64 inputs).
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden's last dim {hidden.shape[-1]} != weight's in_features {weight.shape[1]}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    on_triton = use_triton(hidden, weight) and weight.dtype != torch.float64
+    return LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, normalizer, ignore_index, reduction,
+                                            float(label_smoothing), softcap, float(z_loss), on_triton)

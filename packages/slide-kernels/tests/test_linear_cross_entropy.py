@@ -1,0 +1,181 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from kernels_reference import linear_ce_ref, max_err
+
+import slide_kernels as sk
+
+V, H = 123, 29
+
+
+def _inputs(shape=(3, 47), dtype=torch.float32, device="cpu", ignore_frac=0.2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*shape, H, generator=g).to(device, dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=g) * 0.3).to(device, dtype).requires_grad_()
+    labels = torch.randint(0, V, shape, generator=g)
+    labels[torch.rand(shape, generator=g) < ignore_frac] = -100
+    return hidden, weight, labels.to(device)
+
+
+def _check(hidden, weight, labels, tol=2e-5, **kw):
+    bias = kw.pop("bias", None)
+    loss = sk.linear_cross_entropy(hidden, weight, labels, bias=bias, **kw)
+    up = torch.rand_like(loss)
+    (loss * up).sum().backward()
+    hr, wr = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    br = None if bias is None else bias.detach().double().requires_grad_()
+    ref = linear_ce_ref(hr, wr, labels, bias=br, **kw)
+    (ref * up.double()).sum().backward()
+    assert loss.shape == ref.shape
+    assert max_err(loss, ref) < tol * max(1.0, ref.abs().max().item())
+    assert hidden.grad.dtype == hidden.dtype and weight.grad.dtype == weight.dtype
+    assert max_err(hidden.grad, hr.grad) < tol
+    assert max_err(weight.grad, wr.grad) < tol
+    if bias is not None:
+        assert max_err(bias.grad, br.grad) < tol
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_reductions(path, reduction):
+    _check(*_inputs(), reduction=reduction)
+
+
+@pytest.mark.parametrize("opts", [dict(label_smoothing=0.1), dict(softcap=4.0), dict(z_loss=1e-3),
+                                  dict(label_smoothing=0.2, softcap=2.5, z_loss=1e-2, reduction="none")])
+def test_options(path, opts):
+    _check(*_inputs(seed=1), **opts)
+
+
+def test_bias_and_normalizer(path):
+    hidden, weight, labels = _inputs(seed=2)
+    bias = (torch.randn(V) * 0.1).requires_grad_()
+    _check(hidden, weight, labels, bias=bias, normalizer=torch.tensor(57.0))
+    hidden.grad = weight.grad = None
+    _check(hidden, weight, labels, normalizer=31)
+
+
+def test_many_chunks(path, monkeypatch):
+    # Force small token chunks so the fp32 weight-gradient sum runs over first, middle and last chunks.
+    monkeypatch.setenv("SLIDE_LCE_CHUNK_TOKENS", "32")
+    _check(*_inputs(seed=3), label_smoothing=0.05)
+
+
+def test_matches_torch_linear_cross_entropy(path):
+    hidden, weight, labels = _inputs(seed=4)
+    ours = sk.linear_cross_entropy(hidden, weight, labels)
+    if hasattr(F, "linear_cross_entropy"):
+        theirs = F.linear_cross_entropy(hidden.detach().double().reshape(-1, H), weight.detach().double(),
+                                        labels.reshape(-1), ignore_index=-100)
+    else:  # older torch: the same thing in two steps
+        theirs = F.cross_entropy(hidden.detach().double().reshape(-1, H) @ weight.detach().double().t(),
+                                 labels.reshape(-1))
+    assert max_err(ours, theirs) < 2e-5
+
+
+def test_all_ignored_gives_zero(path):
+    hidden, weight, labels = _inputs(seed=5)
+    labels = torch.full_like(labels, -100)
+    for reduction in ("mean", "sum"):
+        hidden.grad = weight.grad = None
+        loss = sk.linear_cross_entropy(hidden, weight, labels, reduction=reduction)
+        loss.backward()
+        assert loss.item() == 0.0
+        assert torch.isfinite(hidden.grad).all() and hidden.grad.abs().max().item() == 0.0
+        assert weight.grad.abs().max().item() == 0.0
+
+
+def test_no_grad_and_frozen_weight(path):
+    hidden, weight, labels = _inputs(seed=6)
+    with torch.no_grad():
+        loss = sk.linear_cross_entropy(hidden, weight, labels)
+    assert max_err(loss, linear_ce_ref(hidden.detach(), weight.detach(), labels)) < 2e-5
+    weight.requires_grad_(False)
+    sk.linear_cross_entropy(hidden, weight, labels).backward()
+    assert hidden.grad is not None and weight.grad is None
+
+
+def test_bf16_weight_grad_is_rounded_fp32_sum(monkeypatch):
+    # The split-plane fp32 accumulator must give the bf16 rounding of the fp32 sum of per-chunk terms.
+    from slide_kernels.ops.linear_cross_entropy import _WeightGradTriton
+    if not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton path")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(7)
+    acc = _WeightGradTriton(torch.zeros(37, 29, dtype=torch.bfloat16, device=device), 3)
+    exact = torch.zeros(37, 29, dtype=torch.float64)
+    for i in range(3):
+        g = torch.randn(11, 37).bfloat16().to(device)
+        x = (torch.randn(11, 29) * 10**i).bfloat16().to(device)
+        acc.add(g, x)
+        exact += g.double().cpu().t() @ x.double().cpu()
+    got = acc.result().cpu()
+    assert got.dtype == torch.bfloat16
+    # Within one bf16 rounding of the exact sum (fp32 accumulation error is far below that).
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+
+
+def test_module(path):
+    hidden, weight, labels = _inputs(seed=8)
+    m = sk.LinearCrossEntropy(label_smoothing=0.1)
+    got = m(hidden, weight, labels)
+    assert max_err(got, linear_ce_ref(hidden.detach(), weight.detach(), labels, label_smoothing=0.1)) < 2e-5
+
+
+def test_bad_arguments():
+    hidden, weight, labels = _inputs()
+    with pytest.raises(ValueError, match="reduction"):
+        sk.linear_cross_entropy(hidden, weight, labels, reduction="avg")
+    with pytest.raises(ValueError, match="in_features"):
+        sk.linear_cross_entropy(hidden[..., :5], weight, labels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", [dict(), dict(label_smoothing=0.1, z_loss=1e-4), dict(softcap=30.0)])
+def test_gpu_bf16_tolerance(opts):
+    torch.manual_seed(0)
+    n, h, v = 3 * 777, 1024, 32003
+    hidden = torch.randn(3, 777, h, device="cuda").bfloat16().requires_grad_()
+    weight = (torch.randn(v, h, device="cuda") * 0.05).bfloat16().requires_grad_()
+    labels = torch.randint(0, v, (3, 777), device="cuda")
+    labels[:, :50] = -100
+    loss = sk.linear_cross_entropy(hidden, weight, labels, **opts)
+    loss.backward()
+    ours = (loss, hidden.grad, weight.grad)
+    hidden.grad = weight.grad = None
+    # Same-dtype peer: bf16 logits from torch, fp32 softmax, as eager HF training does.
+    z = (hidden @ weight.t()).float()
+    if "softcap" in opts:
+        z = opts["softcap"] * torch.tanh(z / opts["softcap"])
+    peer_loss = F.cross_entropy(z.view(n, v), labels.view(-1), label_smoothing=opts.get("label_smoothing", 0.0),
+                                reduction="none")
+    peer_loss = peer_loss + opts.get("z_loss", 0.0) * torch.logsumexp(z.view(n, v), -1) ** 2 * (labels.view(-1) >= 0)
+    peer_loss = peer_loss.sum() / (labels >= 0).sum()
+    peer_loss.backward()
+    peer = (peer_loss, hidden.grad, weight.grad)
+    hr, wr = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref = linear_ce_ref(hr, wr, labels, **opts)
+    ref.backward()
+    for name, o, p, r in zip(("loss", "grad_hidden", "grad_weight"), ours, peer, (ref, hr.grad, wr.grad)):
+        assert max_err(o, r) <= 1.25 * max_err(p, r) + 1e-2 * r.abs().max().item(), name
+
+
+@pytest.mark.gpu
+def test_gpu_int64_offsets():
+    # N * V > 2^31 (the whole logits would not fit int32 indexing); the logits are never materialized.
+    torch.manual_seed(0)
+    n, h, v = 17000, 64, 128256
+    hidden = (torch.randn(n, h, device="cuda") * 0.5).bfloat16().requires_grad_()
+    weight = (torch.randn(v, h, device="cuda") * 0.5).bfloat16().requires_grad_()
+    labels = torch.randint(0, v, (n,), device="cuda")
+    assert n * v > 2**31
+    loss = sk.linear_cross_entropy(hidden, weight, labels)
+    loss.backward()
+    ref = torch.zeros((), dtype=torch.float64, device="cuda")
+    for s in range(0, n, 2048):
+        z = (hidden[s:s + 2048].double() @ weight.double().t())
+        ref += F.cross_entropy(z, labels[s:s + 2048], reduction="sum")
+    ref /= n
+    assert abs(loss.item() - ref.item()) < 2e-3 * abs(ref.item())
+    assert torch.isfinite(weight.grad.float()).all() and torch.isfinite(hidden.grad.float()).all()
+    # The last rows' gradient is as large as the first rows' (no wrapped offsets writing elsewhere).
+    assert hidden.grad[-100:].float().abs().mean() > 0.1 * hidden.grad[:100].float().abs().mean()

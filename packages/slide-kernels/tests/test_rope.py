@@ -1,0 +1,78 @@
+import pytest
+import torch
+from kernels_reference import max_err, rope_ref
+
+import slide_kernels as sk
+
+
+def _inputs(bsz, hq, hk, t, d, unsqueeze_dim, cos_batch, dtype=torch.float32, device="cpu"):
+    if unsqueeze_dim == 1:
+        q = torch.randn(bsz, hq, t, d, dtype=dtype, device=device)
+        k = torch.randn(bsz, hk, t, d, dtype=dtype, device=device)
+    else:
+        q = torch.randn(bsz, t, hq, d, dtype=dtype, device=device)
+        k = torch.randn(bsz, t, hk, d, dtype=dtype, device=device)
+    pos = torch.arange(t, device=device, dtype=torch.float32)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    freqs = torch.outer(pos, inv)
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    if cos_batch:
+        cos, sin = cos.expand(cos_batch, t, d).contiguous(), sin.expand(cos_batch, t, d).contiguous()
+    return q.requires_grad_(), k.requires_grad_(), cos, sin
+
+
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+@pytest.mark.parametrize("cos_batch", [None, 1, 3])
+def test_forward_backward_fp32(path, unsqueeze_dim, cos_batch):
+    torch.manual_seed(0)
+    q, k, cos, sin = _inputs(3, 5, 3, 47, 10, unsqueeze_dim, cos_batch)
+    qo, ko = sk.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    dq, dk = torch.randn_like(qo), torch.randn_like(ko)
+    ((qo * dq).sum() + (ko * dk).sum()).backward()
+    qr, kr = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    c, s = (cos, sin) if cos_batch else (cos[None], sin[None])
+    qor, kor = rope_ref(qr, kr, c, s, unsqueeze_dim)
+    ((qor * dq.double()).sum() + (kor * dk.double()).sum()).backward()
+    assert qo.shape == q.shape and ko.shape == k.shape
+    for a, b in ((qo, qor), (ko, kor), (q.grad, qr.grad), (k.grad, kr.grad)):
+        assert max_err(a, b) < 1e-5
+
+
+def test_transposed_views(path):
+    # HF builds q as view(B, T, H, D).transpose(1, 2): a non-contiguous input must work and keep its layout.
+    torch.manual_seed(1)
+    base = torch.randn(2, 9, 4, 8, requires_grad=True)
+    q = base.transpose(1, 2)
+    kbase = torch.randn(2, 9, 2, 8, requires_grad=True)
+    k = kbase.transpose(1, 2)
+    _, _, cos, sin = _inputs(2, 4, 2, 9, 8, 1, 2)
+    qo, ko = sk.rope(q, k, cos, sin)
+    (qo.sum() + 2 * ko.sum()).backward()
+    qr, kr = rope_ref(q.detach(), k.detach(), cos, sin)
+    assert max_err(qo, qr) < 1e-5 and max_err(ko, kr) < 1e-5
+    b2 = base.detach().double().requires_grad_()
+    k2 = kbase.detach().double().requires_grad_()
+    qr2, kr2 = rope_ref(b2.transpose(1, 2), k2.transpose(1, 2), cos, sin)
+    (qr2.sum() + 2 * kr2.sum()).backward()
+    assert max_err(base.grad, b2.grad) < 1e-5 and max_err(kbase.grad, k2.grad) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_tolerance():
+    torch.manual_seed(0)
+    q, k, cos, sin = _inputs(2, 32, 8, 333, 128, 1, 2, torch.bfloat16, "cuda")
+    from slide_kernels.ops.rope import rope_torch
+    dq = torch.randn_like(q)
+    dk = torch.randn_like(k)
+    outs = []
+    for fn in (sk.rope, rope_torch):
+        q.grad = k.grad = None
+        qo, ko = fn(q, k, cos, sin)
+        ((qo * dq).sum() + (ko * dk).sum()).backward()
+        outs.append((qo, ko, q.grad, k.grad))
+    qr, kr = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    qor, kor = rope_ref(qr, kr, cos, sin)
+    ((qor * dq.double()).sum() + (kor * dk.double()).sum()).backward()
+    for ours, peer, ref in zip(outs[0], outs[1], (qor, kor, qr.grad, kr.grad)):
+        assert max_err(ours, ref) <= 1.1 * max_err(peer, ref) + 1e-3
