@@ -154,14 +154,60 @@ def test_evaluate_equals_the_reference_loss_and_changes_nothing():
 def test_each_block_visits_a_slot_once_per_pass():
     engine, *_ = run_both(window=2, offload="none", clip=None, tied=False, steps=1)
     loads = []
-    original = engine._load
+    original = engine._stage
 
-    def spy(block):
+    def spy(block, boundary, micro):
         loads.append(block)
-        return original(block)
+        return original(block, boundary, micro)
 
-    engine._load = spy
+    engine._stage = spy
     step = batches(seed=2, steps=1, micro=3)[0]
     engine.step(step, lr=1e-3, normalizer=10)
     # Layer-major: one visit per block in forward, one in backward, whatever the number of micro-batches.
     assert loads == [0, 1, 2, 3, 3, 2, 1, 0]
+
+
+def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None):
+    torch.manual_seed(0)
+    model = Model(tied=True)
+    engine = SlidingEngine(ToyStack(model), EngineConfig(device="cpu", window=window, activation_offload="cpu",
+                                                         max_grad_norm=clip, pipeline=pipeline,
+                                                         optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
+    for name, seconds in (delays or {}).items():
+        getattr(engine, name).delay = seconds
+    if patch:
+        patch(engine)
+    losses = []
+    for step in batches(seed=4, steps=steps, micro=3):
+        n = sum(int((b["targets"] != -100).sum()) for b in step)
+        losses.append(engine.step(step, lr=1e-2, normalizer=n).loss)
+    masters = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}
+    engine.close()
+    return losses, masters
+
+
+@pytest.mark.parametrize("slow", ["h2d", "d2h", "updater"])
+@pytest.mark.parametrize("window", [1, 2, 3])
+@pytest.mark.parametrize("clip", [0.05, None])
+def test_pipeline_is_bitwise_the_synchronous_engine_whatever_is_slow(slow, window, clip):
+    """Delays in one worker shift every overlap; ordering rules (no update before its gradient has arrived, no
+    load of a block before its update is done, no slot reuse before compute and copy-out are done) keep the
+    result identical to the synchronous schedule."""
+    ref_losses, ref = run_engine(pipeline=False, window=window, clip=clip)
+    losses, got = run_engine(pipeline=True, window=window, clip=clip, delays={slow: 0.004})
+    assert losses == ref_losses
+    for unit, params in ref.items():
+        for name, t in params.items():
+            assert got[unit][name].equal(t), f"{unit}.{name}"
+
+
+def test_a_missing_wait_is_caught_by_the_delay_tests():
+    """The check above can fail: drop the wait for a block's update before loading it, slow the updater down,
+    and stale parameters reach the next forward."""
+    _, ref = run_engine(pipeline=False, window=2, clip=0.05)
+
+    def forget_update_waits(engine):
+        engine.updater.wait = lambda index: None
+
+    _, got = run_engine(pipeline=True, window=2, clip=0.05, delays={"updater": 0.01}, patch=forget_update_waits)
+    assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())

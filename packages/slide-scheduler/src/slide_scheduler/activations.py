@@ -1,7 +1,8 @@
 """Boundary activations: the hidden state entering each block, per micro-batch, kept for the backward recompute.
 
-They are the only activations kept across a step (everything inside a block is recomputed), and they can live on
-the device or on the host ("cpu" tier) so that device memory does not grow with depth.
+They are the only activations kept across a step (everything inside a block is recomputed). With the `cpu` tier
+each one is copied to a host buffer on the device-to-host lane as soon as it is produced, and copied back on the
+host-to-device lane ahead of its block in backward, so device memory does not grow with depth.
 """
 
 from __future__ import annotations
@@ -10,30 +11,49 @@ import torch
 
 from slide_memory import host_empty
 
+from .lanes import DONE, Lane, Signal
+
 
 class ActivationStore:
-    def __init__(self, tier: str, device: torch.device):
+    def __init__(self, tier: str, device: torch.device, d2h: Lane, h2d: Lane, compute: Lane):
         if tier not in ("none", "cpu"):
             raise ValueError(f"activation tier must be 'none' (keep on device) or 'cpu', got {tier!r}")
         self.offload = tier == "cpu"  # on a CPU device this still copies, so CI exercises the same path
-        self.device = device
-        self._saved: dict[tuple[int, int], torch.Tensor] = {}
+        self.device, self.d2h, self.h2d, self.compute = device, d2h, h2d, compute
+        self._saved: dict[tuple[int, int], tuple[torch.Tensor, Signal]] = {}
 
-    def put(self, boundary: int, micro: int, hidden: torch.Tensor) -> None:
+    def put(self, boundary: int, micro: int, hidden: torch.Tensor, produced: Signal) -> None:
+        """Keep `hidden` (made on the compute lane; `produced` holds once it is written)."""
         if not self.offload:
-            self._saved[boundary, micro] = hidden
+            self._saved[boundary, micro] = (hidden, DONE)
             return
-        buf = self._saved.get((boundary, micro))
-        if buf is None or buf.shape != hidden.shape or buf.dtype != hidden.dtype:
-            # First step (or a new shape): the host buffer is kept and reused by every later step.
+        old = self._saved.get((boundary, micro))
+        buf = old[0] if old is not None and old[0].shape == hidden.shape and old[0].dtype == hidden.dtype else None
+        if buf is None:  # first step (or a new shape): kept and reused by every later step
             buf = host_empty(hidden.numel(), hidden.dtype).view(hidden.shape)
-            self._saved[boundary, micro] = buf
-        buf.copy_(hidden)
+        self.d2h.wait(produced)
+        self.d2h.run(buf.copy_, hidden, True)
+        if self.d2h.stream is not None:
+            hidden.record_stream(self.d2h.stream)  # its memory must outlive the copy
+        self._saved[boundary, micro] = (buf, self.d2h.record())
 
-    def get(self, boundary: int, micro: int) -> torch.Tensor:
-        """The saved activation on the device, detached and ready to take a gradient."""
-        saved = self._saved[boundary, micro]
-        return saved.to(self.device).detach().requires_grad_()
+    def fetch(self, boundary: int, micro: int) -> torch.Tensor:
+        """The saved activation as a device tensor, queued on the host-to-device lane (call `arrived()` next)."""
+        saved, stored = self._saved[boundary, micro]
+        if not self.offload:
+            return saved
+        self.h2d.wait(stored)
+        if self.h2d.stream is not None:
+            with torch.cuda.stream(self.h2d.stream):  # allocated on the copy stream, used on compute
+                out = torch.empty_like(saved, device=self.device)
+            out.record_stream(self.compute.stream)
+        else:
+            out = torch.empty_like(saved, device=self.device)
+        self.h2d.run(out.copy_, saved, True)
+        return out
+
+    def arrived(self) -> Signal:
+        return self.h2d.record() if self.offload else DONE
 
     def host_bytes(self) -> int:
-        return sum(t.nbytes for t in self._saved.values()) if self.offload else 0
+        return sum(t.nbytes for t, _ in self._saved.values()) if self.offload else 0

@@ -1,17 +1,23 @@
 """The layer-sliding engine: trains a `Stack` whose blocks live on the host and visit the device in slots.
 
-One optimizer step over a list of micro-batches (DESIGN.md section 3):
-  forward   head, then block by block: load block i into a slot, run every micro-batch through it (no grad),
-            save each output boundary activation
+One optimizer step over a list of micro-batches (DESIGN.md section 3), as queued work on three lanes (compute,
+host-to-device, device-to-host) plus a host optimizer thread:
+  forward   head, then block by block: each block is loaded into a slot ahead of its turn (h2d lane, while the
+            previous block computes) and runs every micro-batch there (layer-major); each output boundary
+            activation goes to the host on the d2h lane
   tail      loss and the gradient w.r.t. the last boundary activation, per micro-batch
-  backward  block by block in reverse: load, recompute + backward per micro-batch (grads accumulate in the
-            slot), gradient to the host
+  backward  block by block in reverse: load params + boundary activations ahead, recompute + backward per
+            micro-batch (grads accumulate in the slot), gradient to the host on the d2h lane
   head      embedding backward
-  update    exact global grad-norm clipping, then AdamW on the host over fp32 masters, one unit at a time,
-            and fresh compute-dtype copies for the next step
+  update    AdamW on the host over fp32 masters, one unit at a time, on the optimizer thread
 
-This engine is synchronous: each copy and update runs in order on the calling thread. It runs unchanged with
-device = cpu, which is how CI checks it against plain PyTorch.
+Exact global grad-norm clipping needs every gradient before any update, so with clipping on, the updates of a
+step run while the *next* step's forward goes (each block's load waits for its own update); without clipping
+they start during backward, as soon as each block's gradient reaches the host. Per-block squared norms are
+reduced on the device, so the clip needs one small read at the end of backward.
+
+`pipeline=False` runs the very same schedule with every lane inline and the optimizer on the calling thread:
+the synchronous engine, kept as the reference the pipelined one is tested against.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from torch import nn
 from slide_memory import AdamWConfig, FlatLayout, HostAdamW, SlotQueue, host_empty, host_zeros
 
 from .activations import ActivationStore
+from .lanes import DONE, Lane, Signal
 from .stack import Batch, Stack
+from .updater import HostUpdater
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -39,6 +47,7 @@ class EngineConfig:
     activation_offload: str = "cpu"  # none | cpu
     max_grad_norm: float | None = 1.0
     optimizer: AdamWConfig = field(default_factory=AdamWConfig)
+    pipeline: bool = True  # False: the synchronous reference schedule (everything in order on one thread)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -86,6 +95,10 @@ class SlidingEngine:
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         self.num_blocks = stack.num_blocks
+        inline = not config.pipeline
+        self.compute = Lane("compute", self.device, inline=True)
+        self.h2d = Lane("h2d", self.device, inline=inline)
+        self.d2h = Lane("d2h", self.device, inline=inline)
 
         # Edges: head + tail parameters, resident on the device in one flat buffer for the whole run.
         self.edges = stack.make_edges()
@@ -107,110 +120,178 @@ class SlidingEngine:
             for i in range(self.num_blocks):
                 stack.load_block(i, block_layout.views(self.units[i + 1].master))
         self.slots = SlotQueue(block_layout, stack.make_block, config.window, self.device, self.dtype)
+        for slot in self.slots.slots:
+            slot.free = DONE  # compute is done with the slot's contents
+            slot.drained = DONE  # the slot's gradient has been copied out
 
         self.optimizer = HostAdamW([u.master for u in self.units], config.optimizer)
-        self._grad32 = torch.empty(max(u.layout.numel for u in self.units), dtype=torch.float32)
-        self.activations = ActivationStore(config.activation_offload, self.device)
-        self.refresh()
+        for unit in self.units:
+            unit.refresh()
+        self.updater = HostUpdater(self.optimizer, self.units, inline=inline)
+        self.activations = ActivationStore(config.activation_offload, self.device, self.d2h, self.h2d, self.compute)
+        # Squared gradient norm of each unit, reduced on the device as gradients are made.
+        self._sq_norms = torch.zeros(len(self.units), dtype=torch.float32, device=self.device)
+        self._edges_loaded: Signal | None = None
+        self.pending_update = False
 
     # -- parameters ---------------------------------------------------------------------------------------------
 
+    def synchronize(self) -> None:
+        """Wait for every queued update: afterwards the fp32 masters are the model."""
+        self.updater.wait_all()
+
     def refresh(self) -> None:
-        """Bring compute copies and the resident edge parameters up to date with the fp32 masters."""
+        """After masters were changed from outside (a checkpoint load): rebuild every compute copy."""
+        self.synchronize()
         for unit in self.units:
             unit.refresh()
-        self.edge_params.copy_(self.units[0].compute)
+        self._edges_loaded = None
 
     def unit_names(self) -> list[str]:
         return ["edges"] + [f"block.{i}" for i in range(self.num_blocks)]
 
     def named_masters(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Unit name ('edges', 'block.<i>') -> parameter name -> fp32 master view."""
+        """Unit name ('edges', 'block.<i>') -> parameter name -> fp32 master view (after pending updates)."""
+        self.synchronize()
         return {name: u.layout.views(u.master) for name, u in zip(self.unit_names(), self.units)}
 
-    def _load(self, block: int):
+    # -- loading units --------------------------------------------------------------------------------------------
+
+    def _load_edges(self) -> None:
+        """Refresh the resident edge parameters once their pending update is done."""
+        if self._edges_loaded is None:
+            self.updater.wait(0)
+            self.h2d.run(self.edge_params.copy_, self.units[0].compute, True)
+            self._edges_loaded = self.h2d.record()
+        self.compute.wait(self._edges_loaded)
+
+    def _stage(self, block: int, boundary: int | None, micro: int):
+        """Queue block `block` into the next slot (and, for backward, its input activations) on the h2d lane."""
         slot = self.slots.next()
-        slot.load(self.units[block + 1].compute, block)
-        return slot
+        self.updater.wait(block + 1)  # a block is never loaded before its update has finished
+        self.h2d.wait(slot.free)
+        self.h2d.run(slot.params.copy_, self.units[block + 1].compute, True)
+        slot.unit = block
+        acts = None
+        if boundary is not None:
+            acts = [self.activations.fetch(boundary, j) for j in range(micro)]
+        slot.ready = self.h2d.record()
+        return slot, acts
 
     # -- one optimizer step -------------------------------------------------------------------------------------
 
     def step(self, micro_batches: list[Batch], *, lr: float, normalizer: float) -> StepStats:
         """Forward, backward and AdamW update over `micro_batches`; the loss is normalized by `normalizer`."""
         clock = _Clock(self.device)
-        n, acts = self.num_blocks, self.activations
+        n, m, window = self.num_blocks, len(micro_batches), len(self.slots)
         batches = self._to_device(micro_batches)
-        contexts = self._forward(batches)
+        hidden, contexts = self._forward(batches)
         clock.lap("forward")
 
         self.edge_grads.zero_()
+        self._sq_norms.zero_()
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         grads = []
         for j, batch in enumerate(batches):
-            hidden = acts.get(n, j)
-            share = self.edges.tail(hidden, batch, normalizer)
+            h = hidden[j].detach().requires_grad_()
+            share = self.edges.tail(h, batch, normalizer)
             share.backward()
             loss += share.detach().float()
-            grads.append(hidden.grad)
+            grads.append(h.grad)
+        del hidden
         clock.lap("tail")
 
+        clip = self.config.max_grad_norm
+        drained: list[Signal] = [DONE] * len(self.units)
+        staged = {n - 1: self._stage(n - 1, n - 1, m)}
         for i in reversed(range(n)):
-            slot = self._load(i)
+            slot, acts = staged.pop(i)
+            self.compute.wait(slot.ready)
+            self.compute.wait(slot.drained)  # the slot's last gradient has left before it is zeroed
             slot.grads.zero_()
             for j, ctx in enumerate(contexts):
-                hidden = acts.get(i, j)
-                slot.module(hidden, ctx).backward(grads[j])
-                grads[j] = hidden.grad
-            self.units[i + 1].grad.copy_(slot.grads)
+                h = acts[j].detach().requires_grad_()
+                slot.module(h, ctx).backward(grads[j])
+                grads[j] = h.grad
+            self._sq_norms[i + 1] = torch.linalg.vector_norm(slot.grads, dtype=torch.float32).square()
+            slot.free = self.compute.record()
+            self.d2h.wait(slot.free)
+            self.d2h.run(self.units[i + 1].grad.copy_, slot.grads, True)
+            slot.drained = drained[i + 1] = self.d2h.record()
+            if not clip:  # no clipping: the update can start as soon as the gradient is on the host
+                self.updater.submit(i + 1, slot.drained, lr, 1.0)
+            for k in range(i - 1, max(i - window - 1, -1), -1):  # prefetch: every slot not in use
+                if k not in staged:
+                    staged[k] = self._stage(k, k, m)
         for j, batch in enumerate(batches):
-            hidden, _ = self.edges.head(batch)
-            hidden.backward(grads[j])
-        self.units[0].grad.copy_(self.edge_grads)
+            h, _ = self.edges.head(batch)
+            h.backward(grads[j])
+        self._sq_norms[0] = torch.linalg.vector_norm(self.edge_grads, dtype=torch.float32).square()
+        done = self.compute.record()
+        self.d2h.wait(done)
+        self.d2h.run(self.units[0].grad.copy_, self.edge_grads, True)
+        edge_drained = self.d2h.record()
         clock.lap("backward")
 
-        grad_norm = self._update(lr)
+        # The one read of the step: loss and the per-unit squared norms (the clip needs the global norm).
+        sq = self._sq_norms.tolist()
+        grad_norm = math.sqrt(sum(sq))
+        scale = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
+        self.updater.submit(0, edge_drained, lr, scale)
+        if clip:
+            for i in range(n):
+                self.updater.submit(i + 1, drained[i + 1], lr, scale)
+        self._edges_loaded = None
+        loss_value = loss.item()
+        if not self.config.pipeline:
+            self.synchronize()
         clock.lap("update")
-        return StepStats(loss=loss.item(), grad_norm=grad_norm, seconds=clock.total, phases=clock.laps)
+        return StepStats(loss=loss_value, grad_norm=grad_norm, seconds=clock.total, phases=clock.laps)
 
     def evaluate(self, micro_batches: list[Batch], *, normalizer: float) -> float:
         """The loss over `micro_batches` (normalized by `normalizer`) with no gradient and no update."""
         batches = self._to_device(micro_batches)
         with torch.no_grad():
-            contexts = self._forward(batches)
-            del contexts
-            loss = sum(float(self.edges.tail(self.activations.get(self.num_blocks, j), batch, normalizer))
-                       for j, batch in enumerate(batches))
+            hidden, _ = self._forward(batches, keep=False)
+            loss = sum(float(self.edges.tail(h, batch, normalizer)) for h, batch in zip(hidden, batches))
         return loss
 
     def _to_device(self, micro_batches: list[Batch]) -> list[Batch]:
         return [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
 
     @torch.no_grad()
-    def _forward(self, batches: list[Batch]) -> list:
+    def _forward(self, batches: list[Batch], keep: bool = True):
         """Head and blocks, layer-major: each block visits a slot once and sees every micro-batch there."""
-        acts, contexts = self.activations, []
-        for j, batch in enumerate(batches):
-            hidden, ctx = self.edges.head(batch)
+        n, window, acts = self.num_blocks, len(self.slots), self.activations
+        self._load_edges()
+        hidden, contexts = [], []
+        for batch in batches:
+            h, ctx = self.edges.head(batch)
+            hidden.append(h)
             contexts.append(ctx)
-            acts.put(0, j, hidden)
-        for i in range(self.num_blocks):
-            slot = self._load(i)
-            for j, ctx in enumerate(contexts):
-                acts.put(i + 1, j, slot.module(acts.get(i, j), ctx))
-        return contexts
+        if keep:
+            made = self.compute.record()
+            for j, h in enumerate(hidden):
+                acts.put(0, j, h, made)
+        staged = {0: self._stage(0, None, 0)} if n else {}
+        for i in range(n):
+            slot, _ = staged.pop(i)
+            self.compute.wait(slot.ready)
+            hidden = [slot.module(h, ctx) for h, ctx in zip(hidden, contexts)]
+            slot.free = self.compute.record()
+            if keep:
+                for j, h in enumerate(hidden):
+                    acts.put(i + 1, j, h, slot.free)
+            for k in range(i + 1, min(i + window + 1, n)):  # prefetch: every slot not in use
+                if k not in staged:
+                    staged[k] = self._stage(k, None, 0)
+        return hidden, contexts
 
-    def _update(self, lr: float) -> float:
-        # Exact global clipping needs every gradient first: the norm is taken over all units before any update.
-        sq = sum(float(torch.linalg.vector_norm(u.grad, dtype=torch.float32)) ** 2 for u in self.units)
-        grad_norm = math.sqrt(sq)
-        max_norm = self.config.max_grad_norm
-        scale = min(1.0, max_norm / (grad_norm + 1e-6)) if max_norm else 1.0
-        for index, unit in enumerate(self.units):
-            grad32 = self._grad32[: unit.layout.numel]
-            grad32.copy_(unit.grad)
-            self.optimizer.step_unit(index, grad32, lr, scale)
-        self.refresh()
-        return grad_norm
+    def close(self) -> None:
+        self.synchronize()
+        self.updater.close()
+        for lane in (self.h2d, self.d2h):
+            lane.close()
 
 
 class _Clock:

@@ -51,6 +51,7 @@ def save_checkpoint(root: pathlib.Path, step: int, engine, trainer_state: dict) 
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    engine.synchronize()  # updates of the last step may still be running on the optimizer thread
     for index, name in enumerate(engine.unit_names()):
         tensors = {"master": engine.units[index].master}
         tensors.update({f"adamw.{k}": v for k, v in engine.optimizer.state_tensors(index).items()})
@@ -116,6 +117,7 @@ def find_resumable(root: pathlib.Path) -> pathlib.Path | None:
 def load_checkpoint(path: pathlib.Path, engine) -> dict:
     """Restore masters and optimizer states into `engine` (after verifying); returns trainer.json."""
     verify(path)
+    engine.synchronize()
     for index, name in enumerate(engine.unit_names()):
         try:
             tensors = load_file(str(path / unit_file(name)))

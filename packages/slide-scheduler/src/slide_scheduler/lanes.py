@@ -1,0 +1,122 @@
+"""Lanes: the three places work is queued (compute, host-to-device, device-to-host) and the signals that order
+them.
+
+On CUDA a lane is a stream and a signal is an event: queuing never blocks the Python thread, and the GPU runs
+copies and compute side by side. On the CPU a copy lane is a single worker thread and a signal is a future, so
+the CPU run of the engine has the same concurrency, the same ordering rules and the same races to get right;
+that is what lets CI test the pipeline. The compute lane on the CPU is the calling thread itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+
+class Signal:
+    """Something that becomes true once: a CUDA event, a future, or already done."""
+
+    def wait_host(self) -> None:  # block the calling thread until it holds
+        pass
+
+
+class Done(Signal):
+    pass
+
+
+DONE = Done()
+
+
+class CudaSignal(Signal):
+    def __init__(self, event: torch.cuda.Event):
+        self.event = event
+
+    def wait_host(self) -> None:
+        self.event.synchronize()
+
+
+class FutureSignal(Signal):
+    def __init__(self, future: Future):
+        self.future = future
+
+    def wait_host(self) -> None:
+        self.future.result()
+
+
+class HostSignal(Signal):
+    """Set by a host thread (the optimizer worker) when its work on a unit is done."""
+
+    def __init__(self):
+        self._event = threading.Event()
+        self._event.set()
+        self.error: BaseException | None = None
+
+    def clear(self) -> None:
+        self._event.clear()
+
+    def set(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._event.set()
+
+    def wait_host(self) -> None:
+        self._event.wait()
+        if self.error is not None:
+            raise RuntimeError("the host optimizer worker failed") from self.error
+
+
+class Lane:
+    """An ordered queue of device work. `run(fn)` queues fn; `record()` is a signal for everything queued so
+    far; `wait(signal)` makes everything queued later wait for it."""
+
+    def __init__(self, name: str, device: torch.device, inline: bool = False):
+        self.name = name
+        self.device = device
+        self.delay = 0.0  # tests: seconds each queued task sleeps first, to shake out missing waits
+        self.stream = None
+        self._pool = None
+        if device.type == "cuda":
+            self.stream = torch.cuda.current_stream(device) if inline else torch.cuda.Stream(device)
+        elif not inline:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"slide-{name}")
+
+    def run(self, fn, *args) -> None:
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                fn(*args)
+        elif self._pool is not None:
+            self._pool.submit(self._task, fn, *args)
+        else:
+            self._sleep()
+            fn(*args)
+
+    def record(self) -> Signal:
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            return CudaSignal(event)
+        if self._pool is not None:
+            return FutureSignal(self._pool.submit(lambda: None))
+        return DONE
+
+    def wait(self, signal: Signal) -> None:
+        if self.stream is not None and isinstance(signal, CudaSignal):
+            self.stream.wait_event(signal.event)
+        elif self._pool is not None:
+            self._pool.submit(signal.wait_host)
+        else:
+            signal.wait_host()
+
+    def _task(self, fn, *args) -> None:
+        self._sleep()
+        fn(*args)
+
+    def _sleep(self) -> None:
+        if self.delay:
+            time.sleep(self.delay)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

@@ -1,0 +1,74 @@
+"""The host optimizer worker: one thread that applies AdamW to units in the order they are submitted.
+
+A unit's update waits for its gradient to arrive on the host (a lane signal), runs AdamW over its fp32 master,
+writes the fresh compute-dtype copy, and then sets the unit's `done` signal, which is what every later load of
+that unit waits for. One thread, because torch's CPU AdamW already uses every core inside one call.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+from .lanes import HostSignal, Signal
+
+
+class HostUpdater:
+    def __init__(self, optimizer, units, inline: bool = False):
+        self.optimizer = optimizer
+        self.units = units
+        self.done = [HostSignal() for _ in units]
+        self.delay = 0.0  # tests: seconds each update sleeps first
+        self.spans: list[tuple[int, float, float]] = []  # (unit, start, end) host times, for the timeline
+        self._grad32 = torch.empty(max(u.layout.numel for u in units), dtype=torch.float32)
+        self._queue: queue.Queue | None = None
+        if not inline:
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._loop, name="slide-updater", daemon=True)
+            self._thread.start()
+
+    def submit(self, index: int, after: Signal, lr: float, grad_scale: float) -> None:
+        """Update unit `index` once `after` holds (its gradient is on the host)."""
+        self.done[index].clear()
+        if self._queue is None:
+            self._apply(index, after, lr, grad_scale)
+        else:
+            self._queue.put((index, after, lr, grad_scale))
+
+    def wait(self, index: int) -> None:
+        self.done[index].wait_host()
+
+    def wait_all(self) -> None:
+        for signal in self.done:
+            signal.wait_host()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self._apply(*item)
+
+    def _apply(self, index: int, after: Signal, lr: float, grad_scale: float) -> None:
+        try:
+            after.wait_host()
+            if self.delay:
+                time.sleep(self.delay)
+            start = time.perf_counter()
+            unit = self.units[index]
+            grad = self._grad32[: unit.layout.numel]
+            grad.copy_(unit.grad)
+            self.optimizer.step_unit(index, grad, lr, grad_scale)
+            unit.refresh()
+            self.spans.append((index, start, time.perf_counter()))
+            self.done[index].set()
+        except BaseException as e:  # surfaced in the training thread by the next wait on this unit
+            self.done[index].set(error=e)
+
+    def close(self) -> None:
+        if self._queue is not None:
+            self._queue.put(None)
+            self._thread.join()
