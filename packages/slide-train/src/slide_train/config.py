@@ -48,6 +48,8 @@ class EngineSection:
     activation_offload: str = "cpu"  # none | cpu
     optimizer_offload: OptimizerOffloadConfig = field(default_factory=OptimizerOffloadConfig)
     states_dtype: str = "fp32"  # fp32 (bf16 is planned)
+    kernels: str = "auto"  # auto (slide-kernels' Triton RMSNorm/RoPE/SwiGLU on CUDA) | on | off
+    pipeline: bool = True  # false: the synchronous reference schedule (no overlap)
 
 
 @dataclass
@@ -85,6 +87,7 @@ CHOICES = {
     "engine.compute_dtype": ("auto", "bf16", "fp32"),
     "engine.activation_offload": ("none", "cpu"),
     "engine.states_dtype": ("fp32",),
+    "engine.kernels": ("auto", "on", "off"),
     "export_dtype": ("auto", "bf16", "fp16", "fp32"),
 }
 
@@ -129,7 +132,9 @@ def _coerce(kind, value, key: str):
             raise ConfigError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
         return kind(value)
     if kind is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        if isinstance(value, bool):  # YAML 1.1 reads on/off/yes/no as booleans
+            return "on" if value else "off"
+        if not isinstance(value, (str, int, float)):
             raise ConfigError(f"{key} must be a string, got {value!r}")
         return str(value)
     return value

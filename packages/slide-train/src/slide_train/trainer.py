@@ -30,12 +30,12 @@ from .models.build import check_fits, load_model
 from .schedule import lr_at
 
 
-def build_engine(cfg: TrainConfig, stack) -> SlidingEngine:
+def build_engine(cfg: TrainConfig, model) -> SlidingEngine:
     e = cfg.engine
     opt = cfg.optimizer
     engine_cfg = EngineConfig(
         device=e.device, compute_dtype=e.compute_dtype, window=e.window, activation_offload=e.activation_offload,
-        max_grad_norm=cfg.max_grad_norm,
+        max_grad_norm=cfg.max_grad_norm, pipeline=e.pipeline,
         optimizer=AdamWConfig(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay),
     )
     device = engine_cfg.resolve_device()
@@ -47,7 +47,8 @@ def build_engine(cfg: TrainConfig, stack) -> SlidingEngine:
             raise ConfigError(f"engine.gpu_memory_limit_gb={e.gpu_memory_limit_gb} is more than the "
                               f"{total / 2**30:.1f} GiB this GPU has")
         torch.cuda.set_per_process_memory_fraction(fraction, device)
-    return SlidingEngine(stack, engine_cfg)
+    kernels = e.kernels == "on" or (e.kernels == "auto" and device.type == "cuda")
+    return SlidingEngine(model.stack(kernels=kernels), engine_cfg)
 
 
 def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -71,7 +72,7 @@ class Trainer:
         self.model = load_model(cfg.model, cfg.seed, need_tokenizer=cfg.data.format != "tokens")
         check_fits(self.model, cfg.seq_len)
         self.data = build_data(cfg.data, self.model.tokenizer, cfg.seq_len, cfg.micro_batch_size, cfg.seed)
-        self.engine = build_engine(cfg, self.model.stack())
+        self.engine = build_engine(cfg, self.model)
         self.num_params = sum(u.layout.numel for u in self.engine.units)
         rows = self.data.train.rows_per_epoch
         per_step = cfg.micro_batch_size * cfg.grad_accum

@@ -11,6 +11,8 @@ import torch
 import transformers
 from torch import nn
 
+import slide_kernels
+
 from ..errors import ModelError
 from .loss import causal_lm_loss
 
@@ -105,8 +107,9 @@ class DecoderBlock(nn.Module):
 class HFStack:
     """`slide_scheduler.Stack` for an HF causal LM given its config and a weight source."""
 
-    def __init__(self, config: transformers.PretrainedConfig, weights):
+    def __init__(self, config: transformers.PretrainedConfig, weights, kernels: bool = False):
         check_supported(config)
+        self.kernels = kernels  # swap slide-kernels' fused RMSNorm / RoPE / SwiGLU into every block
         config._attn_implementation = "sdpa"  # masks above are for SDPA; eager would ignore a None mask
         self.config = config
         self.weights = weights
@@ -126,11 +129,17 @@ class HFStack:
         if cfg.tie_word_embeddings:
             lm_head.weight = embed.weight
         rotary = self._rotary_cls(config=cfg)  # real buffers (inv_freq), built on the host
-        return Edges(embed, rotary, norm, lm_head, sliding_window(cfg))
+        edges = Edges(embed, rotary, norm, lm_head, sliding_window(cfg))
+        if self.kernels:
+            slide_kernels.apply_to(_Patchable(cfg, edges))
+        return edges
 
     def make_block(self) -> DecoderBlock:
         with torch.device("meta"):
-            return DecoderBlock(self._layer_cls(self.config, layer_idx=0))
+            block = DecoderBlock(self._layer_cls(self.config, layer_idx=0))
+        if self.kernels:
+            slide_kernels.apply_to(_Patchable(self.config, block))
+        return block
 
     def load_edges(self, params: dict[str, torch.Tensor]) -> None:
         for name, view in params.items():
@@ -146,6 +155,15 @@ class HFStack:
             raise ModelError(f"{hf_name} has shape {tuple(tensor.shape)} in the weights, the config implies "
                              f"{tuple(view.shape)}: do config.json and the safetensors files belong together?")
         view.copy_(tensor)
+
+
+class _Patchable(nn.Module):
+    """What `slide_kernels.apply_to` expects to see: modules under something that has the HF config."""
+
+    def __init__(self, config, module: nn.Module):
+        super().__init__()
+        self.config = config
+        self.inner = module
 
 
 def edge_hf_name(name: str) -> str:

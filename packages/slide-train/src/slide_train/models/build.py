@@ -25,8 +25,8 @@ class ModelBundle:
     tokenizer: object | None
     dtype: torch.dtype  # the dtype the weights came in (the default export dtype)
 
-    def stack(self) -> HFStack:
-        return HFStack(self.hf_config, self.weights)
+    def stack(self, kernels: bool = False) -> HFStack:
+        return HFStack(self.hf_config, self.weights, kernels=kernels)
 
 
 def load_model(name: str, seed: int = 0, need_tokenizer: bool = True) -> ModelBundle:

@@ -1,15 +1,17 @@
 """The causal-LM loss of the tail: summed token cross-entropy straight from hidden states.
 
-On CUDA it is slide-kernels' fused linear cross-entropy, which never materializes the [tokens, vocab] logits.
+slide-kernels' fused linear cross-entropy never materializes the [tokens, vocab] logits (Triton on CUDA, a
+chunked torch path on the CPU), which is what keeps a 128k vocabulary from setting the step's peak memory.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from slide_kernels import linear_cross_entropy
 
 
 def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum over tokens of cross-entropy(hidden @ weight.T, targets); targets of -100 are ignored."""
-    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
-    return F.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=-100, reduction="sum")
+    return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
+                                reduction="sum")
