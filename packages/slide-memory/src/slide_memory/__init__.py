@@ -5,7 +5,7 @@ fp32 master weights on the host.
 """
 
 from .__about__ import __version__
-from .adamw import AdamWConfig, HostAdamW
+from .adamw import AdamWConfig, FlatAdamW, HostAdamW
 from .host import HostArena, can_pin, host_empty, host_zeros
 from .layout import ALIGN, Entry, FlatLayout
 from .slots import Slot, SlotQueue
@@ -14,6 +14,7 @@ __all__ = [
     "ALIGN",
     "AdamWConfig",
     "Entry",
+    "FlatAdamW",
     "FlatLayout",
     "HostAdamW",
     "HostArena",

@@ -1,7 +1,9 @@
-"""AdamW on the host over flat fp32 master weights, one unit (block, or the edge unit) at a time.
+"""AdamW over one flat fp32 master tensor (a unit: a block, or the edges), on the host or on the device.
 
 Each unit's update runs on its own so the engine can overlap it with device work on other units. The math is
-torch's own AdamW (fused CPU kernel where available), so results match a plain `torch.optim.AdamW` loop.
+torch's own AdamW (the fused kernel where the device has one), so results match a plain `torch.optim.AdamW`
+loop. Gradients arrive in the compute dtype (bf16) and are widened chunk by chunk into a small fp32 scratch, so
+no full-size fp32 gradient ever exists.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+CHUNK = 1 << 25  # elements per update chunk: 128 MiB of fp32 scratch
 
 
 @dataclass
@@ -19,55 +23,88 @@ class AdamWConfig:
     weight_decay: float = 0.0
 
 
-def _fused_cpu_supported() -> bool:
+def _fused_supported(device: torch.device) -> bool:
     try:
-        p = torch.zeros(1, requires_grad=False)
-        p.grad = torch.zeros(1)
+        p = torch.zeros(1, device=device)
+        p.grad = torch.zeros(1, device=device)
         torch.optim.AdamW([p], fused=True).step()
         return True
     except (RuntimeError, TypeError):
         return False
 
 
+class FlatAdamW:
+    """AdamW over one flat fp32 master; `step` takes the unit's gradient in any dtype."""
+
+    def __init__(self, master: torch.Tensor, config: AdamWConfig, scratch: torch.Tensor | None = None,
+                 chunk: int = CHUNK):
+        if master.dtype != torch.float32 or master.dim() != 1:
+            raise ValueError("master weights must be a flat fp32 tensor")
+        self.master, self.config = master, config
+        # Views of the master are leaves (it does not require grad), so each chunk is its own AdamW parameter.
+        self.chunks = [master[i : i + chunk] for i in range(0, master.numel(), chunk)] or [master]
+        kind = {"fused": True} if _fused_supported(master.device) else {"foreach": False}
+        self._opts = [torch.optim.AdamW([c], lr=config.lr, betas=config.betas, eps=config.eps,
+                                        weight_decay=config.weight_decay, **kind) for c in self.chunks]
+        self.scratch = scratch if scratch is not None else torch.empty(min(chunk, master.numel()),
+                                                                       device=master.device)
+
+    def step(self, grad: torch.Tensor, lr: float, grad_scale: float = 1.0) -> None:
+        """One AdamW step from `grad` (flat, same length as the master), scaled first by `grad_scale`."""
+        offset = 0
+        for param, opt in zip(self.chunks, self._opts):
+            n = param.numel()
+            g = self.scratch[:n]
+            g.copy_(grad[offset : offset + n])
+            if grad_scale != 1.0:
+                g.mul_(grad_scale)
+            param.grad = g
+            opt.param_groups[0]["lr"] = lr
+            opt.step()
+            param.grad = None
+            offset += n
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Optimizer state as flat tensors on the master's device (empty before the first step)."""
+        states = [opt.state.get(p, {}) for p, opt in zip(self.chunks, self._opts)]
+        if not states[0]:
+            return {}
+        return {"exp_avg": torch.cat([s["exp_avg"] for s in states]),
+                "exp_avg_sq": torch.cat([s["exp_avg_sq"] for s in states]),
+                "step": states[0]["step"].clone()}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        offset = 0
+        for param, opt in zip(self.chunks, self._opts):
+            n = param.numel()
+            if not tensors:
+                opt.state.pop(param, None)
+                continue
+            state = opt.state.setdefault(param, {})
+            state["exp_avg"] = tensors["exp_avg"][offset : offset + n].to(param.device, copy=True)
+            state["exp_avg_sq"] = tensors["exp_avg_sq"][offset : offset + n].to(param.device, copy=True)
+            state["step"] = tensors["step"].to(param.device, copy=True)
+            offset += n
+
+
 class HostAdamW:
-    """AdamW over a list of flat fp32 master tensors (one per unit)."""
+    """AdamW over a list of flat fp32 host masters, one per unit, sharing one fp32 scratch."""
 
     def __init__(self, masters: list[torch.Tensor], config: AdamWConfig):
         for m in masters:
             if m.dtype != torch.float32 or m.device.type != "cpu" or m.dim() != 1:
                 raise ValueError("master weights must be flat fp32 tensors on the host")
+        scratch = torch.empty(min(CHUNK, max(m.numel() for m in masters)))
         self.masters = masters
         self.config = config
-        fused = _fused_cpu_supported()
-        # torch's fused CPU kernel when this build has it, else the single-tensor loop (one flat tensor per unit
-        # leaves nothing for foreach to batch).
-        kind = {"fused": True} if fused else {"foreach": False}
-        self._opts = [
-            torch.optim.AdamW([m], lr=config.lr, betas=config.betas, eps=config.eps,
-                              weight_decay=config.weight_decay, **kind)
-            for m in masters
-        ]
+        self.units = [FlatAdamW(m, config, scratch) for m in masters]
 
     def step_unit(self, unit: int, grad: torch.Tensor, lr: float, grad_scale: float = 1.0) -> None:
-        """Update one unit's master from its fp32 gradient (scaled in place by `grad_scale`, e.g. clipping)."""
-        if grad_scale != 1.0:
-            grad.mul_(grad_scale)
-        master, opt = self.masters[unit], self._opts[unit]
-        master.grad = grad
-        opt.param_groups[0]["lr"] = lr
-        opt.step()
-        master.grad = None
+        """Update one unit's master from its gradient (any dtype), scaled by `grad_scale` (e.g. clipping)."""
+        self.units[unit].step(grad, lr, grad_scale)
 
     def state_tensors(self, unit: int) -> dict[str, torch.Tensor]:
-        """The unit's optimizer state as plain tensors (for safetensors checkpoints); empty before step 1."""
-        state = self._opts[unit].state.get(self.masters[unit], {})
-        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        return self.units[unit].state_tensors()
 
     def load_state_tensors(self, unit: int, tensors: dict[str, torch.Tensor]) -> None:
-        master = self.masters[unit]
-        if not tensors:
-            self._opts[unit].state.pop(master, None)
-            return
-        state = self._opts[unit].state.setdefault(master, {})
-        for k, v in tensors.items():
-            state[k] = v.clone()
+        self.units[unit].load_state_tensors(tensors)

@@ -32,7 +32,7 @@ class ActivationStore:
         if buf is None:  # first step (or a new shape): kept and reused by every later step
             buf = host_empty(hidden.numel(), hidden.dtype).view(hidden.shape)
         self.d2h.wait(produced)
-        self.d2h.run(buf.copy_, hidden, True)
+        self.d2h.run(buf.copy_, hidden, True, label=f"acts out {boundary}")
         if self.d2h.stream is not None:
             hidden.record_stream(self.d2h.stream)  # its memory must outlive the copy
         self._saved[boundary, micro] = (buf, self.d2h.record())
@@ -49,7 +49,7 @@ class ActivationStore:
             out.record_stream(self.compute.stream)
         else:
             out = torch.empty_like(saved, device=self.device)
-        self.h2d.run(out.copy_, saved, True)
+        self.h2d.run(out.copy_, saved, True, label=f"acts in {boundary}")
         return out
 
     def arrived(self) -> Signal:

@@ -34,6 +34,7 @@ from slide_memory import AdamWConfig, FlatLayout, HostAdamW, SlotQueue, host_emp
 from .activations import ActivationStore
 from .lanes import DONE, Lane, Signal
 from .stack import Batch, Stack
+from .timeline import Span, Timeline, summarize
 from .updater import HostUpdater
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -70,7 +71,9 @@ class StepStats:
     loss: float
     grad_norm: float
     seconds: float
-    phases: dict[str, float]
+    phases: dict[str, float]  # host time between the schedule's phase boundaries
+    timeline: dict[str, float]  # GPU busy vs exposed time, time spent waiting for updates, memory counters
+    spans: list | None = None  # every lane's spans of this step (Timeline.spans), when asked for
 
 
 class Unit:
@@ -99,6 +102,10 @@ class SlidingEngine:
         self.compute = Lane("compute", self.device, inline=True)
         self.h2d = Lane("h2d", self.device, inline=inline)
         self.d2h = Lane("d2h", self.device, inline=inline)
+        self.timeline = Timeline(self.device)
+        for lane in (self.compute, self.h2d, self.d2h):
+            lane.timeline = self.timeline
+        self._wait_update_s = 0.0
 
         # Edges: head + tail parameters, resident on the device in one flat buffer for the whole run.
         self.edges = stack.make_edges()
@@ -160,17 +167,17 @@ class SlidingEngine:
     def _load_edges(self) -> None:
         """Refresh the resident edge parameters once their pending update is done."""
         if self._edges_loaded is None:
-            self.updater.wait(0)
-            self.h2d.run(self.edge_params.copy_, self.units[0].compute, True)
+            self._wait_for_update(0)
+            self.h2d.run(self.edge_params.copy_, self.units[0].compute, True, label="params edges")
             self._edges_loaded = self.h2d.record()
         self.compute.wait(self._edges_loaded)
 
     def _stage(self, block: int, boundary: int | None, micro: int):
         """Queue block `block` into the next slot (and, for backward, its input activations) on the h2d lane."""
         slot = self.slots.next()
-        self.updater.wait(block + 1)  # a block is never loaded before its update has finished
+        self._wait_for_update(block + 1)  # a block is never loaded before its update has finished
         self.h2d.wait(slot.free)
-        self.h2d.run(slot.params.copy_, self.units[block + 1].compute, True)
+        self.h2d.run(slot.params.copy_, self.units[block + 1].compute, True, label=f"params {block}")
         slot.unit = block
         acts = None
         if boundary is not None:
@@ -178,26 +185,38 @@ class SlidingEngine:
         slot.ready = self.h2d.record()
         return slot, acts
 
+    def _wait_for_update(self, unit: int) -> None:
+        start = time.perf_counter()
+        self.updater.wait(unit)
+        self._wait_update_s += time.perf_counter() - start
+
     # -- one optimizer step -------------------------------------------------------------------------------------
 
     def step(self, micro_batches: list[Batch], *, lr: float, normalizer: float) -> StepStats:
         """Forward, backward and AdamW update over `micro_batches`; the loss is normalized by `normalizer`."""
-        clock = _Clock(self.device)
+        memory = self._memory_counters()
+        # Phase laps synchronize the device only in the synchronous schedule; pipelined, the timeline says more.
+        clock = _Clock(self.device, sync=not self.config.pipeline)
+        self.timeline.begin()
+        self._wait_update_s = 0.0
+        span = self.timeline.span
+        stream = self.compute.stream
         n, m, window = self.num_blocks, len(micro_batches), len(self.slots)
         batches = self._to_device(micro_batches)
         hidden, contexts = self._forward(batches)
         clock.lap("forward")
 
-        self.edge_grads.zero_()
-        self._sq_norms.zero_()
-        loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        grads = []
-        for j, batch in enumerate(batches):
-            h = hidden[j].detach().requires_grad_()
-            share = self.edges.tail(h, batch, normalizer)
-            share.backward()
-            loss += share.detach().float()
-            grads.append(h.grad)
+        with span("compute", "tail", stream):
+            self.edge_grads.zero_()
+            self._sq_norms.zero_()
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+            grads = []
+            for j, batch in enumerate(batches):
+                h = hidden[j].detach().requires_grad_()
+                share = self.edges.tail(h, batch, normalizer)
+                share.backward()
+                loss += share.detach().float()
+                grads.append(h.grad)
         del hidden
         clock.lap("tail")
 
@@ -208,28 +227,30 @@ class SlidingEngine:
             slot, acts = staged.pop(i)
             self.compute.wait(slot.ready)
             self.compute.wait(slot.drained)  # the slot's last gradient has left before it is zeroed
-            slot.grads.zero_()
-            for j, ctx in enumerate(contexts):
-                h = acts[j].detach().requires_grad_()
-                slot.module(h, ctx).backward(grads[j])
-                grads[j] = h.grad
-            self._sq_norms[i + 1] = torch.linalg.vector_norm(slot.grads, dtype=torch.float32).square()
+            with span("compute", f"backward {i}", stream):
+                slot.grads.zero_()
+                for j, ctx in enumerate(contexts):
+                    h = acts[j].detach().requires_grad_()
+                    slot.module(h, ctx).backward(grads[j])
+                    grads[j] = h.grad
+                self._sq_norms[i + 1] = torch.linalg.vector_norm(slot.grads, dtype=torch.float32).square()
             slot.free = self.compute.record()
             self.d2h.wait(slot.free)
-            self.d2h.run(self.units[i + 1].grad.copy_, slot.grads, True)
+            self.d2h.run(self.units[i + 1].grad.copy_, slot.grads, True, label=f"grads {i}")
             slot.drained = drained[i + 1] = self.d2h.record()
             if not clip:  # no clipping: the update can start as soon as the gradient is on the host
                 self.updater.submit(i + 1, slot.drained, lr, 1.0)
             for k in range(i - 1, max(i - window - 1, -1), -1):  # prefetch: every slot not in use
                 if k not in staged:
                     staged[k] = self._stage(k, k, m)
-        for j, batch in enumerate(batches):
-            h, _ = self.edges.head(batch)
-            h.backward(grads[j])
-        self._sq_norms[0] = torch.linalg.vector_norm(self.edge_grads, dtype=torch.float32).square()
+        with span("compute", "head backward", stream):
+            for j, batch in enumerate(batches):
+                h, _ = self.edges.head(batch)
+                h.backward(grads[j])
+            self._sq_norms[0] = torch.linalg.vector_norm(self.edge_grads, dtype=torch.float32).square()
         done = self.compute.record()
         self.d2h.wait(done)
-        self.d2h.run(self.units[0].grad.copy_, self.edge_grads, True)
+        self.d2h.run(self.units[0].grad.copy_, self.edge_grads, True, label="grads edges")
         edge_drained = self.d2h.record()
         clock.lap("backward")
 
@@ -245,8 +266,32 @@ class SlidingEngine:
         loss_value = loss.item()
         if not self.config.pipeline:
             self.synchronize()
+        self.d2h.record().wait_host()  # the spans of every lane are complete
         clock.lap("update")
-        return StepStats(loss=loss_value, grad_norm=grad_norm, seconds=clock.total, phases=clock.laps)
+        spans = self._spans(clock.start)
+        timeline = summarize(spans, clock.total)
+        timeline["wait_update_s"] = self._wait_update_s
+        timeline.update(memory)
+        return StepStats(loss=loss_value, grad_norm=grad_norm, seconds=clock.total, phases=clock.laps,
+                         timeline=timeline, spans=spans)
+
+    def _spans(self, origin: float):
+        """This step's spans, plus the optimizer thread's updates that ran during it (host times)."""
+        spans = self.timeline.spans()
+        for unit, start, end in self.updater.spans:
+            if end >= origin:
+                spans.append(Span("optimizer", f"update {unit - 1 if unit else 'edges'}", start - origin,
+                                  end - origin))
+        self.updater.spans = [s for s in self.updater.spans if s[2] >= origin]
+        return spans
+
+    def _memory_counters(self) -> dict[str, float]:
+        if self.device.type != "cuda":
+            return {}
+        stats = torch.cuda.memory_stats(self.device)
+        return {"allocated_bytes_at_start": float(stats.get("allocated_bytes.all.current", 0)),
+                "alloc_retries": float(stats.get("num_alloc_retries", 0)),
+                "cuda_mallocs": float(stats.get("segment.all.allocated", 0))}
 
     def evaluate(self, micro_batches: list[Batch], *, normalizer: float) -> float:
         """The loss over `micro_batches` (normalized by `normalizer`) with no gradient and no update."""
@@ -265,10 +310,11 @@ class SlidingEngine:
         n, window, acts = self.num_blocks, len(self.slots), self.activations
         self._load_edges()
         hidden, contexts = [], []
-        for batch in batches:
-            h, ctx = self.edges.head(batch)
-            hidden.append(h)
-            contexts.append(ctx)
+        with self.timeline.span("compute", "head", self.compute.stream):
+            for batch in batches:
+                h, ctx = self.edges.head(batch)
+                hidden.append(h)
+                contexts.append(ctx)
         if keep:
             made = self.compute.record()
             for j, h in enumerate(hidden):
@@ -277,7 +323,8 @@ class SlidingEngine:
         for i in range(n):
             slot, _ = staged.pop(i)
             self.compute.wait(slot.ready)
-            hidden = [slot.module(h, ctx) for h, ctx in zip(hidden, contexts)]
+            with self.timeline.span("compute", f"forward {i}", self.compute.stream):
+                hidden = [slot.module(h, ctx) for h, ctx in zip(hidden, contexts)]
             slot.free = self.compute.record()
             if keep:
                 for j, h in enumerate(hidden):
@@ -295,8 +342,8 @@ class SlidingEngine:
 
 
 class _Clock:
-    def __init__(self, device: torch.device):
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    def __init__(self, device: torch.device, sync: bool):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" and sync else (lambda: None)
         self.start = self.last = time.perf_counter()
         self.laps: dict[str, float] = {}
 

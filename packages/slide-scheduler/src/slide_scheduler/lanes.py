@@ -75,6 +75,7 @@ class Lane:
         self.name = name
         self.device = device
         self.delay = 0.0  # tests: seconds each queued task sleeps first, to shake out missing waits
+        self.timeline = None  # a Timeline, to record when each labelled task ran
         self.stream = None
         self._pool = None
         if device.type == "cuda":
@@ -82,15 +83,18 @@ class Lane:
         elif not inline:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"slide-{name}")
 
-    def run(self, fn, *args) -> None:
+    def run(self, fn, *args, label: str | None = None) -> None:
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
-                fn(*args)
+                if self.timeline is not None and label:
+                    with self.timeline.span(self.name, label, self.stream):
+                        fn(*args)
+                else:
+                    fn(*args)
         elif self._pool is not None:
-            self._pool.submit(self._task, fn, *args)
+            self._pool.submit(self._task, fn, args, label)
         else:
-            self._sleep()
-            fn(*args)
+            self._task(fn, args, label)
 
     def record(self) -> Signal:
         if self.stream is not None:
@@ -109,9 +113,12 @@ class Lane:
         else:
             signal.wait_host()
 
-    def _task(self, fn, *args) -> None:
+    def _task(self, fn, args, label) -> None:
         self._sleep()
+        start = time.perf_counter()
         fn(*args)
+        if self.timeline is not None and label:
+            self.timeline.add_host(self.name, label, start, time.perf_counter())
 
     def _sleep(self) -> None:
         if self.delay:

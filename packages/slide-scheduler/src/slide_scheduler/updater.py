@@ -11,8 +11,6 @@ import queue
 import threading
 import time
 
-import torch
-
 from .lanes import HostSignal, Signal
 
 
@@ -23,7 +21,6 @@ class HostUpdater:
         self.done = [HostSignal() for _ in units]
         self.delay = 0.0  # tests: seconds each update sleeps first
         self.spans: list[tuple[int, float, float]] = []  # (unit, start, end) host times, for the timeline
-        self._grad32 = torch.empty(max(u.layout.numel for u in units), dtype=torch.float32)
         self._queue: queue.Queue | None = None
         if not inline:
             self._queue = queue.Queue()
@@ -59,9 +56,7 @@ class HostUpdater:
                 time.sleep(self.delay)
             start = time.perf_counter()
             unit = self.units[index]
-            grad = self._grad32[: unit.layout.numel]
-            grad.copy_(unit.grad)
-            self.optimizer.step_unit(index, grad, lr, grad_scale)
+            self.optimizer.step_unit(index, unit.grad, lr, grad_scale)
             unit.refresh()
             self.spans.append((index, start, time.perf_counter()))
             self.done[index].set()

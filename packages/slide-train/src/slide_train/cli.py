@@ -27,7 +27,7 @@ def _config_parser(sub, name: str, help: str):
 def cmd_finetune(args, overrides) -> int:
     from .trainer import Trainer
 
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides + (["--profile=true"] if args.profile else []))
     Trainer(cfg, progress=not args.no_progress).fit()
     return 0
 
@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command")
     p = _config_parser(sub, "finetune", "fine-tune every parameter of a model (default: the built-in tiny demo)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)")
+    p.add_argument("--profile", action="store_true",
+                   help="write timeline.png and trace.json (Perfetto) of step 3 into the run directory")
     p.set_defaults(func=cmd_finetune)
     p = _config_parser(sub, "data", "print a few training rows as the model sees them, with the label mask")
     p.add_argument("-n", type=int, default=3, help="how many examples")

@@ -77,6 +77,7 @@ class TrainConfig:
     resume: str | None = None  # auto (newest good checkpoint in output_dir, if any) | PATH of a checkpoint
     eval_every: int = 0
     log_every: int = 1
+    profile: bool = False  # write timeline.png and trace.json (Perfetto / chrome://tracing) of step 3
     export: bool = True  # write an HF model directory to output_dir/export at the end
     export_dtype: str = "auto"  # auto (the source model's dtype) | bf16 | fp16 | fp32
 

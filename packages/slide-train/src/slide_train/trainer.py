@@ -13,6 +13,7 @@ import math
 import pathlib
 import signal
 import time
+import warnings
 
 import torch
 import yaml
@@ -128,6 +129,8 @@ class Trainer:
         lr = lr_at(self.step_index, self.total_steps, cfg.optimizer.lr, s.warmup_steps, s.decay, s.min_lr_ratio)
         stats = self.engine.step(micro, lr=lr, normalizer=max(targets, 1))
         self.step_index += 1
+        if cfg.profile and self.step_index == min(3, self.total_steps):
+            self._write_profile(stats)
         record = {
             "step": self.step_index,
             "loss": stats.loss,
@@ -143,9 +146,22 @@ class Trainer:
             "host_rss_gib": host_rss_gib(),
             "epoch": self.data.train.epoch,
             **{f"{k}_s": v for k, v in stats.phases.items()},
+            **stats.timeline,
         }
         self.log.write(record)
         return record
+
+    def _write_profile(self, stats) -> None:
+        from slide_scheduler.timeline import plot, write_trace
+
+        write_trace(stats.spans, self.run_dir / "trace.json")
+        t = stats.timeline
+        title = (f"step {self.step_index}: {stats.seconds * 1e3:.0f} ms, GPU busy {t['gpu_busy_s'] * 1e3:.0f} ms, "
+                 f"exposed {t['exposed_s'] * 1e3:.0f} ms")
+        try:
+            plot(stats.spans, self.run_dir / "timeline.png", title)
+        except ImportError as e:
+            warnings.warn(f"no timeline.png: {e}", stacklevel=2)
 
     def evaluate(self) -> dict:
         """Validation loss (mean over label tokens) and perplexity on the held-out micro-batches."""

@@ -1,0 +1,122 @@
+"""Per-step timeline: when each lane was busy, so a step's time splits into GPU compute and exposed waits.
+
+Spans on a CUDA lane are event pairs read after the step's final synchronization; spans on a host thread (CPU
+lanes, the optimizer worker) are `perf_counter` pairs. All are placed relative to the step's start. The same
+spans give the step's summary figures, a Chrome / Perfetto trace and a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Span:
+    lane: str
+    label: str
+    start: float  # seconds from the step's start
+    end: float
+
+
+class Timeline:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._open: list[tuple[str, str, object, object]] = []
+        self._origin_event = None
+        self._origin = 0.0
+
+    def begin(self) -> None:
+        self._open.clear()
+        self._origin = time.perf_counter()
+        if self.cuda:
+            self._origin_event = torch.cuda.Event(enable_timing=True)
+            self._origin_event.record()
+
+    def _mark(self, stream):
+        if self.cuda and stream is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(stream)
+            return event
+        return time.perf_counter()
+
+    @contextmanager
+    def span(self, lane: str, label: str, stream=None):
+        """Time the work queued (CUDA) or done (host) inside the block."""
+        start = self._mark(stream)
+        yield
+        self._open.append((lane, label, start, self._mark(stream)))
+
+    def add_host(self, lane: str, label: str, start: float, end: float) -> None:
+        self._open.append((lane, label, start, end))
+
+    def spans(self) -> list[Span]:
+        """Resolve every span (call after the step's work has finished)."""
+        out = []
+        for lane, label, start, end in self._open:
+            out.append(Span(lane, label, self._seconds(start), self._seconds(end)))
+        return out
+
+    def _seconds(self, mark) -> float:
+        if isinstance(mark, float):
+            return mark - self._origin
+        return self._origin_event.elapsed_time(mark) / 1000.0
+
+
+def summarize(spans: list[Span], wall: float) -> dict[str, float]:
+    """GPU busy time (union of compute spans) and what is left of the step: exposed time."""
+    busy = _union([(s.start, s.end) for s in spans if s.lane == "compute"])
+    copies = _union([(s.start, s.end) for s in spans if s.lane in ("h2d", "d2h")])
+    update = _union([(s.start, s.end) for s in spans if s.lane == "optimizer"])
+    return {"gpu_busy_s": busy, "exposed_s": max(0.0, wall - busy), "copy_busy_s": copies, "update_busy_s": update}
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def write_trace(spans: list[Span], path) -> None:
+    """Chrome trace-event JSON (open in https://ui.perfetto.dev or chrome://tracing)."""
+    lanes = sorted({s.lane for s in spans})
+    events = [{"name": s.label, "ph": "X", "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6, "pid": 0,
+               "tid": lanes.index(s.lane)} for s in spans]
+    events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": lane}}
+               for i, lane in enumerate(lanes)]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def plot(spans: list[Span], path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    order = ["compute", "h2d", "d2h", "optimizer"]
+    lanes = [lane for lane in order if any(s.lane == lane for s in spans)]
+    colors = {"forward": "tab:blue", "backward": "tab:orange", "tail": "tab:green", "head": "tab:purple",
+              "params": "tab:gray", "acts": "tab:olive", "grads": "tab:red", "update": "tab:brown"}
+    fig, ax = plt.subplots(figsize=(12, 0.6 + 0.5 * len(lanes)))
+    for row, lane in enumerate(lanes):
+        for s in spans:
+            if s.lane == lane:
+                kind = s.label.split()[0]
+                ax.broken_barh([(s.start * 1e3, max((s.end - s.start) * 1e3, 0.01))], (row - 0.4, 0.8),
+                               color=colors.get(kind, "tab:cyan"))
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from step start")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
