@@ -167,11 +167,12 @@ def test_each_block_visits_a_slot_once_per_pass():
     assert loads == [0, 1, 2, 3, 3, 2, 1, 0]
 
 
-def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None):
+def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None,
+               resident: int = 0):
     torch.manual_seed(0)
     model = Model(tied=True)
     engine = SlidingEngine(ToyStack(model), EngineConfig(device="cpu", window=window, activation_offload="cpu",
-                                                         max_grad_norm=clip, pipeline=pipeline,
+                                                         max_grad_norm=clip, pipeline=pipeline, resident=resident,
                                                          optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
     for name, seconds in (delays or {}).items():
         getattr(engine, name).delay = seconds
@@ -211,3 +212,16 @@ def test_a_missing_wait_is_caught_by_the_delay_tests():
 
     _, got = run_engine(pipeline=True, window=2, clip=0.05, delays={"updater": 0.01}, patch=forget_update_waits)
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+
+@pytest.mark.parametrize("resident", [1, 3, DEPTH + 1])
+@pytest.mark.parametrize("clip", [0.05, None])
+def test_resident_units_give_the_same_result(resident, clip):
+    """Edges and the first blocks kept on the device with their optimizer there (the window adapting to a
+    larger budget) change where the work runs, not the result."""
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip)
+    losses, got = run_engine(pipeline=True, window=2, clip=clip, resident=resident, delays={"updater": 0.002})
+    assert losses == ref_losses
+    for unit, params in ref.items():
+        for name, t in params.items():
+            assert got[unit][name].equal(t), f"{unit}.{name}"

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from slide_memory import AdamWConfig, FlatLayout, HostAdamW, SlotQueue, host_empty, host_zeros
+from slide_memory import AdamWConfig, FlatAdamW, FlatLayout, HostAdamW, Slot, SlotQueue, host_empty, host_zeros
 
 from .activations import ActivationStore
 from .lanes import DONE, Lane, Signal
@@ -49,6 +49,9 @@ class EngineConfig:
     max_grad_norm: float | None = 1.0
     optimizer: AdamWConfig = field(default_factory=AdamWConfig)
     pipeline: bool = True  # False: the synchronous reference schedule (everything in order on one thread)
+    # Units kept on the device for good, with their fp32 master and AdamW states there too: 0 = none,
+    # 1 = the edges, 1 + k = the edges and blocks 0..k-1. The rest slide. (slide-train sizes this from the budget.)
+    resident: int = 0
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -126,14 +129,32 @@ class SlidingEngine:
             stack.load_edges(edge_layout.views(self.units[0].master))
             for i in range(self.num_blocks):
                 stack.load_block(i, block_layout.views(self.units[i + 1].master))
-        self.slots = SlotQueue(block_layout, stack.make_block, config.window, self.device, self.dtype)
-        for slot in self.slots.slots:
+        # The window of slots for sliding blocks (none when every block is resident).
+        sliding = self.num_blocks - max(config.resident - 1, 0)
+        self.slots = SlotQueue(block_layout, stack.make_block, config.window if sliding > 0 else 1, self.device,
+                               self.dtype) if sliding > 0 else None
+        for slot in self.slots.slots if self.slots else []:
             slot.free = DONE  # compute is done with the slot's contents
             slot.drained = DONE  # the slot's gradient has been copied out
 
         self.optimizer = HostAdamW([u.master for u in self.units], config.optimizer)
         for unit in self.units:
             unit.refresh()
+
+        # Resident units: device fp32 master + AdamW on the device; resident blocks get a slot of their own.
+        if not 0 <= config.resident <= len(self.units):
+            raise ValueError(f"resident must be in [0, {len(self.units)}], got {config.resident}")
+        self.resident = config.resident
+        self.resident_slots: dict[int, Slot] = {
+            i: Slot(block_layout, stack.make_block(), self.device, self.dtype) for i in range(self.resident - 1)}
+        self.device_optimizers: dict[int, FlatAdamW] = {}
+        if self.resident:
+            largest = max(self.units[u].layout.numel for u in range(self.resident))
+            scratch = torch.empty(min(1 << 25, largest), dtype=torch.float32, device=self.device)
+            for u in range(self.resident):
+                master = self.units[u].master.to(self.device, copy=True)
+                self.device_optimizers[u] = FlatAdamW(master, config.optimizer, scratch)
+        self._load_resident()
         self.updater = HostUpdater(self.optimizer, self.units, inline=inline)
         self.activations = ActivationStore(config.activation_offload, self.device, self.d2h, self.h2d, self.compute)
         # Squared gradient norm of each unit, reduced on the device as gradients are made.
@@ -144,15 +165,42 @@ class SlidingEngine:
     # -- parameters ---------------------------------------------------------------------------------------------
 
     def synchronize(self) -> None:
-        """Wait for every queued update: afterwards the fp32 masters are the model."""
+        """Wait for every queued update: afterwards the host fp32 masters are the model."""
         self.updater.wait_all()
+        for u, opt in self.device_optimizers.items():  # resident masters live on the device
+            self.units[u].master.copy_(opt.master)
 
     def refresh(self) -> None:
-        """After masters were changed from outside (a checkpoint load): rebuild every compute copy."""
-        self.synchronize()
+        """After host masters were changed from outside (a checkpoint load): rebuild every copy of them."""
+        self.updater.wait_all()
         for unit in self.units:
             unit.refresh()
+        for u, opt in self.device_optimizers.items():
+            opt.master.copy_(self.units[u].master)
         self._edges_loaded = None
+        self._load_resident()
+
+    def _load_resident(self) -> None:
+        for i, slot in self.resident_slots.items():
+            slot.params.copy_(self.units[i + 1].compute)
+            slot.unit = i
+            slot.free = slot.drained = DONE
+        if self.resident:
+            self.edge_params.copy_(self.units[0].compute)
+            self._edges_loaded = DONE
+
+    def optimizer_state(self, unit: int) -> dict[str, torch.Tensor]:
+        """A unit's AdamW state as host tensors (for checkpoints)."""
+        self.synchronize()
+        if unit in self.device_optimizers:
+            return {k: v.cpu() for k, v in self.device_optimizers[unit].state_tensors().items()}
+        return self.optimizer.state_tensors(unit)
+
+    def load_optimizer_state(self, unit: int, tensors: dict[str, torch.Tensor]) -> None:
+        if unit in self.device_optimizers:
+            self.device_optimizers[unit].load_state_tensors(tensors)
+        else:
+            self.optimizer.load_state_tensors(unit, tensors)
 
     def unit_names(self) -> list[str]:
         return ["edges"] + [f"block.{i}" for i in range(self.num_blocks)]
@@ -174,16 +222,23 @@ class SlidingEngine:
 
     def _stage(self, block: int, boundary: int | None, micro: int):
         """Queue block `block` into the next slot (and, for backward, its input activations) on the h2d lane."""
-        slot = self.slots.next()
-        self._wait_for_update(block + 1)  # a block is never loaded before its update has finished
-        self.h2d.wait(slot.free)
-        self.h2d.run(slot.params.copy_, self.units[block + 1].compute, True, label=f"params {block}")
-        slot.unit = block
+        if block in self.resident_slots:  # always loaded; its update runs on the compute lane
+            slot = self.resident_slots[block]
+        else:
+            slot = self.slots.next()
+            self._wait_for_update(block + 1)  # a block is never loaded before its update has finished
+            self.h2d.wait(slot.free)
+            self.h2d.run(slot.params.copy_, self.units[block + 1].compute, True, label=f"params {block}")
+            slot.unit = block
         acts = None
         if boundary is not None:
             acts = [self.activations.fetch(boundary, j) for j in range(micro)]
         slot.ready = self.h2d.record()
         return slot, acts
+
+    @property
+    def window(self) -> int:
+        return len(self.slots) if self.slots else 1
 
     def _wait_for_update(self, unit: int) -> None:
         start = time.perf_counter()
@@ -201,7 +256,7 @@ class SlidingEngine:
         self._wait_update_s = 0.0
         span = self.timeline.span
         stream = self.compute.stream
-        n, m, window = self.num_blocks, len(micro_batches), len(self.slots)
+        n, m, window = self.num_blocks, len(micro_batches), self.window
         batches = self._to_device(micro_batches)
         hidden, contexts = self._forward(batches)
         clock.lap("forward")
@@ -235,11 +290,12 @@ class SlidingEngine:
                     grads[j] = h.grad
                 self._sq_norms[i + 1] = torch.linalg.vector_norm(slot.grads, dtype=torch.float32).square()
             slot.free = self.compute.record()
-            self.d2h.wait(slot.free)
-            self.d2h.run(self.units[i + 1].grad.copy_, slot.grads, True, label=f"grads {i}")
-            slot.drained = drained[i + 1] = self.d2h.record()
-            if not clip:  # no clipping: the update can start as soon as the gradient is on the host
-                self.updater.submit(i + 1, slot.drained, lr, 1.0)
+            if i not in self.resident_slots:
+                self.d2h.wait(slot.free)
+                self.d2h.run(self.units[i + 1].grad.copy_, slot.grads, True, label=f"grads {i}")
+                slot.drained = drained[i + 1] = self.d2h.record()
+                if not clip:  # no clipping: the update can start as soon as the gradient is on the host
+                    self.updater.submit(i + 1, slot.drained, lr, 1.0)
             for k in range(i - 1, max(i - window - 1, -1), -1):  # prefetch: every slot not in use
                 if k not in staged:
                     staged[k] = self._stage(k, k, m)
@@ -248,21 +304,27 @@ class SlidingEngine:
                 h, _ = self.edges.head(batch)
                 h.backward(grads[j])
             self._sq_norms[0] = torch.linalg.vector_norm(self.edge_grads, dtype=torch.float32).square()
-        done = self.compute.record()
-        self.d2h.wait(done)
-        self.d2h.run(self.units[0].grad.copy_, self.edge_grads, True, label="grads edges")
-        edge_drained = self.d2h.record()
+        if not self.resident:
+            self.d2h.wait(self.compute.record())
+            self.d2h.run(self.units[0].grad.copy_, self.edge_grads, True, label="grads edges")
+            drained[0] = self.d2h.record()
         clock.lap("backward")
 
         # The one read of the step: loss and the per-unit squared norms (the clip needs the global norm).
         sq = self._sq_norms.tolist()
         grad_norm = math.sqrt(sum(sq))
         scale = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
-        self.updater.submit(0, edge_drained, lr, scale)
-        if clip:
-            for i in range(n):
-                self.updater.submit(i + 1, drained[i + 1], lr, scale)
-        self._edges_loaded = None
+        with span("compute", "update resident", stream):
+            for u, opt in self.device_optimizers.items():
+                params, grads = (self.edge_params, self.edge_grads) if u == 0 else (
+                    self.resident_slots[u - 1].params, self.resident_slots[u - 1].grads)
+                opt.step(grads, lr, scale)
+                params.copy_(opt.master)
+        for u in range(self.resident, len(self.units)):
+            if u == 0 or clip:  # without clipping, sliding blocks were submitted during backward
+                self.updater.submit(u, drained[u], lr, scale)
+        if not self.resident:
+            self._edges_loaded = None
         loss_value = loss.item()
         if not self.config.pipeline:
             self.synchronize()
@@ -307,7 +369,7 @@ class SlidingEngine:
     @torch.no_grad()
     def _forward(self, batches: list[Batch], keep: bool = True):
         """Head and blocks, layer-major: each block visits a slot once and sees every micro-batch there."""
-        n, window, acts = self.num_blocks, len(self.slots), self.activations
+        n, window, acts = self.num_blocks, self.window, self.activations
         self._load_edges()
         hidden, contexts = [], []
         with self.timeline.span("compute", "head", self.compute.stream):

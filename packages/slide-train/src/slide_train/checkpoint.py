@@ -54,7 +54,7 @@ def save_checkpoint(root: pathlib.Path, step: int, engine, trainer_state: dict) 
     engine.synchronize()  # updates of the last step may still be running on the optimizer thread
     for index, name in enumerate(engine.unit_names()):
         tensors = {"master": engine.units[index].master}
-        tensors.update({f"adamw.{k}": v for k, v in engine.optimizer.state_tensors(index).items()})
+        tensors.update({f"adamw.{k}": v for k, v in engine.optimizer_state(index).items()})
         save_file(tensors, str(tmp / unit_file(name)))
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -128,7 +128,7 @@ def load_checkpoint(path: pathlib.Path, engine) -> dict:
             raise CheckpointError(f"{path / unit_file(name)} holds {master.numel()} parameters, the model has "
                                   f"{engine.units[index].master.numel()}: the checkpoint is from another model")
         engine.units[index].master.copy_(master)
-        engine.optimizer.load_state_tensors(index, {k.removeprefix("adamw."): v for k, v in tensors.items()})
+        engine.load_optimizer_state(index, {k.removeprefix("adamw."): v for k, v in tensors.items()})
     engine.refresh()
     rng = load_file(str(path / "rng.safetensors"))
     torch.set_rng_state(rng["torch"])

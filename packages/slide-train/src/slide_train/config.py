@@ -45,6 +45,7 @@ class EngineSection:
     compute_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
     gpu_memory_limit_gb: float | None = None  # cap this process's GPU memory (e.g. 24 to act as a 24 GB card)
     window: int = 2  # GPU slots for sliding blocks
+    resident: int | None = None  # units kept on the GPU with their optimizer (null: as many as the budget allows)
     activation_offload: str = "cpu"  # none | cpu
     optimizer_offload: OptimizerOffloadConfig = field(default_factory=OptimizerOffloadConfig)
     states_dtype: str = "fp32"  # fp32 (bf16 is planned)

@@ -18,7 +18,7 @@ import warnings
 import torch
 import yaml
 
-from slide_memory import AdamWConfig
+from slide_memory import AdamWConfig, FlatLayout
 from slide_scheduler import EngineConfig, SlidingEngine
 
 from . import checkpoint as ckpt
@@ -28,28 +28,44 @@ from .errors import ConfigError
 from .export import DTYPES, export_hf
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics
 from .models.build import check_fits, load_model
+from .plan import Plan, make_plan
+from .plan import check_fits as check_plan
 from .schedule import lr_at
 
 
-def build_engine(cfg: TrainConfig, model) -> SlidingEngine:
-    e = cfg.engine
-    opt = cfg.optimizer
+def build_engine(cfg: TrainConfig, model) -> tuple[SlidingEngine, Plan]:
+    """The engine, with as many units resident on the device as the memory plan allows."""
+    e, opt = cfg.engine, cfg.optimizer
     engine_cfg = EngineConfig(
         device=e.device, compute_dtype=e.compute_dtype, window=e.window, activation_offload=e.activation_offload,
         max_grad_norm=cfg.max_grad_norm, pipeline=e.pipeline,
         optimizer=AdamWConfig(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay),
     )
     device = engine_cfg.resolve_device()
-    if e.gpu_memory_limit_gb is not None and device.type == "cuda":
+    budget = None
+    if device.type == "cuda":
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         total = torch.cuda.get_device_properties(device).total_memory
-        fraction = e.gpu_memory_limit_gb * 2**30 / total
-        if fraction > 1:
-            raise ConfigError(f"engine.gpu_memory_limit_gb={e.gpu_memory_limit_gb} is more than the "
-                              f"{total / 2**30:.1f} GiB this GPU has")
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        budget = 0.92 * total
+        if e.gpu_memory_limit_gb is not None:
+            if e.gpu_memory_limit_gb * 2**30 > total:
+                raise ConfigError(f"engine.gpu_memory_limit_gb={e.gpu_memory_limit_gb} is more than the "
+                                  f"{total / 2**30:.1f} GiB this GPU has")
+            torch.cuda.set_per_process_memory_fraction(e.gpu_memory_limit_gb * 2**30 / total, device)
+            budget = e.gpu_memory_limit_gb * 2**30
     kernels = e.kernels == "on" or (e.kernels == "auto" and device.type == "cuda")
-    return SlidingEngine(model.stack(kernels=kernels), engine_cfg)
+    stack = model.stack(kernels=kernels)
+    hf = model.hf_config
+    plan = make_plan(
+        edge_numel=FlatLayout(stack.make_edges()).numel, block_numel=FlatLayout(stack.make_block()).numel,
+        num_blocks=stack.num_blocks, hidden=hf.hidden_size, intermediate=hf.intermediate_size,
+        tokens_per_micro=cfg.micro_batch_size * cfg.seq_len, micro_batches=cfg.grad_accum, window=e.window,
+        offload_activations=e.activation_offload == "cpu", budget_bytes=budget, resident=e.resident,
+        cuda=device.type == "cuda")
+    if budget is not None:
+        check_plan(plan, "engine.gpu_memory_limit_gb" if e.gpu_memory_limit_gb else "the GPU's memory")
+    engine_cfg.resident = plan.resident
+    return SlidingEngine(stack, engine_cfg), plan
 
 
 def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -73,7 +89,7 @@ class Trainer:
         self.model = load_model(cfg.model, cfg.seed, need_tokenizer=cfg.data.format != "tokens")
         check_fits(self.model, cfg.seq_len)
         self.data = build_data(cfg.data, self.model.tokenizer, cfg.seq_len, cfg.micro_batch_size, cfg.seed)
-        self.engine = build_engine(cfg, self.model)
+        self.engine, self.memory_plan = build_engine(cfg, self.model)
         self.num_params = sum(u.layout.numel for u in self.engine.units)
         rows = self.data.train.rows_per_epoch
         per_step = cfg.micro_batch_size * cfg.grad_accum
@@ -181,8 +197,9 @@ class Trainer:
                 f"params, {e.num_blocks} blocks)\n{self.data.summary()}\n"
                 f"steps: {self.total_steps} x {cfg.grad_accum} micro-batches of {cfg.micro_batch_size} x "
                 f"{cfg.seq_len} = {tokens} tokens per step\n"
-                f"engine: {e.device} {str(e.dtype).removeprefix('torch.')} compute, window of {len(e.slots)} "
-                f"slots, activations on {'host' if e.activations.offload else 'device'}\n"
+                f"engine: {e.device} {str(e.dtype).removeprefix('torch.')} compute, "
+                f"{'pipelined' if e.config.pipeline else 'synchronous'}, activations on "
+                f"{'host' if e.activations.offload else 'device'}\n{self.memory_plan.text()}\n"
                 f"run dir: {self.run_dir}")
 
     def fit(self) -> dict | None:

@@ -1,0 +1,77 @@
+"""Memory plan: what a run needs per tier, and how many units can stay resident on the device.
+
+Estimates, not measurements: the device side counts the buffers the engine allocates (slots, resident units,
+edges) exactly and the activations of one block's recompute roughly (per token: ~10 hidden-sized and 4
+intermediate-sized bf16 tensors), so a plan leaves a margin. The benchmark JSON records the measured peaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+MARGIN = 1.0 * GIB  # allocator fragmentation, cuBLAS workspaces, small tensors
+LOSS_CHUNK = 1.0 * GIB  # slide-kernels' fused cross-entropy keeps one logits chunk (~820 MiB by default)
+
+
+@dataclass
+class Plan:
+    budget: float
+    fixed: float  # edges params+grads, slots, activations, loss chunk, margin
+    resident: int  # units resident with their optimizer on the device (0, 1 = edges, 1 + k = edges + k blocks)
+    device_total: float
+    host_total: float
+    lines: list[str]
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, intermediate: int,
+              tokens_per_micro: int, micro_batches: int, window: int, offload_activations: bool,
+              budget_bytes: float | None, resident: int | None, cuda: bool) -> Plan:
+    bf16 = 2
+    edges = edge_numel * 2 * bf16
+    slots = window * block_numel * 2 * bf16
+    act_one = tokens_per_micro * hidden * bf16
+    activations = (3 * micro_batches * act_one  # current boundary in and out, and the gradients flowing back
+                   + tokens_per_micro * (10 * hidden + 4 * intermediate) * bf16)  # one block's recompute
+    if not offload_activations:
+        activations += (num_blocks + 1) * micro_batches * act_one
+    fixed = edges + slots + activations + LOSS_CHUNK + MARGIN
+    per_edges, per_block = 12 * edge_numel, 16 * block_numel  # fp32 master + m + v (+ params, grads)
+    budget = float("inf") if budget_bytes is None else budget_bytes
+    if resident is None:
+        resident = 0
+        if cuda and fixed + per_edges <= budget:
+            resident = 1
+            spare = budget - fixed - per_edges
+            resident += min(num_blocks, int(spare // per_block))
+    device = fixed + (per_edges if resident else 0) + max(resident - 1, 0) * per_block
+    if resident - 1 >= num_blocks:  # nothing slides: no window of slots
+        device -= slots
+    total = edge_numel + num_blocks * block_numel
+    host = total * (12 + 2 + 2) + (num_blocks + 1) * micro_batches * act_one * offload_activations
+    lines = [
+        f"plan: {resident} of {num_blocks + 1} units resident on the device "
+        f"(edges{' + blocks 0..' + str(resident - 2) if resident > 1 else ''}"
+        f"{'' if resident else ': none'}), {num_blocks - max(resident - 1, 0)} sliding through {window} slots",
+        f"  device ~{device / GIB:.1f} GiB of {'no cap' if budget_bytes is None else f'{budget / GIB:.1f} GiB'}: "
+        f"edges {edges / GIB:.2f}, slots {slots / GIB:.2f}, activations ~{activations / GIB:.2f}, "
+        f"resident states {(device - fixed + (slots if resident - 1 >= num_blocks else 0)) / GIB:.2f}",
+        f"  host ~{host / GIB:.1f} GiB: fp32 masters + AdamW states {total * 12 / GIB:.1f}, "
+        f"bf16 copies + grads {total * 4 / GIB:.1f}"
+        + (f", boundary activations {(num_blocks + 1) * micro_batches * act_one / GIB:.1f}"
+           if offload_activations else ""),
+    ]
+    return Plan(budget, fixed, resident, device, host, lines)
+
+
+def check_fits(plan: Plan, budget_key: str) -> None:
+    from .errors import ConfigError
+
+    if plan.fixed > plan.budget:
+        raise ConfigError(
+            f"this run cannot fit in {budget_key}={plan.budget / GIB:.1f} GiB: the edges, the slots and the "
+            f"activations alone need ~{plan.fixed / GIB:.1f} GiB. Lower micro_batch_size or seq_len (activations "
+            "grow with tokens per micro-batch), use engine.window=1, or raise the limit")

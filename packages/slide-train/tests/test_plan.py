@@ -1,0 +1,34 @@
+"""The memory plan: residency grows with the budget, and a budget that cannot hold the minimum is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from slide_train.errors import ConfigError
+from slide_train.plan import GIB, check_fits, make_plan
+
+# Llama-3.2-3B-like shapes (per-unit parameter counts as the engine lays them out).
+SHAPE = dict(edge_numel=394_000_000, block_numel=100_700_000, num_blocks=28, hidden=3072, intermediate=8192,
+             tokens_per_micro=8192, micro_batches=4, window=2, offload_activations=True, resident=None, cuda=True)
+
+
+def test_residency_grows_with_the_budget_and_stays_under_it():
+    counts = []
+    for gib in (8, 16, 24, 48, 80):
+        plan = make_plan(budget_bytes=gib * GIB, **SHAPE)
+        counts.append(plan.resident)
+        assert plan.device_total <= gib * GIB or plan.resident == 0
+    assert counts == sorted(counts) and counts[0] < counts[-1]
+    assert make_plan(budget_bytes=1000 * GIB, **SHAPE).resident == SHAPE["num_blocks"] + 1
+
+
+def test_cpu_runs_keep_nothing_resident_unless_asked():
+    assert make_plan(budget_bytes=None, **{**SHAPE, "cuda": False}).resident == 0
+    assert make_plan(budget_bytes=None, **{**SHAPE, "cuda": False, "resident": 3}).resident == 3
+
+
+def test_a_budget_too_small_says_what_would_fit():
+    plan = make_plan(budget_bytes=2 * GIB, **SHAPE)
+    with pytest.raises(ConfigError, match=r"cannot fit in engine.gpu_memory_limit_gb=2.0 GiB.*need ~\d+\.\d GiB.*"
+                                          r"micro_batch_size or seq_len"):
+        check_fits(plan, "engine.gpu_memory_limit_gb")
