@@ -84,7 +84,9 @@ def run_slide(args) -> dict:
     overrides = [f"--model={args.model}", f"--seq_len={args.seq}", f"--micro_batch_size={args.micro}",
                  f"--grad_accum={args.accum}", f"--steps={args.warmup + args.steps}", f"--engine.device={args.device}",
                  f"--engine.window={args.window}", "--export=false", "--data.pack=true",
-                 f"--output_dir={args.run_dir}"]
+                 f"--output_dir={args.run_dir}", "--profile=true", f"--engine.pipeline={str(bool(args.pipeline)).lower()}"]
+    if args.resident is not None:
+        overrides.append(f"--engine.resident={args.resident}")
     if args.cap:
         overrides.append(f"--engine.gpu_memory_limit_gb={args.cap}")
     if args.device == "cuda":
@@ -96,11 +98,19 @@ def run_slide(args) -> dict:
     timed = records[args.warmup :]
     step_s = statistics.median(r["step_s"] for r in timed)
     tokens = statistics.median(r["tokens"] for r in timed)
-    phases = {k: statistics.median(r[f"{k}_s"] for r in timed) for k in ("forward", "tail", "backward", "update")}
-    return {"system": "slide (synchronous engine)", "cap_gib": args.cap, "setup_s": setup_s, "step_s": step_s,
+    timeline = {k: statistics.median(r[k] for r in timed if k in r)
+                for k in ("gpu_busy_s", "exposed_s", "copy_busy_s", "update_busy_s", "wait_update_s")}
+    memory = [{k: r.get(k) for k in ("allocated_bytes_at_start", "alloc_retries", "cuda_mallocs")} for r in records]
+    for name in ("timeline.png", "trace.json"):
+        src = pathlib.Path(args.run_dir) / name
+        if src.is_file():
+            (pathlib.Path(args.out) / f"{args.tag or 'run'}-{name}").write_bytes(src.read_bytes())
+    return {"system": f"slide ({'pipelined' if args.pipeline else 'synchronous'} engine)", "cap_gib": args.cap,
+            "setup_s": setup_s, "step_s": step_s, "plan": trainer.memory_plan.text(),
+            "exposed_fraction": timeline["exposed_s"] / step_s, "timeline_s": timeline, "memory_per_step": memory,
             "tokens_per_s": tokens / step_s, "tflops": 6 * trainer.num_params * tokens / step_s / 1e12,
             "gpu_peak_gib": max(r["gpu_peak_gib"] for r in records),
-            "host_rss_gib": max(r["host_rss_gib"] for r in records), "phases_s": phases,
+            "host_rss_gib": max(r["host_rss_gib"] for r in records),
             "losses": [r["loss"] for r in records], "num_params": trainer.num_params}
 
 
@@ -116,6 +126,8 @@ def main() -> None:
     p.add_argument("--cap", type=float, default=24.0)
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself (with --peer none)")
     p.add_argument("--peer", choices=["plain", "none"], default="plain")
+    p.add_argument("--resident", type=int, default=None, help="override the planner (units resident on the GPU)")
+    p.add_argument("--pipeline", type=int, default=1, help="0: the synchronous reference schedule")
     p.add_argument("--tag", default="")
     p.add_argument("--run-dir", default="/tmp/slide-bench-run")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -124,6 +136,7 @@ def main() -> None:
     sys.path[:0] = [str(p / "src") for p in (ROOT / "packages").iterdir()]
     from slide_train.models.presets import preset_config
 
+    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
     results = []
     if args.peer == "plain":
         results.append(run_plain_peer(args, preset_config(args.model)))
@@ -139,7 +152,6 @@ def main() -> None:
         "results": results,
     }
     out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     name = f"engine-{args.model}-{args.tag or 'run'}-{record['date'][:10]}.json"
     (out / name).write_text(json.dumps(record, indent=2))
     print(f"wrote {out / name}")

@@ -52,7 +52,7 @@ def build_engine(cfg: TrainConfig, model) -> tuple[SlidingEngine, Plan]:
                 raise ConfigError(f"engine.gpu_memory_limit_gb={e.gpu_memory_limit_gb} is more than the "
                                   f"{total / 2**30:.1f} GiB this GPU has")
             torch.cuda.set_per_process_memory_fraction(e.gpu_memory_limit_gb * 2**30 / total, device)
-            budget = e.gpu_memory_limit_gb * 2**30
+            budget = 0.95 * e.gpu_memory_limit_gb * 2**30  # the cap is hard: plan a little under it
     kernels = e.kernels == "on" or (e.kernels == "auto" and device.type == "cuda")
     stack = model.stack(kernels=kernels)
     hf = model.hf_config
