@@ -60,7 +60,8 @@ def run_plain_peer(args, hf_config) -> dict:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(input_ids=ids, labels=ids).loss / args.accum
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if args.clip != "none":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float(args.clip))
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
@@ -84,7 +85,10 @@ def run_slide(args) -> dict:
     overrides = [f"--model={args.model}", f"--seq_len={args.seq}", f"--micro_batch_size={args.micro}",
                  f"--grad_accum={args.accum}", f"--steps={args.warmup + args.steps}", f"--engine.device={args.device}",
                  f"--engine.window={args.window}", "--export=false", "--data.pack=true",
-                 f"--output_dir={args.run_dir}", "--profile=true", f"--engine.pipeline={str(bool(args.pipeline)).lower()}"]
+                 f"--output_dir={args.run_dir}", "--profile=true",
+                 f"--engine.pipeline={str(bool(args.pipeline)).lower()}"]
+    if args.clip != "1.0":
+        overrides.append(f"--max_grad_norm={'null' if args.clip == 'none' else args.clip}")
     if args.resident is not None:
         overrides.append(f"--engine.resident={args.resident}")
     if args.cap:
@@ -105,7 +109,9 @@ def run_slide(args) -> dict:
         src = pathlib.Path(args.run_dir) / name
         if src.is_file():
             (pathlib.Path(args.out) / f"{args.tag or 'run'}-{name}").write_bytes(src.read_bytes())
-    return {"system": f"slide ({'pipelined' if args.pipeline else 'synchronous'} engine)", "cap_gib": args.cap,
+    trainer.close()
+    return {"system": f"slide ({'pipelined' if args.pipeline else 'synchronous'} engine, clip {args.clip})",
+            "cap_gib": args.cap,
             "setup_s": setup_s, "step_s": step_s, "plan": trainer.memory_plan.text(),
             "exposed_fraction": timeline["exposed_s"] / step_s, "timeline_s": timeline, "memory_per_step": memory,
             "tokens_per_s": tokens / step_s, "tflops": 6 * trainer.num_params * tokens / step_s / 1e12,
@@ -126,6 +132,7 @@ def main() -> None:
     p.add_argument("--cap", type=float, default=24.0)
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself (with --peer none)")
     p.add_argument("--peer", choices=["plain", "none"], default="plain")
+    p.add_argument("--clip", default="1.0", help="max_grad_norm, or 'none' to train without clipping")
     p.add_argument("--resident", type=int, default=None, help="override the planner (units resident on the GPU)")
     p.add_argument("--pipeline", type=int, default=1, help="0: the synchronous reference schedule")
     p.add_argument("--tag", default="")
@@ -148,7 +155,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
         "config": {"model": args.model, "seq": args.seq, "micro": args.micro, "accum": args.accum,
                    "tokens_per_step": args.seq * args.micro * args.accum, "steps_timed": args.steps,
-                   "warmup": args.warmup, "window": args.window, "cap_gib": args.cap},
+                   "warmup": args.warmup, "window": args.window, "cap_gib": args.cap, "max_grad_norm": args.clip},
         "results": results,
     }
     out = pathlib.Path(args.out)

@@ -52,7 +52,7 @@ def build_engine(cfg: TrainConfig, model) -> tuple[SlidingEngine, Plan]:
                 raise ConfigError(f"engine.gpu_memory_limit_gb={e.gpu_memory_limit_gb} is more than the "
                                   f"{total / 2**30:.1f} GiB this GPU has")
             torch.cuda.set_per_process_memory_fraction(e.gpu_memory_limit_gb * 2**30 / total, device)
-            budget = 0.95 * e.gpu_memory_limit_gb * 2**30  # the cap is hard: plan a little under it
+            budget = 0.92 * e.gpu_memory_limit_gb * 2**30  # the cap is hard: plan a little under it
     kernels = e.kernels == "on" or (e.kernels == "auto" and device.type == "cuda")
     stack = model.stack(kernels=kernels)
     hf = model.hf_config
@@ -253,7 +253,12 @@ class Trainer:
         if cfg.export:
             out = self.export()
             print(f"exported to {out}", flush=True)
+        self.close()
         return last
+
+    def close(self) -> None:
+        """Finish pending updates and stop the engine's worker threads."""
+        self.engine.close()
 
     def export(self, directory: str | pathlib.Path | None = None) -> pathlib.Path:
         dtype = self.model.dtype if self.cfg.export_dtype == "auto" else DTYPES[self.cfg.export_dtype]
