@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slide_memory import AdamWConfig, FlatLayout, HostAdamW
+from slide_memory import AdamWConfig, FlatAdamW, FlatLayout, HostAdamW
 
 
 def test_flat_host_adamw_matches_torch_adamw_on_the_unflattened_model():
@@ -70,3 +70,29 @@ def test_rejects_non_fp32_masters():
         assert "fp32" in str(e)
     else:
         raise AssertionError("bf16 masters must be refused")
+
+
+def test_bf16_states_halve_memory_and_track_fp32_states():
+    torch.manual_seed(1)
+    master = torch.randn(3000) * 0.02
+    wide, narrow = master.clone(), master.clone()
+    a = FlatAdamW(wide, AdamWConfig(lr=1e-3, weight_decay=0.01), chunk=1024)
+    b = FlatAdamW(narrow, AdamWConfig(lr=1e-3, weight_decay=0.01), chunk=1024, states_dtype=torch.bfloat16)
+    assert b.state_tensors() == {}
+    for _ in range(5):
+        g = torch.randn(3000).to(torch.bfloat16)
+        a.step(g, 1e-3, 0.7)
+        b.step(g, 1e-3, 0.7)
+    sa, sb = a.state_tensors(), b.state_tensors()
+    assert sb["exp_avg"].dtype == torch.bfloat16 and sb["exp_avg"].nbytes * 2 == sa["exp_avg"].nbytes
+    assert float(sb["step"]) == float(sa["step"]) == 5.0
+    for key in ("exp_avg", "exp_avg_sq"):  # bf16 keeps ~3 significant digits of each state
+        assert ((sb[key].float() - sa[key]).norm() / sa[key].norm()).item() < 1e-2
+    # Parameters move by ~lr per step; bf16 states change the update by well under a percent of that.
+    assert ((narrow - wide).abs().max() / (wide - master).abs().max()).item() < 0.02
+    c = FlatAdamW(narrow.clone(), AdamWConfig(lr=1e-3, weight_decay=0.01), chunk=1024, states_dtype=torch.bfloat16)
+    c.load_state_tensors(sb)
+    g = torch.randn(3000).to(torch.bfloat16)
+    b.step(g, 1e-3)
+    c.step(g, 1e-3)
+    assert c.master.equal(b.master)

@@ -165,3 +165,24 @@ def test_fused_kernels_in_the_blocks_match_plain_pytorch(tmp_path, family):
         trainer.step()
     ref_model, _, _ = reference_run(model, rows, labels)
     compare(trainer, ref_model, reference_run(model, rows, labels, torch.float64)[0])
+
+
+def test_bf16_states_opt_in_tracks_fp32_states_and_resumes(tmp_path):
+    save_tiny_model(tmp_path / "model", "llama")
+    rows, labels = make_rows(seed=6, n=STEPS * MICRO * ACCUM)
+    write_token_rows(tmp_path / "data.jsonl", rows, labels)
+    runs = {}
+    for dtype in ("fp32", "bf16"):
+        trainer = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
+                                       **{"engine.states_dtype": dtype, "output_dir": tmp_path / dtype}),
+                          progress=False)
+        runs[dtype] = [trainer.step()["loss"] for _ in range(STEPS)]
+        path = trainer.save_checkpoint()
+        assert trainer.engine.optimizer_state(1)["exp_avg"].dtype == getattr(torch, "bfloat16" if dtype == "bf16"
+                                                                             else "float32")
+    assert runs["bf16"][0] == runs["fp32"][0]  # same start; the states only matter from step 2 on
+    assert runs["bf16"] == pytest.approx(runs["fp32"], rel=1e-3)
+    resumed = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
+                                   **{"engine.states_dtype": "bf16", "output_dir": tmp_path / "bf16",
+                                      "resume": path}), progress=False)
+    assert resumed.step_index == STEPS

@@ -34,10 +34,14 @@ def _fused_supported(device: torch.device) -> bool:
 
 
 class FlatAdamW:
-    """AdamW over one flat fp32 master; `step` takes the unit's gradient in any dtype."""
+    """AdamW over one flat fp32 master; `step` takes the unit's gradient in any dtype.
+
+    `states_dtype=torch.bfloat16` stores m and v in bf16 (half their memory); each chunk is widened to fp32 for
+    the step and rounded back, so the arithmetic stays fp32 and only the stored states lose precision.
+    """
 
     def __init__(self, master: torch.Tensor, config: AdamWConfig, scratch: torch.Tensor | None = None,
-                 chunk: int = CHUNK):
+                 chunk: int = CHUNK, states_dtype: torch.dtype = torch.float32):
         if master.dtype != torch.float32 or master.dim() != 1:
             raise ValueError("master weights must be a flat fp32 tensor")
         self.master, self.config = master, config
@@ -46,8 +50,16 @@ class FlatAdamW:
         kind = {"fused": True} if _fused_supported(master.device) else {"foreach": False}
         self._opts = [torch.optim.AdamW([c], lr=config.lr, betas=config.betas, eps=config.eps,
                                         weight_decay=config.weight_decay, **kind) for c in self.chunks]
-        self.scratch = scratch if scratch is not None else torch.empty(min(chunk, master.numel()),
-                                                                       device=master.device)
+        size = min(chunk, master.numel())
+        self.scratch = scratch if scratch is not None else torch.empty(size, device=master.device)
+        self.states_dtype = states_dtype
+        self.narrow = states_dtype != torch.float32
+        if self.narrow:  # stored states, and fp32 room to run one chunk's step in
+            self.exp_avg = torch.zeros(master.numel(), dtype=states_dtype, device=master.device)
+            self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+            self._wide = torch.empty(2, size, device=master.device)
+            for param, opt in zip(self.chunks, self._opts):
+                opt.state[param] = {"step": torch.zeros((), dtype=torch.float32, device=master.device)}
 
     def step(self, grad: torch.Tensor, lr: float, grad_scale: float = 1.0) -> None:
         """One AdamW step from `grad` (flat, same length as the master), scaled first by `grad_scale`."""
@@ -58,22 +70,40 @@ class FlatAdamW:
             g.copy_(grad[offset : offset + n])
             if grad_scale != 1.0:
                 g.mul_(grad_scale)
+            if self.narrow:
+                state = opt.state[param]
+                state["exp_avg"], state["exp_avg_sq"] = self._wide[0, :n], self._wide[1, :n]
+                state["exp_avg"].copy_(self.exp_avg[offset : offset + n])
+                state["exp_avg_sq"].copy_(self.exp_avg_sq[offset : offset + n])
             param.grad = g
             opt.param_groups[0]["lr"] = lr
             opt.step()
             param.grad = None
+            if self.narrow:
+                self.exp_avg[offset : offset + n].copy_(state["exp_avg"])
+                self.exp_avg_sq[offset : offset + n].copy_(state["exp_avg_sq"])
             offset += n
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Optimizer state as flat tensors on the master's device (empty before the first step)."""
         states = [opt.state.get(p, {}) for p, opt in zip(self.chunks, self._opts)]
-        if not states[0]:
+        if not states[0] or (self.narrow and not float(states[0]["step"])):
             return {}
+        if self.narrow:
+            return {"exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone(),
+                    "step": states[0]["step"].clone()}
         return {"exp_avg": torch.cat([s["exp_avg"] for s in states]),
                 "exp_avg_sq": torch.cat([s["exp_avg_sq"] for s in states]),
                 "step": states[0]["step"].clone()}
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.narrow:
+            self.exp_avg.copy_(tensors["exp_avg"] if tensors else 0)
+            self.exp_avg_sq.copy_(tensors["exp_avg_sq"] if tensors else 0)
+            for param, opt in zip(self.chunks, self._opts):
+                step = tensors["step"] if tensors else torch.zeros(())
+                opt.state[param]["step"] = step.to(param.device, torch.float32, copy=True)
+            return
         offset = 0
         for param, opt in zip(self.chunks, self._opts):
             n = param.numel()
@@ -90,14 +120,14 @@ class FlatAdamW:
 class HostAdamW:
     """AdamW over a list of flat fp32 host masters, one per unit, sharing one fp32 scratch."""
 
-    def __init__(self, masters: list[torch.Tensor], config: AdamWConfig):
+    def __init__(self, masters: list[torch.Tensor], config: AdamWConfig, states_dtype: torch.dtype = torch.float32):
         for m in masters:
             if m.dtype != torch.float32 or m.device.type != "cpu" or m.dim() != 1:
                 raise ValueError("master weights must be flat fp32 tensors on the host")
         scratch = torch.empty(min(CHUNK, max(m.numel() for m in masters)))
         self.masters = masters
         self.config = config
-        self.units = [FlatAdamW(m, config, scratch) for m in masters]
+        self.units = [FlatAdamW(m, config, scratch, states_dtype=states_dtype) for m in masters]
 
     def step_unit(self, unit: int, grad: torch.Tensor, lr: float, grad_scale: float = 1.0) -> None:
         """Update one unit's master from its gradient (any dtype), scaled by `grad_scale` (e.g. clipping)."""

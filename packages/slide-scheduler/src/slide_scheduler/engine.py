@@ -52,6 +52,7 @@ class EngineConfig:
     # Units kept on the device for good, with their fp32 master and AdamW states there too: 0 = none,
     # 1 = the edges, 1 + k = the edges and blocks 0..k-1. The rest slide. (slide-train sizes this from the budget.)
     resident: int = 0
+    states_dtype: str = "fp32"  # fp32 | bf16: AdamW m and v of host units stored in bf16 (half the host memory)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -137,7 +138,9 @@ class SlidingEngine:
             slot.free = DONE  # compute is done with the slot's contents
             slot.drained = DONE  # the slot's gradient has been copied out
 
-        self.optimizer = HostAdamW([u.master for u in self.units], config.optimizer)
+        if config.states_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"states_dtype must be fp32 or bf16, got {config.states_dtype!r}")
+        self.optimizer = HostAdamW([u.master for u in self.units], config.optimizer, DTYPES[config.states_dtype])
         for unit in self.units:
             unit.refresh()
 

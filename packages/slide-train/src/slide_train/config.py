@@ -48,7 +48,7 @@ class EngineSection:
     resident: int | None = None  # units kept on the GPU with their optimizer (null: as many as the budget allows)
     activation_offload: str = "cpu"  # none | cpu
     optimizer_offload: OptimizerOffloadConfig = field(default_factory=OptimizerOffloadConfig)
-    states_dtype: str = "fp32"  # fp32 (bf16 is planned)
+    states_dtype: str = "fp32"  # fp32 | bf16 (opt-in: AdamW m and v on the host in bf16, half their memory)
     kernels: str = "auto"  # auto (slide-kernels' Triton RMSNorm/RoPE/SwiGLU on CUDA) | on | off
     pipeline: bool = True  # false: the synchronous reference schedule (no overlap)
 
@@ -88,7 +88,7 @@ CHOICES = {
     "schedule.decay": ("constant", "cosine", "linear"),
     "engine.compute_dtype": ("auto", "bf16", "fp32"),
     "engine.activation_offload": ("none", "cpu"),
-    "engine.states_dtype": ("fp32",),
+    "engine.states_dtype": ("fp32", "bf16"),
     "engine.kernels": ("auto", "on", "off"),
     "export_dtype": ("auto", "bf16", "fp16", "fp32"),
 }

@@ -29,7 +29,7 @@ class Plan:
 
 def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, intermediate: int,
               tokens_per_micro: int, micro_batches: int, window: int, offload_activations: bool,
-              budget_bytes: float | None, resident: int | None, cuda: bool) -> Plan:
+              budget_bytes: float | None, resident: int | None, cuda: bool, state_bytes: int = 8) -> Plan:
     bf16 = 2
     edges = edge_numel * 2 * bf16
     slots = window * block_numel * 2 * bf16
@@ -51,7 +51,7 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
     if resident - 1 >= num_blocks:  # nothing slides: no window of slots
         device -= slots
     total = edge_numel + num_blocks * block_numel
-    host = total * (12 + 2 + 2) + (num_blocks + 1) * micro_batches * act_one * offload_activations
+    host = total * (4 + state_bytes + 2 + 2) + (num_blocks + 1) * micro_batches * act_one * offload_activations
     lines = [
         f"plan: {resident} of {num_blocks + 1} units resident on the device "
         f"(edges{' + blocks 0..' + str(resident - 2) if resident > 1 else ''}"
@@ -59,7 +59,7 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
         f"  device ~{device / GIB:.1f} GiB of {'no cap' if budget_bytes is None else f'{budget / GIB:.1f} GiB'}: "
         f"edges {edges / GIB:.2f}, slots {slots / GIB:.2f}, activations ~{activations / GIB:.2f}, "
         f"resident states {(device - fixed + (slots if resident - 1 >= num_blocks else 0)) / GIB:.2f}",
-        f"  host ~{host / GIB:.1f} GiB: fp32 masters + AdamW states {total * 12 / GIB:.1f}, "
+        f"  host ~{host / GIB:.1f} GiB: fp32 masters + AdamW states {total * (4 + state_bytes) / GIB:.1f}, "
         f"bf16 copies + grads {total * 4 / GIB:.1f}"
         + (f", boundary activations {(num_blocks + 1) * micro_batches * act_one / GIB:.1f}"
            if offload_activations else ""),

@@ -38,7 +38,7 @@ def build_engine(cfg: TrainConfig, model) -> tuple[SlidingEngine, Plan]:
     e, opt = cfg.engine, cfg.optimizer
     engine_cfg = EngineConfig(
         device=e.device, compute_dtype=e.compute_dtype, window=e.window, activation_offload=e.activation_offload,
-        max_grad_norm=cfg.max_grad_norm, pipeline=e.pipeline,
+        max_grad_norm=cfg.max_grad_norm, pipeline=e.pipeline, states_dtype=e.states_dtype,
         optimizer=AdamWConfig(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay),
     )
     device = engine_cfg.resolve_device()
@@ -61,7 +61,7 @@ def build_engine(cfg: TrainConfig, model) -> tuple[SlidingEngine, Plan]:
         num_blocks=stack.num_blocks, hidden=hf.hidden_size, intermediate=hf.intermediate_size,
         tokens_per_micro=cfg.micro_batch_size * cfg.seq_len, micro_batches=cfg.grad_accum, window=e.window,
         offload_activations=e.activation_offload == "cpu", budget_bytes=budget, resident=e.resident,
-        cuda=device.type == "cuda")
+        cuda=device.type == "cuda", state_bytes=4 if e.states_dtype == "bf16" else 8)
     if budget is not None:
         check_plan(plan, "engine.gpu_memory_limit_gb" if e.gpu_memory_limit_gb else "the GPU's memory")
     engine_cfg.resident = plan.resident
