@@ -96,3 +96,13 @@ def test_bf16_states_halve_memory_and_track_fp32_states():
     b.step(g, 1e-3)
     c.step(g, 1e-3)
     assert c.master.equal(b.master)
+
+
+def test_a_bf16_states_checkpoint_resumes_with_fp32_states():
+    master = torch.randn(500) * 0.02
+    narrow = FlatAdamW(master.clone(), AdamWConfig(lr=1e-3), chunk=128, states_dtype=torch.bfloat16)
+    narrow.step(torch.randn(500), 1e-3)
+    wide = FlatAdamW(narrow.master.clone(), AdamWConfig(lr=1e-3), chunk=128)
+    wide.load_state_tensors(narrow.state_tensors())
+    wide.step(torch.randn(500), 1e-3)  # fp32 states from bf16 ones: no dtype error
+    assert wide.state_tensors()["exp_avg"].dtype == torch.float32

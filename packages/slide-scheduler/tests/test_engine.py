@@ -225,3 +225,20 @@ def test_resident_units_give_the_same_result(resident, clip):
     for unit, params in ref.items():
         for name, t in params.items():
             assert got[unit][name].equal(t), f"{unit}.{name}"
+
+
+def test_a_failed_copy_on_a_worker_lane_surfaces_and_close_still_stops_threads():
+    def break_block_one(engine):
+        engine.units[2].compute = torch.zeros(3)  # the h2d copy of block 1 will fail in the lane's thread
+
+    torch.manual_seed(0)
+    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=None))
+    break_block_one(engine)
+    step = batches(seed=4, steps=1, micro=2)[0]
+    with pytest.raises(RuntimeError, match="h2d lane failed"):
+        engine.step(step, lr=1e-2, normalizer=10)
+    engine.close()
+    threads = [engine.updater._thread, *engine.h2d._pool._threads, *engine.d2h._pool._threads]
+    assert threads and not any(t.is_alive() for t in threads)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.step(step, lr=1e-2, normalizer=10)

@@ -111,3 +111,27 @@ def test_corrupted_checkpoint_is_refused_and_auto_falls_back(tmp_path):
     assert trainer.step_index == 1
     manifest = json.loads((newest.parent / "manifest.json").read_text())
     assert "block-001.safetensors" in manifest["files"]
+
+
+def test_an_earlier_run_is_never_silently_mixed_with_a_new_one(tmp_path):
+    base = ["--steps=2", "--seq_len=32", "--micro_batch_size=2", "--grad_accum=1", "--export=false",
+            f"--output_dir={tmp_path / 'run'}"]
+    Trainer(load_config(None, base), progress=False).fit()
+    with pytest.raises(CheckpointError, match=r"holds an earlier run .*step-2.*--resume=auto.*--overwrite=true"):
+        Trainer(load_config(None, base), progress=False)
+    fresh = Trainer(load_config(None, [*base, "--overwrite=true"]), progress=False)
+    assert fresh.step_index == 0 and not (tmp_path / "run" / "checkpoints" / "step-2").exists()
+    fresh.close()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--engine.resident=-1", "engine.resident must be 0 or more"),
+    ("--engine.device=gpu", "engine.device must be auto, cpu, cuda or cuda:N"),
+    ("--checkpoint.every=-2", "checkpoint.every must be 0 or more"),
+    ("--schedule.min_lr_ratio=3", r"schedule.min_lr_ratio must be in \[0, 1\]"),
+    ("--optimizer.eps=0", "optimizer.eps must be positive"),
+    ("--resume=true", "resume must be 'auto' or the path"),
+])
+def test_impossible_values_are_refused_up_front(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])

@@ -41,7 +41,7 @@ class FlatAdamW:
     """
 
     def __init__(self, master: torch.Tensor, config: AdamWConfig, scratch: torch.Tensor | None = None,
-                 chunk: int = CHUNK, states_dtype: torch.dtype = torch.float32):
+                 chunk: int = CHUNK, states_dtype: torch.dtype = torch.float32, wide: torch.Tensor | None = None):
         if master.dtype != torch.float32 or master.dim() != 1:
             raise ValueError("master weights must be a flat fp32 tensor")
         self.master, self.config = master, config
@@ -57,7 +57,7 @@ class FlatAdamW:
         if self.narrow:  # stored states, and fp32 room to run one chunk's step in
             self.exp_avg = torch.zeros(master.numel(), dtype=states_dtype, device=master.device)
             self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-            self._wide = torch.empty(2, size, device=master.device)
+            self._wide = wide if wide is not None else torch.empty(2, size, device=master.device)
             for param, opt in zip(self.chunks, self._opts):
                 opt.state[param] = {"step": torch.zeros((), dtype=torch.float32, device=master.device)}
 
@@ -84,17 +84,26 @@ class FlatAdamW:
                 self.exp_avg_sq[offset : offset + n].copy_(state["exp_avg_sq"])
             offset += n
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Optimizer state as flat tensors on the master's device (empty before the first step)."""
+    def state_tensors(self, to_host: bool = False) -> dict[str, torch.Tensor]:
+        """Optimizer state as flat tensors (empty before the first step); copies, chunk by chunk, so a device
+        state is never doubled on the device."""
         states = [opt.state.get(p, {}) for p, opt in zip(self.chunks, self._opts)]
-        if not states[0] or (self.narrow and not float(states[0]["step"])):
+        if not states[0] or not float(states[0]["step"]):
             return {}
-        if self.narrow:
-            return {"exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone(),
-                    "step": states[0]["step"].clone()}
-        return {"exp_avg": torch.cat([s["exp_avg"] for s in states]),
-                "exp_avg_sq": torch.cat([s["exp_avg_sq"] for s in states]),
-                "step": states[0]["step"].clone()}
+        device = torch.device("cpu") if to_host else self.master.device
+        out = {"step": states[0]["step"].to(device, copy=True)}
+        for key in ("exp_avg", "exp_avg_sq"):
+            if self.narrow:
+                out[key] = getattr(self, key).to(device, copy=True)
+                continue
+            flat = torch.empty(self.master.numel(), dtype=torch.float32, device=device)
+            offset = 0
+            for state in states:
+                n = state[key].numel()
+                flat[offset : offset + n].copy_(state[key])
+                offset += n
+            out[key] = flat
+        return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         if self.narrow:
@@ -111,8 +120,10 @@ class FlatAdamW:
                 opt.state.pop(param, None)
                 continue
             state = opt.state.setdefault(param, {})
-            state["exp_avg"] = tensors["exp_avg"][offset : offset + n].to(param.device, copy=True)
-            state["exp_avg_sq"] = tensors["exp_avg_sq"][offset : offset + n].to(param.device, copy=True)
+            # fp32 whatever the checkpoint holds (a run saved with bf16 states may resume with fp32 ones)
+            state["exp_avg"] = tensors["exp_avg"][offset : offset + n].to(param.device, torch.float32, copy=True)
+            state["exp_avg_sq"] = tensors["exp_avg_sq"][offset : offset + n].to(param.device, torch.float32,
+                                                                                  copy=True)
             state["step"] = tensors["step"].to(param.device, copy=True)
             offset += n
 
@@ -124,10 +135,12 @@ class HostAdamW:
         for m in masters:
             if m.dtype != torch.float32 or m.device.type != "cpu" or m.dim() != 1:
                 raise ValueError("master weights must be flat fp32 tensors on the host")
-        scratch = torch.empty(min(CHUNK, max(m.numel() for m in masters)))
+        size = min(CHUNK, max(m.numel() for m in masters))
+        scratch = torch.empty(size)  # one thread updates one unit at a time: every unit shares the scratch
+        wide = torch.empty(2, size) if states_dtype != torch.float32 else None
         self.masters = masters
         self.config = config
-        self.units = [FlatAdamW(m, config, scratch, states_dtype=states_dtype) for m in masters]
+        self.units = [FlatAdamW(m, config, scratch, states_dtype=states_dtype, wide=wide) for m in masters]
 
     def step_unit(self, unit: int, grad: torch.Tensor, lr: float, grad_scale: float = 1.0) -> None:
         """Update one unit's master from its gradient (any dtype), scaled by `grad_scale` (e.g. clipping)."""

@@ -51,9 +51,3 @@ class ActivationStore:
             out = torch.empty_like(saved, device=self.device)
         self.h2d.run(out.copy_, saved, True, label=f"acts in {boundary}")
         return out
-
-    def arrived(self) -> Signal:
-        return self.h2d.record() if self.offload else DONE
-
-    def host_bytes(self) -> int:
-        return sum(t.nbytes for t, _ in self._saved.values()) if self.offload else 0

@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from slide_memory import AdamWConfig, FlatAdamW, FlatLayout, HostAdamW, Slot, SlotQueue, host_empty, host_zeros
 
@@ -163,7 +162,7 @@ class SlidingEngine:
         # Squared gradient norm of each unit, reduced on the device as gradients are made.
         self._sq_norms = torch.zeros(len(self.units), dtype=torch.float32, device=self.device)
         self._edges_loaded: Signal | None = None
-        self.pending_update = False
+        self.closed = False
 
     # -- parameters ---------------------------------------------------------------------------------------------
 
@@ -193,10 +192,9 @@ class SlidingEngine:
             self._edges_loaded = DONE
 
     def optimizer_state(self, unit: int) -> dict[str, torch.Tensor]:
-        """A unit's AdamW state as host tensors (for checkpoints)."""
-        self.synchronize()
+        """A unit's AdamW state as host tensors (for checkpoints; call `synchronize()` first)."""
         if unit in self.device_optimizers:
-            return {k: v.cpu() for k, v in self.device_optimizers[unit].state_tensors().items()}
+            return self.device_optimizers[unit].state_tensors(to_host=True)
         return self.optimizer.state_tensors(unit)
 
     def load_optimizer_state(self, unit: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -252,6 +250,8 @@ class SlidingEngine:
 
     def step(self, micro_batches: list[Batch], *, lr: float, normalizer: float) -> StepStats:
         """Forward, backward and AdamW update over `micro_batches`; the loss is normalized by `normalizer`."""
+        if self.closed:
+            raise RuntimeError("this engine was closed")
         memory = self._memory_counters()
         # Phase laps synchronize the device only in the synchronous schedule; pipelined, the timeline says more.
         clock = _Clock(self.device, sync=not self.config.pipeline)
@@ -331,7 +331,8 @@ class SlidingEngine:
         loss_value = loss.item()
         if not self.config.pipeline:
             self.synchronize()
-        self.d2h.record().wait_host()  # the spans of every lane are complete
+        self.d2h.record().wait_host()  # the spans of every lane are complete (and a failed copy raises here)
+        self.h2d.record().wait_host()
         clock.lap("update")
         spans = self._spans(clock.start)
         timeline = summarize(spans, clock.total)
@@ -343,11 +344,12 @@ class SlidingEngine:
     def _spans(self, origin: float):
         """This step's spans, plus the optimizer thread's updates that ran during it (host times)."""
         spans = self.timeline.spans()
-        for unit, start, end in self.updater.spans:
+        seen = list(self.updater.spans)  # the worker may append meanwhile: only what was read is dropped
+        for unit, start, end in seen:
             if end >= origin:
                 spans.append(Span("optimizer", f"update {unit - 1 if unit else 'edges'}", start - origin,
                                   end - origin))
-        self.updater.spans = [s for s in self.updater.spans if s[2] >= origin]
+        del self.updater.spans[: len(seen)]
         return spans
 
     def _memory_counters(self) -> dict[str, float]:
@@ -391,7 +393,7 @@ class SlidingEngine:
             with self.timeline.span("compute", f"forward {i}", self.compute.stream):
                 hidden = [slot.module(h, ctx) for h, ctx in zip(hidden, contexts)]
             slot.free = self.compute.record()
-            if keep:
+            if keep and i + 1 < n:  # the last output goes straight to the tail; backward never reads it
                 for j, h in enumerate(hidden):
                     acts.put(i + 1, j, h, slot.free)
             for k in range(i + 1, min(i + window + 1, n)):  # prefetch: every slot not in use
@@ -400,10 +402,16 @@ class SlidingEngine:
         return hidden, contexts
 
     def close(self) -> None:
-        self.synchronize()
-        self.updater.close()
-        for lane in (self.h2d, self.d2h):
-            lane.close()
+        """Finish pending updates and stop the worker threads (they stop even when an update failed)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.synchronize()
+        finally:
+            self.updater.close()
+            for lane in (self.h2d, self.d2h):
+                lane.close()
 
 
 class _Clock:
@@ -422,6 +430,3 @@ class _Clock:
     def total(self) -> float:
         return self.last - self.start
 
-
-def count_parameters(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())

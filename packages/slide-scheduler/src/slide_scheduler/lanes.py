@@ -76,6 +76,7 @@ class Lane:
         self.device = device
         self.delay = 0.0  # tests: seconds each queued task sleeps first, to shake out missing waits
         self.timeline = None  # a Timeline, to record when each labelled task ran
+        self.error: BaseException | None = None  # the first failure of a queued task (CPU lanes)
         self.stream = None
         self._pool = None
         if device.type == "cuda":
@@ -102,7 +103,7 @@ class Lane:
             event.record(self.stream)
             return CudaSignal(event)
         if self._pool is not None:
-            return FutureSignal(self._pool.submit(lambda: None))
+            return FutureSignal(self._pool.submit(self._check))
         return DONE
 
     def wait(self, signal: Signal) -> None:
@@ -114,11 +115,23 @@ class Lane:
             signal.wait_host()
 
     def _task(self, fn, args, label) -> None:
+        if self.error is not None:  # after a failure nothing more runs: later work would read bad data
+            return
         self._sleep()
         start = time.perf_counter()
-        fn(*args)
+        try:
+            fn(*args)
+        except BaseException as e:  # kept, and raised by every later signal of this lane
+            if self._pool is None:
+                raise
+            self.error = e
+            return
         if self.timeline is not None and label:
             self.timeline.add_host(self.name, label, start, time.perf_counter())
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"a task on the {self.name} lane failed") from self.error
 
     def _sleep(self) -> None:
         if self.delay:

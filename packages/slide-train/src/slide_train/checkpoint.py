@@ -52,7 +52,7 @@ def save_checkpoint(root: pathlib.Path, step: int, engine, trainer_state: dict) 
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     engine.synchronize()  # updates of the last step may still be running on the optimizer thread
-    for index, name in enumerate(engine.unit_names()):
+    for index, name in enumerate(engine.unit_names()):  # (one sync: optimizer_state reads what is there)
         tensors = {"master": engine.units[index].master}
         tensors.update({f"adamw.{k}": v for k, v in engine.optimizer_state(index).items()})
         save_file(tensors, str(tmp / unit_file(name)))

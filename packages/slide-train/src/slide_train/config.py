@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import difflib
 import pathlib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -76,8 +77,8 @@ class TrainConfig:
     engine: EngineSection = field(default_factory=EngineSection)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: str | None = None  # auto (newest good checkpoint in output_dir, if any) | PATH of a checkpoint
+    overwrite: bool = False  # start afresh in an output_dir that holds an earlier run (its checkpoints are deleted)
     eval_every: int = 0
-    log_every: int = 1
     profile: bool = False  # write timeline.png and trace.json (Perfetto / chrome://tracing) of step 3
     export: bool = True  # write an HF model directory to output_dir/export at the end
     export_dtype: str = "auto"  # auto (the source model's dtype) | bf16 | fp16 | fp32
@@ -147,13 +148,26 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         value = get_key(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got {value!r}")
-    positive = ["seq_len", "micro_batch_size", "grad_accum", "steps", "engine.window", "checkpoint.keep",
-                "log_every"]
+    positive = ["seq_len", "micro_batch_size", "grad_accum", "steps", "engine.window", "checkpoint.keep"]
     for key in positive:
         if get_key(cfg, key) < 1:
             raise ConfigError(f"{key} must be at least 1, got {get_key(cfg, key)}")
+    not_negative = ["checkpoint.every", "schedule.warmup_steps", "eval_every", "optimizer.weight_decay"]
+    for key in not_negative:
+        if get_key(cfg, key) < 0:
+            raise ConfigError(f"{key} must be 0 or more, got {get_key(cfg, key)}")
     if cfg.optimizer.lr <= 0:
         raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
+    if cfg.optimizer.eps <= 0:
+        raise ConfigError(f"optimizer.eps must be positive, got {cfg.optimizer.eps}")
+    if not 0 <= cfg.schedule.min_lr_ratio <= 1:
+        raise ConfigError(f"schedule.min_lr_ratio must be in [0, 1], got {cfg.schedule.min_lr_ratio}")
+    if cfg.engine.resident is not None and cfg.engine.resident < 0:
+        raise ConfigError(f"engine.resident must be 0 or more (or null for the planner), got {cfg.engine.resident}")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.engine.device):
+        raise ConfigError(f"engine.device must be auto, cpu, cuda or cuda:N; got {cfg.engine.device!r}")
+    if cfg.resume in ("on", "off", ""):
+        raise ConfigError("resume must be 'auto' or the path of a checkpoint directory (or null)")
     if not all(0 <= b < 1 for b in cfg.optimizer.betas):
         raise ConfigError(f"optimizer.betas must be in [0, 1), got {cfg.optimizer.betas}")
     if cfg.max_grad_norm is not None and cfg.max_grad_norm <= 0:

@@ -11,10 +11,11 @@ import pathlib
 import torch
 from safetensors.torch import save_file
 
+from slide_scheduler.engine import DTYPES  # noqa: F401 - the one name -> dtype table (the trainer reads it here)
+
 from .models.adapter import block_hf_name, edge_hf_name
 
 SHARD_BYTES = 5 * 2**30
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def hf_tensors(masters: dict[str, dict[str, torch.Tensor]]):
@@ -37,7 +38,9 @@ def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype
     """Write the model in HF layout, one shard at a time (at most SHARD_BYTES of tensors in memory)."""
     out = pathlib.Path(directory)
     tmp = out.with_name(out.name + ".partial")
-    tmp.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():  # left by an export that crashed: none of it may leak into this one
+        _remove_tree(tmp)
+    tmp.mkdir(parents=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     weight_map = {}

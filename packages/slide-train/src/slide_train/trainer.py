@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import shutil
 import signal
 import time
 import warnings
@@ -99,6 +100,15 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         self.checkpoints = self.run_dir / "checkpoints"
+        earlier = ckpt.list_checkpoints(self.checkpoints)
+        if earlier and not cfg.resume:
+            if not cfg.overwrite:
+                raise ckpt.CheckpointError(
+                    f"{self.run_dir} holds an earlier run (checkpoints up to {earlier[-1].name}): continue it with "
+                    "--resume=auto, start afresh there with --overwrite=true, or choose another output_dir")
+            for path in earlier:
+                shutil.rmtree(path)
+            (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
         self.resumed_from = self._resume() if cfg.resume else None
         self.log = MetricsLog(self.run_dir)
         self._stop_signal: int | None = None
@@ -117,6 +127,9 @@ class Trainer:
             state = ckpt.load_checkpoint(path, self.engine)
             self.step_index = state["step"]
             self.data.train.load_state_dict(state["data"])
+            if state.get("total_steps") != self.total_steps:
+                warnings.warn(f"resuming a run planned for {state.get('total_steps')} steps as a run of "
+                              f"{self.total_steps}: the learning-rate schedule changes from here on", stacklevel=2)
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.is_file():  # drop records of steps after the checkpoint: they will be redone
             kept = [r for r in read_metrics(metrics) if r["step"] <= self.step_index]
@@ -183,7 +196,9 @@ class Trainer:
         """Validation loss (mean over label tokens) and perplexity on the held-out micro-batches."""
         micro = [prepare(b) for b in self.data.eval]
         targets = sum(int((m["targets"] != -100).sum()) for m in micro)
-        loss = self.engine.evaluate(micro, normalizer=max(targets, 1))
+        group = self.cfg.grad_accum  # as many micro-batches at once as a training step holds
+        loss = sum(self.engine.evaluate(micro[i : i + group], normalizer=max(targets, 1))
+                   for i in range(0, len(micro), group))
         record = {"step": self.step_index, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
         self.log.write(record)
         return record
@@ -212,6 +227,7 @@ class Trainer:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self.close()
 
     def _loop(self) -> dict | None:
         from tqdm.auto import tqdm
@@ -253,7 +269,6 @@ class Trainer:
         if cfg.export:
             out = self.export()
             print(f"exported to {out}", flush=True)
-        self.close()
         return last
 
     def close(self) -> None:

@@ -76,8 +76,9 @@ class Edges(nn.Module):
 def attention_mask(document_ids: torch.Tensor | None, window: int | None, seq: int, device) -> torch.Tensor | None:
     """A boolean [B, 1, S, S] mask (True = may attend), or None when plain causal attention is exact.
 
-    Packed rows must not attend across documents; padding (document -1) attends to itself only, so no row of the
-    mask is empty (an empty row would give NaN that leaks into weight gradients).
+    Packed rows must not attend across documents. Padding (document -1) attends to earlier padding and always to
+    itself, so no row of the mask is empty (an empty row would give NaN that leaks into weight gradients); its
+    outputs carry no loss.
     """
     if document_ids is None and (window is None or seq <= window):
         return None
