@@ -197,6 +197,57 @@ class _WeightGradTriton:
         return self.acc.to(self.dtype)
 
 
+class _WeightGradCublas:
+    """fp32 sum of per-chunk weight gradients by cuBLAS (bf16 inputs, fp32 accumulator), narrowed to bf16 in place.
+
+    The accumulator's storage is reused for the bf16 result, so the extra memory is that of one fp32 gradient,
+    as with the split planes of `_WeightGradTriton`, while the products run at cuBLAS speed.
+    """
+
+    def __init__(self, weight: torch.Tensor, n_chunks: int):
+        self.dtype = weight.dtype
+        self.acc = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        self.first = True
+
+    def add(self, g: torch.Tensor, x: torch.Tensor) -> None:
+        if self.first:
+            torch.mm(g.t(), x, out_dtype=torch.float32, out=self.acc)
+            self.first = False
+        else:
+            torch.addmm(self.acc, g.t(), x, out_dtype=torch.float32, out=self.acc)
+
+    def result(self) -> torch.Tensor:
+        v, h = self.acc.shape
+        out = self.acc.view(-1).view(self.dtype)[: v * h].view(v, h)
+        rows = 1024
+        # Row block k's narrow copy lands on bytes that only blocks < k (already narrowed) occupied, except for
+        # block 0, whose source and destination overlap: it goes through a small temporary.
+        out[:rows].copy_(self.acc[:rows].to(self.dtype))
+        for r in range(rows, v, rows):
+            out[r : r + rows].copy_(self.acc[r : r + rows])
+        return out
+
+
+_CUBLAS_OK: dict[torch.device, bool] = {}
+
+
+def _cublas_fp32_accumulation(device: torch.device) -> bool:
+    """Whether this build's cuBLAS path takes bf16 inputs with an fp32 output in place (checked once, exactly)."""
+    if device not in _CUBLAS_OK:
+        try:
+            g = torch.randn(64, 3000, device=device).to(torch.bfloat16)
+            x = torch.randn(64, 40, device=device).to(torch.bfloat16)
+            acc = _WeightGradCublas(torch.empty(3000, 40, dtype=torch.bfloat16, device=device), 2)
+            acc.add(g, x)
+            acc.add(g, x)
+            want = (2 * (g.t().double() @ x.double())).to(torch.bfloat16)
+            _CUBLAS_OK[device] = bool((acc.result().double() - want.double()).abs().max() <= 1e-2 *
+                                      want.double().abs().max())
+        except (RuntimeError, TypeError):
+            _CUBLAS_OK[device] = False
+    return _CUBLAS_OK[device]
+
+
 class _WeightGradTorch:
     def __init__(self, weight: torch.Tensor, n_chunks: int):
         self.dtype = weight.dtype
@@ -263,7 +314,11 @@ def _run(h2d, weight, bias, labels, scale, ignore_index, smoothing, softcap, z_c
     n_chunks = max(1, math.ceil(n / rows))
     buf = torch.empty((min(rows, n), v), dtype=dtype, device=h2d.device)
     grad_h = torch.empty((n, h), dtype=dtype, device=h2d.device) if want[0] else None
-    acc = (_WeightGradTriton if on_triton else _WeightGradTorch)(weight, n_chunks) if want[1] else None
+    if on_triton and weight.dtype == torch.bfloat16 and weight.is_cuda and _cublas_fp32_accumulation(weight.device):
+        kind = _WeightGradCublas
+    else:
+        kind = _WeightGradTriton if on_triton else _WeightGradTorch
+    acc = kind(weight, n_chunks) if want[1] else None
     grad_b = torch.zeros(v, dtype=_acc_dtype(weight), device=h2d.device) if want[2] else None
     scale_stride = 1 if scale.dim() == 1 else 0
     for i in range(n_chunks):
