@@ -186,3 +186,33 @@ def test_bf16_states_opt_in_tracks_fp32_states_and_resumes(tmp_path):
                                    **{"engine.states_dtype": "bf16", "output_dir": tmp_path / "bf16",
                                       "resume": path}), progress=False)
     assert resumed.step_index == STEPS
+
+
+def test_sliding_window_attention_longer_than_the_window_matches_hf(tmp_path):
+    """Mistral with seq_len > sliding_window: the engine's explicit windowed mask gives HF's own loss."""
+    torch.manual_seed(0)
+    from conftest import tiny_config
+
+    from slide_train.data import builtin_tokenizer
+
+    config = tiny_config("mistral")
+    config.sliding_window = 7
+    config._attn_implementation = "sdpa"
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    model.save_pretrained(tmp_path / "m")
+    builtin_tokenizer().save_pretrained(tmp_path / "m")
+    rows, labels = make_rows(seed=7, n=STEPS * MICRO * ACCUM)
+    write_token_rows(tmp_path / "data.jsonl", rows, labels)
+    trainer = Trainer(slide_config(tmp_path, tmp_path / "m", tmp_path / "data.jsonl"), progress=False)
+    ids, lab = torch.tensor(rows[:2]), torch.tensor(labels[:2])
+    from slide_train.trainer import prepare
+
+    micro = [prepare({"input_ids": ids, "labels": lab, "position_ids": torch.arange(SEQ).expand(2, SEQ),
+                      "document_ids": torch.zeros(2, SEQ, dtype=torch.long)})]
+    n = int((micro[0]["targets"] != -100).sum())
+    with torch.no_grad():
+        windowed = model(ids, labels=lab).loss.item()
+        model.config.sliding_window = None
+        full = model(ids, labels=lab).loss.item()
+    assert abs(windowed - full) > 1e-4, "the window must matter at this length for the test to mean anything"
+    assert trainer.engine.evaluate(micro, normalizer=n) == pytest.approx(windowed, rel=1e-5)
