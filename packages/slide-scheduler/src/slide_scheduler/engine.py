@@ -131,8 +131,8 @@ class SlidingEngine:
                 stack.load_block(i, block_layout.views(self.units[i + 1].master))
         # The window of slots for sliding blocks (none when every block is resident).
         sliding = self.num_blocks - max(config.resident - 1, 0)
-        self.slots = SlotQueue(block_layout, stack.make_block, config.window if sliding > 0 else 1, self.device,
-                               self.dtype) if sliding > 0 else None
+        self.slots = (SlotQueue(block_layout, stack.make_block, config.window, self.device, self.dtype)
+                      if sliding > 0 else None)
         for slot in self.slots.slots if self.slots else []:
             slot.free = DONE  # compute is done with the slot's contents
             slot.drained = DONE  # the slot's gradient has been copied out
@@ -156,12 +156,12 @@ class SlidingEngine:
             for u in range(self.resident):
                 master = self.units[u].master.to(self.device, copy=True)
                 self.device_optimizers[u] = FlatAdamW(master, config.optimizer, scratch)
+        self._edges_loaded: Signal | None = None  # set once the edges' latest parameters are queued to the device
         self._load_resident()
         self.updater = HostUpdater(self.optimizer, self.units, inline=inline)
         self.activations = ActivationStore(config.activation_offload, self.device, self.d2h, self.h2d, self.compute)
         # Squared gradient norm of each unit, reduced on the device as gradients are made.
         self._sq_norms = torch.zeros(len(self.units), dtype=torch.float32, device=self.device)
-        self._edges_loaded: Signal | None = None
         self.closed = False
 
     # -- parameters ---------------------------------------------------------------------------------------------
