@@ -29,6 +29,22 @@ def test_cpu_runs_keep_nothing_resident_unless_asked():
 
 def test_a_budget_too_small_says_what_would_fit():
     plan = make_plan(budget_bytes=2 * GIB, **SHAPE)
-    with pytest.raises(ConfigError, match=r"cannot fit in engine.gpu_memory_limit_gb=2.0 GiB.*need ~\d+\.\d GiB.*"
-                                          r"micro_batch_size or seq_len"):
+    with pytest.raises(ConfigError, match=r"cannot fit in engine.gpu_memory_limit_gb \(2.0 GiB usable\).*"
+                                          r"need ~\d+\.\d GiB.*micro_batch_size or seq_len"):
         check_fits(plan, "engine.gpu_memory_limit_gb")
+
+
+def test_plan_command_and_host_check(capsys):
+    from slide_train.cli import main
+    from slide_train.plan import check_host
+
+    assert main(["plan", "--model=llama-3.2-1b", "--seq_len=2048", "--micro_batch_size=4", "--grad_accum=1",
+                 "--gpu-gib=24"]) == 0
+    out = capsys.readouterr().out
+    assert "1.24 B params" in out and "17 of 17 units resident" in out
+    assert main(["plan", "--model=llama-3.1-8b", "--seq_len=65536", "--micro_batch_size=8", "--gpu-gib=24"]) == 2
+    assert "cannot fit in the GPU's memory" in capsys.readouterr().err
+    plan = make_plan(budget_bytes=24 * GIB, **SHAPE)
+    with pytest.raises(ConfigError, match=r"needs ~\d+ GiB of host memory.*has 16 GiB.*states_dtype=bf16"):
+        check_host(plan, 16 * GIB)
+    check_host(plan, 512 * GIB)

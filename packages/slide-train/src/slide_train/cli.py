@@ -44,6 +44,27 @@ def cmd_data(args, overrides) -> int:
     return 0
 
 
+def cmd_plan(args, overrides) -> int:
+    from .models.build import check_fits, load_model
+    from .plan import host_memory
+    from .trainer import plan_run
+
+    cfg = load_config(args.config, overrides)
+    model = load_model(cfg.model, cfg.seed, need_tokenizer=False)  # shapes only: no weight is read
+    check_fits(model, cfg.seq_len)
+    plan, _, stack = plan_run(cfg, model, assume_gpu_gib=args.gpu_gib)
+    total = sum(p.numel() for p in stack.make_block().parameters()) * stack.num_blocks
+    total += sum(p.numel() for p in stack.make_edges().parameters())
+    print(f"model: {cfg.model} ({model.hf_config.model_type}, {total / 1e9:.2f} B params, {stack.num_blocks} "
+          f"blocks); {cfg.grad_accum} x {cfg.micro_batch_size} x {cfg.seq_len} tokens per step")
+    print(plan.text())
+    ram = host_memory()
+    if ram is not None:
+        fits = "fits" if plan.host_total <= 0.95 * ram else "does NOT fit"
+        print(f"  host memory here: {ram / 2**30:.0f} GiB: the run {fits}")
+    return 0
+
+
 def cmd_export(args, overrides) -> int:
     from .checkpoint import export_run
 
@@ -71,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     p = _config_parser(sub, "data", "print a few training rows as the model sees them, with the label mask")
     p.add_argument("-n", type=int, default=3, help="how many examples")
     p.set_defaults(func=cmd_data)
+    p = _config_parser(sub, "plan", "print the memory plan of a run (GPU residency, host memory) without training")
+    p.add_argument("--gpu-gib", type=float, default=None,
+                   help="plan for a GPU of this many GiB (default: the GPU here, or none)")
+    p.set_defaults(func=cmd_plan)
     p = sub.add_parser("export", help="write a run's weights as an HF model directory")
     p.add_argument("run_dir")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")

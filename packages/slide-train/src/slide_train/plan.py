@@ -7,6 +7,7 @@ intermediate-sized bf16 tensors), so a plan leaves a margin. The benchmark JSON 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 GIB = 2**30
@@ -72,6 +73,25 @@ def check_fits(plan: Plan, budget_key: str) -> None:
 
     if plan.fixed > plan.budget:
         raise ConfigError(
-            f"this run cannot fit in {budget_key}={plan.budget / GIB:.1f} GiB: the edges, the slots and the "
-            f"activations alone need ~{plan.fixed / GIB:.1f} GiB. Lower micro_batch_size or seq_len (activations "
-            "grow with tokens per micro-batch), use engine.window=1, or raise the limit")
+            f"this run cannot fit in {budget_key} ({plan.budget / GIB:.1f} GiB usable): the edges, the slots and "
+            f"the activations alone need ~{plan.fixed / GIB:.1f} GiB. Lower micro_batch_size or seq_len "
+            "(activations grow with tokens per micro-batch), use engine.window=1, or raise the limit")
+
+
+def host_memory() -> float | None:
+    """Bytes of RAM on this machine (None where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host(plan: Plan, ram: float | None) -> None:
+    """Refuse a run whose host state cannot fit in RAM, before it allocates 100 GB and gets killed."""
+    from .errors import ConfigError
+
+    if ram is not None and plan.host_total > 0.95 * ram:
+        raise ConfigError(
+            f"this run needs ~{plan.host_total / GIB:.0f} GiB of host memory (fp32 masters, AdamW states, bf16 "
+            f"copies and gradients, boundary activations); this machine has {ram / GIB:.0f} GiB. "
+            "engine.states_dtype=bf16 saves 4 bytes per parameter; fewer tokens per step shrink the activations")

@@ -29,22 +29,28 @@ from .errors import ConfigError
 from .export import DTYPES, export_hf
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics
 from .models.build import check_fits, load_model
-from .plan import Plan, make_plan
+from .plan import Plan, check_host, host_memory, make_plan
 from .plan import check_fits as check_plan
 from .schedule import lr_at
 
 
-def build_engine(cfg: TrainConfig, model) -> tuple[SlidingEngine, Plan]:
-    """The engine, with as many units resident on the device as the memory plan allows."""
+def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
+    """The memory plan of a run, the engine config it implies and the stack to build it on.
+
+    On a CUDA device the budget is `engine.gpu_memory_limit_gb` (and the process is capped to it) or 92% of the
+    card; `assume_gpu_gib` plans for a GPU of that size without touching one (`slide-train plan --gpu-gib`).
+    """
     e, opt = cfg.engine, cfg.optimizer
     engine_cfg = EngineConfig(
         device=e.device, compute_dtype=e.compute_dtype, window=e.window, activation_offload=e.activation_offload,
         max_grad_norm=cfg.max_grad_norm, pipeline=e.pipeline, states_dtype=e.states_dtype,
         optimizer=AdamWConfig(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay),
     )
-    device = engine_cfg.resolve_device()
-    budget = None
-    if device.type == "cuda":
+    budget, cuda = None, assume_gpu_gib is not None
+    if cuda:
+        budget = 0.92 * (e.gpu_memory_limit_gb or assume_gpu_gib) * 2**30
+    elif (device := engine_cfg.resolve_device()).type == "cuda":
+        cuda = True
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         total = torch.cuda.get_device_properties(device).total_memory
         budget = 0.92 * total
@@ -54,7 +60,7 @@ def build_engine(cfg: TrainConfig, model) -> tuple[SlidingEngine, Plan]:
                                   f"{total / 2**30:.1f} GiB this GPU has")
             torch.cuda.set_per_process_memory_fraction(e.gpu_memory_limit_gb * 2**30 / total, device)
             budget = 0.92 * e.gpu_memory_limit_gb * 2**30  # the cap is hard: plan a little under it
-    kernels = e.kernels == "on" or (e.kernels == "auto" and device.type == "cuda")
+    kernels = e.kernels == "on" or (e.kernels == "auto" and cuda)
     stack = model.stack(kernels=kernels)
     hf = model.hf_config
     plan = make_plan(
@@ -62,10 +68,18 @@ def build_engine(cfg: TrainConfig, model) -> tuple[SlidingEngine, Plan]:
         num_blocks=stack.num_blocks, hidden=hf.hidden_size, intermediate=hf.intermediate_size,
         tokens_per_micro=cfg.micro_batch_size * cfg.seq_len, micro_batches=cfg.grad_accum, window=e.window,
         offload_activations=e.activation_offload == "cpu", budget_bytes=budget, resident=e.resident,
-        cuda=device.type == "cuda", state_bytes=4 if e.states_dtype == "bf16" else 8)
+        cuda=cuda, state_bytes=4 if e.states_dtype == "bf16" else 8)
     if budget is not None:
         check_plan(plan, "engine.gpu_memory_limit_gb" if e.gpu_memory_limit_gb else "the GPU's memory")
+    if assume_gpu_gib is None:
+        check_host(plan, host_memory())
     engine_cfg.resident = plan.resident
+    return plan, engine_cfg, stack
+
+
+def build_engine(cfg: TrainConfig, model) -> tuple[SlidingEngine, Plan]:
+    """The engine, with as many units resident on the device as the memory plan allows."""
+    plan, engine_cfg, stack = plan_run(cfg, model)
     return SlidingEngine(stack, engine_cfg), plan
 
 
