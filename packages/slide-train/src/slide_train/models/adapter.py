@@ -13,6 +13,7 @@ from torch import nn
 
 import slide_kernels
 
+from ..data import document_attention_mask
 from ..errors import ModelError
 from .loss import causal_lm_loss
 
@@ -76,20 +77,18 @@ class Edges(nn.Module):
 def attention_mask(document_ids: torch.Tensor | None, window: int | None, seq: int, device) -> torch.Tensor | None:
     """A boolean [B, 1, S, S] mask (True = may attend), or None when plain causal attention is exact.
 
-    Packed rows must not attend across documents. Padding (document -1) attends to earlier padding and always to
-    itself, so no row of the mask is empty (an empty row would give NaN that leaks into weight gradients); its
-    outputs carry no loss.
+    Packed rows use the data pipeline's document mask (causal, within one document; padding sees only itself, so
+    no row is empty); a sliding window narrows it further, never below the diagonal.
     """
     if document_ids is None and (window is None or seq <= window):
         return None
     q = torch.arange(seq, device=device)
-    allowed = q[:, None] >= q[None, :]
+    if document_ids is None:
+        allowed = (q[:, None] >= q[None, :])[None, None]
+    else:
+        allowed = document_attention_mask(document_ids)
     if window is not None:
         allowed = allowed & (q[:, None] - q[None, :] < window)
-    allowed = allowed[None, None]
-    if document_ids is not None:
-        same = document_ids[:, None, :, None] == document_ids[:, None, None, :]
-        allowed = (allowed & same) | torch.eye(seq, dtype=torch.bool, device=device)
     return allowed
 
 
