@@ -365,8 +365,8 @@ class SlidingEngine:
         batches = self._to_device(micro_batches)
         with torch.no_grad():
             hidden, _ = self._forward(batches, keep=False)
-            loss = sum(float(self.edges.tail(h, batch, normalizer)) for h, batch in zip(hidden, batches))
-        return loss
+            loss = sum(self.edges.tail(h, batch, normalizer).float() for h, batch in zip(hidden, batches))
+        return float(loss)  # one read for all micro-batches
 
     def _to_device(self, micro_batches: list[Batch]) -> list[Batch]:
         return [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
