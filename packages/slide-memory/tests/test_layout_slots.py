@@ -1,9 +1,10 @@
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from slide_memory import ALIGN, FlatLayout, HostArena, Slot, SlotQueue
+from slide_memory import ALIGN, FlatLayout, HostArena, Slot, SlotQueue, StagingRing
 
 
 def make_net() -> nn.Module:
@@ -95,3 +96,26 @@ def test_arena_hands_out_aligned_disjoint_tensors():
         assert "cannot hold" in str(e)
     else:
         raise AssertionError("an over-full arena must refuse")
+
+
+@pytest.mark.parametrize("numel", [1, 7, 1000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_narrow_slot_loads_fp32_masters_through_its_gradient_buffer(numel, dtype):
+    layout = FlatLayout(nn.Linear(numel, 1, bias=False))
+    slot = Slot(layout, nn.Linear(numel, 1, bias=False), torch.device("cpu"), dtype)
+    assert slot.landing.numel() == layout.numel // 2  # the fp32 landing zone is the gradient buffer's own bytes
+    master = torch.randn(layout.numel) * 3
+    slot.load(master, unit=5)
+    assert slot.unit == 5
+    assert slot.params.equal(master.to(dtype))  # the same rounding as a host-side conversion
+    assert slot.module.weight.data_ptr() == slot.params.data_ptr()
+
+
+def test_staging_ring_hands_out_buffers_round_robin_and_names_their_last_owner():
+    ring = StagingRing(2, 10, torch.bfloat16)
+    first, before = ring.take("block 3")
+    assert before is None and first.numel() == 10 and first.dtype == torch.bfloat16
+    second, _ = ring.take("block 2")
+    third, before = ring.take("block 1")
+    assert third.data_ptr() == first.data_ptr() and second.data_ptr() != first.data_ptr()
+    assert before == "block 3" and len(ring) == 2 and ring.nbytes == 40

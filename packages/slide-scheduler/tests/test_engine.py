@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slide_memory import AdamWConfig
+from slide_memory import AdamWConfig, StagingRing
 from slide_scheduler import EngineConfig, SlidingEngine
 
 VOCAB, DIM, DEPTH = 17, 12, 4
@@ -168,12 +168,13 @@ def test_each_block_visits_a_slot_once_per_pass():
 
 
 def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None,
-               resident: int = 0):
+               resident: int = 0, dtype: str = "auto"):
     torch.manual_seed(0)
     model = Model(tied=True)
     engine = SlidingEngine(ToyStack(model), EngineConfig(device="cpu", window=window, activation_offload="cpu",
                                                          max_grad_norm=clip, pipeline=pipeline, resident=resident,
-                                                         optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
+                                                         optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1),
+                                                         compute_dtype=dtype))
     for name, seconds in (delays or {}).items():
         getattr(engine, name).delay = seconds
     if patch:
@@ -214,6 +215,40 @@ def test_a_missing_wait_is_caught_by_the_delay_tests():
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
+def one_gradient_buffer(engine):
+    engine.grad_ring = StagingRing(1, engine.grad_ring.buffers[0].numel(), engine.dtype)
+
+
+def test_one_gradient_buffer_for_all_blocks_is_enough_and_its_wait_matters():
+    """Without clipping, blocks share a ring of host gradient buffers: a buffer is reused only once the update
+    that reads it is done. Shrunk to one buffer with a slow updater, the result is still the synchronous one;
+    skip that wait and a gradient is overwritten before its update reads it."""
+    _, ref = run_engine(pipeline=False, window=2, clip=None)
+    _, got = run_engine(pipeline=True, window=2, clip=None, delays={"updater": 0.01}, patch=one_gradient_buffer)
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+    def no_wait(engine):
+        one_gradient_buffer(engine)
+        take = engine.grad_ring.take
+        engine.grad_ring.take = lambda owner: (take(owner)[0], None)
+
+    _, got = run_engine(pipeline=True, window=2, clip=None, delays={"updater": 0.01}, patch=no_wait)
+    assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+
+@pytest.mark.parametrize("clip", [0.05, None])
+def test_bf16_slots_load_fp32_masters_through_the_gradient_buffer(clip):
+    """A bf16 engine keeps no bf16 copy on the host: slots narrow the fp32 master on arrival. Pipelined with a
+    slow h2d lane it equals the synchronous engine, and it tracks the fp32 engine within bf16 rounding."""
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip, dtype="bf16")
+    losses, got = run_engine(pipeline=True, window=2, clip=clip, dtype="bf16", delays={"h2d": 0.004})
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+    fp32_losses, _ = run_engine(pipeline=False, window=2, clip=clip)
+    assert ref_losses != fp32_losses  # the bf16 path really ran
+    torch.testing.assert_close(torch.tensor(ref_losses), torch.tensor(fp32_losses), rtol=2e-2, atol=0)
+
+
 @pytest.mark.parametrize("resident", [1, 3, DEPTH + 1])
 @pytest.mark.parametrize("clip", [0.05, None])
 def test_resident_units_give_the_same_result(resident, clip):
@@ -229,7 +264,7 @@ def test_resident_units_give_the_same_result(resident, clip):
 
 def test_a_failed_copy_on_a_worker_lane_surfaces_and_close_still_stops_threads():
     def break_block_one(engine):
-        engine.units[2].compute = torch.zeros(3)  # the h2d copy of block 1 will fail in the lane's thread
+        engine.units[2].master = torch.zeros(3)  # the h2d copy of block 1 will fail in the lane's thread
 
     torch.manual_seed(0)
     engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=None))

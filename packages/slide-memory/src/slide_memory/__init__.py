@@ -6,7 +6,7 @@ fp32 master weights on the host.
 
 from .__about__ import __version__
 from .adamw import AdamWConfig, FlatAdamW, HostAdamW
-from .host import HostArena, can_pin, host_empty, host_zeros
+from .host import HostArena, StagingRing, can_pin, host_empty, host_zeros
 from .layout import ALIGN, Entry, FlatLayout
 from .slots import Slot, SlotQueue
 
@@ -20,6 +20,7 @@ __all__ = [
     "HostArena",
     "Slot",
     "SlotQueue",
+    "StagingRing",
     "__version__",
     "can_pin",
     "host_empty",

@@ -47,3 +47,31 @@ class HostArena:
             raise MemoryError(f"host arena of {self.nbytes} bytes cannot hold {end - self.used} more bytes")
         self.used = end
         return self.buffer[start:end].view(dtype)
+
+
+class StagingRing:
+    """`count` equal pinned host buffers taken round-robin: the one place gradients of many units pass through.
+
+    Whoever takes a buffer must make sure its previous user is done with it; `owner` says who that was.
+    """
+
+    def __init__(self, count: int, numel: int, dtype: torch.dtype, pinned: bool | None = None):
+        if count < 1:
+            raise ValueError("a staging ring needs at least one buffer")
+        self.buffers = [host_zeros(numel, dtype, pinned) for _ in range(count)]
+        self.owners: list[object] = [None] * count
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self.buffers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    def take(self, owner: object) -> tuple[torch.Tensor, object]:
+        """The next buffer for `owner`, and the owner it had before (None the first time round)."""
+        i = self._next
+        self._next = (i + 1) % len(self.buffers)
+        previous, self.owners[i] = self.owners[i], owner
+        return self.buffers[i], previous

@@ -22,9 +22,25 @@ class Slot:
         self.module = module  # may be built on the meta device: binding gives it real parameters
         layout.bind(module, self.params, self.grads)
         self.unit: int | None = None  # which block the slot holds now
+        # A narrow (bf16) slot lands fp32 masters in its gradient buffer, which is free while a block loads:
+        # the fp32 -> bf16 conversion then costs the device a few microseconds and the host nothing.
+        whole = self.grads.numel() * self.grads.element_size() // 4
+        self.landing = self.grads.view(torch.uint8)[: whole * 4].view(torch.float32) if dtype != torch.float32 \
+            else None
 
-    def load(self, source: torch.Tensor, unit: int, non_blocking: bool = False) -> None:
-        self.params.copy_(source, non_blocking=non_blocking)
+    def load(self, master: torch.Tensor, unit: int | None = None, non_blocking: bool = False) -> None:
+        """Copy a flat host master (fp32) into the slot's parameters, in the slot's dtype.
+
+        The slot's gradient buffer is overwritten when the dtypes differ: it must not hold anything still needed.
+        """
+        if master.dtype == self.params.dtype or self.landing is None or not self.landing.numel():
+            self.params.copy_(master, non_blocking=non_blocking)
+        else:
+            step = self.landing.numel()
+            for start in range(0, master.numel(), step):
+                n = min(step, master.numel() - start)
+                self.landing[:n].copy_(master[start : start + n], non_blocking=non_blocking)
+                self.params[start : start + n].copy_(self.landing[:n])
         self.unit = unit
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slide_memory import AdamWConfig, FlatAdamW, FlatLayout, HostAdamW, Slot, SlotQueue, host_empty, host_zeros
+from slide_memory import AdamWConfig, FlatAdamW, FlatLayout, HostAdamW, Slot, SlotQueue, StagingRing, host_zeros
 
 from .activations import ActivationStore
 from .lanes import DONE, Lane, Signal
@@ -80,19 +80,15 @@ class StepStats:
 
 
 class Unit:
-    """One trainable unit (the edges, or one block): fp32 master, its compute-dtype copy and host gradient."""
+    """One trainable unit (the edges, or one block): its layout and fp32 master weights on the host.
 
-    def __init__(self, layout: FlatLayout, compute_dtype: torch.dtype, device: torch.device):
+    The master is pinned and is what crosses PCIe when the unit loads (slots narrow it to bf16 on the device), so
+    the host keeps no compute-dtype copy: 12 bytes per parameter with the AdamW states.
+    """
+
+    def __init__(self, layout: FlatLayout):
         self.layout = layout
-        self.master = torch.zeros(layout.numel, dtype=torch.float32)
-        # On an fp32 CPU run the master is what the device reads; otherwise a (pinned) copy in compute dtype.
-        same = compute_dtype == torch.float32 and device.type == "cpu"
-        self.compute = self.master if same else host_empty(layout.numel, compute_dtype)
-        self.grad = host_zeros(layout.numel, compute_dtype)
-
-    def refresh(self) -> None:
-        if self.compute is not self.master:
-            self.compute.copy_(self.master)
+        self.master = host_zeros(layout.numel, torch.float32)
 
 
 class SlidingEngine:
@@ -110,12 +106,10 @@ class SlidingEngine:
             lane.timeline = self.timeline
         self._wait_update_s = 0.0
 
-        # Edges: head + tail parameters, resident on the device in one flat buffer for the whole run.
+        # Edges: head + tail parameters, on the device in a slot of their own for the whole run.
         self.edges = stack.make_edges()
         edge_layout = FlatLayout(self.edges)
-        self.edge_params = torch.zeros(edge_layout.numel, dtype=self.dtype, device=self.device)
-        self.edge_grads = torch.zeros_like(self.edge_params)
-        edge_layout.bind(self.edges, self.edge_params, self.edge_grads)
+        self.edge_slot = Slot(edge_layout, self.edges, self.device, self.dtype)
         for module in self.edges.modules():
             for name, buf in module._buffers.items():
                 if buf is not None:
@@ -123,8 +117,7 @@ class SlidingEngine:
 
         # Blocks: fp32 masters on the host, a window of device slots to run them in.
         block_layout = FlatLayout(stack.make_block())
-        self.units = [Unit(edge_layout, self.dtype, self.device)]
-        self.units += [Unit(block_layout, self.dtype, self.device) for _ in range(self.num_blocks)]
+        self.units = [Unit(edge_layout)] + [Unit(block_layout) for _ in range(self.num_blocks)]
         with torch.no_grad():
             stack.load_edges(edge_layout.views(self.units[0].master))
             for i in range(self.num_blocks):
@@ -140,8 +133,6 @@ class SlidingEngine:
         if config.states_dtype not in ("fp32", "bf16"):
             raise ValueError(f"states_dtype must be fp32 or bf16, got {config.states_dtype!r}")
         self.optimizer = HostAdamW([u.master for u in self.units], config.optimizer, DTYPES[config.states_dtype])
-        for unit in self.units:
-            unit.refresh()
 
         # Resident units: device fp32 master + AdamW on the device; resident blocks get a slot of their own.
         if not 0 <= config.resident <= len(self.units):
@@ -158,7 +149,14 @@ class SlidingEngine:
                 self.device_optimizers[u] = FlatAdamW(master, config.optimizer, scratch)
         self._edges_loaded: Signal | None = None  # set once the edges' latest parameters are queued to the device
         self._load_resident()
-        self.updater = HostUpdater(self.optimizer, self.units, inline=inline)
+        # Host gradients: blocks pass through one shared ring of pinned buffers. Without clipping a block's
+        # update empties its buffer during backward, so a few suffice; exact clipping holds every gradient until
+        # the global norm is known (2 bytes per sliding parameter). A sliding edges unit has a buffer of its own.
+        sliding_blocks = self.num_blocks - max(self.resident - 1, 0)
+        self.grad_ring = (StagingRing(sliding_blocks if config.max_grad_norm else min(3, sliding_blocks),
+                                      block_layout.numel, self.dtype) if sliding_blocks else None)
+        self.edge_grad = host_zeros(edge_layout.numel, self.dtype) if not self.resident else None
+        self.updater = HostUpdater(self.optimizer, inline=inline)
         self.activations = ActivationStore(config.activation_offload, self.device, self.d2h, self.h2d, self.compute)
         # Squared gradient norm of each unit, reduced on the device as gradients are made.
         self._sq_norms = torch.zeros(len(self.units), dtype=torch.float32, device=self.device)
@@ -175,8 +173,6 @@ class SlidingEngine:
     def refresh(self) -> None:
         """After host masters were changed from outside (a checkpoint load): rebuild every copy of them."""
         self.updater.wait_all()
-        for unit in self.units:
-            unit.refresh()
         for u, opt in self.device_optimizers.items():
             opt.master.copy_(self.units[u].master)
         self._edges_loaded = None
@@ -184,11 +180,10 @@ class SlidingEngine:
 
     def _load_resident(self) -> None:
         for i, slot in self.resident_slots.items():
-            slot.params.copy_(self.units[i + 1].compute)
-            slot.unit = i
+            slot.load(self.units[i + 1].master, i)
             slot.free = slot.drained = DONE
         if self.resident:
-            self.edge_params.copy_(self.units[0].compute)
+            self.edge_slot.load(self.units[0].master)
             self._edges_loaded = DONE
 
     def optimizer_state(self, unit: int) -> dict[str, torch.Tensor]:
@@ -216,8 +211,8 @@ class SlidingEngine:
     def _load_edges(self) -> None:
         """Refresh the resident edge parameters once their pending update is done."""
         if self._edges_loaded is None:
-            self._wait_for_update(0)
-            self.h2d.run(self.edge_params.copy_, self.units[0].compute, True, label="params edges")
+            self._wait_for_update(0)  # (which also means its gradient has left the landing zone)
+            self.h2d.run(self.edge_slot.load, self.units[0].master, None, True, label="params edges")
             self._edges_loaded = self.h2d.record()
         self.compute.wait(self._edges_loaded)
 
@@ -229,8 +224,8 @@ class SlidingEngine:
             slot = self.slots.next()
             self._wait_for_update(block + 1)  # a block is never loaded before its update has finished
             self.h2d.wait(slot.free)
-            self.h2d.run(slot.params.copy_, self.units[block + 1].compute, True, label=f"params {block}")
-            slot.unit = block
+            self.h2d.wait(slot.drained)  # loading lands in the gradient buffer: its last gradient has left
+            self.h2d.run(slot.load, self.units[block + 1].master, block, True, label=f"params {block}")
         acts = None
         if boundary is not None:
             acts = [self.activations.fetch(boundary, j) for j in range(micro)]
@@ -265,7 +260,7 @@ class SlidingEngine:
         clock.lap("forward")
 
         with span("compute", "tail", stream):
-            self.edge_grads.zero_()
+            self.edge_slot.grads.zero_()
             self._sq_norms.zero_()
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
             grads = []
@@ -280,6 +275,7 @@ class SlidingEngine:
 
         clip = self.config.max_grad_norm
         drained: list[Signal] = [DONE] * len(self.units)
+        host_grads: dict[int, torch.Tensor] = {}
         staged = {n - 1: self._stage(n - 1, n - 1, m)}
         for i in reversed(range(n)):
             slot, acts = staged.pop(i)
@@ -294,11 +290,15 @@ class SlidingEngine:
                 self._sq_norms[i + 1] = torch.linalg.vector_norm(slot.grads, dtype=torch.float32).square()
             slot.free = self.compute.record()
             if i not in self.resident_slots:
+                buffer, previous = self.grad_ring.take(i + 1)
+                if previous is not None:  # the buffer's last gradient has been used by its update
+                    self._wait_for_update(previous)
+                host_grads[i + 1] = buffer
                 self.d2h.wait(slot.free)
-                self.d2h.run(self.units[i + 1].grad.copy_, slot.grads, True, label=f"grads {i}")
+                self.d2h.run(buffer.copy_, slot.grads, True, label=f"grads {i}")
                 slot.drained = drained[i + 1] = self.d2h.record()
                 if not clip:  # no clipping: the update can start as soon as the gradient is on the host
-                    self.updater.submit(i + 1, slot.drained, lr, 1.0)
+                    self.updater.submit(i + 1, buffer, slot.drained, lr, 1.0)
             for k in range(i - 1, max(i - window - 1, -1), -1):  # prefetch: every slot not in use
                 if k not in staged:
                     staged[k] = self._stage(k, k, m)
@@ -306,10 +306,11 @@ class SlidingEngine:
             for j, batch in enumerate(batches):
                 h, _ = self.edges.head(batch)
                 h.backward(grads[j])
-            self._sq_norms[0] = torch.linalg.vector_norm(self.edge_grads, dtype=torch.float32).square()
+            self._sq_norms[0] = torch.linalg.vector_norm(self.edge_slot.grads, dtype=torch.float32).square()
         if not self.resident:
+            host_grads[0] = self.edge_grad
             self.d2h.wait(self.compute.record())
-            self.d2h.run(self.units[0].grad.copy_, self.edge_grads, True, label="grads edges")
+            self.d2h.run(self.edge_grad.copy_, self.edge_slot.grads, True, label="grads edges")
             drained[0] = self.d2h.record()
         clock.lap("backward")
 
@@ -319,13 +320,12 @@ class SlidingEngine:
         scale = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
         with span("compute", "update resident", stream):
             for u, opt in self.device_optimizers.items():
-                params, grads = (self.edge_params, self.edge_grads) if u == 0 else (
-                    self.resident_slots[u - 1].params, self.resident_slots[u - 1].grads)
-                opt.step(grads, lr, scale)
-                params.copy_(opt.master)
+                slot = self.edge_slot if u == 0 else self.resident_slots[u - 1]
+                opt.step(slot.grads, lr, scale)
+                slot.params.copy_(opt.master)
         for u in range(self.resident, len(self.units)):
             if u == 0 or clip:  # without clipping, sliding blocks were submitted during backward
-                self.updater.submit(u, drained[u], lr, scale)
+                self.updater.submit(u, host_grads[u], drained[u], lr, scale)
         if not self.resident:
             self._edges_loaded = None
         loss_value = loss.item()

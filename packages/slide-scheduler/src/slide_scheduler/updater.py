@@ -1,8 +1,8 @@
 """The host optimizer worker: one thread that applies AdamW to units in the order they are submitted.
 
-A unit's update waits for its gradient to arrive on the host (a lane signal), runs AdamW over its fp32 master,
-writes the fresh compute-dtype copy, and then sets the unit's `done` signal, which is what every later load of
-that unit waits for. One thread, because torch's CPU AdamW already uses every core inside one call.
+A unit's update waits for its gradient to arrive on the host (a lane signal), runs AdamW over its fp32 master
+and then sets the unit's `done` signal, which is what every later load of that unit (and every later reuse of
+its gradient buffer) waits for. One thread, because torch's CPU AdamW already uses every core inside one call.
 """
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ import queue
 import threading
 import time
 
+import torch
+
 from .lanes import HostSignal, Signal
 
 
 class HostUpdater:
-    def __init__(self, optimizer, units, inline: bool = False):
+    def __init__(self, optimizer, inline: bool = False):
         self.optimizer = optimizer
-        self.units = units
-        self.done = [HostSignal() for _ in units]
+        self.done = [HostSignal() for _ in optimizer.units]
         self.delay = 0.0  # tests: seconds each update sleeps first
         self.spans: list[tuple[int, float, float]] = []  # (unit, start, end) host times, for the timeline
         self._queue: queue.Queue | None = None
@@ -27,13 +28,13 @@ class HostUpdater:
             self._thread = threading.Thread(target=self._loop, name="slide-updater", daemon=True)
             self._thread.start()
 
-    def submit(self, index: int, after: Signal, lr: float, grad_scale: float) -> None:
-        """Update unit `index` once `after` holds (its gradient is on the host)."""
+    def submit(self, index: int, grad: torch.Tensor, after: Signal, lr: float, grad_scale: float) -> None:
+        """Update unit `index` from the host tensor `grad` once `after` holds (the gradient is in it)."""
         self.done[index].clear()
         if self._queue is None:
-            self._apply(index, after, lr, grad_scale)
+            self._apply(index, grad, after, lr, grad_scale)
         else:
-            self._queue.put((index, after, lr, grad_scale))
+            self._queue.put((index, grad, after, lr, grad_scale))
 
     def wait(self, index: int) -> None:
         self.done[index].wait_host()
@@ -49,15 +50,13 @@ class HostUpdater:
                 return
             self._apply(*item)
 
-    def _apply(self, index: int, after: Signal, lr: float, grad_scale: float) -> None:
+    def _apply(self, index: int, grad: torch.Tensor, after: Signal, lr: float, grad_scale: float) -> None:
         try:
             after.wait_host()
             if self.delay:
                 time.sleep(self.delay)
             start = time.perf_counter()
-            unit = self.units[index]
-            self.optimizer.step_unit(index, unit.grad, lr, grad_scale)
-            unit.refresh()
+            self.optimizer.step_unit(index, grad, lr, grad_scale)
             self.spans.append((index, start, time.perf_counter()))
             self.done[index].set()
         except BaseException as e:  # surfaced in the training thread by the next wait on this unit

@@ -30,7 +30,8 @@ class Plan:
 
 def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, intermediate: int,
               tokens_per_micro: int, micro_batches: int, window: int, offload_activations: bool,
-              budget_bytes: float | None, resident: int | None, cuda: bool, state_bytes: int = 8) -> Plan:
+              budget_bytes: float | None, resident: int | None, cuda: bool, state_bytes: int = 8,
+              clip: bool = True) -> Plan:
     bf16 = 2
     edges = edge_numel * 2 * bf16
     slots = window * block_numel * 2 * bf16
@@ -52,7 +53,12 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
     if resident - 1 >= num_blocks:  # nothing slides: no window of slots
         device -= slots
     total = edge_numel + num_blocks * block_numel
-    host = total * (4 + state_bytes + 2 + 2) + (num_blocks + 1) * micro_batches * act_one * offload_activations
+    # Host gradients (bf16): a sliding edges unit has its own buffer; sliding blocks share a ring, which holds
+    # every one of them when exact clipping waits for the global norm, and three otherwise.
+    sliding = num_blocks - max(resident - 1, 0)
+    grads = bf16 * ((0 if resident else edge_numel) + (sliding if clip else min(3, sliding)) * block_numel)
+    acts_host = (num_blocks + 1) * micro_batches * act_one * offload_activations
+    host = total * (4 + state_bytes) + grads + acts_host
     lines = [
         f"plan: {resident} of {num_blocks + 1} units resident on the device "
         f"(edges{' + blocks 0..' + str(resident - 2) if resident > 1 else ''}"
@@ -61,9 +67,8 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
         f"edges {edges / GIB:.2f}, slots {slots / GIB:.2f}, activations ~{activations / GIB:.2f}, "
         f"resident states {(device - fixed + (slots if resident - 1 >= num_blocks else 0)) / GIB:.2f}",
         f"  host ~{host / GIB:.1f} GiB: fp32 masters + AdamW states {total * (4 + state_bytes) / GIB:.1f}, "
-        f"bf16 copies + grads {total * 4 / GIB:.1f}"
-        + (f", boundary activations {(num_blocks + 1) * micro_batches * act_one / GIB:.1f}"
-           if offload_activations else ""),
+        f"gradient staging {grads / GIB:.1f}{' (every sliding block: exact clipping)' if clip and sliding else ''}"
+        + (f", boundary activations {acts_host / GIB:.1f}" if offload_activations else ""),
     ]
     return Plan(budget, fixed, resident, device, host, lines)
 
@@ -92,6 +97,7 @@ def check_host(plan: Plan, ram: float | None) -> None:
 
     if ram is not None and plan.host_total > 0.95 * ram:
         raise ConfigError(
-            f"this run needs ~{plan.host_total / GIB:.0f} GiB of host memory (fp32 masters, AdamW states, bf16 "
-            f"copies and gradients, boundary activations); this machine has {ram / GIB:.0f} GiB. "
-            "engine.states_dtype=bf16 saves 4 bytes per parameter; fewer tokens per step shrink the activations")
+            f"this run needs ~{plan.host_total / GIB:.0f} GiB of host memory (fp32 masters, AdamW states, "
+            f"gradient staging, boundary activations); this machine has {ram / GIB:.0f} GiB. "
+            "engine.states_dtype=bf16 saves 4 bytes per parameter, max_grad_norm=null saves the 2 bytes per "
+            "parameter that exact clipping holds, fewer tokens per step shrink the activations")

@@ -68,7 +68,7 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         num_blocks=stack.num_blocks, hidden=hf.hidden_size, intermediate=hf.intermediate_size,
         tokens_per_micro=cfg.micro_batch_size * cfg.seq_len, micro_batches=cfg.grad_accum, window=e.window,
         offload_activations=e.activation_offload == "cpu", budget_bytes=budget, resident=e.resident,
-        cuda=cuda, state_bytes=4 if e.states_dtype == "bf16" else 8)
+        cuda=cuda, state_bytes=4 if e.states_dtype == "bf16" else 8, clip=bool(cfg.max_grad_norm))
     if budget is not None:
         check_plan(plan, "engine.gpu_memory_limit_gb" if e.gpu_memory_limit_gb else "the GPU's memory")
     if assume_gpu_gib is None:
