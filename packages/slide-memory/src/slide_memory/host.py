@@ -6,6 +6,9 @@ buffer that crosses PCIe on the hot path comes from here.
 
 from __future__ import annotations
 
+import weakref
+
+import numpy as np
 import torch
 
 
@@ -16,7 +19,33 @@ def can_pin() -> bool:
 def host_empty(numel: int, dtype: torch.dtype, pinned: bool | None = None) -> torch.Tensor:
     """A flat host buffer; pinned by default when a CUDA device is present."""
     pinned = can_pin() if pinned is None else pinned
-    return torch.empty(numel, dtype=dtype, pin_memory=pinned)
+    if not pinned:
+        return torch.empty(numel, dtype=dtype)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes < EXACT_PIN_BYTES:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    return _registered(nbytes).view(dtype)
+
+
+# torch's pinned allocator rounds each request up to a power of two (an 872 MB block takes 1 GiB, an 8B model's
+# fp32 masters ~6 GiB more than they need), so large buffers are plain memory page-locked in place instead.
+EXACT_PIN_BYTES = 1 << 20
+PAGE = 4096
+
+
+def _registered(nbytes: int) -> torch.Tensor:
+    size = -(-nbytes // PAGE) * PAGE
+    array = np.empty(size + PAGE, dtype=np.uint8)  # page-aligned start and end: no page shared with others
+    start = -array.ctypes.data % PAGE
+    array = array[start : start + size]
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(array.ctypes.data, size, 0)
+    if int(err) != 0:
+        raise MemoryError(f"cannot page-lock {size / 2**30:.2f} GiB of host memory (CUDA error {int(err)}); "
+                          "the machine may limit locked memory (ulimit -l)")
+    # Unlocked when the array dies: torch keeps it alive as long as any tensor or view of it lives.
+    weakref.finalize(array, cudart.cudaHostUnregister, array.ctypes.data)
+    return torch.from_numpy(array)[:nbytes]
 
 
 def host_zeros(numel: int, dtype: torch.dtype, pinned: bool | None = None) -> torch.Tensor:
