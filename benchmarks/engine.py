@@ -91,6 +91,8 @@ def run_slide(args) -> dict:
         overrides.append(f"--max_grad_norm={'null' if args.clip == 'none' else args.clip}")
     if args.resident is not None:
         overrides.append(f"--engine.resident={args.resident}")
+    if args.device_share is not None:
+        overrides.append(f"--engine.device_update_share={args.device_share}")
     if args.cap:
         overrides.append(f"--engine.gpu_memory_limit_gb={args.cap}")
     if args.device == "cuda":
@@ -110,7 +112,8 @@ def run_slide(args) -> dict:
         if src.is_file():
             (pathlib.Path(args.out) / f"{args.tag or 'run'}-{name}").write_bytes(src.read_bytes())
     trainer.close()
-    return {"system": f"slide ({'pipelined' if args.pipeline else 'synchronous'} engine, clip {args.clip})",
+    share = "" if args.device_share is None else f", device_update_share {args.device_share}"
+    return {"system": f"slide ({'pipelined' if args.pipeline else 'synchronous'} engine, clip {args.clip}{share})",
             "cap_gib": args.cap,
             "setup_s": setup_s, "step_s": step_s, "plan": trainer.memory_plan.text(),
             "exposed_fraction": timeline["exposed_s"] / step_s, "timeline_s": timeline, "memory_per_step": memory,
@@ -135,6 +138,8 @@ def main() -> None:
     p.add_argument("--clip", default="1.0", help="max_grad_norm, or 'none' to train without clipping")
     p.add_argument("--resident", type=int, default=None, help="override the planner (units resident on the GPU)")
     p.add_argument("--pipeline", type=int, default=1, help="0: the synchronous reference schedule")
+    p.add_argument("--device-share", type=float, default=None,
+                   help="engine.device_update_share (clipped updates streamed through the GPU); default: auto")
     p.add_argument("--tag", default="")
     p.add_argument("--run-dir", default="/tmp/slide-bench-run")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -155,7 +160,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
         "config": {"model": args.model, "seq": args.seq, "micro": args.micro, "accum": args.accum,
                    "tokens_per_step": args.seq * args.micro * args.accum, "steps_timed": args.steps,
-                   "warmup": args.warmup, "window": args.window, "cap_gib": args.cap, "max_grad_norm": args.clip},
+                   "warmup": args.warmup, "window": args.window, "cap_gib": args.cap, "max_grad_norm": args.clip,
+                   "device_update_share": args.device_share},
         "results": results,
     }
     out = pathlib.Path(args.out)

@@ -1,9 +1,10 @@
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from slide_memory import AdamWConfig, FlatAdamW, FlatLayout, HostAdamW
+from slide_memory import AdamWConfig, FlatAdamW, FlatLayout, HostAdamW, StreamedStep
 
 
 def test_flat_host_adamw_matches_torch_adamw_on_the_unflattened_model():
@@ -106,3 +107,34 @@ def test_a_bf16_states_checkpoint_resumes_with_fp32_states():
     wide.load_state_tensors(narrow.state_tensors())
     wide.step(torch.randn(500), 1e-3)  # fp32 states from bf16 ones: no dtype error
     assert wide.state_tensors()["exp_avg"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("piece", [64, 192, 4096])
+def test_streamed_steps_equal_host_steps_bit_for_bit(piece):
+    """A unit stepped piece by piece through a StreamedStep buffer (the engine's device path) ends with the
+    same master and states as the host path, whatever the piece size, chunk tails and clipping scale."""
+    torch.manual_seed(0)
+    config = AdamWConfig(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1)
+    master = torch.randn(1000)
+    host = FlatAdamW(master.clone(), config, chunk=384)
+    streamed = FlatAdamW(master.clone(), config, chunk=384)
+    buffer = StreamedStep(piece, config, torch.device("cpu"), torch.bfloat16)
+    for k in range(4):
+        grad = torch.randn(1000).bfloat16()
+        lr, scale = 1e-2 / (k + 1), 0.5 if k % 2 else 1.0
+        host.step(grad, lr, scale)
+        for (a, b), step in zip(streamed.ranges, streamed.steps):
+            for start in range(a, b, piece):
+                end = min(start + piece, b)
+                buffer.load(streamed, start, end, grad)
+                buffer.step(end - start, int(step), lr, scale)
+                buffer.store(streamed, start, end)
+            step += 1
+    assert streamed.master.equal(host.master)
+    for key, value in host.state_tensors().items():
+        assert streamed.state_tensors()[key].equal(value), key
+
+
+def test_streamed_pieces_must_be_aligned():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        StreamedStep(100, AdamWConfig(), torch.device("cpu"), torch.bfloat16)

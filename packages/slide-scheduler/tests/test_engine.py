@@ -11,6 +11,7 @@ from torch import nn
 
 from slide_memory import AdamWConfig, StagingRing
 from slide_scheduler import EngineConfig, SlidingEngine
+from slide_scheduler import engine as engine_module
 
 VOCAB, DIM, DEPTH = 17, 12, 4
 
@@ -168,13 +169,13 @@ def test_each_block_visits_a_slot_once_per_pass():
 
 
 def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None,
-               resident: int = 0, dtype: str = "auto"):
+               resident: int = 0, dtype: str = "auto", device_share: float = 0.0):
     torch.manual_seed(0)
     model = Model(tied=True)
     engine = SlidingEngine(ToyStack(model), EngineConfig(device="cpu", window=window, activation_offload="cpu",
                                                          max_grad_norm=clip, pipeline=pipeline, resident=resident,
                                                          optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1),
-                                                         compute_dtype=dtype))
+                                                         compute_dtype=dtype, device_update_share=device_share))
     for name, seconds in (delays or {}).items():
         getattr(engine, name).delay = seconds
     if patch:
@@ -249,6 +250,45 @@ def test_bf16_slots_load_fp32_masters_through_the_gradient_buffer(clip):
     torch.testing.assert_close(torch.tensor(ref_losses), torch.tensor(fp32_losses), rtol=2e-2, atol=0)
 
 
+@pytest.mark.parametrize("share", [0.5, 1.0])
+@pytest.mark.parametrize("slow", ["h2d", "d2h", "updater"])
+@pytest.mark.parametrize("resident", [0, 2])
+def test_clipped_updates_streamed_through_the_device_equal_host_updates(monkeypatch, share, slow, resident):
+    """With clipping, a share of the sliding blocks updates on the device as the next forward loads them
+    (master, states and gradient streamed in pieces, stored back on the d2h lane). Same AdamW arithmetic, so
+    the result is bit for bit the host optimizer's, whichever worker is slow."""
+    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)  # many pieces per block, two buffers taking turns
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05)
+    losses, got = run_engine(pipeline=True, window=2, clip=0.05, resident=resident, device_share=share,
+                             delays={slow: 0.003}, patch=expect_streamed(share, resident))
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+
+def expect_streamed(share, resident):
+    def check(engine):
+        sliding = DEPTH - max(resident - 1, 0)
+        assert len(engine.streamed) == int(sliding * share) and len(engine.stream_buffers) == 2
+    return check
+
+
+def test_a_device_update_still_on_its_way_home_is_waited_for(monkeypatch):
+    """Drop the wait for a device update's store before the block's backward load, slow the d2h lane down,
+    and the backward reads a stale master: the delay test above would see it."""
+    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    _, ref = run_engine(pipeline=False, window=2, clip=0.05)
+
+    class Forgetful(dict):
+        def get(self, key, default=None):
+            return default
+
+    def forget(engine):
+        engine._written = Forgetful()
+
+    _, got = run_engine(pipeline=True, window=2, clip=0.05, device_share=1.0, delays={"d2h": 0.01}, patch=forget)
+    assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+
 @pytest.mark.parametrize("resident", [1, 3, DEPTH + 1])
 @pytest.mark.parametrize("clip", [0.05, None])
 def test_resident_units_give_the_same_result(resident, clip):
@@ -277,3 +317,26 @@ def test_a_failed_copy_on_a_worker_lane_surfaces_and_close_still_stops_threads()
     assert threads and not any(t.is_alive() for t in threads)
     with pytest.raises(RuntimeError, match="closed"):
         engine.step(step, lr=1e-2, normalizer=10)
+
+
+@pytest.mark.gpu
+def test_device_updates_on_cuda_track_host_updates():
+    """On a GPU the streamed path runs CUDA's fused AdamW instead of the CPU's: the same formula, rounded by
+    other hardware, so fp32 masters agree to a few ulps after several clipped steps."""
+    if not torch.cuda.is_available():
+        pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
+    results = []
+    for share in (0.0, 1.0):
+        torch.manual_seed(0)
+        engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+            device="cuda", compute_dtype="fp32", window=2, max_grad_norm=0.05, device_update_share=share,
+            optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
+        assert len(engine.streamed) == (DEPTH if share else 0)
+        for step in batches(seed=4, steps=4, micro=3):
+            engine.step([{k: v.cuda() for k, v in b.items()} for b in step], lr=1e-2, normalizer=10)
+        results.append({k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()})
+        engine.close()
+    host, device = results
+    for unit, params in host.items():
+        for name, t in params.items():
+            torch.testing.assert_close(device[unit][name], t, rtol=1e-5, atol=1e-6, msg=f"{unit}.{name}")

@@ -126,6 +126,8 @@ def test_an_earlier_run_is_never_silently_mixed_with_a_new_one(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("--engine.resident=-1", "engine.resident must be 0 or more"),
+    ("--engine.device_update_share=1.5", r"engine.device_update_share must be in \[0, 1\]"),
+    ("--engine.states_dtype=bf16 --engine.device_update_share=0.5", "set it to 0 with engine.states_dtype=bf16"),
     ("--engine.device=gpu", "engine.device must be auto, cpu, cuda or cuda:N"),
     ("--checkpoint.every=-2", "checkpoint.every must be 0 or more"),
     ("--schedule.min_lr_ratio=3", r"schedule.min_lr_ratio must be in \[0, 1\]"),
@@ -134,4 +136,4 @@ def test_an_earlier_run_is_never_silently_mixed_with_a_new_one(tmp_path):
 ])
 def test_impossible_values_are_refused_up_front(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [override])
+        load_config(None, override.split())

@@ -5,7 +5,7 @@ fp32 master weights on the host.
 """
 
 from .__about__ import __version__
-from .adamw import AdamWConfig, FlatAdamW, HostAdamW
+from .adamw import AdamWConfig, FlatAdamW, HostAdamW, StreamedStep
 from .host import HostArena, StagingRing, can_pin, host_empty, host_zeros
 from .layout import ALIGN, Entry, FlatLayout
 from .slots import Slot, SlotQueue
@@ -21,6 +21,7 @@ __all__ = [
     "Slot",
     "SlotQueue",
     "StagingRing",
+    "StreamedStep",
     "__version__",
     "can_pin",
     "host_empty",

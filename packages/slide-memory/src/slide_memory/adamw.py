@@ -4,6 +4,10 @@ Each unit's update runs on its own so the engine can overlap it with device work
 torch's own AdamW (the fused kernel where the device has one), so results match a plain `torch.optim.AdamW`
 loop. Gradients arrive in the compute dtype (bf16) and are widened chunk by chunk into a small fp32 scratch, so
 no full-size fp32 gradient ever exists.
+
+The states are flat tensors allocated up front next to the master (pinned on a CUDA host), so a host unit's
+update can also run on the device: `StreamedStep` copies master, states and gradient in, steps there with the
+same kernel arithmetic, and copies master and states back.
 """
 
 from __future__ import annotations
@@ -12,7 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .host import host_zeros
+
 CHUNK = 1 << 25  # elements per update chunk: 128 MiB of fp32 scratch
+# Pieces of a chunk start at multiples of this, where the CPU kernel's vector loops would split it anyway: a
+# piece cut elsewhere sends a few elements through scalar code, which can round differently (FMA).
+PIECE_ALIGN = 64
 
 
 @dataclass
@@ -33,6 +42,16 @@ def _fused_supported(device: torch.device) -> bool:
         return False
 
 
+def _adamw(param: torch.Tensor, config: AdamWConfig) -> torch.optim.AdamW:
+    kind = {"fused": True} if _fused_supported(param.device) else {"foreach": False}
+    return torch.optim.AdamW([param], lr=config.lr, betas=config.betas, eps=config.eps,
+                             weight_decay=config.weight_decay, **kind)
+
+
+def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return host_zeros(numel, dtype) if device.type == "cpu" else torch.zeros(numel, dtype=dtype, device=device)
+
+
 class FlatAdamW:
     """AdamW over one flat fp32 master; `step` takes the unit's gradient in any dtype.
 
@@ -45,102 +64,141 @@ class FlatAdamW:
         if master.dtype != torch.float32 or master.dim() != 1:
             raise ValueError("master weights must be a flat fp32 tensor")
         self.master, self.config = master, config
+        self.ranges = [(i, min(i + chunk, master.numel())) for i in range(0, master.numel(), chunk)] or [(0, 0)]
         # Views of the master are leaves (it does not require grad), so each chunk is its own AdamW parameter.
-        self.chunks = [master[i : i + chunk] for i in range(0, master.numel(), chunk)] or [master]
-        kind = {"fused": True} if _fused_supported(master.device) else {"foreach": False}
-        self._opts = [torch.optim.AdamW([c], lr=config.lr, betas=config.betas, eps=config.eps,
-                                        weight_decay=config.weight_decay, **kind) for c in self.chunks]
+        self.chunks = [master[a:b] for a, b in self.ranges]
+        self._opts = [_adamw(c, config) for c in self.chunks]
         size = min(chunk, master.numel())
         self.scratch = scratch if scratch is not None else torch.empty(size, device=master.device)
         self.states_dtype = states_dtype
         self.narrow = states_dtype != torch.float32
-        if self.narrow:  # stored states, and fp32 room to run one chunk's step in
-            self.exp_avg = torch.zeros(master.numel(), dtype=states_dtype, device=master.device)
-            self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.exp_avg = _zeros(master.numel(), states_dtype, master.device)
+        self.exp_avg_sq = _zeros(master.numel(), states_dtype, master.device)
+        if self.narrow:  # fp32 room to run one chunk's step in
             self._wide = wide if wide is not None else torch.empty(2, size, device=master.device)
-            for param, opt in zip(self.chunks, self._opts):
-                opt.state[param] = {"step": torch.zeros((), dtype=torch.float32, device=master.device)}
+        self.steps = [torch.zeros((), dtype=torch.float32, device=master.device) for _ in self.chunks]
+        for (a, b), param, opt, step in zip(self.ranges, self.chunks, self._opts, self.steps):
+            opt.state[param] = {"step": step} if self.narrow else {
+                "step": step, "exp_avg": self.exp_avg[a:b], "exp_avg_sq": self.exp_avg_sq[a:b]}
+
+    @property
+    def step_count(self) -> int:
+        return int(self.steps[0])
 
     def step(self, grad: torch.Tensor, lr: float, grad_scale: float = 1.0) -> None:
         """One AdamW step from `grad` (flat, same length as the master), scaled first by `grad_scale`."""
-        offset = 0
-        for param, opt in zip(self.chunks, self._opts):
-            n = param.numel()
+        for (a, b), param, opt in zip(self.ranges, self.chunks, self._opts):
+            n = b - a
             g = self.scratch[:n]
-            g.copy_(grad[offset : offset + n])
+            g.copy_(grad[a:b])
             if grad_scale != 1.0:
                 g.mul_(grad_scale)
             if self.narrow:
                 state = opt.state[param]
                 state["exp_avg"], state["exp_avg_sq"] = self._wide[0, :n], self._wide[1, :n]
-                state["exp_avg"].copy_(self.exp_avg[offset : offset + n])
-                state["exp_avg_sq"].copy_(self.exp_avg_sq[offset : offset + n])
+                state["exp_avg"].copy_(self.exp_avg[a:b])
+                state["exp_avg_sq"].copy_(self.exp_avg_sq[a:b])
             param.grad = g
             opt.param_groups[0]["lr"] = lr
             opt.step()
             param.grad = None
             if self.narrow:
-                self.exp_avg[offset : offset + n].copy_(state["exp_avg"])
-                self.exp_avg_sq[offset : offset + n].copy_(state["exp_avg_sq"])
-            offset += n
+                self.exp_avg[a:b].copy_(state["exp_avg"])
+                self.exp_avg_sq[a:b].copy_(state["exp_avg_sq"])
 
     def state_tensors(self, to_host: bool = False) -> dict[str, torch.Tensor]:
-        """Optimizer state as flat tensors (empty before the first step); copies, chunk by chunk, so a device
-        state is never doubled on the device."""
-        states = [opt.state.get(p, {}) for p, opt in zip(self.chunks, self._opts)]
-        if not states[0] or not float(states[0]["step"]):
+        """Optimizer state as flat tensors, copied (empty before the first step)."""
+        if not self.step_count:
             return {}
         device = torch.device("cpu") if to_host else self.master.device
-        out = {"step": states[0]["step"].to(device, copy=True)}
-        for key in ("exp_avg", "exp_avg_sq"):
-            if self.narrow:
-                out[key] = getattr(self, key).to(device, copy=True)
-                continue
-            flat = torch.empty(self.master.numel(), dtype=torch.float32, device=device)
-            offset = 0
-            for state in states:
-                n = state[key].numel()
-                flat[offset : offset + n].copy_(state[key])
-                offset += n
-            out[key] = flat
-        return out
+        return {"step": self.steps[0].to(device, copy=True), "exp_avg": self.exp_avg.to(device, copy=True),
+                "exp_avg_sq": self.exp_avg_sq.to(device, copy=True)}
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        if self.narrow:
-            self.exp_avg.copy_(tensors["exp_avg"] if tensors else 0)
-            self.exp_avg_sq.copy_(tensors["exp_avg_sq"] if tensors else 0)
-            for param, opt in zip(self.chunks, self._opts):
-                step = tensors["step"] if tensors else torch.zeros(())
-                opt.state[param]["step"] = step.to(param.device, torch.float32, copy=True)
-            return
-        offset = 0
-        for param, opt in zip(self.chunks, self._opts):
-            n = param.numel()
-            if not tensors:
-                opt.state.pop(param, None)
-                continue
-            state = opt.state.setdefault(param, {})
-            # fp32 whatever the checkpoint holds (a run saved with bf16 states may resume with fp32 ones)
-            state["exp_avg"] = tensors["exp_avg"][offset : offset + n].to(param.device, torch.float32, copy=True)
-            state["exp_avg_sq"] = tensors["exp_avg_sq"][offset : offset + n].to(param.device, torch.float32,
-                                                                                  copy=True)
-            state["step"] = tensors["step"].to(param.device, copy=True)
-            offset += n
+        """Load `state_tensors()` output (any states dtype: a bf16-states run may resume with fp32 ones)."""
+        for key in ("exp_avg", "exp_avg_sq"):
+            getattr(self, key).copy_(tensors[key] if tensors else 0)
+        for step in self.steps:
+            step.fill_(float(tensors["step"]) if tensors else 0.0)
+
+
+class StreamedStep:
+    """Runs host units' AdamW steps on a device, piece by piece through a small device buffer.
+
+    For each piece: master, m, v (and the gradient) are copied in (`load`), stepped by torch's AdamW on the
+    device (`step`: the same formula the host runs, so the two paths agree to the last bits on the same
+    hardware) and copied back (`store`). Where each copy runs and what it waits for is the caller's business:
+    the engine puts loads and steps on its host-to-device stream and stores on its device-to-host stream.
+    """
+
+    def __init__(self, numel: int, config: AdamWConfig, device: torch.device, grad_dtype: torch.dtype):
+        if numel % PIECE_ALIGN:
+            raise ValueError(f"a streamed piece must be a multiple of {PIECE_ALIGN} elements, got {numel}")
+        self.numel = numel
+        self.grad_in = torch.zeros(numel, dtype=grad_dtype, device=device)  # lands as it left the slot
+        self.param = torch.zeros(numel, device=device)
+        self.exp_avg = torch.zeros(numel, device=device)
+        self.exp_avg_sq = torch.zeros(numel, device=device)
+        self.grad = torch.zeros(numel, device=device)
+        self.step_t = torch.zeros((), device=device)
+        self.config = config
+        self._opts: dict[int, tuple[torch.Tensor, torch.optim.AdamW]] = {}  # piece length -> its AdamW
+
+    def _opt_for(self, n: int) -> tuple[torch.Tensor, torch.optim.AdamW]:
+        if n not in self._opts:  # one per piece length (a few: full pieces and the chunk tails)
+            param = self.param[:n]
+            opt = _adamw(param, self.config)
+            opt.state[param] = {"step": self.step_t, "exp_avg": self.exp_avg[:n], "exp_avg_sq": self.exp_avg_sq[:n]}
+            self._opts[n] = param, opt
+        return self._opts[n]
+
+    def load(self, opt: FlatAdamW, start: int, end: int, grad: torch.Tensor) -> None:
+        """Copy [start, end) of `opt`'s master, states and `grad` in (`end - start <= numel`)."""
+        if opt.narrow:
+            raise ValueError("streamed steps need fp32 AdamW states")
+        n = end - start
+        for dst, src in ((self.param, opt.master), (self.exp_avg, opt.exp_avg), (self.exp_avg_sq, opt.exp_avg_sq),
+                         (self.grad_in, grad)):
+            dst[:n].copy_(src[start:end], non_blocking=True)
+        self.grad[:n].copy_(self.grad_in[:n])  # widened on the device, as the host path widens it
+
+    def step(self, n: int, step_count: int, lr: float, grad_scale: float = 1.0) -> None:
+        """AdamW on the first `n` loaded elements, as update number `step_count + 1` of their chunk."""
+        param, opt = self._opt_for(n)
+        grad = self.grad[:n]
+        if grad_scale != 1.0:
+            grad.mul_(grad_scale)
+        self.step_t.fill_(step_count)
+        param.grad = grad
+        opt.param_groups[0]["lr"] = lr
+        opt.step()
+        param.grad = None
+
+    def store(self, opt: FlatAdamW, start: int, end: int) -> None:
+        n = end - start
+        for dst, src in ((opt.master, self.param), (opt.exp_avg, self.exp_avg), (opt.exp_avg_sq, self.exp_avg_sq)):
+            dst[start:end].copy_(src[:n], non_blocking=True)
 
 
 class HostAdamW:
-    """AdamW over a list of flat fp32 host masters, one per unit, sharing one fp32 scratch."""
+    """AdamW over a list of flat fp32 host masters, one per unit, sharing one fp32 scratch.
 
-    def __init__(self, masters: list[torch.Tensor], config: AdamWConfig, states_dtype: torch.dtype = torch.float32):
-        for m in masters:
+    A unit given as None has no host optimizer (the engine updates it elsewhere, e.g. resident on the device).
+    """
+
+    def __init__(self, masters: list[torch.Tensor | None], config: AdamWConfig,
+                 states_dtype: torch.dtype = torch.float32):
+        present = [m for m in masters if m is not None]
+        for m in present:
             if m.dtype != torch.float32 or m.device.type != "cpu" or m.dim() != 1:
                 raise ValueError("master weights must be flat fp32 tensors on the host")
-        size = min(CHUNK, max(m.numel() for m in masters))
+        size = min(CHUNK, max((m.numel() for m in present), default=1))
         scratch = torch.empty(size)  # one thread updates one unit at a time: every unit shares the scratch
         wide = torch.empty(2, size) if states_dtype != torch.float32 else None
         self.masters = masters
         self.config = config
-        self.units = [FlatAdamW(m, config, scratch, states_dtype=states_dtype, wide=wide) for m in masters]
+        self.units = [None if m is None else FlatAdamW(m, config, scratch, states_dtype=states_dtype, wide=wide)
+                      for m in masters]
 
     def step_unit(self, unit: int, grad: torch.Tensor, lr: float, grad_scale: float = 1.0) -> None:
         """Update one unit's master from its gradient (any dtype), scaled by `grad_scale` (e.g. clipping)."""

@@ -28,7 +28,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slide_memory import AdamWConfig, FlatAdamW, FlatLayout, HostAdamW, Slot, SlotQueue, StagingRing, host_zeros
+from slide_memory import (
+    AdamWConfig,
+    FlatAdamW,
+    FlatLayout,
+    HostAdamW,
+    Slot,
+    SlotQueue,
+    StagingRing,
+    StreamedStep,
+    host_zeros,
+)
+from slide_memory.adamw import PIECE_ALIGN
 
 from .activations import ActivationStore
 from .lanes import DONE, Lane, Signal
@@ -37,6 +48,7 @@ from .timeline import Span, Timeline, summarize
 from .updater import HostUpdater
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+STREAM_PIECE = 1 << 23  # elements per device-update piece: two buffers of ~150 MB on the device
 
 
 @dataclass
@@ -52,6 +64,10 @@ class EngineConfig:
     # 1 = the edges, 1 + k = the edges and blocks 0..k-1. The rest slide. (slide-train sizes this from the budget.)
     resident: int = 0
     states_dtype: str = "fp32"  # fp32 | bf16: AdamW m and v of host units stored in bf16 (half the host memory)
+    # With clipping, the share of sliding blocks whose update runs on the device while the next forward loads
+    # them (master and states streamed over PCIe) rather than on the host optimizer thread. None: 0.5 on CUDA
+    # with fp32 states, else 0.
+    device_update_share: float | None = None
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -132,12 +148,13 @@ class SlidingEngine:
 
         if config.states_dtype not in ("fp32", "bf16"):
             raise ValueError(f"states_dtype must be fp32 or bf16, got {config.states_dtype!r}")
-        self.optimizer = HostAdamW([u.master for u in self.units], config.optimizer, DTYPES[config.states_dtype])
-
-        # Resident units: device fp32 master + AdamW on the device; resident blocks get a slot of their own.
         if not 0 <= config.resident <= len(self.units):
             raise ValueError(f"resident must be in [0, {len(self.units)}], got {config.resident}")
         self.resident = config.resident
+        self.optimizer = HostAdamW([None if u < self.resident else unit.master for u, unit in enumerate(self.units)],
+                                   config.optimizer, DTYPES[config.states_dtype])
+
+        # Resident units: device fp32 master + AdamW on the device; resident blocks get a slot of their own.
         self.resident_slots: dict[int, Slot] = {
             i: Slot(block_layout, stack.make_block(), self.device, self.dtype) for i in range(self.resident - 1)}
         self.device_optimizers: dict[int, FlatAdamW] = {}
@@ -157,21 +174,81 @@ class SlidingEngine:
                                       block_layout.numel, self.dtype) if sliding_blocks else None)
         self.edge_grad = host_zeros(edge_layout.numel, self.dtype) if not self.resident else None
         self.updater = HostUpdater(self.optimizer, inline=inline)
+        self._setup_device_updates(block_layout.numel)
         self.activations = ActivationStore(config.activation_offload, self.device, self.d2h, self.h2d, self.compute)
         # Squared gradient norm of each unit, reduced on the device as gradients are made.
         self._sq_norms = torch.zeros(len(self.units), dtype=torch.float32, device=self.device)
         self.closed = False
 
+    def _setup_device_updates(self, block_numel: int) -> None:
+        """Exact clipping defers every update until the global norm is known, and the host optimizer alone cannot
+        finish them within the next forward. A share of the sliding blocks therefore updates on the device as
+        the forward loads them: master, m, v and gradient stream in (PCIe has room to spare), torch's AdamW runs
+        there, the new parameters go straight into the slot and master and states stream back. Same math as
+        the host path, so the choice changes where the work runs, not the result."""
+        share = self.config.device_update_share
+        if share is None:
+            share = 0.5 if self.device.type == "cuda" and self.config.states_dtype == "fp32" else 0.0
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"device_update_share must be in [0, 1], got {share}")
+        if share and self.config.states_dtype != "fp32":
+            raise ValueError("device updates stream fp32 AdamW states: use device_update_share=0 with bf16 states")
+        first = max(self.resident - 1, 0)
+        # Spread evenly over the forward order (every other block at 0.5), host blocks first.
+        self.streamed = {first + j for j in range(self.num_blocks - first) if int((j + 1) * share) > int(j * share)}
+        if not self.config.max_grad_norm:  # without clipping, updates run during backward on the host
+            self.streamed = set()
+        piece = min(STREAM_PIECE, -(-block_numel // PIECE_ALIGN) * PIECE_ALIGN)
+        self.stream_buffers = [StreamedStep(piece, self.config.optimizer, self.device, self.dtype)
+                               for _ in range(2 if self.streamed else 0)]
+        for buf in self.stream_buffers:
+            buf.free = DONE  # its last store has left
+        self._next_buffer = 0
+        self._pending: dict[int, tuple] = {}  # unit -> (grad, grad arrived, lr, scale): to run at its next load
+        self._written: dict[int, Signal] = {}  # unit -> its master and states are back on the host
+
+    def _update_on_device(self, unit: int, slot: Slot | None) -> None:
+        """Queue unit's pending update on the device, writing the new parameters into `slot` (if any)."""
+        grad, arrived, lr, scale = self._pending.pop(unit)
+        opt = self.optimizer.units[unit]
+        self.h2d.wait(arrived)
+        self.h2d.wait(self._written.get(unit, DONE))
+        for (a, b), step in zip(opt.ranges, opt.steps):
+            count = int(step)
+            for start in range(a, b, self.stream_buffers[0].numel):
+                end = min(start + self.stream_buffers[0].numel, b)
+                buf = self.stream_buffers[self._next_buffer]
+                self._next_buffer = (self._next_buffer + 1) % len(self.stream_buffers)
+                self.h2d.wait(buf.free)
+                self.h2d.run(_stream_in, buf, opt, start, end, grad, count, lr, scale, slot,
+                             label=f"update {unit - 1}")
+                self.d2h.wait(self.h2d.record())
+                self.d2h.run(buf.store, opt, start, end, label=f"store {unit - 1}")
+                buf.free = self.d2h.record()
+            step += 1  # host bookkeeping of the chunk's AdamW step count (in place: the chunk's state)
+        self._written[unit] = self.d2h.record()
+        if slot is not None:
+            slot.unit = unit - 1
+
+    def _flush_device_updates(self) -> None:
+        """Run the device updates still waiting for their block's next load, and wait until all are home."""
+        for unit in list(self._pending):
+            self._update_on_device(unit, None)
+        for signal in self._written.values():
+            signal.wait_host()
+
     # -- parameters ---------------------------------------------------------------------------------------------
 
     def synchronize(self) -> None:
         """Wait for every queued update: afterwards the host fp32 masters are the model."""
+        self._flush_device_updates()
         self.updater.wait_all()
         for u, opt in self.device_optimizers.items():  # resident masters live on the device
             self.units[u].master.copy_(opt.master)
 
     def refresh(self) -> None:
         """After host masters were changed from outside (a checkpoint load): rebuild every copy of them."""
+        self._flush_device_updates()
         self.updater.wait_all()
         for u, opt in self.device_optimizers.items():
             opt.master.copy_(self.units[u].master)
@@ -222,10 +299,14 @@ class SlidingEngine:
             slot = self.resident_slots[block]
         else:
             slot = self.slots.next()
-            self._wait_for_update(block + 1)  # a block is never loaded before its update has finished
             self.h2d.wait(slot.free)
             self.h2d.wait(slot.drained)  # loading lands in the gradient buffer: its last gradient has left
-            self.h2d.run(slot.load, self.units[block + 1].master, block, True, label=f"params {block}")
+            if block + 1 in self._pending:  # its update runs now, on the device, straight into the slot
+                self._update_on_device(block + 1, slot)
+            else:
+                self._wait_for_update(block + 1)  # a block is never loaded before its update has finished
+                self.h2d.wait(self._written.get(block + 1, DONE))
+                self.h2d.run(slot.load, self.units[block + 1].master, block, True, label=f"params {block}")
         acts = None
         if boundary is not None:
             acts = [self.activations.fetch(boundary, j) for j in range(micro)]
@@ -324,7 +405,9 @@ class SlidingEngine:
                 opt.step(slot.grads, lr, scale)
                 slot.params.copy_(opt.master)
         for u in range(self.resident, len(self.units)):
-            if u == 0 or clip:  # without clipping, sliding blocks were submitted during backward
+            if u - 1 in self.streamed:  # (only with clipping) runs when the block next loads
+                self._pending[u] = (host_grads[u], drained[u], lr, scale)
+            elif u == 0 or clip:  # without clipping, sliding blocks were submitted during backward
                 self.updater.submit(u, host_grads[u], drained[u], lr, scale)
         if not self.resident:
             self._edges_loaded = None
@@ -412,6 +495,14 @@ class SlidingEngine:
             self.updater.close()
             for lane in (self.h2d, self.d2h):
                 lane.close()
+
+
+def _stream_in(buf: StreamedStep, opt: FlatAdamW, start: int, end: int, grad: torch.Tensor, count: int, lr: float,
+               scale: float, slot: Slot | None) -> None:
+    buf.load(opt, start, end, grad)
+    buf.step(end - start, count, lr, scale)
+    if slot is not None:
+        slot.params[start:end].copy_(buf.param[: end - start])
 
 
 class _Clock:

@@ -52,6 +52,8 @@ class EngineSection:
     states_dtype: str = "fp32"  # fp32 | bf16 (opt-in: AdamW m and v on the host in bf16, half their memory)
     kernels: str = "auto"  # auto (slide-kernels' Triton RMSNorm/RoPE/SwiGLU on CUDA) | on | off
     pipeline: bool = True  # false: the synchronous reference schedule (no overlap)
+    # With clipping: share of sliding blocks updated on the GPU (states streamed) instead of the CPU; null: auto
+    device_update_share: float | None = None
 
 
 @dataclass
@@ -164,6 +166,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"schedule.min_lr_ratio must be in [0, 1], got {cfg.schedule.min_lr_ratio}")
     if cfg.engine.resident is not None and cfg.engine.resident < 0:
         raise ConfigError(f"engine.resident must be 0 or more (or null for the planner), got {cfg.engine.resident}")
+    share = cfg.engine.device_update_share
+    if share is not None and not 0 <= share <= 1:
+        raise ConfigError(f"engine.device_update_share must be in [0, 1] (or null for auto), got {share}")
+    if share and cfg.engine.states_dtype != "fp32":
+        raise ConfigError("engine.device_update_share streams fp32 AdamW states: set it to 0 with "
+                          "engine.states_dtype=bf16")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.engine.device):
         raise ConfigError(f"engine.device must be auto, cpu, cuda or cuda:N; got {cfg.engine.device!r}")
     if cfg.resume in ("on", "off", ""):

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from slide_scheduler.engine import STREAM_PIECE
+
 GIB = 2**30
 MARGIN = 1.0 * GIB  # allocator fragmentation, cuBLAS workspaces, small tensors
 LOSS_CHUNK = 1.0 * GIB  # slide-kernels' fused cross-entropy keeps one logits chunk (~820 MiB by default)
@@ -31,7 +33,7 @@ class Plan:
 def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, intermediate: int,
               tokens_per_micro: int, micro_batches: int, window: int, offload_activations: bool,
               budget_bytes: float | None, resident: int | None, cuda: bool, state_bytes: int = 8,
-              clip: bool = True) -> Plan:
+              clip: bool = True, device_updates: bool = False) -> Plan:
     bf16 = 2
     edges = edge_numel * 2 * bf16
     slots = window * block_numel * 2 * bf16
@@ -40,7 +42,10 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
                    + tokens_per_micro * (10 * hidden + 4 * intermediate) * bf16)  # one block's recompute
     if not offload_activations:
         activations += (num_blocks + 1) * micro_batches * act_one
-    fixed = edges + slots + activations + LOSS_CHUNK + MARGIN
+    # Two device-update buffers (fp32 master, m, v, gradient + the bf16 gradient as it lands) when clipped
+    # updates are streamed through the device.
+    streamed = 2 * min(STREAM_PIECE, block_numel) * 18 if device_updates and cuda else 0
+    fixed = edges + slots + activations + streamed + LOSS_CHUNK + MARGIN
     per_edges, per_block = 12 * edge_numel, 16 * block_numel  # fp32 master + m + v (+ params, grads)
     budget = float("inf") if budget_bytes is None else budget_bytes
     if resident is None:
@@ -65,6 +70,7 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
         f"{'' if resident else ': none'}), {num_blocks - max(resident - 1, 0)} sliding through {window} slots",
         f"  device ~{device / GIB:.1f} GiB of {'no cap' if budget_bytes is None else f'{budget / GIB:.1f} GiB'}: "
         f"edges {edges / GIB:.2f}, slots {slots / GIB:.2f}, activations ~{activations / GIB:.2f}, "
+        + (f"device-update buffers {streamed / GIB:.2f}, " if streamed else "") +
         f"resident states {(device - fixed + (slots if resident - 1 >= num_blocks else 0)) / GIB:.2f}",
         f"  host ~{host / GIB:.1f} GiB: fp32 masters + AdamW states {total * (4 + state_bytes) / GIB:.1f}, "
         f"gradient staging {grads / GIB:.1f}{' (every sliding block: exact clipping)' if clip and sliding else ''}"

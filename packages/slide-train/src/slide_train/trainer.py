@@ -44,6 +44,7 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
     engine_cfg = EngineConfig(
         device=e.device, compute_dtype=e.compute_dtype, window=e.window, activation_offload=e.activation_offload,
         max_grad_norm=cfg.max_grad_norm, pipeline=e.pipeline, states_dtype=e.states_dtype,
+        device_update_share=e.device_update_share,
         optimizer=AdamWConfig(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay),
     )
     budget, cuda = None, assume_gpu_gib is not None
@@ -68,7 +69,8 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         num_blocks=stack.num_blocks, hidden=hf.hidden_size, intermediate=hf.intermediate_size,
         tokens_per_micro=cfg.micro_batch_size * cfg.seq_len, micro_batches=cfg.grad_accum, window=e.window,
         offload_activations=e.activation_offload == "cpu", budget_bytes=budget, resident=e.resident,
-        cuda=cuda, state_bytes=4 if e.states_dtype == "bf16" else 8, clip=bool(cfg.max_grad_norm))
+        cuda=cuda, state_bytes=4 if e.states_dtype == "bf16" else 8, clip=bool(cfg.max_grad_norm),
+        device_updates=bool(cfg.max_grad_norm) and e.states_dtype == "fp32" and e.device_update_share != 0)
     if budget is not None:
         check_plan(plan, "engine.gpu_memory_limit_gb" if e.gpu_memory_limit_gb else "the GPU's memory")
     if assume_gpu_gib is None:
