@@ -265,11 +265,22 @@ def test_clipped_updates_streamed_through_the_device_equal_host_updates(monkeypa
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
-def expect_streamed(share, resident):
+def expect_streamed(share, resident, clip=True):
     def check(engine):
         sliding = DEPTH - max(resident - 1, 0)
-        assert len(engine.streamed) == int(sliding * share) and len(engine.stream_buffers) == 2
+        blocks = int(sliding * share) if clip else 0
+        assert len(engine.streamed) == blocks + (resident == 0) and len(engine.stream_buffers) == 2
     return check
+
+
+@pytest.mark.parametrize("slow", ["h2d", "d2h", "updater"])
+def test_sliding_edges_update_on_the_device_without_clipping_too(monkeypatch, slow):
+    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=None)
+    losses, got = run_engine(pipeline=True, window=2, clip=None, device_share=0.5, delays={slow: 0.003},
+                             patch=expect_streamed(0.5, 0, clip=False))
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
 def test_a_device_update_still_on_its_way_home_is_waited_for(monkeypatch):
@@ -331,7 +342,7 @@ def test_device_updates_on_cuda_track_host_updates():
         engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
             device="cuda", compute_dtype="fp32", window=2, max_grad_norm=0.05, device_update_share=share,
             optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
-        assert len(engine.streamed) == (DEPTH if share else 0)
+        assert len(engine.streamed) == (DEPTH + 1 if share else 0)
         for step in batches(seed=4, steps=4, micro=3):
             engine.step([{k: v.cuda() for k, v in b.items()} for b in step], lr=1e-2, normalizer=10)
         results.append({k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()})

@@ -65,8 +65,8 @@ class EngineConfig:
     resident: int = 0
     states_dtype: str = "fp32"  # fp32 | bf16: AdamW m and v of host units stored in bf16 (half the host memory)
     # With clipping, the share of sliding blocks whose update runs on the device while the next forward loads
-    # them (master and states streamed over PCIe) rather than on the host optimizer thread. None: 0.5 on CUDA
-    # with fp32 states, else 0.
+    # them (master and states streamed over PCIe) rather than on the host optimizer thread; when above 0,
+    # sliding edges update that way too (clipping or not). None: 0.5 on CUDA with fp32 states, else 0.
     device_update_share: float | None = None
 
     def resolve_device(self) -> torch.device:
@@ -185,7 +185,11 @@ class SlidingEngine:
         finish them within the next forward. A share of the sliding blocks therefore updates on the device as
         the forward loads them: master, m, v and gradient stream in (PCIe has room to spare), torch's AdamW runs
         there, the new parameters go straight into the slot and master and states stream back. Same math as
-        the host path, so the choice changes where the work runs, not the result."""
+        the host path, so the choice changes where the work runs, not the result.
+
+        Sliding edges take that path too, clipping or not: their gradient is the step's last, so their update
+        always stands between one step and the next, and it is done soonest by host and PCIe together.
+        `streamed` holds unit indices (0: the edges, 1 + i: block i)."""
         share = self.config.device_update_share
         if share is None:
             share = 0.5 if self.device.type == "cuda" and self.config.states_dtype == "fp32" else 0.0
@@ -195,10 +199,14 @@ class SlidingEngine:
             raise ValueError("device updates stream fp32 AdamW states: use device_update_share=0 with bf16 states")
         first = max(self.resident - 1, 0)
         # Spread evenly over the forward order (every other block at 0.5), host blocks first.
-        self.streamed = {first + j for j in range(self.num_blocks - first) if int((j + 1) * share) > int(j * share)}
-        if not self.config.max_grad_norm:  # without clipping, updates run during backward on the host
-            self.streamed = set()
-        piece = min(STREAM_PIECE, -(-block_numel // PIECE_ALIGN) * PIECE_ALIGN)
+        self.streamed = set()
+        if self.config.max_grad_norm:  # without clipping, block updates run during backward on the host
+            self.streamed = {1 + first + j for j in range(self.num_blocks - first)
+                             if int((j + 1) * share) > int(j * share)}
+        if share and not self.resident:
+            self.streamed.add(0)
+        numel = max(block_numel, self.units[0].layout.numel if 0 in self.streamed else 0)
+        piece = min(STREAM_PIECE, -(-numel // PIECE_ALIGN) * PIECE_ALIGN)
         self.stream_buffers = [StreamedStep(piece, self.config.optimizer, self.device, self.dtype)
                                for _ in range(2 if self.streamed else 0)]
         for buf in self.stream_buffers:
@@ -228,7 +236,7 @@ class SlidingEngine:
             step += 1  # host bookkeeping of the chunk's AdamW step count (in place: the chunk's state)
         self._written[unit] = self.d2h.record()
         if slot is not None:
-            slot.unit = unit - 1
+            slot.unit = unit - 1 if unit else None
 
     def _flush_device_updates(self) -> None:
         """Run the device updates still waiting for their block's next load, and wait until all are home."""
@@ -288,8 +296,12 @@ class SlidingEngine:
     def _load_edges(self) -> None:
         """Refresh the resident edge parameters once their pending update is done."""
         if self._edges_loaded is None:
-            self._wait_for_update(0)  # (which also means its gradient has left the landing zone)
-            self.h2d.run(self.edge_slot.load, self.units[0].master, None, True, label="params edges")
+            if 0 in self._pending:  # updated on the device, straight into the edge slot (its gradient having
+                self._update_on_device(0, self.edge_slot)  # left means compute is done with the edges too)
+            else:
+                self._wait_for_update(0)  # (which also means its gradient has left the landing zone)
+                self.h2d.wait(self._written.get(0, DONE))
+                self.h2d.run(self.edge_slot.load, self.units[0].master, None, True, label="params edges")
             self._edges_loaded = self.h2d.record()
         self.compute.wait(self._edges_loaded)
 
@@ -405,7 +417,7 @@ class SlidingEngine:
                 opt.step(slot.grads, lr, scale)
                 slot.params.copy_(opt.master)
         for u in range(self.resident, len(self.units)):
-            if u - 1 in self.streamed:  # (only with clipping) runs when the block next loads
+            if u in self.streamed:  # runs when the unit next loads
                 self._pending[u] = (host_grads[u], drained[u], lr, scale)
             elif u == 0 or clip:  # without clipping, sliding blocks were submitted during backward
                 self.updater.submit(u, host_grads[u], drained[u], lr, scale)

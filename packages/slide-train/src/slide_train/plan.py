@@ -42,8 +42,8 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
                    + tokens_per_micro * (10 * hidden + 4 * intermediate) * bf16)  # one block's recompute
     if not offload_activations:
         activations += (num_blocks + 1) * micro_batches * act_one
-    # Two device-update buffers (fp32 master, m, v, gradient + the bf16 gradient as it lands) when clipped
-    # updates are streamed through the device.
+    # Two device-update buffers (fp32 master, m, v, gradient + the bf16 gradient as it lands) when updates are
+    # streamed through the device (clipped blocks, sliding edges).
     streamed = 2 * min(STREAM_PIECE, block_numel) * 18 if device_updates and cuda else 0
     fixed = edges + slots + activations + streamed + LOSS_CHUNK + MARGIN
     per_edges, per_block = 12 * edge_numel, 16 * block_numel  # fp32 master + m + v (+ params, grads)
