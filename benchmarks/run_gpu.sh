@@ -1,15 +1,30 @@
 #!/usr/bin/env bash
-# One call on the lent GPU machine: the GPU tests, then the engine benchmarks B1 and B3, each with the plain
-# GPU-resident peer measured in the same run. Everything lands in $OUT (copy the JSON into benchmarks/results/).
+# The GPU runs, in two calls of the lent machine (each fits in its 10-minute limit). Results land in $OUT; copy
+# them into benchmarks/results/.
+#   bash benchmarks/run_gpu.sh small   # GPU tests, then B1 and B3 (the plain GPU-resident peer in the same run)
+#   bash benchmarks/run_gpu.sh b8      # B8 without and with clipping (no peer: it does not fit this host)
 set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH=$(printf "$root/packages/%s/src:" slide-kernels slide-memory slide-io slide-scheduler slide-train)
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/slide-gpu}
 mkdir -p "$out"
-(cd "$root/packages/slide-train" && python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -s) \
-  > "$out/gpu-tests.log" 2>&1; echo "gpu tests: exit $?"; tail -3 "$out/gpu-tests.log"
-python3 "$root/benchmarks/engine.py" --model llama-3.2-1b --seq 2048 --micro 1 --accum 4 --cap 24 --peer plain \
-  --tag B1 --out "$out" --steps 3 --warmup 2 2>&1 | tail -4
-python3 "$root/benchmarks/engine.py" --model llama-3.2-3b --seq 4096 --micro 2 --accum 4 --cap 24 --peer plain \
-  --tag B3 --out "$out" --steps 3 --warmup 2 2>&1 | tail -4
+bench() { python3 "$root/benchmarks/engine.py" --out "$out" --steps 3 --warmup 2 "$@" 2>&1 | tail -2; }
+case ${1:-small} in
+small)
+  for p in slide-memory slide-scheduler slide-train; do
+    (cd "$root/packages/$p" && python3 -m pytest -q -m gpu tests -p no:cacheprovider -s) > "$out/gpu-tests-$p.log" 2>&1
+    echo "gpu tests $p: exit $?"; tail -1 "$out/gpu-tests-$p.log"
+  done
+  b3="--model llama-3.2-3b --seq 4096 --micro 2 --accum 4 --cap 24"
+  bench $b3 --peer plain --tag B3
+  bench $b3 --peer none --device-share 0 --tag B3-hostonly
+  bench $b3 --peer none --clip none --tag B3-noclip
+  bench --model llama-3.2-1b --seq 2048 --micro 4 --accum 1 --cap 24 --peer plain --tag B1
+  ;;
+b8)
+  b8="--model llama-3.1-8b --seq 4096 --micro 1 --accum 8 --cap 16 --peer none"
+  bench $b8 --clip none --tag B8-noclip
+  bench $b8 --tag B8
+  ;;
+esac
