@@ -270,6 +270,7 @@ def expect_streamed(share, resident, clip=True):
         sliding = DEPTH - max(resident - 1, 0)
         blocks = int(sliding * share) if clip else 0
         assert len(engine.streamed) == blocks + (resident == 0) and len(engine.stream_buffers) == 2
+        assert (engine.edge_grad is None) == (0 in engine.streamed or resident > 0)  # no host copy of it
     return check
 
 

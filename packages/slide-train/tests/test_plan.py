@@ -65,3 +65,5 @@ def test_host_plan_is_12_bytes_per_parameter_plus_gradient_staging():
     assert resident.host_total == 12 * n + 2 * (SHAPE["num_blocks"] - 4) * SHAPE["block_numel"] + acts
     bf16 = make_plan(budget_bytes=None, **shape, clip=False, state_bytes=4)
     assert free.host_total - bf16.host_total == 4 * n
+    streamed = make_plan(budget_bytes=None, **shape, clip=False, device_updates=True)  # edges update on the GPU
+    assert free.host_total - streamed.host_total == 2 * SHAPE["edge_numel"]

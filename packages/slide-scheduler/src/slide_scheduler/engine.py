@@ -172,9 +172,10 @@ class SlidingEngine:
         sliding_blocks = self.num_blocks - max(self.resident - 1, 0)
         self.grad_ring = (StagingRing(sliding_blocks if config.max_grad_norm else min(3, sliding_blocks),
                                       block_layout.numel, self.dtype) if sliding_blocks else None)
-        self.edge_grad = host_zeros(edge_layout.numel, self.dtype) if not self.resident else None
         self.updater = HostUpdater(self.optimizer, inline=inline)
         self._setup_device_updates(block_layout.numel)
+        self.edge_grad = (host_zeros(edge_layout.numel, self.dtype)
+                          if not self.resident and 0 not in self.streamed else None)
         self.activations = ActivationStore(config.activation_offload, self.device, self.d2h, self.h2d, self.compute)
         # Squared gradient norm of each unit, reduced on the device as gradients are made.
         self._sq_norms = torch.zeros(len(self.units), dtype=torch.float32, device=self.device)
@@ -188,7 +189,8 @@ class SlidingEngine:
         the host path, so the choice changes where the work runs, not the result.
 
         Sliding edges take that path too, clipping or not: their gradient is the step's last, so their update
-        always stands between one step and the next, and it is done soonest by host and PCIe together.
+        always stands between one step and the next; on the device it reads the gradient where it was made
+        (no host copy of it) and writes the parameters where they are used.
         `streamed` holds unit indices (0: the edges, 1 + i: block i)."""
         share = self.config.device_update_share
         if share is None:
@@ -400,7 +402,9 @@ class SlidingEngine:
                 h, _ = self.edges.head(batch)
                 h.backward(grads[j])
             self._sq_norms[0] = torch.linalg.vector_norm(self.edge_slot.grads, dtype=torch.float32).square()
-        if not self.resident:
+        if 0 in self.streamed:  # updated on the device from the gradient where it is (kept until then)
+            host_grads[0], drained[0] = self.edge_slot.grads, self.compute.record()
+        elif not self.resident:
             host_grads[0] = self.edge_grad
             self.d2h.wait(self.compute.record())
             self.d2h.run(self.edge_grad.copy_, self.edge_slot.grads, True, label="grads edges")

@@ -58,10 +58,11 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
     if resident - 1 >= num_blocks:  # nothing slides: no window of slots
         device -= slots
     total = edge_numel + num_blocks * block_numel
-    # Host gradients (bf16): a sliding edges unit has its own buffer; sliding blocks share a ring, which holds
-    # every one of them when exact clipping waits for the global norm, and three otherwise.
+    # Host gradients (bf16): sliding edges updated on the host have their own buffer; sliding blocks share a ring,
+    # which holds every one of them when exact clipping waits for the global norm, and three otherwise.
     sliding = num_blocks - max(resident - 1, 0)
-    grads = bf16 * ((0 if resident else edge_numel) + (sliding if clip else min(3, sliding)) * block_numel)
+    edges_on_host = not resident and not (device_updates and cuda)  # streamed edges keep it on the device
+    grads = bf16 * (edges_on_host * edge_numel + (sliding if clip else min(3, sliding)) * block_numel)
     acts_host = (num_blocks + 1) * micro_batches * act_one * offload_activations
     host = total * (4 + state_bytes) + grads + acts_host
     lines = [
