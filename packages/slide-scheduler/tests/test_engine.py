@@ -9,9 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import slide_memory.adamw
 from slide_memory import AdamWConfig, StagingRing
 from slide_scheduler import EngineConfig, SlidingEngine
 from slide_scheduler import engine as engine_module
+from slide_scheduler.lanes import DONE
 
 VOCAB, DIM, DEPTH = 17, 12, 4
 
@@ -329,6 +331,32 @@ def test_a_failed_copy_on_a_worker_lane_surfaces_and_close_still_stops_threads()
     assert threads and not any(t.is_alive() for t in threads)
     with pytest.raises(RuntimeError, match="closed"):
         engine.step(step, lr=1e-2, normalizer=10)
+
+
+@pytest.mark.parametrize("clip, share", [(None, 0.0), (0.05, 0.0), (0.05, 0.5)])
+def test_gradients_arrive_and_update_chunk_by_chunk(monkeypatch, clip, share):
+    """Gradients leave the slot in the host optimizer's chunks and each chunk's update waits only for its own
+    piece; with a slow d2h lane the result is still the synchronous engine's. Drop the per-chunk waits (keep
+    only the last) and an update reads chunks that have not arrived."""
+    monkeypatch.setattr(slide_memory.adamw, "CHUNK", 128)  # ~8 chunks per toy block
+    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    _, ref = run_engine(pipeline=False, window=2, clip=clip)
+
+    def chunked(engine):
+        assert len(engine.optimizer.units[1].ranges) > 4
+
+    _, got = run_engine(pipeline=True, window=2, clip=clip, device_share=share, delays={"d2h": 0.002},
+                        patch=chunked)
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+    if clip:
+        return  # clipped updates start after backward: every piece has arrived by then anyway
+
+    def last_wait_only(engine):
+        copy_out = engine._copy_out
+        engine._copy_out = lambda *a: [DONE] * (len(p := copy_out(*a)) - 1) + p[-1:]
+
+    _, got = run_engine(pipeline=True, window=2, clip=clip, delays={"d2h": 0.004}, patch=last_wait_only)
+    assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
 @pytest.mark.gpu

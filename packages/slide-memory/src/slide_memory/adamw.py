@@ -12,6 +12,7 @@ same kernel arithmetic, and copies master and states back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,9 +61,11 @@ class FlatAdamW:
     """
 
     def __init__(self, master: torch.Tensor, config: AdamWConfig, scratch: torch.Tensor | None = None,
-                 chunk: int = CHUNK, states_dtype: torch.dtype = torch.float32, wide: torch.Tensor | None = None):
+                 chunk: int | None = None, states_dtype: torch.dtype = torch.float32,
+                 wide: torch.Tensor | None = None):
         if master.dtype != torch.float32 or master.dim() != 1:
             raise ValueError("master weights must be a flat fp32 tensor")
+        chunk = chunk or CHUNK
         self.master, self.config = master, config
         self.ranges = [(i, min(i + chunk, master.numel())) for i in range(0, master.numel(), chunk)] or [(0, 0)]
         # Views of the master are leaves (it does not require grad), so each chunk is its own AdamW parameter.
@@ -85,9 +88,14 @@ class FlatAdamW:
     def step_count(self) -> int:
         return int(self.steps[0])
 
-    def step(self, grad: torch.Tensor, lr: float, grad_scale: float = 1.0) -> None:
-        """One AdamW step from `grad` (flat, same length as the master), scaled first by `grad_scale`."""
-        for (a, b), param, opt in zip(self.ranges, self.chunks, self._opts):
+    def step(self, grad: torch.Tensor, lr: float, grad_scale: float = 1.0,
+             before_chunk: Callable[[int], None] | None = None) -> None:
+        """One AdamW step from `grad` (flat, same length as the master), scaled first by `grad_scale`.
+
+        `before_chunk(k)` runs before chunk k (`ranges[k]`) is read: e.g. to wait until it has arrived."""
+        for k, ((a, b), param, opt) in enumerate(zip(self.ranges, self.chunks, self._opts)):
+            if before_chunk is not None:
+                before_chunk(k)
             n = b - a
             g = self.scratch[:n]
             g.copy_(grad[a:b])
@@ -200,9 +208,10 @@ class HostAdamW:
         self.units = [None if m is None else FlatAdamW(m, config, scratch, states_dtype=states_dtype, wide=wide)
                       for m in masters]
 
-    def step_unit(self, unit: int, grad: torch.Tensor, lr: float, grad_scale: float = 1.0) -> None:
+    def step_unit(self, unit: int, grad: torch.Tensor, lr: float, grad_scale: float = 1.0,
+                  before_chunk: Callable[[int], None] | None = None) -> None:
         """Update one unit's master from its gradient (any dtype), scaled by `grad_scale` (e.g. clipping)."""
-        self.units[unit].step(grad, lr, grad_scale)
+        self.units[unit].step(grad, lr, grad_scale, before_chunk)
 
     def state_tensors(self, unit: int) -> dict[str, torch.Tensor]:
         return self.units[unit].state_tensors()

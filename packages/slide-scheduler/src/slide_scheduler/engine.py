@@ -240,6 +240,15 @@ class SlidingEngine:
         if slot is not None:
             slot.unit = unit - 1 if unit else None
 
+    def _copy_out(self, unit: int, buffer: torch.Tensor, grads: torch.Tensor, label: str) -> list[Signal]:
+        """Queue a gradient's copy to the host in the chunks the host optimizer steps, with a signal per chunk:
+        the update of a chunk starts as soon as that chunk has arrived."""
+        pieces = []
+        for a, b in self.optimizer.units[unit].ranges:
+            self.d2h.run(buffer[a:b].copy_, grads[a:b], True, label=label)
+            pieces.append(self.d2h.record())
+        return pieces
+
     def _flush_device_updates(self) -> None:
         """Run the device updates still waiting for their block's next load, and wait until all are home."""
         for unit in list(self._pending):
@@ -390,10 +399,10 @@ class SlidingEngine:
                     self._wait_for_update(previous)
                 host_grads[i + 1] = buffer
                 self.d2h.wait(slot.free)
-                self.d2h.run(buffer.copy_, slot.grads, True, label=f"grads {i}")
-                slot.drained = drained[i + 1] = self.d2h.record()
-                if not clip:  # no clipping: the update can start as soon as the gradient is on the host
-                    self.updater.submit(i + 1, buffer, slot.drained, lr, 1.0)
+                pieces = self._copy_out(i + 1, buffer, slot.grads, f"grads {i}")
+                slot.drained = drained[i + 1] = pieces[-1]
+                if not clip:  # no clipping: the update starts as soon as its first piece is on the host
+                    self.updater.submit(i + 1, buffer, pieces, lr, 1.0)
             for k in range(i - 1, max(i - window - 1, -1), -1):  # prefetch: every slot not in use
                 if k not in staged:
                     staged[k] = self._stage(k, k, m)
@@ -407,8 +416,7 @@ class SlidingEngine:
         elif not self.resident:
             host_grads[0] = self.edge_grad
             self.d2h.wait(self.compute.record())
-            self.d2h.run(self.edge_grad.copy_, self.edge_slot.grads, True, label="grads edges")
-            drained[0] = self.d2h.record()
+            drained[0] = self._copy_out(0, self.edge_grad, self.edge_slot.grads, "grads edges")[-1]
         clock.lap("backward")
 
         # The one read of the step: loss and the per-unit squared norms (the clip needs the global norm).

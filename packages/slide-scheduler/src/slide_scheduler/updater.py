@@ -28,8 +28,10 @@ class HostUpdater:
             self._thread = threading.Thread(target=self._loop, name="slide-updater", daemon=True)
             self._thread.start()
 
-    def submit(self, index: int, grad: torch.Tensor, after: Signal, lr: float, grad_scale: float) -> None:
-        """Update unit `index` from the host tensor `grad` once `after` holds (the gradient is in it)."""
+    def submit(self, index: int, grad: torch.Tensor, after: Signal | list[Signal], lr: float,
+               grad_scale: float) -> None:
+        """Update unit `index` from the host tensor `grad` once `after` holds (the gradient is in it); with one
+        signal per optimizer chunk, each chunk waits only for its own."""
         self.done[index].clear()
         if self._queue is None:
             self._apply(index, grad, after, lr, grad_scale)
@@ -50,13 +52,17 @@ class HostUpdater:
                 return
             self._apply(*item)
 
-    def _apply(self, index: int, grad: torch.Tensor, after: Signal, lr: float, grad_scale: float) -> None:
+    def _apply(self, index: int, grad: torch.Tensor, after: Signal | list[Signal], lr: float,
+               grad_scale: float) -> None:
         try:
-            after.wait_host()
+            pieces = after if isinstance(after, list) else None
+            if pieces is None:
+                after.wait_host()
             if self.delay:
                 time.sleep(self.delay)
             start = time.perf_counter()
-            self.optimizer.step_unit(index, grad, lr, grad_scale)
+            self.optimizer.step_unit(index, grad, lr, grad_scale,
+                                     before_chunk=(lambda k: pieces[k].wait_host()) if pieces else None)
             self.spans.append((index, start, time.perf_counter()))
             self.done[index].set()
         except BaseException as e:  # surfaced in the training thread by the next wait on this unit
