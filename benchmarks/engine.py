@@ -48,7 +48,7 @@ def run_plain_peer(args, hf_config) -> dict:
     model = transformers.AutoModelForCausalLM.from_config(hf_config).cuda()
     model.gradient_checkpointing_enable()
     model.config.use_cache = False
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
     n_params = sum(p.numel() for p in model.parameters())
     torch.cuda.reset_peak_memory_stats()
     times = []
@@ -86,7 +86,7 @@ def run_slide(args) -> dict:
                  f"--grad_accum={args.accum}", f"--steps={args.warmup + args.steps}", f"--engine.device={args.device}",
                  f"--engine.window={args.window}", "--export=false", "--data.pack=true",
                  f"--output_dir={args.run_dir}", "--profile=true",
-                 f"--engine.pipeline={str(bool(args.pipeline)).lower()}"]
+                 f"--engine.pipeline={str(bool(args.pipeline)).lower()}", f"--optimizer.lr={args.lr}"]
     if args.clip != "1.0":
         overrides.append(f"--max_grad_norm={'null' if args.clip == 'none' else args.clip}")
     if args.resident is not None:
@@ -140,6 +140,8 @@ def main() -> None:
     p.add_argument("--pipeline", type=int, default=1, help="0: the synchronous reference schedule")
     p.add_argument("--device-share", type=float, default=None,
                    help="engine.device_update_share (clipped updates streamed through the GPU); default: auto")
+    p.add_argument("--lr", type=float, default=1e-5,
+                   help="both systems (runs before 2026-11-29 13:00 trained ours at the config default 1e-3)")
     p.add_argument("--tag", default="")
     p.add_argument("--run-dir", default="/tmp/slide-bench-run")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -161,11 +163,11 @@ def main() -> None:
         "config": {"model": args.model, "seq": args.seq, "micro": args.micro, "accum": args.accum,
                    "tokens_per_step": args.seq * args.micro * args.accum, "steps_timed": args.steps,
                    "warmup": args.warmup, "window": args.window, "cap_gib": args.cap, "max_grad_norm": args.clip,
-                   "device_update_share": args.device_share},
+                   "device_update_share": args.device_share, "lr": args.lr},
         "results": results,
     }
     out = pathlib.Path(args.out)
-    name = f"engine-{args.model}-{args.tag or 'run'}-{record['date'][:10]}.json"
+    name = f"engine-{args.model}-{args.tag or 'run'}-{record['commit'][:7]}.json"
     (out / name).write_text(json.dumps(record, indent=2))
     print(f"wrote {out / name}")
     for r in results:
