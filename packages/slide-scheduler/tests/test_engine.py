@@ -380,3 +380,24 @@ def test_device_updates_on_cuda_track_host_updates():
     for unit, params in host.items():
         for name, t in params.items():
             torch.testing.assert_close(device[unit][name], t, rtol=1e-5, atol=1e-6, msg=f"{unit}.{name}")
+
+
+def test_a_failed_device_update_stops_the_lane_that_would_store_it(monkeypatch):
+    """A piece whose step fails on the h2d lane must not be stored back into the host master by the d2h lane
+    (which only waits for it): the failure stops that lane too and surfaces in the training thread."""
+    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=0.05,
+                                                                    device_update_share=1.0))
+    step = batches(seed=4, steps=1, micro=2)[0]
+    engine.step(step, lr=1e-2, normalizer=10)  # leaves every block's update pending for the next loads
+
+    def broken(*args):
+        raise RuntimeError("device step failed")
+
+    monkeypatch.setattr(engine_module, "_stream_in", broken)
+    with pytest.raises(RuntimeError, match="lane failed"):
+        engine.step(step, lr=1e-2, normalizer=10)
+    assert isinstance(engine.h2d.error, RuntimeError) and engine.d2h.error is not None
+    engine.updater.close()
+    for lane in (engine.h2d, engine.d2h):
+        lane.close()

@@ -49,8 +49,10 @@ def _adamw(param: torch.Tensor, config: AdamWConfig) -> torch.optim.AdamW:
                              weight_decay=config.weight_decay, **kind)
 
 
-def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return host_zeros(numel, dtype) if device.type == "cpu" else torch.zeros(numel, dtype=dtype, device=device)
+def _zeros(numel: int, dtype: torch.dtype, device: torch.device, pinned: bool | None) -> torch.Tensor:
+    if device.type == "cpu":
+        return host_zeros(numel, dtype, pinned)
+    return torch.zeros(numel, dtype=dtype, device=device)
 
 
 class FlatAdamW:
@@ -62,7 +64,7 @@ class FlatAdamW:
 
     def __init__(self, master: torch.Tensor, config: AdamWConfig, scratch: torch.Tensor | None = None,
                  chunk: int | None = None, states_dtype: torch.dtype = torch.float32,
-                 wide: torch.Tensor | None = None):
+                 wide: torch.Tensor | None = None, pinned_states: bool | None = None):
         if master.dtype != torch.float32 or master.dim() != 1:
             raise ValueError("master weights must be a flat fp32 tensor")
         chunk = chunk or CHUNK
@@ -75,8 +77,9 @@ class FlatAdamW:
         self.scratch = scratch if scratch is not None else torch.empty(size, device=master.device)
         self.states_dtype = states_dtype
         self.narrow = states_dtype != torch.float32
-        self.exp_avg = _zeros(master.numel(), states_dtype, master.device)
-        self.exp_avg_sq = _zeros(master.numel(), states_dtype, master.device)
+        # Host states are page-locked only when they will cross PCIe (StreamedStep); None: whenever CUDA is there.
+        self.exp_avg = _zeros(master.numel(), states_dtype, master.device, pinned_states)
+        self.exp_avg_sq = _zeros(master.numel(), states_dtype, master.device, pinned_states)
         if self.narrow:  # fp32 room to run one chunk's step in
             self._wide = wide if wide is not None else torch.empty(2, size, device=master.device)
         self.steps = [torch.zeros((), dtype=torch.float32, device=master.device) for _ in self.chunks]
@@ -195,7 +198,7 @@ class HostAdamW:
     """
 
     def __init__(self, masters: list[torch.Tensor | None], config: AdamWConfig,
-                 states_dtype: torch.dtype = torch.float32):
+                 states_dtype: torch.dtype = torch.float32, pinned: list[bool] | None = None):
         present = [m for m in masters if m is not None]
         for m in present:
             if m.dtype != torch.float32 or m.device.type != "cpu" or m.dim() != 1:
@@ -205,8 +208,9 @@ class HostAdamW:
         wide = torch.empty(2, size) if states_dtype != torch.float32 else None
         self.masters = masters
         self.config = config
-        self.units = [None if m is None else FlatAdamW(m, config, scratch, states_dtype=states_dtype, wide=wide)
-                      for m in masters]
+        pinned = pinned or [None] * len(masters)
+        self.units = [None if m is None else FlatAdamW(m, config, scratch, states_dtype=states_dtype, wide=wide,
+                                                       pinned_states=pin) for m, pin in zip(masters, pinned)]
 
     def step_unit(self, unit: int, grad: torch.Tensor, lr: float, grad_scale: float = 1.0,
                   before_chunk: Callable[[int], None] | None = None) -> None:

@@ -6,6 +6,7 @@ buffer that crosses PCIe on the hot path comes from here.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import numpy as np
@@ -40,9 +41,11 @@ def _registered(nbytes: int) -> torch.Tensor:
     array = array[start : start + size]
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(array.ctypes.data, size, 0)
-    if int(err) != 0:
-        raise MemoryError(f"cannot page-lock {size / 2**30:.2f} GiB of host memory (CUDA error {int(err)}); "
-                          "the machine may limit locked memory (ulimit -l)")
+    if int(err) != 0:  # still correct, only slower: copies from pageable memory are staged and synchronous
+        warnings.warn(f"could not page-lock {size / 2**30:.2f} GiB of host memory (CUDA error {int(err)}; the "
+                      "machine may limit locked memory, see ulimit -l): using pageable memory, copies will be slower",
+                      stacklevel=3)
+        return torch.from_numpy(array)[:nbytes]
     # Unlocked when the array dies: torch keeps it alive as long as any tensor or view of it lives.
     weakref.finalize(array, cudart.cudaHostUnregister, array.ctypes.data)
     return torch.from_numpy(array)[:nbytes]

@@ -151,8 +151,12 @@ class SlidingEngine:
         if not 0 <= config.resident <= len(self.units):
             raise ValueError(f"resident must be in [0, {len(self.units)}], got {config.resident}")
         self.resident = config.resident
+        self.streamed = self._choose_streamed()
+        # Only the states of units updated on the device cross PCIe: only they are page-locked.
         self.optimizer = HostAdamW([None if u < self.resident else unit.master for u, unit in enumerate(self.units)],
-                                   config.optimizer, DTYPES[config.states_dtype])
+                                   config.optimizer, DTYPES[config.states_dtype],
+                                   pinned=[self.device.type == "cuda" and u in self.streamed
+                                           for u in range(len(self.units))])
 
         # Resident units: device fp32 master + AdamW on the device; resident blocks get a slot of their own.
         self.resident_slots: dict[int, Slot] = {
@@ -181,7 +185,7 @@ class SlidingEngine:
         self._sq_norms = torch.zeros(len(self.units), dtype=torch.float32, device=self.device)
         self.closed = False
 
-    def _setup_device_updates(self, block_numel: int) -> None:
+    def _choose_streamed(self) -> set[int]:
         """Exact clipping defers every update until the global norm is known, and the host optimizer alone cannot
         finish them within the next forward. A share of the sliding blocks therefore updates on the device as
         the forward loads them: master, m, v and gradient stream in (PCIe has room to spare), torch's AdamW runs
@@ -191,7 +195,7 @@ class SlidingEngine:
         Sliding edges take that path too, clipping or not: their gradient is the step's last, so their update
         always stands between one step and the next; on the device it reads the gradient where it was made
         (no host copy of it) and writes the parameters where they are used.
-        `streamed` holds unit indices (0: the edges, 1 + i: block i)."""
+        Returns the units updated that way (0: the edges, 1 + i: block i)."""
         share = self.config.device_update_share
         if share is None:
             share = 0.5 if self.device.type == "cuda" and self.config.states_dtype == "fp32" else 0.0
@@ -201,12 +205,14 @@ class SlidingEngine:
             raise ValueError("device updates stream fp32 AdamW states: use device_update_share=0 with bf16 states")
         first = max(self.resident - 1, 0)
         # Spread evenly over the forward order (every other block at 0.5), host blocks first.
-        self.streamed = set()
+        streamed = set()
         if self.config.max_grad_norm:  # without clipping, block updates run during backward on the host
-            self.streamed = {1 + first + j for j in range(self.num_blocks - first)
-                             if int((j + 1) * share) > int(j * share)}
+            streamed = {1 + first + j for j in range(self.num_blocks - first) if int((j + 1) * share) > int(j * share)}
         if share and not self.resident:
-            self.streamed.add(0)
+            streamed.add(0)
+        return streamed
+
+    def _setup_device_updates(self, block_numel: int) -> None:
         numel = max(block_numel, self.units[0].layout.numel if 0 in self.streamed else 0)
         piece = min(STREAM_PIECE, -(-numel // PIECE_ALIGN) * PIECE_ALIGN)
         self.stream_buffers = [StreamedStep(piece, self.config.optimizer, self.device, self.dtype)
@@ -230,10 +236,10 @@ class SlidingEngine:
                 buf = self.stream_buffers[self._next_buffer]
                 self._next_buffer = (self._next_buffer + 1) % len(self.stream_buffers)
                 self.h2d.wait(buf.free)
-                self.h2d.run(_stream_in, buf, opt, start, end, grad, count, lr, scale, slot,
-                             label=f"update {unit - 1}")
+                name = unit - 1 if unit else "edges"
+                self.h2d.run(_stream_in, buf, opt, start, end, grad, count, lr, scale, slot, label=f"update {name}")
                 self.d2h.wait(self.h2d.record())
-                self.d2h.run(buf.store, opt, start, end, label=f"store {unit - 1}")
+                self.d2h.run(buf.store, opt, start, end, label=f"store {name}")
                 buf.free = self.d2h.record()
             step += 1  # host bookkeeping of the chunk's AdamW step count (in place: the chunk's state)
         self._written[unit] = self.d2h.record()

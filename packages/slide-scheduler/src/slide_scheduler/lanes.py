@@ -109,8 +109,8 @@ class Lane:
     def wait(self, signal: Signal) -> None:
         if self.stream is not None and isinstance(signal, CudaSignal):
             self.stream.wait_event(signal.event)
-        elif self._pool is not None:
-            self._pool.submit(signal.wait_host)
+        elif self._pool is not None:  # a failed signal stops this lane too: later work would read bad data
+            self._pool.submit(self._task, signal.wait_host, (), None)
         else:
             signal.wait_host()
 

@@ -52,7 +52,8 @@ class EngineSection:
     states_dtype: str = "fp32"  # fp32 | bf16 (opt-in: AdamW m and v on the host in bf16, half their memory)
     kernels: str = "auto"  # auto (slide-kernels' Triton RMSNorm/RoPE/SwiGLU on CUDA) | on | off
     pipeline: bool = True  # false: the synchronous reference schedule (no overlap)
-    # With clipping: share of sliding blocks updated on the GPU (states streamed) instead of the CPU; null: auto
+    # Share of sliding blocks whose clipped update runs on the GPU (states streamed over PCIe) instead of the
+    # CPU; any share above 0 also updates sliding edges on the GPU, clipping or not. null: auto (0.5 on CUDA)
     device_update_share: float | None = None
 
 

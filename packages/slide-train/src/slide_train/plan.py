@@ -43,8 +43,9 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
     if not offload_activations:
         activations += (num_blocks + 1) * micro_batches * act_one
     # Two device-update buffers (fp32 master, m, v, gradient + the bf16 gradient as it lands) when updates are
-    # streamed through the device (clipped blocks, sliding edges).
-    streamed = 2 * min(STREAM_PIECE, block_numel) * 18 if device_updates and cuda else 0
+    # streamed through the device: clipped blocks, and sliding edges (counted below once residency is known).
+    buffers = 2 * min(STREAM_PIECE, max(block_numel, edge_numel)) * 18 if device_updates and cuda else 0
+    streamed = buffers if clip else 0
     fixed = edges + slots + activations + streamed + LOSS_CHUNK + MARGIN
     per_edges, per_block = 12 * edge_numel, 16 * block_numel  # fp32 master + m + v (+ params, grads)
     budget = float("inf") if budget_bytes is None else budget_bytes
@@ -54,6 +55,9 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
             resident = 1
             spare = budget - fixed - per_edges
             resident += min(num_blocks, int(spare // per_block))
+    if not resident and not streamed:  # the edges slide, so they update through the buffers
+        streamed = buffers
+        fixed += buffers
     device = fixed + (per_edges if resident else 0) + max(resident - 1, 0) * per_block
     if resident - 1 >= num_blocks:  # nothing slides: no window of slots
         device -= slots
@@ -64,7 +68,8 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
     edges_on_host = not resident and not (device_updates and cuda)  # streamed edges keep it on the device
     grads = bf16 * (edges_on_host * edge_numel + (sliding if clip else min(3, sliding)) * block_numel)
     acts_host = (num_blocks + 1) * micro_batches * act_one * offload_activations
-    host = total * (4 + state_bytes) + grads + acts_host
+    on_device = (edge_numel if resident else 0) + max(resident - 1, 0) * block_numel  # AdamW states there
+    host = total * 4 + (total - on_device) * state_bytes + grads + acts_host
     lines = [
         f"plan: {resident} of {num_blocks + 1} units resident on the device "
         f"(edges{' + blocks 0..' + str(resident - 2) if resident > 1 else ''}"
@@ -73,7 +78,8 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
         f"edges {edges / GIB:.2f}, slots {slots / GIB:.2f}, activations ~{activations / GIB:.2f}, "
         + (f"device-update buffers {streamed / GIB:.2f}, " if streamed else "") +
         f"resident states {(device - fixed + (slots if resident - 1 >= num_blocks else 0)) / GIB:.2f}",
-        f"  host ~{host / GIB:.1f} GiB: fp32 masters + AdamW states {total * (4 + state_bytes) / GIB:.1f}, "
+        f"  host ~{host / GIB:.1f} GiB: fp32 masters + AdamW states "
+        f"{(total * 4 + (total - on_device) * state_bytes) / GIB:.1f}, "
         f"gradient staging {grads / GIB:.1f}{' (every sliding block: exact clipping)' if clip and sliding else ''}"
         + (f", boundary activations {acts_host / GIB:.1f}" if offload_activations else ""),
     ]
