@@ -3,18 +3,19 @@
 One optimizer step over a list of micro-batches (DESIGN.md section 3), as queued work on three lanes (compute,
 host-to-device, device-to-host) plus a host optimizer thread:
   forward   head, then block by block: each block is loaded into a slot ahead of its turn (h2d lane, while the
-            previous block computes) and runs every micro-batch there (layer-major); each output boundary
-            activation goes to the host on the d2h lane
+            previous block computes: the fp32 master crosses PCIe and is narrowed to bf16 in the slot) and runs
+            every micro-batch there (layer-major); each output boundary activation goes to the host (d2h lane)
   tail      loss and the gradient w.r.t. the last boundary activation, per micro-batch
   backward  block by block in reverse: load params + boundary activations ahead, recompute + backward per
-            micro-batch (grads accumulate in the slot), gradient to the host on the d2h lane
+            micro-batch (grads accumulate in the slot), gradient to a shared host ring chunk by chunk (d2h lane)
   head      embedding backward
-  update    AdamW on the host over fp32 masters, one unit at a time, on the optimizer thread
+  update    AdamW over fp32 masters: on the optimizer thread, chunk by chunk as gradients arrive; or on the
+            device while the unit next loads (`device_update_share`: master and states streamed over PCIe)
 
 Exact global grad-norm clipping needs every gradient before any update, so with clipping on, the updates of a
-step run while the *next* step's forward goes (each block's load waits for its own update); without clipping
-they start during backward, as soon as each block's gradient reaches the host. Per-block squared norms are
-reduced on the device, so the clip needs one small read at the end of backward.
+step run while the *next* step's forward goes (each block's load waits for its own update, or runs it); without
+clipping they start during backward, as soon as each chunk of a block's gradient reaches the host. Per-block
+squared norms are reduced on the device, so the clip needs one small read at the end of backward.
 
 `pipeline=False` runs the very same schedule with every lane inline and the optimizer on the calling thread:
 the synchronous engine, kept as the reference the pipelined one is tested against.
