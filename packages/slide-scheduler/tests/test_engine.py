@@ -359,6 +359,33 @@ def test_gradients_arrive_and_update_chunk_by_chunk(monkeypatch, clip, share):
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
+def test_evaluate_between_steps_applies_pending_device_updates_once(monkeypatch):
+    """An evaluation right after a clipped step loads blocks whose device updates are still pending: it runs
+    them (the loss it reports is the updated model's) and the next step does not run them again."""
+    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    evaluated = []
+
+    def run(share):
+        torch.manual_seed(0)
+        engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+            device="cpu", window=2, max_grad_norm=0.05, device_update_share=share,
+            optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
+        engine.d2h.delay = 0.002
+        losses = []
+        probe = batches(seed=9, steps=1, micro=2)[0]
+        for step in batches(seed=4, steps=3, micro=3):
+            losses.append(engine.step(step, lr=1e-2, normalizer=10).loss)
+            losses.append(engine.evaluate(probe, normalizer=10))
+        masters = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}
+        engine.close()
+        evaluated.append(losses)
+        return masters
+
+    host, device = run(0.0), run(1.0)
+    assert evaluated[0] == evaluated[1]
+    assert all(device[u][n].equal(t) for u, params in host.items() for n, t in params.items())
+
+
 @pytest.mark.gpu
 def test_device_updates_on_cuda_track_host_updates():
     """On a GPU the streamed path runs CUDA's fused AdamW instead of the CPU's: the same formula, rounded by
