@@ -183,7 +183,10 @@ class SlidingEngine:
                           if not self.resident and 0 not in self.streamed else None)
         self.activations = ActivationStore(config.activation_offload, self.device, self.d2h, self.h2d, self.compute)
         # Squared gradient norm of each unit, reduced on the device as gradients are made.
-        self._sq_norms = torch.zeros(len(self.units), dtype=torch.float32, device=self.device)
+        # The step's one device->host read: its loss, then each unit's squared gradient norm (reduced on the
+        # device as gradients are made).
+        self._readout = torch.zeros(1 + len(self.units), dtype=torch.float32, device=self.device)
+        self._loss, self._sq_norms = self._readout[0], self._readout[1:]
         self.closed = False
 
     def _choose_streamed(self) -> set[int]:
@@ -372,20 +375,19 @@ class SlidingEngine:
 
         with span("compute", "tail", stream):
             self.edge_slot.grads.zero_()
-            self._sq_norms.zero_()
-            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+            self._readout.zero_()
             grads = []
             for j, batch in enumerate(batches):
                 h = hidden[j].detach().requires_grad_()
                 share = self.edges.tail(h, batch, normalizer)
                 share.backward()
-                loss += share.detach().float()
+                self._loss += share.detach().float()
                 grads.append(h.grad)
         del hidden
         clock.lap("tail")
 
         clip = self.config.max_grad_norm
-        drained: list[Signal] = [DONE] * len(self.units)
+        arrived: dict[int, list[Signal]] = {}  # unit -> one signal per optimizer chunk of its host gradient
         host_grads: dict[int, torch.Tensor] = {}
         staged = {n - 1: self._stage(n - 1, n - 1, m)}
         for i in reversed(range(n)):
@@ -406,10 +408,10 @@ class SlidingEngine:
                     self._wait_for_update(previous)
                 host_grads[i + 1] = buffer
                 self.d2h.wait(slot.free)
-                pieces = self._copy_out(i + 1, buffer, slot.grads, f"grads {i}")
-                slot.drained = drained[i + 1] = pieces[-1]
+                arrived[i + 1] = self._copy_out(i + 1, buffer, slot.grads, f"grads {i}")
+                slot.drained = arrived[i + 1][-1]
                 if not clip:  # no clipping: the update starts as soon as its first piece is on the host
-                    self.updater.submit(i + 1, buffer, pieces, lr, 1.0)
+                    self.updater.submit(i + 1, buffer, arrived[i + 1], lr, 1.0)
             for k in range(i - 1, max(i - window - 1, -1), -1):  # prefetch: every slot not in use
                 if k not in staged:
                     staged[k] = self._stage(k, k, m)
@@ -419,15 +421,15 @@ class SlidingEngine:
                 h.backward(grads[j])
             self._sq_norms[0] = torch.linalg.vector_norm(self.edge_slot.grads, dtype=torch.float32).square()
         if 0 in self.streamed:  # updated on the device from the gradient where it is (kept until then)
-            host_grads[0], drained[0] = self.edge_slot.grads, self.compute.record()
+            host_grads[0], arrived[0] = self.edge_slot.grads, [self.compute.record()]
         elif not self.resident:
             host_grads[0] = self.edge_grad
             self.d2h.wait(self.compute.record())
-            drained[0] = self._copy_out(0, self.edge_grad, self.edge_slot.grads, "grads edges")[-1]
+            arrived[0] = self._copy_out(0, self.edge_grad, self.edge_slot.grads, "grads edges")
         clock.lap("backward")
 
         # The one read of the step: loss and the per-unit squared norms (the clip needs the global norm).
-        sq = self._sq_norms.tolist()
+        loss_value, *sq = self._readout.tolist()
         grad_norm = math.sqrt(sum(sq))
         scale = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
         with span("compute", "update resident", stream):
@@ -437,12 +439,11 @@ class SlidingEngine:
                 slot.params.copy_(opt.master)
         for u in range(self.resident, len(self.units)):
             if u in self.streamed:  # runs when the unit next loads
-                self._pending[u] = (host_grads[u], drained[u], lr, scale)
+                self._pending[u] = (host_grads[u], arrived[u][-1], lr, scale)
             elif u == 0 or clip:  # without clipping, sliding blocks were submitted during backward
-                self.updater.submit(u, host_grads[u], drained[u], lr, scale)
+                self.updater.submit(u, host_grads[u], arrived[u], lr, scale)
         if not self.resident:
             self._edges_loaded = None
-        loss_value = loss.item()
         if not self.config.pipeline:
             self.synchronize()
         self.d2h.record().wait_host()  # the spans of every lane are complete (and a failed copy raises here)
@@ -483,7 +484,10 @@ class SlidingEngine:
         return float(loss)  # one read for all micro-batches
 
     def _to_device(self, micro_batches: list[Batch]) -> list[Batch]:
-        return [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
+        """Micro-batches to the device; on CUDA through (reused) pinned memory, so the copies are asynchronous."""
+        pin = self.device.type == "cuda"
+        return [{k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in mb.items()}
+                for mb in micro_batches]
 
     @torch.no_grad()
     def _forward(self, batches: list[Batch], keep: bool = True):

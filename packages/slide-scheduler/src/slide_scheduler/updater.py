@@ -28,15 +28,14 @@ class HostUpdater:
             self._thread = threading.Thread(target=self._loop, name="slide-updater", daemon=True)
             self._thread.start()
 
-    def submit(self, index: int, grad: torch.Tensor, after: Signal | list[Signal], lr: float,
-               grad_scale: float) -> None:
-        """Update unit `index` from the host tensor `grad` once `after` holds (the gradient is in it); with one
-        signal per optimizer chunk, each chunk waits only for its own."""
+    def submit(self, index: int, grad: torch.Tensor, arrived: list[Signal], lr: float, grad_scale: float) -> None:
+        """Update unit `index` from the host tensor `grad`; `arrived[k]` holds once the unit's optimizer chunk k
+        is in it, and each chunk waits only for its own."""
         self.done[index].clear()
         if self._queue is None:
-            self._apply(index, grad, after, lr, grad_scale)
+            self._apply(index, grad, arrived, lr, grad_scale)
         else:
-            self._queue.put((index, grad, after, lr, grad_scale))
+            self._queue.put((index, grad, arrived, lr, grad_scale))
 
     def wait(self, index: int) -> None:
         self.done[index].wait_host()
@@ -52,17 +51,13 @@ class HostUpdater:
                 return
             self._apply(*item)
 
-    def _apply(self, index: int, grad: torch.Tensor, after: Signal | list[Signal], lr: float,
-               grad_scale: float) -> None:
+    def _apply(self, index: int, grad: torch.Tensor, arrived: list[Signal], lr: float, grad_scale: float) -> None:
         try:
-            pieces = after if isinstance(after, list) else None
-            if pieces is None:
-                after.wait_host()
+            arrived[0].wait_host()
             if self.delay:
                 time.sleep(self.delay)
             start = time.perf_counter()
-            self.optimizer.step_unit(index, grad, lr, grad_scale,
-                                     before_chunk=(lambda k: pieces[k].wait_host()) if pieces else None)
+            self.optimizer.step_unit(index, grad, lr, grad_scale, before_chunk=lambda k: arrived[k].wait_host())
             self.spans.append((index, start, time.perf_counter()))
             self.done[index].set()
         except BaseException as e:  # surfaced in the training thread by the next wait on this unit
