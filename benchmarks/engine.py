@@ -13,25 +13,12 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import pathlib
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def git_commit() -> str:
-    if os.environ.get("SLIDE_COMMIT"):
-        return os.environ["SLIDE_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+from common import ROOT, git_commit
 
 
 def random_batches(vocab: int, micro: int, seq: int, accum: int, steps: int, seed: int = 0):
@@ -78,7 +65,6 @@ def run_plain_peer(args, hf_config) -> dict:
 
 
 def run_slide(args) -> dict:
-    sys.path[:0] = [str(p / "src") for p in (ROOT / "packages").iterdir()]
     from slide_train.config import load_config
     from slide_train.trainer import Trainer
 
@@ -147,7 +133,6 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
 
-    sys.path[:0] = [str(p / "src") for p in (ROOT / "packages").iterdir()]
     from slide_train.models.presets import preset_config
 
     pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -12,15 +12,12 @@ import argparse
 import json
 import pathlib
 import statistics
-import sys
 import time
 
+import common  # noqa: F401 (puts the packages on the path)
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "packages" / "slide-memory" / "src")]
-
-from slide_memory import AdamWConfig, FlatAdamW  # noqa: E402
+from slide_memory import AdamWConfig, FlatAdamW
 
 
 def timed(fn, runs: int) -> float:

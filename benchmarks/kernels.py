@@ -15,7 +15,6 @@ import datetime
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import time
 import traceback
@@ -23,6 +22,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 import triton
+from common import git_commit  # (first: puts the packages on the path)
 from triton.testing import do_bench
 
 import slide_kernels as sk
@@ -250,16 +250,6 @@ def bench_swiglu_mlp(t, h, i, providers):
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
         fns["liger"] = lambda: mlp.down_proj(LigerSiLUMulFunction.apply(mlp.gate_proj(x), mlp.up_proj(x)))
     return run_all(fns, [x, *mlp.parameters()], dy)
-
-
-def git_commit() -> str:
-    if os.environ.get("SLIDE_GIT_COMMIT"):
-        return os.environ["SLIDE_GIT_COMMIT"]
-    try:
-        root = pathlib.Path(__file__).resolve().parent.parent
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True).strip()
-    except Exception:
-        return "unknown"
 
 
 def table(res) -> str:

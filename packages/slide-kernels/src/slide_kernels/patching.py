@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import linear_cross_entropy, rms_norm, rope, swiglu
+from . import ops
+from .modules import SwiGLUMLP
+from .ops import linear_cross_entropy, rms_norm
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 _SILU = ("silu", "swish")
@@ -29,14 +31,6 @@ _SILU = ("silu", "swish")
 
 def _rms_norm_forward(self, hidden_states):
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
-
-
-def _swiglu_mlp_forward(self, x):
-    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
-
-
-def _hf_rope(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-    return rope(q, k, cos, sin, position_ids, unsqueeze_dim)
 
 
 def _output_class(model: nn.Module):
@@ -110,15 +104,15 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swig
     for name, m in model.named_modules():
         if rms_norm and _is_rms_norm(m) and _patch_forward(m, _rms_norm_forward):
             patched.append(f"{name}: {type(m).__name__}.forward -> slide_kernels.rms_norm")
-        elif swiglu and _is_swiglu_mlp(m, act) and _patch_forward(m, _swiglu_mlp_forward):
+        elif swiglu and _is_swiglu_mlp(m, act) and _patch_forward(m, SwiGLUMLP.forward):
             patched.append(f"{name}: {type(m).__name__}.forward -> slide_kernels.swiglu")
         elif rope and type(m).__name__.endswith("Attention"):
             mod = sys.modules.get(type(m).__module__)
             if mod is not None and callable(getattr(mod, "apply_rotary_pos_emb", None)):
                 rope_modules[mod.__name__] = mod
     for mod_name, mod in rope_modules.items():
-        if mod.apply_rotary_pos_emb is not _hf_rope:
-            mod.apply_rotary_pos_emb = _hf_rope
+        if mod.apply_rotary_pos_emb is not ops.rope:  # same signature as HF's
+            mod.apply_rotary_pos_emb = ops.rope
             patched.append(f"{mod_name}.apply_rotary_pos_emb -> slide_kernels.rope (module-wide)")
     if (cross_entropy and isinstance(getattr(model, "lm_head", None), nn.Linear)
             and isinstance(getattr(model, "model", None), nn.Module)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import next_pow2, sm_count, use_triton
+from .._dispatch import sm_count, use_triton
 
 MODES = {"llama": 0, "gemma": 1}
 
@@ -72,7 +72,7 @@ def _rms_norm_bwd_kernel(
 
 
 def _launch_shape(n: int) -> tuple[int, int, int]:
-    block_n = next_pow2(n)
+    block_n = triton.next_power_of_2(n)
     block_m = max(1, min(16, 4096 // block_n))
     num_warps = 8 if block_n * block_m >= 4096 else 4
     return block_m, block_n, num_warps

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import next_pow2, use_triton
+from .._dispatch import use_triton
 
 
 @triton.jit
@@ -89,7 +89,8 @@ def rope_apply(q, k, cos, sin, unsqueeze_dim: int, backward: bool = False):
     _rope_kernel[(bsz * t,)](
         q4, k4, qo4, ko4, cos3, sin3, t, hq, hk, half,
         *q4.stride(), *k4.stride(), *qo4.stride(), *ko4.stride(), *cos3.stride(),
-        BACKWARD=backward, BLOCK_HQ=next_pow2(hq), BLOCK_HK=next_pow2(hk), BLOCK_D=next_pow2(half),
+        BACKWARD=backward, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
+        BLOCK_D=triton.next_power_of_2(half),
         num_warps=num_warps,
     )
     return qo, ko

@@ -1,0 +1,22 @@
+"""What every benchmark script shares: the packages on the import path, and the commit a result belongs to."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Run from a plain checkout (the device machine has no installed packages): import the sources.
+sys.path[:0] = [str(p / "src") for p in sorted((ROOT / "packages").iterdir()) if (p / "src").is_dir()]
+
+
+def git_commit() -> str:
+    """SLIDE_COMMIT when set (the device machine's copy has no .git), else the checkout's HEAD."""
+    if os.environ.get("SLIDE_COMMIT"):
+        return os.environ["SLIDE_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
