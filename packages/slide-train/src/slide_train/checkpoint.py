@@ -114,9 +114,11 @@ def find_resumable(root: pathlib.Path) -> pathlib.Path | None:
     return None
 
 
-def load_checkpoint(path: pathlib.Path, engine) -> dict:
-    """Restore masters and optimizer states into `engine` (after verifying); returns trainer.json."""
-    verify(path)
+def load_checkpoint(path: pathlib.Path, engine, verified: bool = False) -> dict:
+    """Restore masters and optimizer states into `engine` (verifying first unless `verified`, e.g. by
+    `find_resumable`: hashing an 8B checkpoint takes a while); returns trainer.json."""
+    if not verified:
+        verify(path)
     engine.synchronize()
     for index, name in enumerate(engine.unit_names()):
         try:
@@ -143,9 +145,11 @@ def prune(root: pathlib.Path, keep: int) -> None:
         shutil.rmtree(path)
 
 
-def read_masters(path: pathlib.Path, layouts: dict[str, object]) -> dict[str, dict[str, torch.Tensor]]:
-    """Unit name -> parameter name -> fp32 tensor, read from a verified checkpoint (for export)."""
-    verify(path)
+def read_masters(path: pathlib.Path, layouts: dict[str, object],
+                 verified: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    """Unit name -> parameter name -> fp32 tensor, read from a checkpoint (verified first unless `verified`)."""
+    if not verified:
+        verify(path)
     out = {}
     for name, layout in layouts.items():
         master = load_file(str(path / unit_file(name)))["master"]
@@ -158,7 +162,7 @@ def export_run(run_dir: str | os.PathLike, step: int | None = None, out: str | N
     from slide_memory import FlatLayout
 
     from .config import load_config
-    from .export import DTYPES, export_hf
+    from .export import export_dtype, export_hf
     from .models.build import load_model
 
     run = pathlib.Path(run_dir)
@@ -166,6 +170,7 @@ def export_run(run_dir: str | os.PathLike, step: int | None = None, out: str | N
         raise CheckpointError(f"{run} is not a run directory (no config.yaml)")
     cfg = load_config(run / "config.yaml")
     root = run / "checkpoints"
+    verified = step is None  # find_resumable verifies what it returns
     if step is None:
         path = find_resumable(root)
         if path is None:
@@ -180,5 +185,6 @@ def export_run(run_dir: str | os.PathLike, step: int | None = None, out: str | N
     block = FlatLayout(stack.make_block())
     layouts = {"edges": FlatLayout(stack.make_edges())}
     layouts.update({f"block.{i}": block for i in range(stack.num_blocks)})
-    dtype = model.dtype if cfg.export_dtype == "auto" else DTYPES[cfg.export_dtype]
-    return export_hf(out or run / "export", model.hf_config, read_masters(path, layouts), model.tokenizer, dtype)
+    dtype = export_dtype(cfg.export_dtype, model.dtype)
+    return export_hf(out or run / "export", model.hf_config, read_masters(path, layouts, verified), model.tokenizer,
+                     dtype)

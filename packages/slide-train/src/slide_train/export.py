@@ -7,11 +7,12 @@ import copy
 import json
 import os
 import pathlib
+import shutil
 
 import torch
 from safetensors.torch import save_file
 
-from slide_scheduler.engine import DTYPES  # noqa: F401 - the one name -> dtype table (the trainer reads it here)
+from slide_scheduler.engine import DTYPES  # the one name -> dtype table
 
 from .models.adapter import block_hf_name, edge_hf_name
 
@@ -39,7 +40,7 @@ def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype
     out = pathlib.Path(directory)
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():  # left by an export that crashed: none of it may leak into this one
-        _remove_tree(tmp)
+        shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -55,18 +56,19 @@ def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype
         names.append(name)
         shards[-1] = {}
 
+    total = 0
     for hf_name, tensor in hf_tensors(masters):
-        nbytes = tensor.numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = tensor.numel() * dtype.itemsize
         if shards[-1] and size + nbytes > SHARD_BYTES:
             flush()
             size = 0
         shards[-1][hf_name] = tensor.to(dtype).contiguous()
         size += nbytes
+        total += nbytes
     flush()
     if len(names) == 1:
         (tmp / names[0]).rename(tmp / "model.safetensors")
     else:
-        total = sum(t.numel() * torch.empty((), dtype=dtype).element_size() for _, t in hf_tensors(masters))
         (tmp / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     cfg = copy.deepcopy(hf_config)
@@ -77,15 +79,14 @@ def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if out.exists():
-        _remove_tree(out)
+        shutil.rmtree(out)
     tmp.rename(out)
     return out
 
 
-def _remove_tree(path: pathlib.Path) -> None:
-    for child in path.iterdir():
-        child.unlink() if child.is_file() else _remove_tree(child)
-    path.rmdir()
+def export_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The config's `export_dtype` ('auto': the dtype the weights came in)."""
+    return model_dtype if name == "auto" else DTYPES[name]
 
 
 def type_name(hf_config) -> str:

@@ -58,7 +58,8 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
     if not resident and not streamed:  # the edges slide, so they update through the buffers
         streamed = buffers
         fixed += buffers
-    device = fixed + (per_edges if resident else 0) + max(resident - 1, 0) * per_block
+    states = (per_edges if resident else 0) + max(resident - 1, 0) * per_block  # resident units' device state
+    device = fixed + states
     if resident - 1 >= num_blocks:  # nothing slides: no window of slots
         device -= slots
     total = edge_numel + num_blocks * block_numel
@@ -77,7 +78,7 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
         f"  device ~{device / GIB:.1f} GiB of {'no cap' if budget_bytes is None else f'{budget / GIB:.1f} GiB'}: "
         f"edges {edges / GIB:.2f}, slots {slots / GIB:.2f}, activations ~{activations / GIB:.2f}, "
         + (f"device-update buffers {streamed / GIB:.2f}, " if streamed else "") +
-        f"resident states {(device - fixed + (slots if resident - 1 >= num_blocks else 0)) / GIB:.2f}",
+        f"resident states {states / GIB:.2f}",
         f"  host ~{host / GIB:.1f} GiB: fp32 masters + AdamW states "
         f"{(total * 4 + (total - on_device) * state_bytes) / GIB:.1f}, "
         f"gradient staging {grads / GIB:.1f}{' (every sliding block: exact clipping)' if clip and sliding else ''}"

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -26,7 +27,7 @@ from . import checkpoint as ckpt
 from .config import TrainConfig, to_dict
 from .data import build_data
 from .errors import ConfigError
-from .export import DTYPES, export_hf
+from .export import export_dtype, export_hf
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics
 from .models.build import check_fits, load_model
 from .plan import Plan, check_host, host_memory, make_plan
@@ -45,7 +46,7 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         device=e.device, compute_dtype=e.compute_dtype, window=e.window, activation_offload=e.activation_offload,
         max_grad_norm=cfg.max_grad_norm, pipeline=e.pipeline, states_dtype=e.states_dtype,
         device_update_share=e.device_update_share,
-        optimizer=AdamWConfig(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay),
+        optimizer=AdamWConfig(**dataclasses.asdict(opt)),  # same fields; the front end has its own defaults
     )
     budget, cuda = None, assume_gpu_gib is not None
     if cuda:
@@ -102,6 +103,14 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, progress: bool = True):
         self.cfg = cfg
         self.progress = progress
+        self.run_dir = pathlib.Path(cfg.output_dir)
+        self.checkpoints = self.run_dir / "checkpoints"
+        # Refuse to mix with an earlier run before anything is loaded or written.
+        earlier = ckpt.list_checkpoints(self.checkpoints)
+        if earlier and not cfg.resume and not cfg.overwrite:
+            raise ckpt.CheckpointError(
+                f"{self.run_dir} holds an earlier run (checkpoints up to {earlier[-1].name}): continue it with "
+                "--resume=auto, start afresh there with --overwrite=true, or choose another output_dir")
         torch.manual_seed(cfg.seed)
         self.model = load_model(cfg.model, cfg.seed, need_tokenizer=cfg.data.format != "tokens")
         check_fits(self.model, cfg.seq_len)
@@ -112,35 +121,30 @@ class Trainer:
         per_step = cfg.micro_batch_size * cfg.grad_accum
         self.total_steps = math.ceil(cfg.epochs * rows / per_step) if cfg.epochs else cfg.steps
         self.step_index = 0
-        self.run_dir = pathlib.Path(cfg.output_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        self.checkpoints = self.run_dir / "checkpoints"
-        earlier = ckpt.list_checkpoints(self.checkpoints)
-        if earlier and not cfg.resume:
-            if not cfg.overwrite:
-                raise ckpt.CheckpointError(
-                    f"{self.run_dir} holds an earlier run (checkpoints up to {earlier[-1].name}): continue it with "
-                    "--resume=auto, start afresh there with --overwrite=true, or choose another output_dir")
+        if earlier and not cfg.resume:  # --overwrite: cleared only now that the new run could be built
             for path in earlier:
                 shutil.rmtree(path)
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         self.resumed_from = self._resume() if cfg.resume else None
         self.log = MetricsLog(self.run_dir)
         self._stop_signal: int | None = None
+        self._eval: tuple[list, int] | None = None
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
     def _resume(self) -> pathlib.Path | None:
         path = None
-        if self.cfg.resume == "auto":
+        verified = self.cfg.resume == "auto"  # find_resumable returns a verified checkpoint
+        if verified:
             path = ckpt.find_resumable(self.checkpoints)  # None: nothing saved yet, a fresh start
         else:
             path = pathlib.Path(self.cfg.resume)
             if not path.is_dir():
                 raise ckpt.CheckpointError(f"resume: checkpoint {path} does not exist")
         if path is not None:
-            state = ckpt.load_checkpoint(path, self.engine)
+            state = ckpt.load_checkpoint(path, self.engine, verified)
             self.step_index = state["step"]
             self.data.train.load_state_dict(state["data"])
             if state.get("total_steps") != self.total_steps:
@@ -210,8 +214,10 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Validation loss (mean over label tokens) and perplexity on the held-out micro-batches."""
-        micro = [prepare(b) for b in self.data.eval]
-        targets = sum(int((m["targets"] != -100).sum()) for m in micro)
+        if self._eval is None:  # the held-out micro-batches are fixed: prepared and counted once
+            micro = [prepare(b) for b in self.data.eval]
+            self._eval = micro, sum(int((m["targets"] != -100).sum()) for m in micro)
+        micro, targets = self._eval
         group = self.cfg.grad_accum  # as many micro-batches at once as a training step holds
         loss = sum(self.engine.evaluate(micro[i : i + group], normalizer=max(targets, 1))
                    for i in range(0, len(micro), group))
@@ -292,6 +298,6 @@ class Trainer:
         self.engine.close()
 
     def export(self, directory: str | pathlib.Path | None = None) -> pathlib.Path:
-        dtype = self.model.dtype if self.cfg.export_dtype == "auto" else DTYPES[self.cfg.export_dtype]
+        dtype = export_dtype(self.cfg.export_dtype, self.model.dtype)
         directory = directory or self.run_dir / "export"
         return export_hf(directory, self.model.hf_config, self.engine.named_masters(), self.model.tokenizer, dtype)

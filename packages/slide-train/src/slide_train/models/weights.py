@@ -65,21 +65,3 @@ class SafetensorsWeights:
             return self._open(path).get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise ModelError(f"cannot read {name!r} from {path}: {e} (truncated or corrupt file?)") from e
-
-
-class StateDictWeights:
-    """The same interface over an in-memory state dict (random-init presets, tests)."""
-
-    def __init__(self, state: dict[str, torch.Tensor]):
-        self.state = state
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.state
-
-    def keys(self) -> Iterator[str]:
-        return iter(self.state)
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.state:
-            raise ModelError(f"tensor {name!r} is missing from the model's state")
-        return self.state[name]
