@@ -106,7 +106,8 @@ def run_slide(args) -> dict:
             "tokens_per_s": tokens / step_s, "tflops": 6 * trainer.num_params * tokens / step_s / 1e12,
             "gpu_peak_gib": max(r["gpu_peak_gib"] for r in records),
             "host_rss_gib": max(r["host_rss_gib"] for r in records),
-            "losses": [r["loss"] for r in records], "num_params": trainer.num_params}
+            "losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records],
+            "num_params": trainer.num_params}
 
 
 def main() -> None:
@@ -141,7 +142,7 @@ def main() -> None:
         results.append(run_plain_peer(args, preset_config(args.model)))
         print(json.dumps(results[-1]), flush=True)
     results.append(run_slide(args))
-    print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
+    print(json.dumps({k: v for k, v in results[-1].items() if k not in ("losses", "grad_norms")}), flush=True)
     record = {
         "benchmark": "engine", "commit": git_commit(), "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
@@ -157,7 +158,7 @@ def main() -> None:
     print(f"wrote {out / name}")
     for r in results:
         print(f"{r['system'][:40]:40s} {r['tokens_per_s']:>10,.0f} tok/s {r['tflops']:7.1f} TFLOP/s "
-              f"{r['gpu_peak_gib']:6.1f} GiB")
+              f"{r['gpu_peak_gib']:6.1f} GiB {[round(g, 3) for g in r.get('grad_norms', [])]}")
 
 
 if __name__ == "__main__":
