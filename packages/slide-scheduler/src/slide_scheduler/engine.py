@@ -446,8 +446,8 @@ class SlidingEngine:
             self._edges_loaded = None
         if not self.config.pipeline:
             self.synchronize()
-        self.d2h.record().wait_host()  # the spans of every lane are complete (and a failed copy raises here)
-        self.h2d.record().wait_host()
+        for lane in (self.compute, self.d2h, self.h2d):  # the spans of every lane are complete (and a failed
+            lane.record().wait_host()  # copy raises here)
         clock.lap("update")
         spans = self._spans(clock.start)
         timeline = summarize(spans, clock.total)
@@ -486,8 +486,8 @@ class SlidingEngine:
     def _to_device(self, micro_batches: list[Batch]) -> list[Batch]:
         """Micro-batches to the device; on CUDA through (reused) pinned memory, so the copies are asynchronous."""
         pin = self.device.type == "cuda"
-        return [{k: (v.pin_memory() if pin else v).to(self.device, non_blocking=True) for k, v in mb.items()}
-                for mb in micro_batches]
+        return [{k: (v.pin_memory() if pin and v.device.type == "cpu" else v).to(self.device, non_blocking=True)
+                 for k, v in mb.items()} for mb in micro_batches]
 
     @torch.no_grad()
     def _forward(self, batches: list[Batch], keep: bool = True):
