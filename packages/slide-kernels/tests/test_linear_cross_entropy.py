@@ -84,6 +84,24 @@ def test_all_ignored_gives_zero(path):
         assert weight.grad.abs().max().item() == 0.0
 
 
+@pytest.mark.parametrize("shape", [(0,), (2, 0)])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_batch(path, shape, reduction):
+    # No tokens at all: like an all-ignored batch, loss 0 (or an empty "none" loss) and zero gradients, never NaN.
+    hidden, weight, labels = _inputs(shape=shape)
+    bias = torch.randn(V).requires_grad_()
+    loss = sk.linear_cross_entropy(hidden, weight, labels, bias=bias, reduction=reduction)
+    loss.sum().backward()
+    twins = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
+    ref = linear_ce_ref(*twins[:2], labels, bias=twins[2], reduction=reduction)
+    ref.sum().backward()
+    assert loss.dtype == torch.float32 and loss.shape == ref.shape == (() if reduction != "none" else shape)
+    assert torch.equal(loss.double(), ref)
+    for ours, twin in zip((hidden, weight, bias), twins):
+        assert ours.grad.dtype == ours.dtype and ours.grad.shape == ours.shape
+        assert torch.equal(ours.grad.double(), twin.grad) and not ours.grad.abs().gt(0).any()
+
+
 def test_no_grad_and_frozen_weight(path):
     hidden, weight, labels = _inputs(seed=6)
     with torch.no_grad():

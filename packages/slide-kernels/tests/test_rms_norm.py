@@ -24,6 +24,26 @@ def test_forward_backward_fp32(path, shape, offset, mode):
     assert max_err(w.grad, wr.grad) < 1e-4
 
 
+@pytest.mark.parametrize("frozen", ["weight", "input"])
+def test_backward_skips_gradients_not_asked_for(path, frozen):
+    # A frozen weight (adapters) or a frozen input: that gradient is not computed, the other is unchanged.
+    torch.manual_seed(3)
+    x = torch.randn(3, 5, 37, requires_grad=frozen != "input")
+    w = (torch.rand(37) + 0.5).requires_grad_(frozen != "weight")
+    y = sk.rms_norm(x, w, eps=1e-5)
+    dy = torch.randn_like(y)
+    if path[0] == "triton":  # the Function's own outputs: autograd would silently drop an unneeded gradient
+        dx, dw = y.grad_fn.apply(dy)[:2]
+        assert (dx is None) == (frozen == "input") and (dw is None) == (frozen == "weight")
+    y.backward(dy)
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    rms_norm_ref(xr, wr, eps=1e-5).backward(dy.double())
+    if frozen == "weight":
+        assert w.grad is None and max_err(x.grad, xr.grad) < 1e-5
+    else:
+        assert x.grad is None and max_err(w.grad, wr.grad) < 1e-4
+
+
 def test_llama_rounds_before_weight(monkeypatch):
     # Llama casts the normalized row to the input dtype before multiplying: check bf16 output matches that.
     # (Torch path: the interpreter's bf16 arithmetic is unreliable; the gpu test covers the kernel in bf16.)
@@ -67,3 +87,21 @@ def test_gpu_bf16_tolerance(mode):
     yr.backward(dy.double())
     for ours, peer, ref in zip(outs[0], outs[1], (yr, xr.grad, wr.grad)):
         assert max_err(ours, ref) <= 1.1 * max_err(peer, ref) + 1e-3 * ref.abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("frozen", ["weight", "input"])
+def test_gpu_backward_skips_gradients_not_asked_for(frozen):
+    # The compiled kernel with WANT_DX or WANT_DW off: None for that gradient, the other one as accurate as ever.
+    torch.manual_seed(0)
+    x = torch.randn(3, 477, 4096, device="cuda", requires_grad=frozen != "input")
+    w = (torch.rand(4096, device="cuda") + 0.5).requires_grad_(frozen != "weight")
+    y = sk.rms_norm(x, w)
+    dy = torch.randn_like(y)
+    dx, dw = y.grad_fn.apply(dy)[:2]
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    rms_norm_ref(xr, wr).backward(dy.double())
+    if frozen == "weight":
+        assert dw is None and max_err(dx, xr.grad) < 1e-5 * xr.grad.abs().max().item()
+    else:
+        assert dx is None and max_err(dw, wr.grad) < 1e-5 * wr.grad.abs().max().item()

@@ -1,4 +1,8 @@
-"""Chooses between the Triton kernels and the torch fallbacks, per call, from the tensors' device."""
+"""Chooses between the Triton kernels and the torch fallbacks, per call, from the tensors' device.
+
+Triton is imported here only: the ops take `triton`, `tl` and `jit` from this module, so the package imports
+(and every op runs its torch fallback) where Triton is not installed or does not import.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +11,20 @@ import os
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # platforms without Triton (it is a Linux-only dependency), or a broken install
+    triton = tl = None
 
-@functools.cache
+
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # pragma: no cover - platforms without Triton
-        return False
-    return True
+    return triton is not None
+
+
+def jit(fn):
+    """`triton.jit`; without Triton the plain function, defined but never launched (use_triton() is False)."""
+    return fn if triton is None else triton.jit(fn)
 
 
 def interpreting() -> bool:
@@ -29,7 +39,6 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if interpreting():
         return True
     return all(t.is_cuda for t in tensors)
-
 
 
 @functools.cache

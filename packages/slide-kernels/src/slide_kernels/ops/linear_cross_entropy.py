@@ -18,21 +18,19 @@ import math
 import os
 
 import torch
-import triton
-import triton.language as tl
 
-from .._dispatch import interpreting, use_triton
+from .._dispatch import interpreting, jit, tl, triton, use_triton
 
 REDUCTIONS = ("mean", "sum", "none")
 
 
-@triton.jit
+@jit
 def _tanh(x):
     # tanh without libdevice (the interpreter and AMD builds lack some of its functions).
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
-@triton.jit
+@jit
 def _ce_rows_kernel(
     LOGITS, stride_row, LABELS, LOSS, SCALE, stride_scale, V, ignore_index,
     smoothing, softcap, z_coef,
@@ -93,7 +91,7 @@ def _ce_rows_kernel(
             tl.store(ptr + cols, (g * scale).to(LOGITS.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def _grad_weight_kernel(
     G, X, HI, LO, ACC, V, H, N, stride_gn, stride_gv, stride_xn, stride_xh,
     FIRST: tl.constexpr, LAST: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
@@ -291,7 +289,7 @@ def _chunk_rows(n: int, v: int, itemsize: int, on_triton: bool) -> int:
     budget = (820 << 20) if on_triton else (64 << 20)
     chunks = max(1, math.ceil(n * v * itemsize / budget))
     rows = math.ceil(n / chunks)
-    return min(n, max(1, (rows + 127) // 128 * 128))
+    return max(1, min(n, (rows + 127) // 128 * 128))  # at least 1, also for an empty batch
 
 
 def _run(h2d, weight, bias, labels, scale, ignore_index, smoothing, softcap, z_coef, want, on_triton):
@@ -306,14 +304,14 @@ def _run(h2d, weight, bias, labels, scale, ignore_index, smoothing, softcap, z_c
     losses = torch.empty(n, dtype=_acc_dtype(weight), device=h2d.device)
     write_grad = any(want)
     rows = _chunk_rows(n, v, weight.element_size(), on_triton)
-    n_chunks = max(1, math.ceil(n / rows))
+    n_chunks = math.ceil(n / rows)  # 0 for an empty batch: nothing is launched
     buf = torch.empty((rows, v), dtype=dtype, device=h2d.device)
     grad_h = torch.empty((n, h), dtype=dtype, device=h2d.device) if want[0] else None
     if on_triton and weight.dtype == torch.bfloat16 and weight.is_cuda and _cublas_fp32_accumulation(weight.device):
         kind = _WeightGradCublas
     else:
         kind = _WeightGradTriton if on_triton else _WeightGradTorch
-    acc = kind(weight, n_chunks) if want[1] else None
+    acc = kind(weight, n_chunks) if want[1] and n_chunks else None
     grad_b = torch.zeros(v, dtype=_acc_dtype(weight), device=h2d.device) if want[2] else None
     scale_stride = 1 if scale.dim() == 1 else 0
     bias = None if bias is None else bias.to(dtype)  # once, not per chunk
@@ -344,7 +342,9 @@ def _run(h2d, weight, bias, labels, scale, ignore_index, smoothing, softcap, z_c
         if want[2]:
             grad_b += logits.sum(0, dtype=grad_b.dtype)
     del buf
-    grad_w = acc.result() if want[1] else None
+    grad_w = None
+    if want[1]:  # no chunk, nothing summed: an empty batch's weight gradient is zero
+        grad_w = acc.result() if n_chunks else torch.zeros_like(weight)
     if grad_b is not None:
         grad_b = grad_b.to(bias.dtype)
     return losses, grad_h, grad_w, grad_b

@@ -8,15 +8,13 @@ end (Gemma, with offset=1.0 for its `1 + weight` scale).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from .._dispatch import sm_count, use_triton
+from .._dispatch import jit, sm_count, tl, triton, use_triton
 
 MODES = {"llama": 0, "gemma": 1}
 
 
-@triton.jit
+@jit
 def _rms_norm_fwd_kernel(
     X, W, Y, RSTD, M, N, stride_x, stride_y, eps, offset,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -39,17 +37,19 @@ def _rms_norm_fwd_kernel(
     tl.store(RSTD + rows, rstd, mask=rmask)
 
 
-@triton.jit
+@jit
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL, M, N, stride_dy, stride_x, stride_dx, offset, tiles_per_program,
-    MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MODE: tl.constexpr, WANT_DX: tl.constexpr, WANT_DW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # Each program walks a strided set of row tiles and keeps its share of dW in registers (fp32).
+    # WANT_DX / WANT_DW: the gradients autograd asked for; DX or DW_PARTIAL is not touched without its flag.
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + offset
+    if WANT_DX:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + offset
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     for i in range(0, tiles_per_program):
         rows = (pid + i * n_prog) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -60,15 +60,18 @@ def _rms_norm_bwd_kernel(
         dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
         normed = x * rstd[:, None]
-        if MODE == 0:
-            dw += tl.sum(dy * normed.to(X.dtype.element_ty).to(tl.float32), axis=0)
-        else:
-            dw += tl.sum(dy * normed, axis=0)
-        dn = dy * w[None, :]
-        proj = tl.sum(dn * normed, axis=1) / N
-        dx = (dn - normed * proj[:, None]) * rstd[:, None]
-        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-    tl.store(DW_PARTIAL + pid.to(tl.int64) * N + cols, dw, mask=cmask)
+        if WANT_DW:
+            if MODE == 0:
+                dw += tl.sum(dy * normed.to(X.dtype.element_ty).to(tl.float32), axis=0)
+            else:
+                dw += tl.sum(dy * normed, axis=0)
+        if WANT_DX:
+            dn = dy * w[None, :]
+            proj = tl.sum(dn * normed, axis=1) / N
+            dx = (dn - normed * proj[:, None]) * rstd[:, None]
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    if WANT_DW:
+        tl.store(DW_PARTIAL + pid.to(tl.int64) * N + cols, dw, mask=cmask)
 
 
 def _launch_shape(n: int) -> tuple[int, int, int]:
@@ -94,19 +97,23 @@ def rms_norm_forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset
     return y, rstd
 
 
-def rms_norm_backward(dy2d, x2d, weight, rstd, offset: float, mode: str):
+def rms_norm_backward(dy2d, x2d, weight, rstd, offset: float, mode: str, want_dx: bool = True, want_dw: bool = True):
+    """(dx, dw), with None in place of a gradient not wanted (it is then neither computed nor allocated)."""
     m, n = x2d.shape
     dy2d = dy2d.contiguous()
-    dx = torch.empty_like(x2d)
     block_m, block_n, num_warps = _launch_shape(n)
     programs = max(1, min(triton.cdiv(m, block_m), sm_count(x2d.device) * 4))
-    dw_partial = torch.empty((programs, n), dtype=torch.float32, device=x2d.device)
+    dx = torch.empty_like(x2d) if want_dx else None
+    dw_partial = torch.empty((programs, n), dtype=torch.float32, device=x2d.device) if want_dw else None
+    # An output not wanted gets dy2d as a stand-in pointer: the kernel never writes through it.
+    dx_ptr, dw_ptr = (dy2d if t is None else t for t in (dx, dw_partial))
     tiles_per_program = triton.cdiv(triton.cdiv(m, block_m), programs)
     _rms_norm_bwd_kernel[(programs,)](
-        dy2d, x2d, weight, rstd, dx, dw_partial, m, n, dy2d.stride(0), x2d.stride(0), dx.stride(0),
-        float(offset), tiles_per_program, MODE=MODES[mode], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        dy2d, x2d, weight, rstd, dx_ptr, dw_ptr, m, n, dy2d.stride(0), x2d.stride(0), dx_ptr.stride(0),
+        float(offset), tiles_per_program, MODE=MODES[mode], WANT_DX=want_dx, WANT_DW=want_dw,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
-    return dx, dw_partial.sum(0).to(weight.dtype)
+    return dx, None if dw_partial is None else dw_partial.sum(0).to(weight.dtype)
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -124,8 +131,9 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2d, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_backward(dy.reshape(x2d.shape), x2d, weight, rstd, ctx.offset, ctx.mode)
-        return dx.view(ctx.shape), dw, None, None, None
+        want_dx, want_dw = ctx.needs_input_grad[:2]
+        dx, dw = rms_norm_backward(dy.reshape(x2d.shape), x2d, weight, rstd, ctx.offset, ctx.mode, want_dx, want_dw)
+        return None if dx is None else dx.view(ctx.shape), dw, None, None, None
 
 
 def rms_norm_torch(x, weight, eps=1e-6, offset=0.0, casting_mode="llama"):

@@ -7,13 +7,11 @@ Outputs are fresh tensors in the inputs' layout; the backward applies the transp
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from .._dispatch import use_triton
+from .._dispatch import jit, tl, triton, use_triton
 
 
-@triton.jit
+@jit
 def _rotate(ptr_in, ptr_out, base_in, base_out, s_in_h, s_in_d, s_out_h, s_out_d, n_heads, half,
             c1, c2, s1, s2, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     heads = tl.arange(0, BLOCK_H)
@@ -29,7 +27,7 @@ def _rotate(ptr_in, ptr_out, base_in, base_out, s_in_h, s_in_d, s_out_h, s_out_d
     tl.store(ptr_out + off_out + half * s_out_d, o2.to(ptr_out.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def _rope_kernel(
     Q, K, QO, KO, COS, SIN, T, HQ, HK, half,
     sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d,

@@ -7,15 +7,13 @@ into the saved inputs, which autograd may still hold elsewhere).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from .._dispatch import use_triton
+from .._dispatch import jit, tl, triton, use_triton
 
 BLOCK = 2048
 
 
-@triton.jit
+@jit
 def _swiglu_fwd_kernel(A, B, C, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
@@ -25,7 +23,7 @@ def _swiglu_fwd_kernel(A, B, C, numel, BLOCK: tl.constexpr):
     tl.store(C + offs, (a * sig * b).to(C.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@jit
 def _swiglu_bwd_kernel(DC, A, B, DA, DB, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
