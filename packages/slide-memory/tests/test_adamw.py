@@ -138,3 +138,21 @@ def test_streamed_steps_equal_host_steps_bit_for_bit(piece):
 def test_streamed_pieces_must_be_aligned():
     with pytest.raises(ValueError, match="multiple of 64"):
         StreamedStep(100, AdamWConfig(), torch.device("cpu"), torch.bfloat16)
+
+
+def test_chunks_are_cut_at_bounds_and_the_math_is_unchanged():
+    """Parts of a unit updated at different times (bounds) never share a chunk; a chunk boundary is only where
+    the loop splits, so the result is torch's AdamW over the whole tensor, whatever the cuts."""
+    torch.manual_seed(0)
+    master = torch.randn(1000)
+    ref = master.clone().requires_grad_()
+    cfg = AdamWConfig(lr=1e-2, weight_decay=0.1)
+    opt = FlatAdamW(master, cfg, chunk=256, bounds=(640, 0, 5000))
+    assert opt.ranges == [(0, 256), (256, 512), (512, 640), (640, 896), (896, 1000)]
+    ref_opt = torch.optim.AdamW([ref], lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
+    for _ in range(3):
+        grad = torch.randn(1000)
+        ref.grad = grad.clone()
+        ref_opt.step()
+        opt.step(grad, lr=cfg.lr)
+    torch.testing.assert_close(master, ref.detach(), rtol=1e-6, atol=1e-7)

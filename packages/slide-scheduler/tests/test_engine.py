@@ -37,6 +37,8 @@ class Edges(nn.Module):
         self.out = nn.Linear(DIM, VOCAB, bias=False)
         if tied:
             self.out.weight = self.embed.weight
+        # Only the tail reads these (the engine may update them apart; a tied out.weight does not count).
+        self.tail_only = ("norm.weight", "norm.bias", "out.weight")
 
     def head(self, batch):
         return self.embed(batch["ids"]), {"gain": 0.5}
@@ -171,9 +173,9 @@ def test_each_block_visits_a_slot_once_per_pass():
 
 
 def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None,
-               resident: int = 0, dtype: str = "auto", device_share: float = 0.0):
+               resident: int = 0, dtype: str = "auto", device_share: float = 0.0, tied: bool = True):
     torch.manual_seed(0)
-    model = Model(tied=True)
+    model = Model(tied=tied)
     engine = SlidingEngine(ToyStack(model), EngineConfig(device="cpu", window=window, activation_offload="cpu",
                                                          max_grad_norm=clip, pipeline=pipeline, resident=resident,
                                                          optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1),
@@ -298,6 +300,9 @@ def test_a_device_update_still_on_its_way_home_is_waited_for(monkeypatch):
 
     def forget(engine):
         engine._written = Forgetful()
+        # The edges' tail-only update at the end of the forward shares the device buffers with the blocks', and
+        # waiting for a free buffer would order the backward loads after every store: keep the edges whole here.
+        engine._edge_tail = []
 
     _, got = run_engine(pipeline=True, window=2, clip=0.05, device_share=1.0, delays={"d2h": 0.01}, patch=forget)
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
@@ -428,3 +433,43 @@ def test_a_failed_device_update_stops_the_lane_that_would_store_it(monkeypatch):
     for lane in (engine.h2d, engine.d2h):
         lane.close()  # lets each lane finish (or skip) what it had queued
     assert isinstance(engine.h2d.error, RuntimeError) and engine.d2h.error is not None
+
+
+@pytest.mark.parametrize("clip", [0.05, None])
+@pytest.mark.parametrize("slow", ["h2d", "d2h", "updater"])
+def test_the_edges_tail_only_part_updates_apart_with_the_same_result(monkeypatch, clip, slow):
+    """Untied edges updated on the device split into what the head reads (embedding) and what only the tail
+    reads (final norm, output projection). Without clipping the tail part updates during backward, a chunk per
+    block; with clipping after the next forward's loads. Same arithmetic per element, so the result is the
+    synchronous host-updated engine's bit for bit, whichever worker is slow."""
+    monkeypatch.setattr(slide_memory.adamw, "CHUNK", 64)  # several chunks in each part of the edges
+    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip, tied=False)
+    calls = []
+
+    def record_calls(engine):
+        opt = engine.optimizer.units[0]
+        embed = engine.edge_slot.layout.entries[0]
+        assert embed.name == "embed.weight" and len(engine._edge_tail) > 2
+        assert all((a >= embed.numel) == (k in engine._edge_tail) for k, (a, _) in enumerate(opt.ranges))
+        original = engine._update_on_device
+        engine._update_on_device = lambda unit, slot, chunks=None: (
+            calls.append((unit, engine._pending[unit][4] if chunks is None else chunks)), original(unit, slot, chunks))
+
+    losses, got = run_engine(pipeline=True, window=2, clip=clip, tied=False, device_share=0.5,
+                             delays={slow: 0.003}, patch=record_calls)
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+    edge_calls = [chunks for unit, chunks in calls if unit == 0]
+    if not clip:  # one chunk per block during backward, then the rest
+        assert [len(c) for c in edge_calls[:DEPTH]] == [1] * DEPTH
+
+
+def test_a_tied_output_projection_is_not_tail_only():
+    """The head reads a tied embedding: only the final norm is left to update apart."""
+    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", device_update_share=1.0))
+    names = [e.name for e in engine.edge_slot.layout.entries]
+    assert names == ["embed.weight", "norm.weight", "norm.bias"]
+    norm = engine.edge_slot.layout.entries[1]
+    assert [engine.optimizer.units[0].ranges[k][0] for k in engine._edge_tail] == [norm.offset]
+    engine.close()

@@ -64,12 +64,15 @@ class FlatAdamW:
 
     def __init__(self, master: torch.Tensor, config: AdamWConfig, scratch: torch.Tensor | None = None,
                  chunk: int | None = None, states_dtype: torch.dtype = torch.float32,
-                 wide: torch.Tensor | None = None, pinned_states: bool | None = None):
+                 wide: torch.Tensor | None = None, pinned_states: bool | None = None, bounds: tuple[int, ...] = ()):
         if master.dtype != torch.float32 or master.dim() != 1:
             raise ValueError("master weights must be a flat fp32 tensor")
         chunk = chunk or CHUNK
         self.master, self.config = master, config
-        self.ranges = [(i, min(i + chunk, master.numel())) for i in range(0, master.numel(), chunk)] or [(0, 0)]
+        # Chunks of `chunk` elements, also cut at `bounds`: parts of the unit that are updated at different times
+        # (the edges' tail-only parameters) never share a chunk.
+        cuts = sorted({0, master.numel(), *(b for b in bounds if 0 < b < master.numel())})
+        self.ranges = [(i, min(i + chunk, b)) for a, b in zip(cuts, cuts[1:]) for i in range(a, b, chunk)] or [(0, 0)]
         # Views of the master are leaves (it does not require grad), so each chunk is its own AdamW parameter.
         self.chunks = [master[a:b] for a, b in self.ranges]
         self._opts = [_adamw(c, config) for c in self.chunks]
@@ -198,7 +201,8 @@ class HostAdamW:
     """
 
     def __init__(self, masters: list[torch.Tensor | None], config: AdamWConfig,
-                 states_dtype: torch.dtype = torch.float32, pinned: list[bool] | None = None):
+                 states_dtype: torch.dtype = torch.float32, pinned: list[bool] | None = None,
+                 bounds: list[tuple[int, ...]] | None = None):
         present = [m for m in masters if m is not None]
         for m in present:
             if m.dtype != torch.float32 or m.device.type != "cpu" or m.dim() != 1:
@@ -209,8 +213,10 @@ class HostAdamW:
         self.masters = masters
         self.config = config
         pinned = pinned or [None] * len(masters)
+        bounds = bounds or [()] * len(masters)
         self.units = [None if m is None else FlatAdamW(m, config, scratch, states_dtype=states_dtype, wide=wide,
-                                                       pinned_states=pin) for m, pin in zip(masters, pinned)]
+                                                       pinned_states=pin, bounds=cut)
+                      for m, pin, cut in zip(masters, pinned, bounds)]
 
     def step_unit(self, unit: int, grad: torch.Tensor, lr: float, grad_scale: float = 1.0,
                   before_chunk: Callable[[int], None] | None = None) -> None:

@@ -10,7 +10,8 @@ host-to-device, device-to-host) plus a host optimizer thread:
             micro-batch (grads accumulate in the slot), gradient to a shared host ring chunk by chunk (d2h lane)
   head      embedding backward
   update    AdamW over fp32 masters: on the optimizer thread, chunk by chunk as gradients arrive; or on the
-            device while the unit next loads (`device_update_share`: master and states streamed over PCIe)
+            device while the unit next loads (`device_update_share`: master and states streamed over PCIe);
+            the edges' tail-only part (final norm, untied lm head) on the device as soon as it may
 
 Exact global grad-norm clipping needs every gradient before any update, so with clipping on, the updates of a
 step run while the *next* step's forward goes (each block's load waits for its own update, or runs it); without
@@ -153,11 +154,19 @@ class SlidingEngine:
             raise ValueError(f"resident must be in [0, {len(self.units)}], got {config.resident}")
         self.resident = config.resident
         self.streamed = self._choose_streamed()
+        tail_from = _tail_only_from(self.edges, edge_layout)
         # Only the states of units updated on the device cross PCIe: only they are page-locked.
         self.optimizer = HostAdamW([None if u < self.resident else unit.master for u, unit in enumerate(self.units)],
                                    config.optimizer, DTYPES[config.states_dtype],
                                    pinned=[self.device.type == "cuda" and u in self.streamed
-                                           for u in range(len(self.units))])
+                                           for u in range(len(self.units))],
+                                   bounds=[(tail_from,)] + [()] * self.num_blocks)
+        # Edges updated on the device update their tail-only part (final norm, untied lm head) apart from the
+        # rest: its gradient is final after the tail and nothing reads it before the next tail, so without
+        # clipping it updates during backward, and with clipping after the next forward's loads; only the part
+        # the head reads stands between one step and the next.
+        edge_ranges = self.optimizer.units[0].ranges if 0 in self.streamed else []
+        self._edge_tail = [k for k, (a, _) in enumerate(edge_ranges) if a >= tail_from]
 
         # Resident units: device fp32 master + AdamW on the device; resident blocks get a slot of their own.
         self.resident_slots: dict[int, Slot] = {
@@ -224,16 +233,22 @@ class SlidingEngine:
         for buf in self.stream_buffers:
             buf.free = DONE  # its last store has left
         self._next_buffer = 0
-        self._pending: dict[int, tuple] = {}  # unit -> (grad, grad arrived, lr, scale): to run at its next load
+        # unit -> (grad, grad arrived, lr, scale, optimizer chunks still to update): to run at its next load
+        self._pending: dict[int, tuple] = {}
         self._written: dict[int, Signal] = {}  # unit -> its master and states are back on the host
 
-    def _update_on_device(self, unit: int, slot: Slot | None) -> None:
-        """Queue unit's pending update on the device, writing the new parameters into `slot` (if any)."""
-        grad, arrived, lr, scale = self._pending.pop(unit)
+    def _update_on_device(self, unit: int, slot: Slot | None, chunks: list[int] | None = None) -> None:
+        """Queue unit's pending update on the device (only optimizer `chunks` of it, if given), writing the new
+        parameters into `slot` (if any)."""
+        grad, arrived, lr, scale, todo = self._pending.pop(unit)
+        chunks = todo if chunks is None else chunks
+        if rest := [k for k in todo if k not in chunks]:
+            self._pending[unit] = (grad, arrived, lr, scale, rest)
         opt = self.optimizer.units[unit]
         self.h2d.wait(arrived)
         self.h2d.wait(self._written.get(unit, DONE))
-        for (a, b), step in zip(opt.ranges, opt.steps):
+        for k in chunks:
+            (a, b), step = opt.ranges[k], opt.steps[k]
             count = int(step)
             for start in range(a, b, self.stream_buffers[0].numel):
                 end = min(start + self.stream_buffers[0].numel, b)
@@ -318,7 +333,8 @@ class SlidingEngine:
         """Refresh the resident edge parameters once their pending update is done."""
         if self._edges_loaded is None:
             if 0 in self._pending:  # updated on the device, straight into the edge slot (its gradient having
-                self._update_on_device(0, self.edge_slot)  # left means compute is done with the edges too)
+                # left means compute is done with the edges too); the tail-only part waits (see _forward)
+                self._update_on_device(0, self.edge_slot, [k for k in self._pending[0][4] if k not in self._edge_tail])
             else:
                 self._wait_for_update(0)  # (which also means its gradient has left the landing zone)
                 self.h2d.wait(self._written.get(0, DONE))
@@ -387,6 +403,8 @@ class SlidingEngine:
         clock.lap("tail")
 
         clip = self.config.max_grad_norm
+        if not clip and self._edge_tail:  # the edges' tail-only gradient is final: update it during backward
+            self._pending[0] = (self.edge_slot.grads, self.compute.record(), lr, 1.0, list(self._edge_tail))
         arrived: dict[int, list[Signal]] = {}  # unit -> one signal per optimizer chunk of its host gradient
         host_grads: dict[int, torch.Tensor] = {}
         staged = {n - 1: self._stage(n - 1, n - 1, m)}
@@ -415,6 +433,10 @@ class SlidingEngine:
             for k in range(i - 1, max(i - window - 1, -1), -1):  # prefetch: every slot not in use
                 if k not in staged:
                     staged[k] = self._stage(k, k, m)
+            if 0 in self._pending:  # one chunk of the edges' tail-only update per block, behind its loads
+                self._update_on_device(0, self.edge_slot, self._pending[0][4][:1])
+        if 0 in self._pending:
+            self._update_on_device(0, self.edge_slot)
         with span("compute", "head backward", stream):
             for j, batch in enumerate(batches):
                 h, _ = self.edges.head(batch)
@@ -439,7 +461,10 @@ class SlidingEngine:
                 slot.params.copy_(opt.master)
         for u in range(self.resident, len(self.units)):
             if u in self.streamed:  # runs when the unit next loads
-                self._pending[u] = (host_grads[u], arrived[u][-1], lr, scale)
+                chunks = range(len(self.optimizer.units[u].ranges))
+                if u == 0 and not clip:  # the tail-only part is done already
+                    chunks = [k for k in chunks if k not in self._edge_tail]
+                self._pending[u] = (host_grads[u], arrived[u][-1], lr, scale, list(chunks))
             elif u == 0 or clip:  # without clipping, sliding blocks were submitted during backward
                 self.updater.submit(u, host_grads[u], arrived[u], lr, scale)
         if not self.resident:
@@ -517,6 +542,9 @@ class SlidingEngine:
             for k in range(i + 1, min(i + window + 1, n)):  # prefetch: every slot not in use
                 if k not in staged:
                     staged[k] = self._stage(k, None, 0)
+        if 0 in self._pending:  # the edges' tail-only part, deferred by clipping: behind the blocks' loads
+            self._update_on_device(0, self.edge_slot)
+            self.compute.wait(self.h2d.record())
         return hidden, contexts
 
     def close(self) -> None:
@@ -530,6 +558,22 @@ class SlidingEngine:
             self.updater.close()
             for lane in (self.h2d, self.d2h):
                 lane.close()
+
+
+def _tail_only_from(edges, layout: FlatLayout) -> int:
+    """Flat offset from which every edge parameter is one only the tail reads (`edges.tail_only`, a tuple of
+    parameter names; a parameter tied to one the head reads does not count), or the layout's end."""
+    names: dict[int, list[str]] = {}
+    for name, p in edges.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    declared = set(getattr(edges, "tail_only", ()))
+    tail = {n for group in names.values() if set(group) <= declared for n in group}
+    start = layout.numel
+    for entry in reversed(layout.entries):
+        if entry.name not in tail:
+            break
+        start = entry.offset
+    return start
 
 
 def _stream_in(buf: StreamedStep, opt: FlatAdamW, start: int, end: int, grad: torch.Tensor, count: int, lr: float,

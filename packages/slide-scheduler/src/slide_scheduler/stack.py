@@ -17,7 +17,11 @@ Context = dict[str, Any]
 
 
 class Edges(Protocol):
-    """The head and tail parameters as one module (stays on the device for the whole step)."""
+    """The head and tail parameters as one module (stays on the device for the whole step).
+
+    Optionally `tail_only`: names of parameters that only `tail` reads (final norm, an untied output
+    projection). The engine may then update them as soon as their gradient is final, apart from the rest.
+    """
 
     def parameters(self, recurse: bool = True): ...
 

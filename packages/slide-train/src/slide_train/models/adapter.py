@@ -57,6 +57,9 @@ class Edges(nn.Module):
         super().__init__()
         self.embed_tokens, self.rotary, self.norm, self.lm_head = embed_tokens, rotary, norm, lm_head
         self.window = window
+        # Read by the tail only: the engine may update them while backward runs (a tied lm head is left out).
+        self.tail_only = tuple(name for name, _ in self.named_parameters(remove_duplicate=False)
+                               if name.startswith(("norm.", "lm_head.")))
 
     def head(self, batch):
         ids = batch["input_ids"]
