@@ -9,6 +9,7 @@ import torch
 import transformers
 from conftest import save_tiny_model, write_token_rows
 
+import slide_train.data.formats
 from slide_train.cli import main
 from slide_train.config import load_config
 from slide_train.data import DataConfig, build_data
@@ -47,8 +48,12 @@ def chat_rows(n: int) -> list[dict]:
     return rows
 
 
-def test_chat_finetune_of_a_local_model_from_the_command_line(tmp_path, capsys):
+def test_chat_finetune_of_a_local_model_from_the_command_line(tmp_path, capsys, monkeypatch):
     save_tiny_model(tmp_path / "m", "qwen3")
+    reads = []
+    read_documents, read_rows = slide_train.data.formats.read_documents, slide_train.data.formats.read_rows
+    monkeypatch.setattr(slide_train.data.formats, "read_documents", lambda *a: reads.append(a) or read_documents(*a))
+    monkeypatch.setattr(slide_train.data.formats, "read_rows", lambda *a: reads.append(a) or read_rows(*a))
     with open(tmp_path / "chat.jsonl", "w") as f:
         for row in chat_rows(40):
             f.write(json.dumps(row) + "\n")
@@ -59,6 +64,7 @@ def test_chat_finetune_of_a_local_model_from_the_command_line(tmp_path, capsys):
     assert main(["data", str(cfg), "-n", "1"]) == 0
     shown = capsys.readouterr().out
     assert "plus" in shown
+    assert len(reads) == 1  # the summary and the examples shown come from one read of the file
     assert main(["finetune", str(cfg), "--no-progress"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6]

@@ -40,7 +40,7 @@ def cmd_data(args, overrides) -> int:
     model = load_model(cfg.model, cfg.seed)
     data = build_data(cfg.data, model.tokenizer, cfg.seq_len, cfg.micro_batch_size, cfg.seed)
     print(data.summary())
-    print(render_examples(cfg.data, model.tokenizer, cfg.seq_len, n=args.n))
+    print(render_examples(cfg.data, model.tokenizer, cfg.seq_len, n=args.n, loaded=data.loaded))
     return 0
 
 

@@ -88,6 +88,7 @@ class TokenData:
     train: Loader
     eval: list[dict] | None  # fixed validation micro-batches
     stats: dict  # counts for the run's start-up summary
+    loaded: ExampleSet  # every example as read (for `slide-train data` to show without reading them again)
 
     def summary(self) -> str:
         s = self.stats
@@ -152,4 +153,4 @@ def build_data(cfg: DataConfig, tokenizer, seq_len: int, micro_batch_size: int, 
         "truncated": loaded.truncated,
         "dropped": loaded.dropped,
     }
-    return TokenData(train=train, eval=eval_batches, stats=stats)
+    return TokenData(train=train, eval=eval_batches, stats=stats, loaded=loaded)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .config import DataConfig, check_config
-from .formats import IGNORE, load_examples
+from .formats import IGNORE, ExampleSet, load_examples
 
 OPEN, CLOSE = "⟦", "⟧"
 
@@ -32,9 +32,11 @@ def render_example(tokenizer, ids: list[int], labels: list[int]) -> str:
     return "".join(parts)
 
 
-def render_examples(cfg: DataConfig, tokenizer, seq_len: int, n: int = 3) -> str:
-    check_config(cfg, seq_len, 1)
-    loaded = load_examples(cfg, tokenizer, seq_len)
+def render_examples(cfg: DataConfig, tokenizer, seq_len: int, n: int = 3, loaded: ExampleSet | None = None) -> str:
+    """The first `n` examples with their loss spans marked; `loaded`: examples already read with this config."""
+    if loaded is None:
+        check_config(cfg, seq_len, 1)
+        loaded = load_examples(cfg, tokenizer, seq_len)
     lines = [
         f"{loaded.source} (format {cfg.format}): {len(loaded.examples)} examples "
         f"from {loaded.records} records; "
