@@ -3,6 +3,8 @@
 # them into benchmarks/results/.
 #   bash benchmarks/run_gpu.sh small   # GPU tests, then B1 and B3 (the plain GPU-resident peer in the same run)
 #   bash benchmarks/run_gpu.sh b8      # B8 without and with clipping (no peer: it does not fit this host)
+#   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, then benchmarks/kernels.py against eager,
+#                                      # torch.compile and Liger-Kernel (carry .whl-kernels: Liger's wheel)
 set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH=$(printf "$root/packages/%s/src:" slide-kernels slide-memory slide-io slide-scheduler slide-train)
@@ -26,6 +28,14 @@ b8)
   b8="--model llama-3.1-8b --seq 4096 --micro 1 --accum 8 --cap 16 --peer none"
   bench $b8 --clip none --tag B8-noclip
   bench $b8 --tag B8
+  ;;
+kernels)
+  if ls "$root"/.whl-kernels/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site "$root"/.whl-kernels/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
+  (cd "$root/packages/slide-kernels" && python3 -m pytest -q -m gpu tests -p no:cacheprovider) > "$out/gpu-tests-slide-kernels.log" 2>&1
+  echo "gpu tests slide-kernels: exit $?"; tail -1 "$out/gpu-tests-slide-kernels.log"
+  python3 "$root/benchmarks/kernels.py" --out "$out" 2>&1 | tail -30
   ;;
 esac
 # The device machine returns only a few files per call: keep the JSON and PNGs, drop the Perfetto traces.
