@@ -473,3 +473,20 @@ def test_a_tied_output_projection_is_not_tail_only():
     norm = engine.edge_slot.layout.entries[1]
     assert [engine.optimizer.units[0].ranges[k][0] for k in engine._edge_tail] == [norm.offset]
     engine.close()
+
+
+def test_fetched_activations_land_in_the_same_buffers_every_step():
+    """Backward's boundary activations come back into buffers kept per slot and micro-batch: after the first
+    step no fetch allocates, and only a window's worth of them exists."""
+    torch.manual_seed(0)
+    engine = SlidingEngine(ToyStack(Model(tied=False)), EngineConfig(device="cpu", window=2, resident=2,
+                                                                     activation_offload="cpu"))
+    seen = []
+    fetch = engine.activations.fetch
+    engine.activations.fetch = lambda *a, **k: seen[-1].add((out := fetch(*a, **k)).data_ptr()) or out
+    for step in batches(seed=4, steps=3, micro=3):
+        seen.append(set())
+        engine.step(step, lr=1e-2, normalizer=10)
+    assert seen[1] == seen[2] == seen[0]
+    assert len(seen[0]) == (engine.window + 1) * 3
+    engine.close()

@@ -21,6 +21,7 @@ class ActivationStore:
         self.offload = tier == "cpu"  # on a CPU device this still copies, so CI exercises the same path
         self.device, self.d2h, self.h2d, self.compute = device, d2h, h2d, compute
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, Signal]] = {}
+        self._landing: dict[tuple[object, int], torch.Tensor] = {}  # (owner, micro-batch) -> device buffer
 
     def put(self, boundary: int, micro: int, hidden: torch.Tensor, produced: Signal) -> None:
         """Keep `hidden` (made on the compute lane; `produced` holds once it is written)."""
@@ -37,17 +38,25 @@ class ActivationStore:
             hidden.record_stream(self.d2h.stream)  # its memory must outlive the copy
         self._saved[boundary, micro] = (buf, self.d2h.record())
 
-    def fetch(self, boundary: int, micro: int) -> torch.Tensor:
-        """The saved activation as a device tensor, queued on the host-to-device lane (call `arrived()` next)."""
+    def fetch(self, boundary: int, micro: int, owner: object = None) -> torch.Tensor:
+        """The saved activation as a device tensor, queued on the host-to-device lane.
+
+        With `owner` (the slot it is fetched for) it lands in a device buffer kept for that owner and micro-batch
+        and reused by the owner's next fetch, so the steady state allocates nothing; the caller orders that next
+        fetch after compute is done with this one (the slot's `free` signal)."""
         saved, stored = self._saved[boundary, micro]
         if not self.offload:
             return saved
         self.h2d.wait(stored)
-        if self.h2d.stream is not None:
-            with torch.cuda.stream(self.h2d.stream):  # allocated on the copy stream, used on compute
+        out = self._landing.get((owner, micro)) if owner is not None else None
+        if out is None or out.shape != saved.shape or out.dtype != saved.dtype:
+            if self.h2d.stream is not None:
+                with torch.cuda.stream(self.h2d.stream):  # allocated on the copy stream, used on compute
+                    out = torch.empty_like(saved, device=self.device)
+                out.record_stream(self.compute.stream)  # a replaced buffer is freed only after compute's use
+            else:
                 out = torch.empty_like(saved, device=self.device)
-            out.record_stream(self.compute.stream)
-        else:
-            out = torch.empty_like(saved, device=self.device)
+            if owner is not None:
+                self._landing[owner, micro] = out
         self.h2d.run(out.copy_, saved, True, label=f"acts in {boundary}")
         return out

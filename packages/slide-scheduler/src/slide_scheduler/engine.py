@@ -191,6 +191,9 @@ class SlidingEngine:
         self.edge_grad = (host_zeros(edge_layout.numel, self.dtype)
                           if not self.resident and 0 not in self.streamed else None)
         self.activations = ActivationStore(config.activation_offload, self.device, self.d2h, self.h2d, self.compute)
+        # Backward fetches activations for at most window + 1 blocks at a time: that many sets of device buffers,
+        # each free again once the backward that read it is done.
+        self._act_landing = [_Landing() for _ in range(self.window + 1)]
         # Squared gradient norm of each unit, reduced on the device as gradients are made.
         # The step's one device->host read: its loss, then each unit's squared gradient norm (reduced on the
         # device as gradients are made).
@@ -357,8 +360,10 @@ class SlidingEngine:
                 self.h2d.wait(self._written.get(block + 1, DONE))
                 self.h2d.run(slot.load, self.units[block + 1].master, block, True, label=f"params {block}")
         acts = None
-        if boundary is not None:
-            acts = [self.activations.fetch(boundary, j) for j in range(micro)]
+        if boundary is not None:  # into the buffers of the block window + 1 later, whose backward is done
+            landing = self._act_landing[block % len(self._act_landing)]
+            self.h2d.wait(landing.free)
+            acts = [self.activations.fetch(boundary, j, owner=landing) for j in range(micro)]
         slot.ready = self.h2d.record()
         return slot, acts
 
@@ -419,7 +424,7 @@ class SlidingEngine:
                     slot.module(h, ctx).backward(grads[j])
                     grads[j] = h.grad
                 self._sq_norms[i + 1] = torch.linalg.vector_norm(slot.grads, dtype=torch.float32).square()
-            slot.free = self.compute.record()
+            slot.free = self._act_landing[i % len(self._act_landing)].free = self.compute.record()
             if i not in self.resident_slots:
                 buffer, previous = self.grad_ring.take(i + 1)
                 if previous is not None:  # the buffer's last gradient has been used by its update
@@ -582,6 +587,10 @@ def _stream_in(buf: StreamedStep, opt: FlatAdamW, start: int, end: int, grad: to
     buf.step(end - start, count, lr, scale)
     if slot is not None:
         slot.params[start:end].copy_(buf.param[: end - start])
+
+
+class _Landing:
+    free: Signal = DONE  # compute is done with the activations last fetched into it
 
 
 class _Clock:
