@@ -1,9 +1,10 @@
-"""Host optimizer throughput: where a sliding block's CPU update spends its time.
+"""Host optimizer throughput: one sliding block's CPU AdamW update, by the size of the blocks it works through.
 
-    python benchmarks/host_adamw.py --numel 100_000_000
+    python benchmarks/host_adamw.py --numel 100_000_000 --out benchmarks/results/host-adamw-<where>.json
 
-Times, for one unit of `numel` parameters: widening its bf16 gradient to fp32, the fused AdamW step over the fp32
-master, and writing the fresh bf16 copy; prints G params/s for each and for the whole update (median of runs).
+Times, for one unit of `numel` parameters with a bf16 gradient, `FlatAdamW.step` working through cache-sized
+blocks (`slide_memory.adamw.host_block`, the default) and through whole 32M-element chunks (the widened gradient then
+goes to memory and back), for fp32 and bf16 states; prints G params/s (median of runs).
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import platform
 import statistics
 import time
 
-import common  # noqa: F401 (puts the packages on the path)
+import common
 import torch
 
-from slide_memory import AdamWConfig, FlatAdamW
+from slide_memory import AdamWConfig, FlatAdamW, adamw
 
 
 def timed(fn, runs: int) -> float:
@@ -37,23 +39,24 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     n = args.numel
-    master = torch.randn(n) * 0.02
     grad = (torch.randn(n) * 1e-3).to(torch.bfloat16)
-    compute = torch.empty(n, dtype=torch.bfloat16)
-    opt = FlatAdamW(master, AdamWConfig(lr=1e-5))
-    scratch = torch.empty(n)
-    results = {
-        "threads": torch.get_num_threads(),
-        "widen_s": timed(lambda: scratch.copy_(grad), args.runs),
-        "refresh_s": timed(lambda: compute.copy_(master), args.runs),
-        "update_s": timed(lambda: opt.step(grad, 1e-5, 0.5), args.runs),
-    }
-    whole = timed(lambda: (opt.step(grad, 1e-5, 0.5), compute.copy_(master)), args.runs)
-    results["whole_s"] = whole
-    results.update({k.replace("_s", "_gparams_per_s"): n / v / 1e9 for k, v in list(results.items()) if k != "threads"})
+    results = {"threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
+    for states in (torch.float32, torch.bfloat16):
+        for name, block in (("blocks", adamw.host_block(adamw.CHUNK)), ("whole_chunks", adamw.CHUNK)):
+            master = torch.randn(n) * 0.02
+            opt = FlatAdamW(master, AdamWConfig(lr=1e-5), states_dtype=states)
+            opt.block = block
+            opt.scratch = torch.empty(block)
+            if opt.narrow:
+                opt._wide = torch.empty(2, block)
+            seconds = timed(lambda opt=opt: opt.step(grad, 1e-5, 0.5), args.runs)
+            key = f"{str(states).removeprefix('torch.')}_states_{name}"
+            results[key + "_s"] = seconds
+            results[key + "_gparams_per_s"] = n / seconds / 1e9
     print(json.dumps(results, indent=1))
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps({"benchmark": "host_adamw", "numel": n, **results}, indent=1))
+        record = {"benchmark": "host_adamw", "commit": common.git_commit(), "numel": n, **results}
+        pathlib.Path(args.out).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

@@ -156,3 +156,31 @@ def test_chunks_are_cut_at_bounds_and_the_math_is_unchanged():
         ref_opt.step()
         opt.step(grad, lr=cfg.lr)
     torch.testing.assert_close(master, ref.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("states", [torch.float32, torch.bfloat16])
+def test_host_blocks_change_where_the_work_runs_not_the_result(monkeypatch, states):
+    """The host works through cache-sized blocks of each chunk: the same kernel on the same elements, so the
+    result is bit for bit whole-chunk steps' and, with fp32 states, torch.optim.AdamW(fused=True)'s."""
+    import slide_memory.adamw as adamw
+
+    torch.manual_seed(0)
+    master = torch.randn(5000)
+    grads = [torch.randn(5000).to(torch.bfloat16) for _ in range(3)]
+    cfg = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    results = []
+    for per_thread in (64, 1 << 20):  # blocks of 64 elements per thread, or whole chunks
+        monkeypatch.setattr(adamw, "BLOCK_PER_THREAD", per_thread)
+        opt = FlatAdamW(master.clone(), cfg, chunk=2048, states_dtype=states)
+        assert (opt.block < 2048) == (per_thread == 64)
+        for g in grads:
+            opt.step(g, lr=1e-2, grad_scale=0.5)
+        results.append((opt.master, opt.exp_avg, opt.exp_avg_sq))
+    assert all(a.equal(b) for a, b in zip(*results))
+    if states == torch.float32:
+        ref = master.clone().requires_grad_()
+        ref_opt = torch.optim.AdamW([ref], lr=1e-2, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=True)
+        for g in grads:
+            ref.grad = g.float() * 0.5
+            ref_opt.step()
+        assert results[0][0].equal(ref.detach())

@@ -1,9 +1,12 @@
 """AdamW over one flat fp32 master tensor (a unit: a block, or the edges), on the host or on the device.
 
 Each unit's update runs on its own so the engine can overlap it with device work on other units. The math is
-torch's own AdamW (the fused kernel where the device has one), so results match a plain `torch.optim.AdamW`
-loop. Gradients arrive in the compute dtype (bf16) and are widened chunk by chunk into a small fp32 scratch, so
-no full-size fp32 gradient ever exists.
+torch's fused AdamW kernel, the one `torch.optim.AdamW(fused=True)` runs, so results match a plain torch AdamW
+loop bit for bit. Gradients arrive in the compute dtype (bf16) and are widened into a small fp32 scratch, so no
+full-size fp32 gradient ever exists. On the host that happens in cache-sized blocks (`BLOCK_PER_THREAD` elements
+for each of torch's threads): the widened (and clip-scaled) gradient and bf16 states widened for the step stay in
+each core's cache instead of travelling to memory and back, which the host's memory bandwidth, the limit of a CPU
+update, would otherwise pay for.
 
 The states are flat tensors allocated up front next to the master (pinned on a CUDA host), so a host unit's
 update can also run on the device: `StreamedStep` copies master, states and gradient in, steps there with the
@@ -19,7 +22,13 @@ import torch
 
 from .host import host_zeros
 
-CHUNK = 1 << 25  # elements per update chunk: 128 MiB of fp32 scratch
+CHUNK = 1 << 25  # elements per update chunk: the granule of "this part of the gradient has arrived"
+BLOCK_PER_THREAD = 1 << 18  # host elements per thread per kernel call: 1 MiB of fp32 scratch, in a core's L2
+
+
+def host_block(chunk: int) -> int:
+    """Elements per host kernel call: every thread's share of the scratch stays in its core's cache."""
+    return min(chunk, BLOCK_PER_THREAD * torch.get_num_threads())
 # Pieces of a chunk start at multiples of this, where the CPU kernel's vector loops would split it anyway: a
 # piece cut elsewhere sends a few elements through scalar code, which can round differently (FMA).
 PIECE_ALIGN = 64
@@ -33,20 +42,12 @@ class AdamWConfig:
     weight_decay: float = 0.0
 
 
-def _fused_supported(device: torch.device) -> bool:
-    try:
-        p = torch.zeros(1, device=device)
-        p.grad = torch.zeros(1, device=device)
-        torch.optim.AdamW([p], fused=True).step()
-        return True
-    except (RuntimeError, TypeError):
-        return False
-
-
-def _adamw(param: torch.Tensor, config: AdamWConfig) -> torch.optim.AdamW:
-    kind = {"fused": True} if _fused_supported(param.device) else {"foreach": False}
-    return torch.optim.AdamW([param], lr=config.lr, betas=config.betas, eps=config.eps,
-                             weight_decay=config.weight_decay, **kind)
+def _adamw_kernel(param, grad, exp_avg, exp_avg_sq, step: torch.Tensor, lr: float, config: AdamWConfig) -> None:
+    """One AdamW update in place, as update number `step` (already counted): torch's fused kernel, the one
+    `torch.optim.AdamW(fused=True)` calls after counting the step (CPU since torch 2.4, CUDA)."""
+    torch._fused_adamw_([param], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=lr, beta1=config.betas[0],
+                        beta2=config.betas[1], weight_decay=config.weight_decay, eps=config.eps, amsgrad=False,
+                        maximize=False)
 
 
 def _zeros(numel: int, dtype: torch.dtype, device: torch.device, pinned: bool | None) -> torch.Tensor:
@@ -73,10 +74,9 @@ class FlatAdamW:
         # (the edges' tail-only parameters) never share a chunk.
         cuts = sorted({0, master.numel(), *(b for b in bounds if 0 < b < master.numel())})
         self.ranges = [(i, min(i + chunk, b)) for a, b in zip(cuts, cuts[1:]) for i in range(a, b, chunk)] or [(0, 0)]
-        # Views of the master are leaves (it does not require grad), so each chunk is its own AdamW parameter.
-        self.chunks = [master[a:b] for a, b in self.ranges]
-        self._opts = [_adamw(c, config) for c in self.chunks]
-        size = min(chunk, master.numel())
+        # A device streams whole chunks; a host works through cache-sized blocks of them.
+        self.block = host_block(chunk) if master.device.type == "cpu" else chunk
+        size = max(1, min(self.block, master.numel()))
         self.scratch = scratch if scratch is not None else torch.empty(size, device=master.device)
         self.states_dtype = states_dtype
         self.narrow = states_dtype != torch.float32
@@ -85,10 +85,7 @@ class FlatAdamW:
         self.exp_avg_sq = _zeros(master.numel(), states_dtype, master.device, pinned_states)
         if self.narrow:  # fp32 room to run one chunk's step in
             self._wide = wide if wide is not None else torch.empty(2, size, device=master.device)
-        self.steps = [torch.zeros((), dtype=torch.float32, device=master.device) for _ in self.chunks]
-        for (a, b), param, opt, step in zip(self.ranges, self.chunks, self._opts, self.steps):
-            opt.state[param] = {"step": step} if self.narrow else {
-                "step": step, "exp_avg": self.exp_avg[a:b], "exp_avg_sq": self.exp_avg_sq[a:b]}
+        self.steps = [torch.zeros((), dtype=torch.float32, device=master.device) for _ in self.ranges]
 
     @property
     def step_count(self) -> int:
@@ -99,26 +96,24 @@ class FlatAdamW:
         """One AdamW step from `grad` (flat, same length as the master), scaled first by `grad_scale`.
 
         `before_chunk(k)` runs before chunk k (`ranges[k]`) is read: e.g. to wait until it has arrived."""
-        for k, ((a, b), param, opt) in enumerate(zip(self.ranges, self.chunks, self._opts)):
+        for k, ((a, b), step) in enumerate(zip(self.ranges, self.steps)):
             if before_chunk is not None:
                 before_chunk(k)
-            n = b - a
-            g = self.scratch[:n]
-            g.copy_(grad[a:b])
-            if grad_scale != 1.0:
-                g.mul_(grad_scale)
-            if self.narrow:
-                state = opt.state[param]
-                state["exp_avg"], state["exp_avg_sq"] = self._wide[0, :n], self._wide[1, :n]
-                state["exp_avg"].copy_(self.exp_avg[a:b])
-                state["exp_avg_sq"].copy_(self.exp_avg_sq[a:b])
-            param.grad = g
-            opt.param_groups[0]["lr"] = lr
-            opt.step()
-            param.grad = None
-            if self.narrow:
-                self.exp_avg[a:b].copy_(state["exp_avg"])
-                self.exp_avg_sq[a:b].copy_(state["exp_avg_sq"])
+            step += 1
+            for start in range(a, b, self.block):
+                end = min(start + self.block, b)
+                n = end - start
+                g = self.scratch[:n]
+                g.copy_(grad[start:end])
+                if grad_scale != 1.0:
+                    g.mul_(grad_scale)
+                m, v = self.exp_avg[start:end], self.exp_avg_sq[start:end]
+                if self.narrow:  # widened for the step, rounded back after
+                    m, v = self._wide[0, :n].copy_(m), self._wide[1, :n].copy_(v)
+                _adamw_kernel(self.master[start:end], g, m, v, step, lr, self.config)
+                if self.narrow:
+                    self.exp_avg[start:end].copy_(m)
+                    self.exp_avg_sq[start:end].copy_(v)
 
     def state_tensors(self, to_host: bool = False) -> dict[str, torch.Tensor]:
         """Optimizer state as flat tensors, copied (empty before the first step)."""
@@ -156,15 +151,6 @@ class StreamedStep:
         self.grad = torch.zeros(numel, device=device)
         self.step_t = torch.zeros((), device=device)
         self.config = config
-        self._opts: dict[int, tuple[torch.Tensor, torch.optim.AdamW]] = {}  # piece length -> its AdamW
-
-    def _opt_for(self, n: int) -> tuple[torch.Tensor, torch.optim.AdamW]:
-        if n not in self._opts:  # one per piece length (a few: full pieces and the chunk tails)
-            param = self.param[:n]
-            opt = _adamw(param, self.config)
-            opt.state[param] = {"step": self.step_t, "exp_avg": self.exp_avg[:n], "exp_avg_sq": self.exp_avg_sq[:n]}
-            self._opts[n] = param, opt
-        return self._opts[n]
 
     def load(self, opt: FlatAdamW, start: int, end: int, grad: torch.Tensor) -> None:
         """Copy [start, end) of `opt`'s master, states and `grad` in (`end - start <= numel`)."""
@@ -178,15 +164,11 @@ class StreamedStep:
 
     def step(self, n: int, step_count: int, lr: float, grad_scale: float = 1.0) -> None:
         """AdamW on the first `n` loaded elements, as update number `step_count + 1` of their chunk."""
-        param, opt = self._opt_for(n)
         grad = self.grad[:n]
         if grad_scale != 1.0:
             grad.mul_(grad_scale)
-        self.step_t.fill_(step_count)
-        param.grad = grad
-        opt.param_groups[0]["lr"] = lr
-        opt.step()
-        param.grad = None
+        self.step_t.fill_(step_count + 1)
+        _adamw_kernel(self.param[:n], grad, self.exp_avg[:n], self.exp_avg_sq[:n], self.step_t, lr, self.config)
 
     def store(self, opt: FlatAdamW, start: int, end: int) -> None:
         n = end - start
@@ -207,7 +189,7 @@ class HostAdamW:
         for m in present:
             if m.dtype != torch.float32 or m.device.type != "cpu" or m.dim() != 1:
                 raise ValueError("master weights must be flat fp32 tensors on the host")
-        size = min(CHUNK, max((m.numel() for m in present), default=1))
+        size = min(host_block(CHUNK), max((m.numel() for m in present), default=1))
         scratch = torch.empty(size)  # one thread updates one unit at a time: every unit shares the scratch
         wide = torch.empty(2, size) if states_dtype != torch.float32 else None
         self.masters = masters
