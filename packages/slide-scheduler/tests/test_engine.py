@@ -439,9 +439,10 @@ def test_a_failed_device_update_stops_the_lane_that_would_store_it(monkeypatch):
 @pytest.mark.parametrize("slow", ["h2d", "d2h", "updater"])
 def test_the_edges_tail_only_part_updates_apart_with_the_same_result(monkeypatch, clip, slow):
     """Untied edges updated on the device split into what the head reads (embedding) and what only the tail
-    reads (final norm, output projection). Without clipping the tail part updates during backward, a chunk per
-    block; with clipping after the next forward's loads. Same arithmetic per element, so the result is the
-    synchronous host-updated engine's bit for bit, whichever worker is slow."""
+    reads (final norm, output projection). Without clipping the tail part updates during backward, with
+    clipping during the next forward, a chunk per block either way; the head part at the next load. Same
+    arithmetic per element, so the result is the synchronous host-updated engine's bit for bit, whichever
+    worker is slow, and every update covers each chunk exactly once."""
     monkeypatch.setattr(slide_memory.adamw, "CHUNK", 64)  # several chunks in each part of the edges
     monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip, tied=False)
@@ -452,17 +453,29 @@ def test_the_edges_tail_only_part_updates_apart_with_the_same_result(monkeypatch
         embed = engine.edge_slot.layout.entries[0]
         assert embed.name == "embed.weight" and len(engine._edge_tail) > 2
         assert all((a >= embed.numel) == (k in engine._edge_tail) for k, (a, _) in enumerate(opt.ranges))
+        calls.append(engine)
         original = engine._update_on_device
         engine._update_on_device = lambda unit, slot, chunks=None: (
-            calls.append((unit, engine._pending[unit][4] if chunks is None else chunks)), original(unit, slot, chunks))
+            calls.append((unit, list(engine._pending[unit][4] if chunks is None else chunks))),
+            original(unit, slot, chunks))
 
     losses, got = run_engine(pipeline=True, window=2, clip=clip, tied=False, device_share=0.5,
                              delays={slow: 0.003}, patch=record_calls)
     assert losses == ref_losses
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
-    edge_calls = [chunks for unit, chunks in calls if unit == 0]
-    if not clip:  # one chunk per block during backward, then the rest
-        assert [len(c) for c in edge_calls[:DEPTH]] == [1] * DEPTH
+    engine, *calls = calls
+    tail = engine._edge_tail
+    head = [k for k in range(len(engine.optimizer.units[0].ranges)) if k not in tail]
+    # Each of the 3 updates: the tail part a chunk per block (then the rest at once), and the head part in one
+    # call, tail first without clipping (during backward) and head first with it (at the next load).
+    done = [chunk for unit, chunks in calls if unit == 0 for chunk in chunks]
+    n = len(head) + len(tail)
+    updates = [done[k : k + n] for k in range(0, len(done), n)]
+    assert len(done) == 3 * n
+    for update in updates:
+        assert update == (head + tail if clip else tail + head)
+    singles = [len(chunks) for unit, chunks in calls if unit == 0 and chunks and chunks[0] in tail]
+    assert singles[:DEPTH] == [1] * DEPTH  # one chunk per block, while there are blocks left
 
 
 def test_a_tied_output_projection_is_not_tail_only():

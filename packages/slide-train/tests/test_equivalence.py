@@ -216,3 +216,24 @@ def test_sliding_window_attention_longer_than_the_window_matches_hf(tmp_path):
         full = model(ids, labels=lab).loss.item()
     assert abs(windowed - full) > 1e-4, "the window must matter at this length for the test to mean anything"
     assert trainer.engine.evaluate(micro, normalizer=n) == pytest.approx(windowed, rel=1e-5)
+
+
+@pytest.mark.parametrize("clip", [CLIP, None])
+def test_edges_updated_on_the_device_with_their_tail_apart_match(tmp_path, clip, monkeypatch):
+    """The adapter declares the final norm and the untied lm head tail-only: with the edges updated on the
+    device, that part updates apart (during backward without clipping); the result is the plain loop's."""
+    model = save_tiny_model(tmp_path / "model", "llama")
+    assert not model.config.tie_word_embeddings
+    rows, labels = make_rows(seed=3, n=STEPS * MICRO * ACCUM)
+    write_token_rows(tmp_path / "data.jsonl", rows, labels)
+    cfg = slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
+                       **{"engine.device_update_share": 1.0, "max_grad_norm": clip if clip else "null"})
+    trainer = Trainer(cfg, progress=False)
+    engine = trainer.engine
+    norm = next(e for e in engine.edge_slot.layout.entries if e.name == "norm.weight")
+    assert [engine.optimizer.units[0].ranges[k][0] for k in engine._edge_tail] == [norm.offset]
+    records = [trainer.step() for _ in range(STEPS)]
+    assert all(r["grad_norm"] > CLIP for r in records)  # clipping acts when on
+    monkeypatch.setitem(globals(), "CLIP", clip or 1e9)  # the reference loop's clipping
+    ref_model, _, _ = reference_run(model, rows, labels)
+    compare(trainer, ref_model, reference_run(model, rows, labels, torch.float64)[0])

@@ -414,6 +414,9 @@ class SlidingEngine:
         host_grads: dict[int, torch.Tensor] = {}
         staged = {n - 1: self._stage(n - 1, n - 1, m)}
         for i in reversed(range(n)):
+            if 0 in self._pending:  # a chunk of the edges' tail-only update per block, queued ahead of this
+                # block's gradient copy-out: its stores wait only for loads queued earlier, not the other way
+                self._update_on_device(0, self.edge_slot, self._pending[0][4][:1])
             slot, acts = staged.pop(i)
             self.compute.wait(slot.ready)
             self.compute.wait(slot.drained)  # the slot's last gradient has left before it is zeroed
@@ -438,8 +441,6 @@ class SlidingEngine:
             for k in range(i - 1, max(i - window - 1, -1), -1):  # prefetch: every slot not in use
                 if k not in staged:
                     staged[k] = self._stage(k, k, m)
-            if 0 in self._pending:  # one chunk of the edges' tail-only update per block, behind its loads
-                self._update_on_device(0, self.edge_slot, self._pending[0][4][:1])
         if 0 in self._pending:
             self._update_on_device(0, self.edge_slot)
         with span("compute", "head backward", stream):
@@ -535,7 +536,11 @@ class SlidingEngine:
             for j, h in enumerate(hidden):
                 acts.put(0, j, h, made)
         staged = {0: self._stage(0, None, 0)} if n else {}
+        tail_ready = None  # the edges' tail-only part, deferred by clipping, is queued a chunk per block
         for i in range(n):
+            if 0 in self._pending:
+                self._update_on_device(0, self.edge_slot, self._pending[0][4][:1])
+                tail_ready = self.h2d.record()
             slot, _ = staged.pop(i)
             self.compute.wait(slot.ready)
             with self.timeline.span("compute", f"forward {i}", self.compute.stream):
@@ -547,9 +552,11 @@ class SlidingEngine:
             for k in range(i + 1, min(i + window + 1, n)):  # prefetch: every slot not in use
                 if k not in staged:
                     staged[k] = self._stage(k, None, 0)
-        if 0 in self._pending:  # the edges' tail-only part, deferred by clipping: behind the blocks' loads
+        if 0 in self._pending:
             self._update_on_device(0, self.edge_slot)
-            self.compute.wait(self.h2d.record())
+            tail_ready = self.h2d.record()
+        if tail_ready is not None:  # the tail reads it
+            self.compute.wait(tail_ready)
         return hidden, contexts
 
     def close(self) -> None:
