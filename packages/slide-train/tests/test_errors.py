@@ -137,3 +137,53 @@ def test_an_earlier_run_is_never_silently_mixed_with_a_new_one(tmp_path):
 def test_impossible_values_are_refused_up_front(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, override.split())
+
+
+def test_a_full_disk_skips_a_periodic_checkpoint_refuses_the_last_and_leaves_nothing_half_written(
+        tmp_path, monkeypatch):
+    import errno
+
+    import slide_train.checkpoint as ckpt
+
+    base = ["--seq_len=32", "--micro_batch_size=2", "--grad_accum=1", "--export=false", "--checkpoint.every=2",
+            "--checkpoint.keep=3", f"--output_dir={tmp_path / 'run'}"]
+    root = tmp_path / "run" / "checkpoints"
+    trainer = Trainer(load_config(None, [*base, "--steps=6"]), progress=False)
+    trainer.step(), trainer.step()
+    needed = ckpt.checkpoint_bytes(trainer.engine)
+    written = ckpt.save_checkpoint(tmp_path / "probe", 0, trainer.engine, {})
+    assert needed >= sum(p.stat().st_size for p in written.iterdir()) > needed - (1 << 20)  # a fair estimate
+    free = {"bytes": 10 * needed}
+    monkeypatch.setattr(ckpt, "free_bytes", lambda root: free["bytes"])
+    assert trainer.save_checkpoint(required=False) == root / "step-2"
+    free["bytes"] = needed // 2
+    trainer.step(), trainer.step()
+    with pytest.warns(UserWarning, match=r"step-4 needs about .* GB .* free.*Training goes on"):
+        assert trainer.save_checkpoint(required=False) is None
+    with pytest.raises(ckpt.DiskFullError, match=r"step-4 needs .*checkpoint.keep.*latest checkpoint \(step-2\) is "
+                                                 r"intact"):
+        trainer.save_checkpoint()
+    # The disk fills while writing: the partial files go, the error is the same.
+    free["bytes"] = 10 * needed
+    save_file = ckpt.save_file
+    calls = []
+
+    def fill_up(tensors, path):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        save_file(tensors, path)
+
+    monkeypatch.setattr(ckpt, "save_file", fill_up)
+    with pytest.raises(ckpt.DiskFullError, match="Nothing of step-4 was left behind"):
+        trainer.save_checkpoint()
+    assert sorted(p.name for p in root.iterdir()) == ["step-2"] and len(calls) == 3
+    ckpt.verify(root / "step-2")
+    monkeypatch.setattr(ckpt, "save_file", save_file)
+    trainer.close()
+    # A run whose periodic checkpoints are skipped still refuses to end without its last one.
+    free["bytes"] = needed // 2
+    again = Trainer(load_config(None, [*base, "--steps=2", f"--output_dir={tmp_path / 'other'}"]), progress=False)
+    with pytest.raises(ckpt.DiskFullError, match="step-2 needs"):
+        again.fit()
+    again.close()

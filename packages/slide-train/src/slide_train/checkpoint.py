@@ -9,6 +9,7 @@ Nothing here is pickled.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -19,6 +20,8 @@ import warnings
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from slide_io import free_bytes
 
 from .errors import CheckpointError
 
@@ -45,8 +48,45 @@ def _fsync(path: pathlib.Path) -> None:
         os.close(fd)
 
 
+class DiskFullError(CheckpointError):
+    """A checkpoint did not fit on its disk; nothing of it was left behind and older checkpoints are intact."""
+
+
+def checkpoint_bytes(engine) -> int:
+    """About what one checkpoint takes: every unit's fp32 master and its two AdamW states (fp32 on the device,
+    `states_dtype` on the host), plus a little for the small files."""
+    host_state = 2 if engine.config.states_dtype == "bf16" else 4
+    return sum(u.layout.numel * (4 + 2 * (4 if i < engine.resident else host_state))
+               for i, u in enumerate(engine.units)) + (1 << 20)
+
+
 def save_checkpoint(root: pathlib.Path, step: int, engine, trainer_state: dict) -> pathlib.Path:
+    """Write `step-<step>` under `root`; a disk too small for it raises DiskFullError before anything is written
+    (or, if the disk fills while writing, after removing the partial files)."""
+    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
+    needed, free = checkpoint_bytes(engine), free_bytes(root)
+    if needed > free:
+        raise _disk_full(root, step, needed, free)
+    try:
+        return _write(root, final, step, engine, trainer_state)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        shutil.rmtree(root / f".step-{step}.partial", ignore_errors=True)
+        raise _disk_full(root, step, needed, free_bytes(root)) from e
+
+
+def _disk_full(root: pathlib.Path, step: int, needed: int, free: int) -> DiskFullError:
+    earlier = list_checkpoints(root)
+    intact = f"the latest checkpoint ({earlier[-1].name}) is intact" if earlier else "no earlier checkpoint exists"
+    return DiskFullError(
+        f"checkpoint step-{step} needs about {needed / 1e9:.1f} GB in {root}, but only {free / 1e9:.1f} GB are "
+        f"free there: free some space, keep fewer checkpoints (checkpoint.keep), or set output_dir on a larger "
+        f"disk. Nothing of step-{step} was left behind; {intact}")
+
+
+def _write(root: pathlib.Path, final: pathlib.Path, step: int, engine, trainer_state: dict) -> pathlib.Path:
     tmp = root / f".step-{step}.partial"
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -156,10 +156,18 @@ class Trainer:
             metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
         return path
 
-    def save_checkpoint(self) -> pathlib.Path:
+    def save_checkpoint(self, required: bool = True) -> pathlib.Path | None:
+        """Checkpoint the current step. A periodic one (`required=False`) that does not fit on the disk is
+        skipped with a warning, and training goes on; a final or stopping one raises."""
         state = {"step": self.step_index, "total_steps": self.total_steps, "data": self.data.train.state_dict(),
                  "config": to_dict(self.cfg)}
-        path = ckpt.save_checkpoint(self.checkpoints, self.step_index, self.engine, state)
+        try:
+            path = ckpt.save_checkpoint(self.checkpoints, self.step_index, self.engine, state)
+        except ckpt.DiskFullError as e:
+            if required:
+                raise
+            warnings.warn(f"{e}. Training goes on; the next checkpoint tries again.", stacklevel=2)
+            return None
         ckpt.prune(self.checkpoints, self.cfg.checkpoint.keep)
         return path
 
@@ -271,7 +279,8 @@ class Trainer:
                           f"(ppl {ev['eval_ppl']:.2f})")
             every = cfg.checkpoint.every
             if self._stop_signal is not None or (every and self.step_index % every == 0):
-                path = self.save_checkpoint()
+                path = self.save_checkpoint(required=self._stop_signal is not None
+                                            or self.step_index >= self.total_steps)
                 if self._stop_signal is not None:
                     bar.close()
                     self.log.close()
