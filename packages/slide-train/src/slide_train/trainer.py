@@ -80,10 +80,22 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
     return plan, engine_cfg, stack
 
 
-def build_engine(cfg: TrainConfig, model) -> tuple[SlidingEngine, Plan]:
-    """The engine, with as many units resident on the device as the memory plan allows."""
+def build_engine(cfg: TrainConfig, model, progress: bool = False) -> tuple[SlidingEngine, Plan]:
+    """The engine, with as many units resident on the device as the memory plan allows. Loading an 8B model's
+    weights takes minutes: with `progress`, a bar counts the blocks as they are read."""
+    from tqdm.auto import tqdm
+
     plan, engine_cfg, stack = plan_run(cfg, model)
-    return SlidingEngine(stack, engine_cfg), plan
+    with tqdm(total=stack.num_blocks, desc="loading weights", unit="block", disable=not progress,
+              leave=False) as bar:
+        read = stack.load_block
+
+        def load_block(index, params):
+            read(index, params)
+            bar.update(1)
+
+        stack.load_block = load_block
+        return SlidingEngine(stack, engine_cfg), plan
 
 
 def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -115,7 +127,7 @@ class Trainer:
         self.model = load_model(cfg.model, cfg.seed, need_tokenizer=cfg.data.format != "tokens")
         check_fits(self.model, cfg.seq_len)
         self.data = build_data(cfg.data, self.model.tokenizer, cfg.seq_len, cfg.micro_batch_size, cfg.seed)
-        self.engine, self.memory_plan = build_engine(cfg, self.model)
+        self.engine, self.memory_plan = build_engine(cfg, self.model, progress)
         self.num_params = sum(u.layout.numel for u in self.engine.units)
         rows = self.data.train.rows_per_epoch
         per_step = cfg.micro_batch_size * cfg.grad_accum
