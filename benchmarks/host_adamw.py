@@ -3,8 +3,8 @@
     python benchmarks/host_adamw.py --numel 100_000_000 --out benchmarks/results/host-adamw-<where>.json
 
 Times, for one unit of `numel` parameters with a bf16 gradient, `FlatAdamW.step` working through cache-sized
-blocks (`slide_memory.adamw.host_block`, the default) and through whole 32M-element chunks (the widened gradient then
-goes to memory and back), for fp32 and bf16 states; prints G params/s (median of runs).
+blocks (`BLOCK_PER_THREAD` elements per thread, the default) and through whole 32M-element chunks (the widened
+gradient then goes to memory and back), for fp32 and bf16 states; prints G params/s (median of runs).
 """
 
 from __future__ import annotations
@@ -41,18 +41,16 @@ def main() -> None:
     n = args.numel
     grad = (torch.randn(n) * 1e-3).to(torch.bfloat16)
     results = {"threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
+    default = adamw.BLOCK_PER_THREAD
     for states in (torch.float32, torch.bfloat16):
-        for name, block in (("blocks", adamw.host_block(adamw.CHUNK)), ("whole_chunks", adamw.CHUNK)):
-            master = torch.randn(n) * 0.02
-            opt = FlatAdamW(master, AdamWConfig(lr=1e-5), states_dtype=states)
-            opt.block = block
-            opt.scratch = torch.empty(block)
-            if opt.narrow:
-                opt._wide = torch.empty(2, block)
+        for name, per_thread in (("blocks", default), ("whole_chunks", adamw.CHUNK)):
+            adamw.BLOCK_PER_THREAD = per_thread  # whole chunks: the blocks are the chunks
+            opt = FlatAdamW(torch.randn(n) * 0.02, AdamWConfig(lr=1e-5), states_dtype=states)
             seconds = timed(lambda opt=opt: opt.step(grad, 1e-5, 0.5), args.runs)
             key = f"{str(states).removeprefix('torch.')}_states_{name}"
             results[key + "_s"] = seconds
             results[key + "_gparams_per_s"] = n / seconds / 1e9
+    adamw.BLOCK_PER_THREAD = default
     print(json.dumps(results, indent=1))
     if args.out:
         record = {"benchmark": "host_adamw", "commit": common.git_commit(), "numel": n, **results}

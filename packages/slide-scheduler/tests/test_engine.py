@@ -414,6 +414,35 @@ def test_device_updates_on_cuda_track_host_updates():
             torch.testing.assert_close(device[unit][name], t, rtol=1e-5, atol=1e-6, msg=f"{unit}.{name}")
 
 
+@pytest.mark.gpu
+def test_cuda_landing_buffers_wait_for_the_backward_that_reads_them(monkeypatch):
+    """Resident blocks wait for no slot, so only the landing buffers' own wait keeps the h2d lane from
+    overwriting activations a slow backward still reads: with every block resident and compute slowed on the
+    GPU, offloaded activations give the same result, bit for bit, as activations kept on the device."""
+    if not torch.cuda.is_available():
+        pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
+    forward = Block.forward
+
+    def slow_forward(self, hidden, ctx):
+        torch.cuda._sleep(2_000_000)  # about a millisecond of GPU time before each block (and its recompute)
+        return forward(self, hidden, ctx)
+
+    monkeypatch.setattr(Block, "forward", slow_forward)
+    results = []
+    for offload in ("none", "cpu"):
+        torch.manual_seed(0)
+        engine = SlidingEngine(ToyStack(Model(tied=False)), EngineConfig(
+            device="cuda", compute_dtype="fp32", window=1, resident=DEPTH + 1, activation_offload=offload,
+            max_grad_norm=None, optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
+        losses = [engine.step([{k: v.cuda() for k, v in b.items()} for b in step], lr=1e-2, normalizer=10).loss
+                  for step in batches(seed=4, steps=3, micro=3)]
+        results.append((losses, {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}))
+        engine.close()
+    (kept_losses, kept), (offloaded_losses, offloaded) = results
+    assert offloaded_losses == kept_losses
+    assert all(offloaded[u][n].equal(t) for u, params in kept.items() for n, t in params.items())
+
+
 def test_a_failed_device_update_stops_the_lane_that_would_store_it(monkeypatch):
     """A piece whose step fails on the h2d lane must not be stored back into the host master by the d2h lane
     (which only waits for it): the failure stops that lane too and surfaces in the training thread."""
@@ -501,5 +530,8 @@ def test_fetched_activations_land_in_the_same_buffers_every_step():
         seen.append(set())
         engine.step(step, lr=1e-2, normalizer=10)
     assert seen[1] == seen[2] == seen[0]
-    assert len(seen[0]) == (engine.window + 1) * 3
+    assert len(seen[0]) == (engine.window + 1) * 3 == len(engine.activations._landing)
+    engine.step(batches(seed=5, steps=1, micro=1)[0], lr=1e-2, normalizer=10)  # fewer micro-batches: fewer kept
+    assert len(engine.activations._landing) == engine.window + 1
     engine.close()
+    assert not engine.activations._landing

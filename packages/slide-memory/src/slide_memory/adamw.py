@@ -23,7 +23,9 @@ import torch
 from .host import host_zeros
 
 CHUNK = 1 << 25  # elements per update chunk: the granule of "this part of the gradient has arrived"
-BLOCK_PER_THREAD = 1 << 18  # host elements per thread per kernel call: 1 MiB of fp32 scratch, in a core's L2
+# Host elements per thread per kernel call: 1 MiB of fp32 scratch per core (bf16 states add 2 MiB of widened m
+# and v, past some cores' L2 but within the shared cache).
+BLOCK_PER_THREAD = 1 << 18
 
 
 def host_block(chunk: int) -> int:
@@ -75,6 +77,7 @@ class FlatAdamW:
         cuts = sorted({0, master.numel(), *(b for b in bounds if 0 < b < master.numel())})
         self.ranges = [(i, min(i + chunk, b)) for a, b in zip(cuts, cuts[1:]) for i in range(a, b, chunk)] or [(0, 0)]
         # A device streams whole chunks; a host works through cache-sized blocks of them.
+        self.block_max = chunk
         self.block = host_block(chunk) if master.device.type == "cpu" else chunk
         size = max(1, min(self.block, master.numel()))
         self.scratch = scratch if scratch is not None else torch.empty(size, device=master.device)
@@ -96,12 +99,16 @@ class FlatAdamW:
         """One AdamW step from `grad` (flat, same length as the master), scaled first by `grad_scale`.
 
         `before_chunk(k)` runs before chunk k (`ranges[k]`) is read: e.g. to wait until it has arrived."""
+        block = self.block  # on the host, sized for the threads torch has now (the scratch caps it)
+        if self.master.device.type == "cpu":
+            room = self._wide.shape[1] if self.narrow else self.scratch.numel()
+            block = min(host_block(self.block_max), self.scratch.numel(), room)
         for k, ((a, b), step) in enumerate(zip(self.ranges, self.steps)):
             if before_chunk is not None:
                 before_chunk(k)
             step += 1
-            for start in range(a, b, self.block):
-                end = min(start + self.block, b)
+            for start in range(a, b, block):
+                end = min(start + block, b)
                 n = end - start
                 g = self.scratch[:n]
                 g.copy_(grad[start:end])

@@ -38,6 +38,11 @@ class ActivationStore:
             hidden.record_stream(self.d2h.stream)  # its memory must outlive the copy
         self._saved[boundary, micro] = (buf, self.d2h.record())
 
+    def trim(self, micro_batches: int) -> None:
+        """Let go of landing buffers for micro-batches beyond `micro_batches` (a step with fewer of them)."""
+        for key in [k for k in self._landing if k[1] >= micro_batches]:
+            del self._landing[key]
+
     def fetch(self, boundary: int, micro: int, owner: object = None) -> torch.Tensor:
         """The saved activation as a device tensor, queued on the host-to-device lane.
 

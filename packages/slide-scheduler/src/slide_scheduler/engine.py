@@ -192,7 +192,8 @@ class SlidingEngine:
                           if not self.resident and 0 not in self.streamed else None)
         self.activations = ActivationStore(config.activation_offload, self.device, self.d2h, self.h2d, self.compute)
         # Backward fetches activations for at most window + 1 blocks at a time: that many sets of device buffers,
-        # each free again once the backward that read it is done.
+        # each free again once the backward that read it is done (window sets would do when every block slides,
+        # since a slot's load already waits for that; resident blocks wait for no slot, so one more gives slack).
         self._act_landing = [_Landing() for _ in range(self.window + 1)]
         # Squared gradient norm of each unit, reduced on the device as gradients are made.
         # The step's one device->host read: its loss, then each unit's squared gradient norm (reduced on the
@@ -391,6 +392,7 @@ class SlidingEngine:
         stream = self.compute.stream
         n, m, window = self.num_blocks, len(micro_batches), self.window
         batches = self._to_device(micro_batches)
+        self.activations.trim(m)
         hidden, contexts = self._forward(batches)
         clock.lap("forward")
 
@@ -570,6 +572,7 @@ class SlidingEngine:
             self.updater.close()
             for lane in (self.h2d, self.d2h):
                 lane.close()
+            self.activations.trim(0)
 
 
 def _tail_only_from(edges, layout: FlatLayout) -> int:

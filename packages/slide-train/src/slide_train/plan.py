@@ -40,7 +40,9 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
     act_one = tokens_per_micro * hidden * bf16
     activations = (3 * micro_batches * act_one  # current boundary in and out, and the gradients flowing back
                    + tokens_per_micro * (10 * hidden + 4 * intermediate) * bf16)  # one block's recompute
-    if not offload_activations:
+    if offload_activations:  # backward's landing buffers: the current block's (above) and the window's ahead
+        activations += window * micro_batches * act_one
+    else:
         activations += (num_blocks + 1) * micro_batches * act_one
     # Two device-update buffers (fp32 master, m, v, gradient + the bf16 gradient as it lands) when updates are
     # streamed through the device: clipped blocks, and sliding edges (counted below once residency is known).
@@ -55,13 +57,17 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
             resident = 1
             spare = budget - fixed - per_edges
             resident += min(num_blocks, int(spare // per_block))
+            # With every block resident there is no window of slots and nothing streams: that room counts too.
+            if fixed - slots - streamed + per_edges + num_blocks * per_block <= budget:
+                resident = num_blocks + 1
     if not resident and not streamed:  # the edges slide, so they update through the buffers
         streamed = buffers
         fixed += buffers
     states = (per_edges if resident else 0) + max(resident - 1, 0) * per_block  # resident units' device state
     device = fixed + states
-    if resident - 1 >= num_blocks:  # nothing slides: no window of slots
-        device -= slots
+    if resident - 1 >= num_blocks:  # nothing slides: no window of slots, no streamed update
+        device -= slots + streamed
+        slots = streamed = 0
     total = edge_numel + num_blocks * block_numel
     # Host gradients (bf16): sliding edges updated on the host have their own buffer; sliding blocks share a ring,
     # which holds every one of them when exact clipping waits for the global norm, and three otherwise.
