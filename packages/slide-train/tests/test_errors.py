@@ -187,3 +187,22 @@ def test_a_full_disk_skips_a_periodic_checkpoint_refuses_the_last_and_leaves_not
     with pytest.raises(ckpt.DiskFullError, match="step-2 needs"):
         again.fit()
     again.close()
+
+
+def test_an_export_that_does_not_fit_says_so_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    import slide_train.export as export
+
+    trainer = Trainer(load_config(None, ["--steps=1", "--seq_len=32", "--micro_batch_size=2", "--grad_accum=1",
+                                         f"--output_dir={tmp_path / 'run'}"]), progress=False)
+    trainer.step()
+    monkeypatch.setattr(export, "free_bytes", lambda directory: 1000)
+    with pytest.raises(export.DiskFullError, match=r"export to .*out needs about .* GB.*slide-train export"):
+        trainer.export(tmp_path / "out")
+    monkeypatch.setattr(export, "free_bytes", lambda directory: 10**12)
+    monkeypatch.setattr(export, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    with pytest.raises(export.DiskFullError, match="Nothing of the export was left behind"):
+        trainer.export(tmp_path / "out")
+    assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
+    trainer.close()

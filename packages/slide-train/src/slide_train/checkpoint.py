@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from slide_io import free_bytes
 
-from .errors import CheckpointError
+from .errors import CheckpointError, DiskFullError
 
 MANIFEST = "manifest.json"
 
@@ -46,10 +46,6 @@ def _fsync(path: pathlib.Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class DiskFullError(CheckpointError):
-    """A checkpoint did not fit on its disk; nothing of it was left behind and older checkpoints are intact."""
 
 
 def checkpoint_bytes(engine) -> int:

@@ -15,3 +15,7 @@ class ModelError(SlideError, ValueError):
 
 class CheckpointError(SlideError):
     pass
+
+
+class DiskFullError(SlideError):
+    """A checkpoint or an export did not fit on its disk; nothing of it was left behind."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import pathlib
@@ -12,8 +13,10 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
+from slide_io import free_bytes
 from slide_scheduler.engine import DTYPES  # the one name -> dtype table
 
+from .errors import DiskFullError
 from .models.adapter import block_hf_name, edge_hf_name
 
 SHARD_BYTES = 5 * 2**30
@@ -36,9 +39,29 @@ def hf_tensors(masters: dict[str, dict[str, torch.Tensor]]):
 
 
 def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype: torch.dtype) -> pathlib.Path:
-    """Write the model in HF layout, one shard at a time (at most SHARD_BYTES of tensors in memory)."""
+    """Write the model in HF layout, one shard at a time (at most SHARD_BYTES of tensors in memory). A disk too
+    small for it raises DiskFullError before anything is written (or after removing the partial files)."""
     out = pathlib.Path(directory)
     tmp = out.with_name(out.name + ".partial")
+    needed = sum(t.numel() for _, t in hf_tensors(masters)) * dtype.itemsize + (16 << 20)  # + tokenizer files
+    if needed > (free := free_bytes(out.parent)):
+        raise _disk_full(out, needed, free)
+    try:
+        return _write(out, tmp, hf_config, masters, tokenizer, dtype)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _disk_full(out, needed, free_bytes(out.parent)) from e
+
+
+def _disk_full(out: pathlib.Path, needed: int, free: int) -> DiskFullError:
+    return DiskFullError(f"the export to {out} needs about {needed / 1e9:.1f} GB, but only {free / 1e9:.1f} GB "
+                         "are free there: free some space or export elsewhere (`slide-train export RUN_DIR --out "
+                         "DIR` exports any checkpoint later). Nothing of the export was left behind")
+
+
+def _write(out: pathlib.Path, tmp: pathlib.Path, hf_config, masters, tokenizer, dtype: torch.dtype) -> pathlib.Path:
     if tmp.exists():  # left by an export that crashed: none of it may leak into this one
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
