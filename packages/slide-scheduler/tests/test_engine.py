@@ -173,13 +173,15 @@ def test_each_block_visits_a_slot_once_per_pass():
 
 
 def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None,
-               resident: int = 0, dtype: str = "auto", device_share: float = 0.0, tied: bool = True):
+               resident: int = 0, dtype: str = "auto", device_share: float = 0.0, tied: bool = True,
+               held: int = 0):
     torch.manual_seed(0)
     model = Model(tied=tied)
     engine = SlidingEngine(ToyStack(model), EngineConfig(device="cpu", window=window, activation_offload="cpu",
                                                          max_grad_norm=clip, pipeline=pipeline, resident=resident,
                                                          optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1),
-                                                         compute_dtype=dtype, device_update_share=device_share))
+                                                         compute_dtype=dtype, device_update_share=device_share,
+                                                         held_grads=held))
     for name, seconds in (delays or {}).items():
         getattr(engine, name).delay = seconds
     if patch:
@@ -267,6 +269,46 @@ def test_clipped_updates_streamed_through_the_device_equal_host_updates(monkeypa
                              delays={slow: 0.003}, patch=expect_streamed(share, resident))
     assert losses == ref_losses
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+
+@pytest.mark.parametrize("share, held", [(0.5, 1), (1.0, 2), (1.0, DEPTH)])
+@pytest.mark.parametrize("slow", ["h2d", "d2h", "updater"])
+def test_gradients_held_on_the_device_for_device_updates_give_the_same_result(monkeypatch, share, held, slow):
+    """With clipping, blocks updated on the device may keep their gradient there until the next forward runs
+    the update: a device copy instead of the host ring, fewer ring buffers, the same result bit for bit."""
+    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05)
+
+    def check(engine):
+        blocks = sorted(u for u in engine.streamed if u)
+        assert sorted(engine.held_grads) == blocks[:held] and len(blocks) >= held
+        ring = len(engine.grad_ring.buffers) if engine.grad_ring else 0
+        assert ring == DEPTH - held
+
+    losses, got = run_engine(pipeline=True, window=2, clip=0.05, device_share=share, held=held,
+                             delays={slow: 0.003}, patch=check)
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+
+def test_a_held_gradient_is_what_the_device_update_reads(monkeypatch):
+    """The check above can fail: a held gradient zeroed before the next forward's update reads it changes
+    the result."""
+    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    _, ref = run_engine(pipeline=False, window=2, clip=0.05, device_share=1.0, held=2)
+
+    def zero_held_before_updates(engine):
+        update = engine._update_on_device
+
+        def zeroed(unit, slot, chunks=None):
+            if unit in engine.held_grads:
+                engine.held_grads[unit].zero_()
+            update(unit, slot, chunks)
+        engine._update_on_device = zeroed
+
+    _, got = run_engine(pipeline=False, window=2, clip=0.05, device_share=1.0, held=2,
+                        patch=zero_held_before_updates)
+    assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
 def expect_streamed(share, resident, clip=True):
@@ -394,7 +436,8 @@ def test_evaluate_between_steps_applies_pending_device_updates_once(monkeypatch)
 @pytest.mark.gpu
 def test_device_updates_on_cuda_track_host_updates():
     """On a GPU the streamed path runs CUDA's fused AdamW instead of the CPU's: the same formula, rounded by
-    other hardware, so fp32 masters agree to a few ulps after several clipped steps."""
+    other hardware, so fp32 masters agree to a few ulps after several clipped steps (two of the device-updated
+    blocks keeping their gradient on the device)."""
     if not torch.cuda.is_available():
         pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
     results = []
@@ -402,8 +445,8 @@ def test_device_updates_on_cuda_track_host_updates():
         torch.manual_seed(0)
         engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
             device="cuda", compute_dtype="fp32", window=2, max_grad_norm=0.05, device_update_share=share,
-            optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
-        assert len(engine.streamed) == (DEPTH + 1 if share else 0)
+            held_grads=2 if share else 0, optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
+        assert len(engine.streamed) == (DEPTH + 1 if share else 0) and len(engine.held_grads) == (2 if share else 0)
         for step in batches(seed=4, steps=4, micro=3):
             engine.step([{k: v.cuda() for k, v in b.items()} for b in step], lr=1e-2, normalizer=10)
         results.append({k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()})

@@ -61,7 +61,7 @@ def test_host_plan_is_12_bytes_per_parameter_plus_gradient_staging():
     assert free.host_total == 12 * n + 2 * (SHAPE["edge_numel"] + 3 * SHAPE["block_numel"]) + acts
     clipped = make_plan(budget_bytes=None, **shape, clip=True)
     assert clipped.host_total - free.host_total == 2 * (SHAPE["num_blocks"] - 3) * SHAPE["block_numel"]
-    assert "every sliding block: exact clipping" in clipped.text()
+    assert "held for exact clipping" in clipped.text()
     resident = make_plan(budget_bytes=None, **{**SHAPE, "resident": 5}, clip=True)  # edges + blocks 0..3
     on_device = SHAPE["edge_numel"] + 4 * SHAPE["block_numel"]  # their AdamW states live on the GPU
     assert resident.host_total == (12 * n - 8 * on_device + 2 * (SHAPE["num_blocks"] - 4) * SHAPE["block_numel"]
@@ -70,3 +70,18 @@ def test_host_plan_is_12_bytes_per_parameter_plus_gradient_staging():
     assert free.host_total - bf16.host_total == 4 * n
     streamed = make_plan(budget_bytes=None, **shape, clip=False, device_updates=True)  # edges update on the GPU
     assert free.host_total - streamed.host_total == 2 * SHAPE["edge_numel"]
+
+
+def test_spare_device_memory_keeps_gradients_for_device_updates():
+    """With clipping and device updates, memory left under the budget keeps the gradients of the blocks updated
+    on the device there (at most the engine's share of the sliding blocks): that much moves off the host."""
+    shape = {**SHAPE, "resident": 0}
+    base = make_plan(budget_bytes=None, **shape, clip=True, device_updates=True)
+    assert base.held == 0  # no budget, no GPU to plan for
+    for gib in (6, 12, 1000):
+        plan = make_plan(budget_bytes=gib * GIB, **shape, clip=True, device_updates=True)
+        assert 0 <= plan.held <= SHAPE["num_blocks"] // 2
+        assert plan.device_total <= gib * GIB or plan.held == 0
+        assert plan.host_total == pytest.approx(base.host_total - 2 * plan.held * SHAPE["block_numel"])
+    assert plan.held == SHAPE["num_blocks"] // 2 and "gradients kept for device updates" in plan.text()
+    assert make_plan(budget_bytes=1000 * GIB, **shape, clip=False, device_updates=True).held == 0

@@ -70,6 +70,9 @@ class EngineConfig:
     # them (master and states streamed over PCIe) rather than on the host optimizer thread; when above 0,
     # sliding edges update that way too (clipping or not). None: 0.5 on CUDA with fp32 states, else 0.
     device_update_share: float | None = None
+    # With clipping, how many of those device-updated blocks keep their gradient on the device until the update
+    # (2 bytes per parameter of device memory each; no host copy and no PCIe round trip). slide-train sizes it.
+    held_grads: int = 0
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -183,9 +186,15 @@ class SlidingEngine:
         # Host gradients: blocks pass through one shared ring of pinned buffers. Without clipping a block's
         # update empties its buffer during backward, so a few suffice; exact clipping holds every gradient until
         # the global norm is known (2 bytes per sliding parameter). A sliding edges unit has a buffer of its own.
+        # Blocks updated on the device may instead keep their gradient there (`held_grads`), the first in forward
+        # order: theirs are the updates the next forward needs first.
+        if config.held_grads < 0:
+            raise ValueError(f"held_grads must be >= 0, got {config.held_grads}")
+        held = sorted(u for u in self.streamed if u)[: config.held_grads]
+        self.held_grads = {u: torch.zeros(block_layout.numel, dtype=self.dtype, device=self.device) for u in held}
         sliding_blocks = self.num_blocks - max(self.resident - 1, 0)
-        self.grad_ring = (StagingRing(sliding_blocks if config.max_grad_norm else min(3, sliding_blocks),
-                                      block_layout.numel, self.dtype) if sliding_blocks else None)
+        ring = sliding_blocks - len(held) if config.max_grad_norm else min(3, sliding_blocks)
+        self.grad_ring = StagingRing(ring, block_layout.numel, self.dtype) if ring else None
         self.updater = HostUpdater(self.optimizer, inline=inline)
         self._setup_device_updates(block_layout.numel)
         self.edge_grad = (host_zeros(edge_layout.numel, self.dtype)
@@ -430,7 +439,13 @@ class SlidingEngine:
                     grads[j] = h.grad
                 self._sq_norms[i + 1] = torch.linalg.vector_norm(slot.grads, dtype=torch.float32).square()
             slot.free = self._act_landing[i % len(self._act_landing)].free = self.compute.record()
-            if i not in self.resident_slots:
+            if i + 1 in self.held_grads:  # kept on the device for its update: a device copy frees the slot
+                host_grads[i + 1] = self.held_grads[i + 1]
+                self.d2h.wait(slot.free)
+                self.d2h.run(self.held_grads[i + 1].copy_, slot.grads, True, label=f"hold grads {i}")
+                arrived[i + 1] = [self.d2h.record()]
+                slot.drained = arrived[i + 1][-1]
+            elif i not in self.resident_slots:
                 buffer, previous = self.grad_ring.take(i + 1)
                 if previous is not None:  # the buffer's last gradient has been used by its update
                     self._wait_for_update(previous)
