@@ -85,3 +85,12 @@ def test_spare_device_memory_keeps_gradients_for_device_updates():
         assert plan.host_total == pytest.approx(base.host_total - 2 * plan.held * SHAPE["block_numel"])
     assert plan.held == SHAPE["num_blocks"] // 2 and "gradients kept for device updates" in plan.text()
     assert make_plan(budget_bytes=1000 * GIB, **shape, clip=False, device_updates=True).held == 0
+
+
+def test_fp32_compute_counts_four_bytes_per_value():
+    """Slots, edges, activations and kept gradients are in the compute dtype: fp32 compute needs twice bf16's."""
+    shape = {**SHAPE, "resident": 0}
+    bf16 = make_plan(budget_bytes=12 * GIB, **shape, clip=True, device_updates=True)
+    fp32 = make_plan(budget_bytes=12 * GIB, **shape, clip=True, device_updates=True, compute_bytes=4)
+    assert fp32.fixed > bf16.fixed and fp32.held <= bf16.held
+    assert fp32.device_total <= 12 * GIB or fp32.held == 0

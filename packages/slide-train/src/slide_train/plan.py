@@ -15,7 +15,7 @@ from slide_scheduler.engine import STREAM_PIECE
 GIB = 2**30
 MARGIN = 1.0 * GIB  # allocator fragmentation, cuBLAS workspaces, small tensors
 LOSS_CHUNK = 1.0 * GIB  # slide-kernels' fused cross-entropy keeps one logits chunk (~820 MiB by default)
-HELD_HEADROOM = 0.5 * GIB  # left free when spare device memory holds gradients for device updates
+HELD_HEADROOM = 0.05  # of the budget (at least 0.5 GiB), left free when spare memory keeps gradients for updates
 
 
 @dataclass
@@ -35,8 +35,9 @@ class Plan:
 def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, intermediate: int,
               tokens_per_micro: int, micro_batches: int, window: int, offload_activations: bool,
               budget_bytes: float | None, resident: int | None, cuda: bool, state_bytes: int = 8,
-              clip: bool = True, device_updates: bool = False, device_share: float = 0.5) -> Plan:
-    bf16 = 2
+              clip: bool = True, device_updates: bool = False, device_share: float = 0.5,
+              compute_bytes: int = 2) -> Plan:
+    bf16 = compute_bytes  # parameters, gradients and activations in the compute dtype (bf16 on a GPU by default)
     edges = edge_numel * 2 * bf16
     slots = window * block_numel * 2 * bf16
     act_one = tokens_per_micro * hidden * bf16
@@ -79,7 +80,8 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
     # share of the sliding ones): 2 bytes per parameter there instead of on the host, and no PCIe round trip.
     held = 0
     if clip and device_updates and cuda and budget_bytes is not None:
-        held = min(int(sliding * device_share), int(max(0.0, budget - device - HELD_HEADROOM) // (bf16 * block_numel)))
+        room = budget - device - max(0.5 * GIB, HELD_HEADROOM * budget)
+        held = min(int(sliding * device_share), int(max(0.0, room) // (bf16 * block_numel)))
         device += held * bf16 * block_numel
     grads = bf16 * (edges_on_host * edge_numel + ((sliding - held) if clip else min(3, sliding)) * block_numel)
     acts_host = (num_blocks + 1) * micro_batches * act_one * offload_activations

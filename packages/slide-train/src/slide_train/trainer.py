@@ -72,7 +72,8 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         offload_activations=e.activation_offload == "cpu", budget_bytes=budget, resident=e.resident,
         cuda=cuda, state_bytes=4 if e.states_dtype == "bf16" else 8, clip=bool(cfg.max_grad_norm),
         device_updates=e.states_dtype == "fp32" and e.device_update_share != 0,
-        device_share=0.5 if e.device_update_share is None else e.device_update_share)
+        device_share=0.5 if e.device_update_share is None else e.device_update_share,
+        compute_bytes=4 if e.compute_dtype == "fp32" or not cuda else 2)
     if budget is not None:
         check_plan(plan, "engine.gpu_memory_limit_gb" if e.gpu_memory_limit_gb else "the GPU's memory")
     if assume_gpu_gib is None:
