@@ -43,17 +43,17 @@ class ActivationStore:
         for key in [k for k in self._landing if k[1] >= micro_batches]:
             del self._landing[key]
 
-    def fetch(self, boundary: int, micro: int, owner: object = None) -> torch.Tensor:
+    def fetch(self, boundary: int, micro: int, owner: object) -> torch.Tensor:
         """The saved activation as a device tensor, queued on the host-to-device lane.
 
-        With `owner` (the slot it is fetched for) it lands in a device buffer kept for that owner and micro-batch
-        and reused by the owner's next fetch, so the steady state allocates nothing; the caller orders that next
-        fetch after compute is done with this one (the slot's `free` signal)."""
+        It lands in a device buffer kept for `owner` (what it is fetched for) and the micro-batch, reused by the
+        owner's next fetch, so the steady state allocates nothing; the caller orders that next fetch after
+        compute is done with this one (the owner's `free` signal)."""
         saved, stored = self._saved[boundary, micro]
         if not self.offload:
             return saved
         self.h2d.wait(stored)
-        out = self._landing.get((owner, micro)) if owner is not None else None
+        out = self._landing.get((owner, micro))
         if out is None or out.shape != saved.shape or out.dtype != saved.dtype:
             if self.h2d.stream is not None:
                 with torch.cuda.stream(self.h2d.stream):  # allocated on the copy stream, used on compute
@@ -61,7 +61,6 @@ class ActivationStore:
                 out.record_stream(self.compute.stream)  # a replaced buffer is freed only after compute's use
             else:
                 out = torch.empty_like(saved, device=self.device)
-            if owner is not None:
-                self._landing[owner, micro] = out
+            self._landing[owner, micro] = out
         self.h2d.run(out.copy_, saved, True, label=f"acts in {boundary}")
         return out

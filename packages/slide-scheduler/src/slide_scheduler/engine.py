@@ -41,7 +41,7 @@ from slide_memory import (
     StreamedStep,
     host_zeros,
 )
-from slide_memory.adamw import PIECE_ALIGN
+from slide_memory.adamw import CHUNK, PIECE_ALIGN
 
 from .activations import ActivationStore
 from .lanes import DONE, Lane, Signal
@@ -177,7 +177,7 @@ class SlidingEngine:
         self.device_optimizers: dict[int, FlatAdamW] = {}
         if self.resident:
             largest = max(self.units[u].layout.numel for u in range(self.resident))
-            scratch = torch.empty(min(1 << 25, largest), dtype=torch.float32, device=self.device)
+            scratch = torch.empty(min(CHUNK, largest), dtype=torch.float32, device=self.device)
             for u in range(self.resident):
                 master = self.units[u].master.to(self.device, copy=True)
                 self.device_optimizers[u] = FlatAdamW(master, config.optimizer, scratch)
@@ -204,7 +204,6 @@ class SlidingEngine:
         # each free again once the backward that read it is done (window sets would do when every block slides,
         # since a slot's load already waits for that; resident blocks wait for no slot, so one more gives slack).
         self._act_landing = [_Landing() for _ in range(self.window + 1)]
-        # Squared gradient norm of each unit, reduced on the device as gradients are made.
         # The step's one device->host read: its loss, then each unit's squared gradient norm (reduced on the
         # device as gradients are made).
         self._readout = torch.zeros(1 + len(self.units), dtype=torch.float32, device=self.device)
@@ -258,6 +257,7 @@ class SlidingEngine:
         if rest := [k for k in todo if k not in chunks]:
             self._pending[unit] = (grad, arrived, lr, scale, rest)
         opt = self.optimizer.units[unit]
+        name = unit - 1 if unit else "edges"
         self.h2d.wait(arrived)
         self.h2d.wait(self._written.get(unit, DONE))
         for k in chunks:
@@ -268,7 +268,6 @@ class SlidingEngine:
                 buf = self.stream_buffers[self._next_buffer]
                 self._next_buffer = (self._next_buffer + 1) % len(self.stream_buffers)
                 self.h2d.wait(buf.free)
-                name = unit - 1 if unit else "edges"
                 self.h2d.run(_stream_in, buf, opt, start, end, grad, count, lr, scale, slot, label=f"update {name}")
                 self.d2h.wait(self.h2d.record())
                 self.d2h.run(buf.store, opt, start, end, label=f"store {name}")
@@ -286,6 +285,20 @@ class SlidingEngine:
             self.d2h.run(buffer[a:b].copy_, grads[a:b], True, label=label)
             pieces.append(self.d2h.record())
         return pieces
+
+    def _send_grads(self, block: int, slot: Slot) -> tuple[torch.Tensor, list[Signal]]:
+        """Queue a sliding block's gradient out of its slot once compute is done with it: into its held device
+        buffer, or into a host ring buffer in optimizer chunks. Returns the buffer and its arrival signals."""
+        unit = block + 1
+        self.d2h.wait(slot.free)
+        if unit in self.held_grads:  # kept on the device for its update: a device copy frees the slot
+            buffer = self.held_grads[unit]
+            self.d2h.run(buffer.copy_, slot.grads, True, label=f"hold grads {block}")
+            return buffer, [self.d2h.record()]
+        buffer, previous = self.grad_ring.take(unit)
+        if previous is not None:  # the buffer's last gradient has been used by its update
+            self._wait_for_update(previous)
+        return buffer, self._copy_out(unit, buffer, slot.grads, f"grads {block}")
 
     def _flush_device_updates(self) -> None:
         """Run the device updates still waiting for their block's next load, and wait until all are home."""
@@ -342,16 +355,33 @@ class SlidingEngine:
 
     # -- loading units --------------------------------------------------------------------------------------------
 
+    def _load(self, unit: int, slot: Slot, chunks: list[int] | None = None) -> None:
+        """Queue the unit's newest parameters into `slot` on the h2d lane: its pending device update (`chunks` of
+        it, if given) writes them there; otherwise its master is copied in once its host update is done (which
+        also means its gradient has left the slot) and any device update's store is home."""
+        if unit in self._pending:
+            self._update_on_device(unit, slot, chunks)
+            return
+        self._wait_for_update(unit)
+        self.h2d.wait(self._written.get(unit, DONE))
+        block = unit - 1 if unit else None
+        self.h2d.run(slot.load, self.units[unit].master, block, True, label=f"params {'edges' if unit == 0 else block}")
+
+    def _update_edges_tail(self, chunks: int | None = 1) -> bool:
+        """Queue `chunks` more optimizer chunks (None: all that are left) of the edges' pending tail-only update;
+        False when none is pending. (Outside `_load_edges`, the only pending edges update is that part.)"""
+        if 0 not in self._pending:
+            return False
+        todo = self._pending[0][4]
+        self._update_on_device(0, self.edge_slot, todo if chunks is None else todo[:chunks])
+        return True
+
     def _load_edges(self) -> None:
-        """Refresh the resident edge parameters once their pending update is done."""
+        """Refresh the resident edge parameters once their pending update is done (the tail-only part of a
+        device update waits: see _forward)."""
         if self._edges_loaded is None:
-            if 0 in self._pending:  # updated on the device, straight into the edge slot (its gradient having
-                # left means compute is done with the edges too); the tail-only part waits (see _forward)
-                self._update_on_device(0, self.edge_slot, [k for k in self._pending[0][4] if k not in self._edge_tail])
-            else:
-                self._wait_for_update(0)  # (which also means its gradient has left the landing zone)
-                self.h2d.wait(self._written.get(0, DONE))
-                self.h2d.run(self.edge_slot.load, self.units[0].master, None, True, label="params edges")
+            head = [k for k in self._pending[0][4] if k not in self._edge_tail] if 0 in self._pending else None
+            self._load(0, self.edge_slot, head)
             self._edges_loaded = self.h2d.record()
         self.compute.wait(self._edges_loaded)
 
@@ -363,12 +393,7 @@ class SlidingEngine:
             slot = self.slots.next()
             self.h2d.wait(slot.free)
             self.h2d.wait(slot.drained)  # loading lands in the gradient buffer: its last gradient has left
-            if block + 1 in self._pending:  # its update runs now, on the device, straight into the slot
-                self._update_on_device(block + 1, slot)
-            else:
-                self._wait_for_update(block + 1)  # a block is never loaded before its update has finished
-                self.h2d.wait(self._written.get(block + 1, DONE))
-                self.h2d.run(slot.load, self.units[block + 1].master, block, True, label=f"params {block}")
+            self._load(block + 1, slot)  # never before its update has finished (or it runs now, into the slot)
         acts = None
         if boundary is not None:  # into the buffers of the block window + 1 later, whose backward is done
             landing = self._act_landing[block % len(self._act_landing)]
@@ -425,9 +450,9 @@ class SlidingEngine:
         host_grads: dict[int, torch.Tensor] = {}
         staged = {n - 1: self._stage(n - 1, n - 1, m)}
         for i in reversed(range(n)):
-            if 0 in self._pending:  # a chunk of the edges' tail-only update per block, queued ahead of this
-                # block's gradient copy-out: its stores wait only for loads queued earlier, not the other way
-                self._update_on_device(0, self.edge_slot, self._pending[0][4][:1])
+            # A chunk of the edges' tail-only update per block, queued ahead of this block's gradient copy-out:
+            # its stores wait only for loads queued earlier, not the other way round.
+            self._update_edges_tail()
             slot, acts = staged.pop(i)
             self.compute.wait(slot.ready)
             self.compute.wait(slot.drained)  # the slot's last gradient has left before it is zeroed
@@ -439,27 +464,15 @@ class SlidingEngine:
                     grads[j] = h.grad
                 self._sq_norms[i + 1] = torch.linalg.vector_norm(slot.grads, dtype=torch.float32).square()
             slot.free = self._act_landing[i % len(self._act_landing)].free = self.compute.record()
-            if i + 1 in self.held_grads:  # kept on the device for its update: a device copy frees the slot
-                host_grads[i + 1] = self.held_grads[i + 1]
-                self.d2h.wait(slot.free)
-                self.d2h.run(self.held_grads[i + 1].copy_, slot.grads, True, label=f"hold grads {i}")
-                arrived[i + 1] = [self.d2h.record()]
-                slot.drained = arrived[i + 1][-1]
-            elif i not in self.resident_slots:
-                buffer, previous = self.grad_ring.take(i + 1)
-                if previous is not None:  # the buffer's last gradient has been used by its update
-                    self._wait_for_update(previous)
-                host_grads[i + 1] = buffer
-                self.d2h.wait(slot.free)
-                arrived[i + 1] = self._copy_out(i + 1, buffer, slot.grads, f"grads {i}")
+            if i not in self.resident_slots:
+                host_grads[i + 1], arrived[i + 1] = self._send_grads(i, slot)
                 slot.drained = arrived[i + 1][-1]
                 if not clip:  # no clipping: the update starts as soon as its first piece is on the host
-                    self.updater.submit(i + 1, buffer, arrived[i + 1], lr, 1.0)
+                    self.updater.submit(i + 1, host_grads[i + 1], arrived[i + 1], lr, 1.0)
             for k in range(i - 1, max(i - window - 1, -1), -1):  # prefetch: every slot not in use
                 if k not in staged:
                     staged[k] = self._stage(k, k, m)
-        if 0 in self._pending:
-            self._update_on_device(0, self.edge_slot)
+        self._update_edges_tail(None)
         with span("compute", "head backward", stream):
             for j, batch in enumerate(batches):
                 h, _ = self.edges.head(batch)
@@ -555,8 +568,7 @@ class SlidingEngine:
         staged = {0: self._stage(0, None, 0)} if n else {}
         tail_ready = None  # the edges' tail-only part, deferred by clipping, is queued a chunk per block
         for i in range(n):
-            if 0 in self._pending:
-                self._update_on_device(0, self.edge_slot, self._pending[0][4][:1])
+            if self._update_edges_tail():
                 tail_ready = self.h2d.record()
             slot, _ = staged.pop(i)
             self.compute.wait(slot.ready)
@@ -569,8 +581,7 @@ class SlidingEngine:
             for k in range(i + 1, min(i + window + 1, n)):  # prefetch: every slot not in use
                 if k not in staged:
                     staged[k] = self._stage(k, None, 0)
-        if 0 in self._pending:
-            self._update_on_device(0, self.edge_slot)
+        if self._update_edges_tail(None):
             tail_ready = self.h2d.record()
         if tail_ready is not None:  # the tail reads it
             self.compute.wait(tail_ready)
