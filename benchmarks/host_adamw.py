@@ -15,6 +15,7 @@ import pathlib
 import platform
 import statistics
 import time
+from unittest import mock
 
 import common
 import torch
@@ -41,16 +42,14 @@ def main() -> None:
     n = args.numel
     grad = (torch.randn(n) * 1e-3).to(torch.bfloat16)
     results = {"threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine()}
-    default = adamw.BLOCK_PER_THREAD
     for states in (torch.float32, torch.bfloat16):
-        for name, per_thread in (("blocks", default), ("whole_chunks", adamw.CHUNK)):
-            adamw.BLOCK_PER_THREAD = per_thread  # whole chunks: the blocks are the chunks
-            opt = FlatAdamW(torch.randn(n) * 0.02, AdamWConfig(lr=1e-5), states_dtype=states)
-            seconds = timed(lambda opt=opt: opt.step(grad, 1e-5, 0.5), args.runs)
+        for name, per_thread in (("blocks", adamw.BLOCK_PER_THREAD), ("whole_chunks", adamw.CHUNK)):
+            with mock.patch.object(adamw, "BLOCK_PER_THREAD", per_thread):  # whole chunks: blocks are chunks
+                opt = FlatAdamW(torch.randn(n) * 0.02, AdamWConfig(lr=1e-5), states_dtype=states)
+                seconds = timed(lambda opt=opt: opt.step(grad, 1e-5, 0.5), args.runs)
             key = f"{str(states).removeprefix('torch.')}_states_{name}"
             results[key + "_s"] = seconds
             results[key + "_gparams_per_s"] = n / seconds / 1e9
-    adamw.BLOCK_PER_THREAD = default
     print(json.dumps(results, indent=1))
     if args.out:
         record = {"benchmark": "host_adamw", "commit": common.git_commit(), "numel": n, **results}

@@ -102,6 +102,16 @@ def test_empty_batch(path, shape, reduction):
         assert torch.equal(ours.grad.double(), twin.grad) and not ours.grad.abs().gt(0).any()
 
 
+def test_fp32_bias_with_bf16_weight_keeps_an_fp32_bias_gradient():
+    # The bias joins the logits in the weight's dtype, but its gradient is summed in fp32 and handed back in the
+    # bias's own dtype (autograd would cast a bf16 one back, having lost the bits).
+    hidden, weight, labels = _inputs(seed=7)
+    bias = torch.randn(V).requires_grad_()
+    sk.linear_cross_entropy(hidden.detach().bfloat16(), weight.detach().bfloat16(), labels, bias=bias).backward()
+    grad = bias.grad.double()
+    assert bias.grad.dtype == torch.float32 and (grad - grad.bfloat16().double()).abs().max() > 0
+
+
 def test_no_grad_and_frozen_weight(path):
     hidden, weight, labels = _inputs(seed=6)
     with torch.no_grad():

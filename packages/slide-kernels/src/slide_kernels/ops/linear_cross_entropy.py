@@ -289,7 +289,7 @@ def _chunk_rows(n: int, v: int, itemsize: int, on_triton: bool) -> int:
     budget = (820 << 20) if on_triton else (64 << 20)
     chunks = max(1, math.ceil(n * v * itemsize / budget))
     rows = math.ceil(n / chunks)
-    return max(1, min(n, (rows + 127) // 128 * 128))  # at least 1, also for an empty batch
+    return min(n, (rows + 127) // 128 * 128)
 
 
 def _run(h2d, weight, bias, labels, scale, ignore_index, smoothing, softcap, z_coef, want, on_triton):
@@ -302,27 +302,30 @@ def _run(h2d, weight, bias, labels, scale, ignore_index, smoothing, softcap, z_c
     v = weight.shape[0]
     dtype = weight.dtype
     losses = torch.empty(n, dtype=_acc_dtype(weight), device=h2d.device)
+    grad_h = torch.empty((n, h), dtype=dtype, device=h2d.device) if want[0] else None
+    grad_b = torch.zeros(v, dtype=_acc_dtype(weight), device=h2d.device) if want[2] else None
+    if n == 0:  # an empty batch: nothing to launch, zero gradients
+        return losses, grad_h, torch.zeros_like(weight) if want[1] else None, \
+            None if grad_b is None else grad_b.to(bias.dtype)
     write_grad = any(want)
     rows = _chunk_rows(n, v, weight.element_size(), on_triton)
-    n_chunks = math.ceil(n / rows)  # 0 for an empty batch: nothing is launched
+    n_chunks = math.ceil(n / rows)
     buf = torch.empty((rows, v), dtype=dtype, device=h2d.device)
-    grad_h = torch.empty((n, h), dtype=dtype, device=h2d.device) if want[0] else None
     if on_triton and weight.dtype == torch.bfloat16 and weight.is_cuda and _cublas_fp32_accumulation(weight.device):
         kind = _WeightGradCublas
     else:
         kind = _WeightGradTriton if on_triton else _WeightGradTorch
-    acc = kind(weight, n_chunks) if want[1] and n_chunks else None
-    grad_b = torch.zeros(v, dtype=_acc_dtype(weight), device=h2d.device) if want[2] else None
+    acc = kind(weight, n_chunks) if want[1] else None
     scale_stride = 1 if scale.dim() == 1 else 0
-    bias = None if bias is None else bias.to(dtype)  # once, not per chunk
+    bias_c = None if bias is None else bias.to(dtype)  # once, not per chunk
     for i in range(n_chunks):
         s, e = i * rows, min(n, (i + 1) * rows)
         x = h2d[s:e].to(dtype)
         logits = buf[: e - s]
-        if bias is None:
+        if bias_c is None:
             torch.mm(x, weight.t(), out=logits)
         else:
-            torch.addmm(bias, x, weight.t(), out=logits)
+            torch.addmm(bias_c, x, weight.t(), out=logits)
         chunk_scale = scale[s:e] if scale_stride else scale
         if on_triton:
             _ce_rows_kernel[(e - s,)](
@@ -342,9 +345,7 @@ def _run(h2d, weight, bias, labels, scale, ignore_index, smoothing, softcap, z_c
         if want[2]:
             grad_b += logits.sum(0, dtype=grad_b.dtype)
     del buf
-    grad_w = None
-    if want[1]:  # no chunk, nothing summed: an empty batch's weight gradient is zero
-        grad_w = acc.result() if n_chunks else torch.zeros_like(weight)
+    grad_w = acc.result() if want[1] else None
     if grad_b is not None:
         grad_b = grad_b.to(bias.dtype)
     return losses, grad_h, grad_w, grad_b

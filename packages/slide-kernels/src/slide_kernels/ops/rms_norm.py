@@ -97,7 +97,7 @@ def rms_norm_forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset
     return y, rstd
 
 
-def rms_norm_backward(dy2d, x2d, weight, rstd, offset: float, mode: str, want_dx: bool = True, want_dw: bool = True):
+def rms_norm_backward(dy2d, x2d, weight, rstd, offset: float, mode: str, want_dx: bool, want_dw: bool):
     """(dx, dw), with None in place of a gradient not wanted (it is then neither computed nor allocated)."""
     m, n = x2d.shape
     dy2d = dy2d.contiguous()
