@@ -70,16 +70,13 @@ class FlatAdamW:
                  wide: torch.Tensor | None = None, pinned_states: bool | None = None, bounds: tuple[int, ...] = ()):
         if master.dtype != torch.float32 or master.dim() != 1:
             raise ValueError("master weights must be a flat fp32 tensor")
-        chunk = chunk or CHUNK
-        self.master, self.config = master, config
+        chunk = chunk or CHUNK  # read at call time: tests shrink CHUNK
+        self.master, self.config, self.chunk = master, config, chunk
         # Chunks of `chunk` elements, also cut at `bounds`: parts of the unit that are updated at different times
         # (the edges' tail-only parameters) never share a chunk.
         cuts = sorted({0, master.numel(), *(b for b in bounds if 0 < b < master.numel())})
         self.ranges = [(i, min(i + chunk, b)) for a, b in zip(cuts, cuts[1:]) for i in range(a, b, chunk)] or [(0, 0)]
-        # A device streams whole chunks; a host works through cache-sized blocks of them.
-        self.block_max = chunk
-        self.block = host_block(chunk) if master.device.type == "cpu" else chunk
-        size = max(1, min(self.block, master.numel()))
+        size = max(1, min(host_block(chunk) if master.device.type == "cpu" else chunk, master.numel()))
         self.scratch = scratch if scratch is not None else torch.empty(size, device=master.device)
         self.states_dtype = states_dtype
         self.narrow = states_dtype != torch.float32
@@ -91,6 +88,14 @@ class FlatAdamW:
         self.steps = [torch.zeros((), dtype=torch.float32, device=master.device) for _ in self.ranges]
 
     @property
+    def block(self) -> int:
+        """Elements per kernel call: a device streams whole chunks; a host works through cache-sized blocks of
+        them, sized for the threads torch has now (the scratch caps it)."""
+        if self.master.device.type != "cpu":
+            return self.chunk
+        return min(host_block(self.chunk), self.scratch.numel(), *(self._wide.shape[1:] if self.narrow else ()))
+
+    @property
     def step_count(self) -> int:
         return int(self.steps[0])
 
@@ -99,10 +104,7 @@ class FlatAdamW:
         """One AdamW step from `grad` (flat, same length as the master), scaled first by `grad_scale`.
 
         `before_chunk(k)` runs before chunk k (`ranges[k]`) is read: e.g. to wait until it has arrived."""
-        block = self.block  # on the host, sized for the threads torch has now (the scratch caps it)
-        if self.master.device.type == "cpu":
-            room = self._wide.shape[1] if self.narrow else self.scratch.numel()
-            block = min(host_block(self.block_max), self.scratch.numel(), room)
+        block = self.block
         for k, ((a, b), step) in enumerate(zip(self.ranges, self.steps)):
             if before_chunk is not None:
                 before_chunk(k)
@@ -134,8 +136,9 @@ class FlatAdamW:
         """Load `state_tensors()` output (any states dtype: a bf16-states run may resume with fp32 ones)."""
         for key in ("exp_avg", "exp_avg_sq"):
             getattr(self, key).copy_(tensors[key] if tensors else 0)
+        count = float(tensors["step"]) if tensors else 0.0  # one read, also of a device tensor
         for step in self.steps:
-            step.fill_(float(tensors["step"]) if tensors else 0.0)
+            step.fill_(count)
 
 
 class StreamedStep:
@@ -164,10 +167,13 @@ class StreamedStep:
         if opt.narrow:
             raise ValueError("streamed steps need fp32 AdamW states")
         n = end - start
-        for dst, src in ((self.param, opt.master), (self.exp_avg, opt.exp_avg), (self.exp_avg_sq, opt.exp_avg_sq),
-                         (self.grad_in, grad)):
+        for dst, src in ((self.param, opt.master), (self.exp_avg, opt.exp_avg), (self.exp_avg_sq, opt.exp_avg_sq)):
             dst[:n].copy_(src[start:end], non_blocking=True)
-        self.grad[:n].copy_(self.grad_in[:n])  # widened on the device, as the host path widens it
+        if grad.device == self.grad.device:  # already here (kept on the device): widened in place
+            self.grad[:n].copy_(grad[start:end])
+        else:  # lands as it is, then is widened on the device, as the host path widens it
+            self.grad_in[:n].copy_(grad[start:end], non_blocking=True)
+            self.grad[:n].copy_(self.grad_in[:n])
 
     def step(self, n: int, step_count: int, lr: float, grad_scale: float = 1.0) -> None:
         """AdamW on the first `n` loaded elements, as update number `step_count + 1` of their chunk."""

@@ -22,7 +22,7 @@ def host_empty(numel: int, dtype: torch.dtype, pinned: bool | None = None) -> to
     pinned = can_pin() if pinned is None else pinned
     if not pinned:
         return torch.empty(numel, dtype=dtype)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if nbytes < EXACT_PIN_BYTES:
         return torch.empty(numel, dtype=dtype, pin_memory=True)
     return _registered(nbytes).view(dtype)
@@ -45,9 +45,8 @@ def _registered(nbytes: int) -> torch.Tensor:
         warnings.warn(f"could not page-lock {size / 2**30:.2f} GiB of host memory (CUDA error {int(err)}; the "
                       "machine may limit locked memory, see ulimit -l): using pageable memory, copies will be slower",
                       stacklevel=3)
-        return torch.from_numpy(array)[:nbytes]
-    # Unlocked when the array dies: torch keeps it alive as long as any tensor or view of it lives.
-    weakref.finalize(array, cudart.cudaHostUnregister, array.ctypes.data)
+    else:  # unlocked when the array dies: torch keeps it alive as long as any tensor or view of it lives
+        weakref.finalize(array, cudart.cudaHostUnregister, array.ctypes.data)
     return torch.from_numpy(array)[:nbytes]
 
 
@@ -71,7 +70,7 @@ class HostArena:
         return self.buffer.numel()
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         base = self.buffer.data_ptr()
         start = self.used + (-(base + self.used)) % 128  # every tensor starts 128-byte aligned in memory
         end = start + numel * itemsize
