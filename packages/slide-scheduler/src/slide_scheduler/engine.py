@@ -82,6 +82,12 @@ class EngineConfig:
             raise RuntimeError("engine.device is 'cuda' but no CUDA device is available; use engine.device=cpu")
         return dev
 
+    def resolve_device_update_share(self, cuda: bool) -> float:
+        """`device_update_share`, None resolved: 0.5 on CUDA with fp32 states (they stream as they are), else 0."""
+        if self.device_update_share is not None:
+            return self.device_update_share
+        return 0.5 if cuda and self.states_dtype == "fp32" else 0.0
+
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.compute_dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -221,9 +227,7 @@ class SlidingEngine:
         always stands between one step and the next; on the device it reads the gradient where it was made
         (no host copy of it) and writes the parameters where they are used.
         Returns the units updated that way (0: the edges, 1 + i: block i)."""
-        share = self.config.device_update_share
-        if share is None:
-            share = 0.5 if self.device.type == "cuda" and self.config.states_dtype == "fp32" else 0.0
+        share = self.config.resolve_device_update_share(self.device.type == "cuda")
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"device_update_share must be in [0, 1], got {share}")
         if share and self.config.states_dtype != "fp32":

@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from slide_io import free_bytes
+from slide_scheduler.engine import DTYPES
 
 from .errors import CheckpointError, DiskFullError
 
@@ -51,7 +52,7 @@ def _fsync(path: pathlib.Path) -> None:
 def checkpoint_bytes(engine) -> int:
     """About what one checkpoint takes: every unit's fp32 master and its two AdamW states (fp32 on the device,
     `states_dtype` on the host), plus a little for the small files."""
-    host_state = 2 if engine.config.states_dtype == "bf16" else 4
+    host_state = DTYPES[engine.config.states_dtype].itemsize
     return sum(u.layout.numel * (4 + 2 * (4 if i < engine.resident else host_state))
                for i, u in enumerate(engine.units)) + (1 << 20)
 
@@ -59,7 +60,6 @@ def checkpoint_bytes(engine) -> int:
 def save_checkpoint(root: pathlib.Path, step: int, engine, trainer_state: dict) -> pathlib.Path:
     """Write `step-<step>` under `root`; a disk too small for it raises DiskFullError before anything is written
     (or, if the disk fills while writing, after removing the partial files)."""
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
     needed, free = checkpoint_bytes(engine), free_bytes(root)
     if needed > free:

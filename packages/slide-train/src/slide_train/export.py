@@ -43,11 +43,12 @@ def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype
     small for it raises DiskFullError before anything is written (or after removing the partial files)."""
     out = pathlib.Path(directory)
     tmp = out.with_name(out.name + ".partial")
-    needed = sum(t.numel() for _, t in hf_tensors(masters)) * dtype.itemsize + (16 << 20)  # + tokenizer files
+    tensor_bytes = sum(t.numel() for _, t in hf_tensors(masters)) * dtype.itemsize
+    needed = tensor_bytes + (16 << 20)  # + config and tokenizer files
     if needed > (free := free_bytes(out.parent)):
         raise _disk_full(out, needed, free)
     try:
-        return _write(out, tmp, hf_config, masters, tokenizer, dtype)
+        return _write(out, tmp, hf_config, masters, tokenizer, dtype, tensor_bytes)
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
@@ -61,7 +62,8 @@ def _disk_full(out: pathlib.Path, needed: int, free: int) -> DiskFullError:
                          "DIR` exports any checkpoint later). Nothing of the export was left behind")
 
 
-def _write(out: pathlib.Path, tmp: pathlib.Path, hf_config, masters, tokenizer, dtype: torch.dtype) -> pathlib.Path:
+def _write(out: pathlib.Path, tmp: pathlib.Path, hf_config, masters, tokenizer, dtype: torch.dtype,
+           total: int) -> pathlib.Path:
     if tmp.exists():  # left by an export that crashed: none of it may leak into this one
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -79,7 +81,6 @@ def _write(out: pathlib.Path, tmp: pathlib.Path, hf_config, masters, tokenizer, 
         names.append(name)
         shards[-1] = {}
 
-    total = 0
     for hf_name, tensor in hf_tensors(masters):
         nbytes = tensor.numel() * dtype.itemsize
         if shards[-1] and size + nbytes > SHARD_BYTES:
@@ -87,7 +88,6 @@ def _write(out: pathlib.Path, tmp: pathlib.Path, hf_config, masters, tokenizer, 
             size = 0
         shards[-1][hf_name] = tensor.to(dtype).contiguous()
         size += nbytes
-        total += nbytes
     flush()
     if len(names) == 1:
         (tmp / names[0]).rename(tmp / "model.safetensors")

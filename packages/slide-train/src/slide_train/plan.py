@@ -38,6 +38,7 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
               clip: bool = True, device_updates: bool = False, device_share: float = 0.5,
               compute_bytes: int = 2) -> Plan:
     bf16 = compute_bytes  # parameters, gradients and activations in the compute dtype (bf16 on a GPU by default)
+    device_updates = device_updates and cuda  # streamed updates need a device
     edges = edge_numel * 2 * bf16
     slots = window * block_numel * 2 * bf16
     act_one = tokens_per_micro * hidden * bf16
@@ -49,7 +50,7 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
         activations += (num_blocks + 1) * micro_batches * act_one
     # Two device-update buffers (fp32 master, m, v, gradient + the bf16 gradient as it lands) when updates are
     # streamed through the device: clipped blocks, and sliding edges (counted below once residency is known).
-    buffers = 2 * min(STREAM_PIECE, max(block_numel, edge_numel)) * 18 if device_updates and cuda else 0
+    buffers = 2 * min(STREAM_PIECE, max(block_numel, edge_numel)) * 18 if device_updates else 0
     streamed = buffers if clip else 0
     fixed = edges + slots + activations + streamed + LOSS_CHUNK + MARGIN
     per_edges, per_block = 12 * edge_numel, 16 * block_numel  # fp32 master + m + v (+ params, grads)
@@ -75,22 +76,23 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
     # Host gradients (bf16): sliding edges updated on the host have their own buffer; sliding blocks share a ring,
     # which holds every one of them when exact clipping waits for the global norm, and three otherwise.
     sliding = num_blocks - max(resident - 1, 0)
-    edges_on_host = not resident and not (device_updates and cuda)  # streamed edges keep it on the device
+    edges_on_host = not resident and not device_updates  # streamed edges keep it on the device
     # With clipping, device memory left over holds the gradients of blocks updated on the device (the engine's
     # share of the sliding ones): 2 bytes per parameter there instead of on the host, and no PCIe round trip.
     held = 0
-    if clip and device_updates and cuda and budget_bytes is not None:
+    if clip and device_updates and budget_bytes is not None:
         room = budget - device - max(0.5 * GIB, HELD_HEADROOM * budget)
         held = min(int(sliding * device_share), int(max(0.0, room) // (bf16 * block_numel)))
         device += held * bf16 * block_numel
     grads = bf16 * (edges_on_host * edge_numel + ((sliding - held) if clip else min(3, sliding)) * block_numel)
     acts_host = (num_blocks + 1) * micro_batches * act_one * offload_activations
     on_device = (edge_numel if resident else 0) + max(resident - 1, 0) * block_numel  # AdamW states there
-    host = total * 4 + (total - on_device) * state_bytes + grads + acts_host
+    states_host = total * 4 + (total - on_device) * state_bytes  # fp32 masters + the AdamW states kept here
+    host = states_host + grads + acts_host
     lines = [
         f"plan: {resident} of {num_blocks + 1} units resident on the device "
         f"(edges{' + blocks 0..' + str(resident - 2) if resident > 1 else ''}"
-        f"{'' if resident else ': none'}), {num_blocks - max(resident - 1, 0)} sliding through {window} slots",
+        f"{'' if resident else ': none'}), {sliding} sliding through {window} slots",
         f"  device ~{device / GIB:.1f} GiB of {'no cap' if budget_bytes is None else f'{budget / GIB:.1f} GiB'}: "
         f"edges {edges / GIB:.2f}, slots {slots / GIB:.2f}, activations ~{activations / GIB:.2f}, "
         + (f"device-update buffers {streamed / GIB:.2f}, " if streamed else "") +
@@ -98,7 +100,7 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
         + (f", gradients kept for device updates ({held} blocks) {held * bf16 * block_numel / GIB:.2f}"
            if held else ""),
         f"  host ~{host / GIB:.1f} GiB: fp32 masters + AdamW states "
-        f"{(total * 4 + (total - on_device) * state_bytes) / GIB:.1f}, "
+        f"{states_host / GIB:.1f}, "
         f"gradient staging {grads / GIB:.1f}{' (held for exact clipping)' if clip and sliding else ''}"
         + (f", boundary activations {acts_host / GIB:.1f}" if offload_activations else ""),
     ]

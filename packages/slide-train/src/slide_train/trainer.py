@@ -22,6 +22,7 @@ import yaml
 
 from slide_memory import AdamWConfig, FlatLayout
 from slide_scheduler import EngineConfig, SlidingEngine
+from slide_scheduler.engine import DTYPES
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, to_dict
@@ -70,9 +71,9 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         num_blocks=stack.num_blocks, hidden=hf.hidden_size, intermediate=hf.intermediate_size,
         tokens_per_micro=cfg.micro_batch_size * cfg.seq_len, micro_batches=cfg.grad_accum, window=e.window,
         offload_activations=e.activation_offload == "cpu", budget_bytes=budget, resident=e.resident,
-        cuda=cuda, state_bytes=4 if e.states_dtype == "bf16" else 8, clip=bool(cfg.max_grad_norm),
-        device_updates=e.states_dtype == "fp32" and e.device_update_share != 0,
-        device_share=0.5 if e.device_update_share is None else e.device_update_share,
+        cuda=cuda, state_bytes=2 * DTYPES[e.states_dtype].itemsize, clip=bool(cfg.max_grad_norm),
+        device_updates=engine_cfg.resolve_device_update_share(cuda) > 0,
+        device_share=engine_cfg.resolve_device_update_share(cuda),
         compute_bytes=4 if e.compute_dtype == "fp32" or not cuda else 2)
     if budget is not None:
         check_plan(plan, "engine.gpu_memory_limit_gb" if e.gpu_memory_limit_gb else "the GPU's memory")
@@ -97,7 +98,10 @@ def build_engine(cfg: TrainConfig, model, progress: bool = False) -> tuple[Slidi
             bar.update(1)
 
         stack.load_block = load_block
-        return SlidingEngine(stack, engine_cfg), plan
+        try:
+            return SlidingEngine(stack, engine_cfg), plan
+        finally:
+            stack.load_block = read
 
 
 def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -291,11 +295,10 @@ class Trainer:
                 ev = self.evaluate()
                 bar.write(f"step {self.step_index}: validation loss {ev['eval_loss']:.4f} "
                           f"(ppl {ev['eval_ppl']:.2f})")
-            every = cfg.checkpoint.every
-            if self._stop_signal is not None or (every and self.step_index % every == 0):
-                path = self.save_checkpoint(required=self._stop_signal is not None
-                                            or self.step_index >= self.total_steps)
-                if self._stop_signal is not None:
+            every, stop = cfg.checkpoint.every, self._stop_signal is not None
+            if stop or (every and self.step_index % every == 0 and self.step_index < self.total_steps):
+                path = self.save_checkpoint(required=stop)  # a periodic one may be skipped; the last one below
+                if stop:
                     bar.close()
                     self.log.close()
                     name = signal.Signals(self._stop_signal).name
@@ -303,8 +306,7 @@ class Trainer:
                           "(continue with --resume=auto)", flush=True)
                     raise SystemExit(128 + self._stop_signal)
         bar.close()
-        if not (cfg.checkpoint.every and self.step_index % cfg.checkpoint.every == 0):
-            self.save_checkpoint()
+        self.save_checkpoint()
         if self.data.eval is not None and (not cfg.eval_every or self.step_index % cfg.eval_every):
             self.evaluate()
         self.log.close()
