@@ -150,11 +150,9 @@ def find_resumable(root: pathlib.Path) -> pathlib.Path | None:
     return None
 
 
-def load_checkpoint(path: pathlib.Path, engine, verified: bool = False) -> dict:
-    """Restore masters and optimizer states into `engine` (verifying first unless `verified`, e.g. by
-    `find_resumable`: hashing an 8B checkpoint takes a while); returns trainer.json."""
-    if not verified:
-        verify(path)
+def load_checkpoint(path: pathlib.Path, engine) -> dict:
+    """Restore masters and optimizer states into `engine` from a checkpoint already verified (`find_resumable`
+    or `verify`: hashing an 8B checkpoint takes a while, so once); returns trainer.json."""
     engine.synchronize()
     for index, name in enumerate(engine.unit_names()):
         try:
@@ -181,11 +179,8 @@ def prune(root: pathlib.Path, keep: int) -> None:
         shutil.rmtree(path)
 
 
-def read_masters(path: pathlib.Path, layouts: dict[str, object],
-                 verified: bool = False) -> dict[str, dict[str, torch.Tensor]]:
-    """Unit name -> parameter name -> fp32 tensor, read from a checkpoint (verified first unless `verified`)."""
-    if not verified:
-        verify(path)
+def read_masters(path: pathlib.Path, layouts: dict[str, object]) -> dict[str, dict[str, torch.Tensor]]:
+    """Unit name -> parameter name -> fp32 tensor, read from a checkpoint already verified."""
     out = {}
     for name, layout in layouts.items():
         master = load_file(str(path / unit_file(name)))["master"]
@@ -206,8 +201,7 @@ def export_run(run_dir: str | os.PathLike, step: int | None = None, out: str | N
         raise CheckpointError(f"{run} is not a run directory (no config.yaml)")
     cfg = load_config(run / "config.yaml")
     root = run / "checkpoints"
-    verified = step is None  # find_resumable verifies what it returns
-    if step is None:
+    if step is None:  # find_resumable verifies what it returns
         path = find_resumable(root)
         if path is None:
             raise CheckpointError(f"{root} holds no usable checkpoint to export")
@@ -216,11 +210,12 @@ def export_run(run_dir: str | os.PathLike, step: int | None = None, out: str | N
         if not path.is_dir():
             have = ", ".join(p.name for p in list_checkpoints(root)) or "none"
             raise CheckpointError(f"no checkpoint for step {step} in {root} (have: {have})")
+        verify(path)
     model = load_model(cfg.model, cfg.seed, need_tokenizer=False)
     stack = model.stack()
     block = FlatLayout(stack.make_block())
     layouts = {"edges": FlatLayout(stack.make_edges())}
     layouts.update({f"block.{i}": block for i in range(stack.num_blocks)})
     dtype = export_dtype(cfg.export_dtype, model.dtype)
-    return export_hf(out or run / "export", model.hf_config, read_masters(path, layouts, verified), model.tokenizer,
+    return export_hf(out or run / "export", model.hf_config, read_masters(path, layouts), model.tokenizer,
                      dtype)

@@ -153,16 +153,15 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
     def _resume(self) -> pathlib.Path | None:
-        path = None
-        verified = self.cfg.resume == "auto"  # find_resumable returns a verified checkpoint
-        if verified:
+        if self.cfg.resume == "auto":  # find_resumable returns a verified checkpoint
             path = ckpt.find_resumable(self.checkpoints)  # None: nothing saved yet, a fresh start
         else:
             path = pathlib.Path(self.cfg.resume)
             if not path.is_dir():
                 raise ckpt.CheckpointError(f"resume: checkpoint {path} does not exist")
+            ckpt.verify(path)
         if path is not None:
-            state = ckpt.load_checkpoint(path, self.engine, verified)
+            state = ckpt.load_checkpoint(path, self.engine)
             self.step_index = state["step"]
             self.data.train.load_state_dict(state["data"])
             if state.get("total_steps") != self.total_steps:
