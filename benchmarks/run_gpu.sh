@@ -3,6 +3,7 @@
 # them into benchmarks/results/.
 #   bash benchmarks/run_gpu.sh small   # GPU tests, then B1 and B3 (the plain GPU-resident peer in the same run)
 #   bash benchmarks/run_gpu.sh b8      # B8 without and with clipping (no peer: it does not fit this host)
+#   bash benchmarks/run_gpu.sh clip    # B3 and B8 with clipping: split vs whole updates, device share 0.5 vs 1/3
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, then benchmarks/kernels.py against eager,
 #                                      # torch.compile and Liger-Kernel (carry .whl-kernels: Liger's wheel)
 set -u
@@ -28,6 +29,18 @@ b8)
   b8="--model llama-3.1-8b --seq 4096 --micro 1 --accum 8 --cap 16 --peer none"
   bench $b8 --clip none --tag B8-noclip
   bench $b8 --tag B8
+  ;;
+clip)
+  (cd "$root/packages/slide-scheduler" && python3 -m pytest -q -m gpu tests -p no:cacheprovider) > "$out/gpu-tests-slide-scheduler.log" 2>&1
+  echo "gpu tests slide-scheduler: exit $?"; tail -1 "$out/gpu-tests-slide-scheduler.log"
+  b3="--model llama-3.2-3b --seq 4096 --micro 2 --accum 4 --cap 24"
+  bench $b3 --peer plain --tag B3
+  bench $b3 --peer none --split 0 --tag B3-whole
+  bench $b3 --peer none --device-share 0.33 --tag B3-share33
+  b8="--model llama-3.1-8b --seq 4096 --micro 1 --accum 8 --cap 16 --peer none"
+  bench $b8 --tag B8
+  bench $b8 --device-share 0.33 --tag B8-share33
+  rm -f "$out"/B3-whole-timeline.png "$out"/*share33-timeline.png  # the machine returns at most 8 files
   ;;
 kernels)
   if ls "$root"/.whl-kernels/*.whl >/dev/null 2>&1; then

@@ -184,3 +184,38 @@ def test_host_blocks_change_where_the_work_runs_not_the_result(monkeypatch, stat
             ref.grad = g.float() * 0.5
             ref_opt.step()
         assert results[0][0].equal(ref.detach())
+
+
+@pytest.mark.parametrize("states", [torch.float32, torch.bfloat16])
+def test_a_step_split_into_params_then_moments_is_the_whole_step(states):
+    """The "params" part writes the new master and leaves m and v as they were; the "moments" part then writes
+    m and v and leaves the master alone. Together: bit for bit one whole step, and with fp32 states
+    torch.optim.AdamW(fused=True)'s, over steps with changing lr and clipping scale."""
+    torch.manual_seed(0)
+    cfg = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    master = torch.randn(3000)
+    whole = FlatAdamW(master.clone(), cfg, chunk=1024, states_dtype=states)
+    split = FlatAdamW(master.clone(), cfg, chunk=1024, states_dtype=states)
+    ref = master.clone().requires_grad_()
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=True)
+    for k in range(3):
+        grad = torch.randn(3000).bfloat16()
+        lr, scale = 1e-2 / (k + 1), 0.3 if k % 2 else 1.0
+        whole.step(grad, lr, scale)
+        before = split.exp_avg.clone(), split.exp_avg_sq.clone()
+        split.step(grad, lr, scale, part="params")
+        assert split.master.equal(whole.master)
+        assert split.exp_avg.equal(before[0]) and split.exp_avg_sq.equal(before[1])
+        params = split.master.clone()
+        split.step(grad, lr, scale, part="moments")
+        assert split.master.equal(params) and split.step_count == whole.step_count == k + 1
+        assert split.exp_avg.equal(whole.exp_avg) and split.exp_avg_sq.equal(whole.exp_avg_sq)
+        ref.grad = grad.float() * scale
+        for group in ref_opt.param_groups:
+            group["lr"] = lr
+        ref_opt.step()
+    if states == torch.float32:
+        assert split.master.equal(ref.detach())
+        assert split.exp_avg.equal(ref_opt.state[ref]["exp_avg"])
+    with pytest.raises(ValueError, match="part"):
+        split.step(grad, lr, part="half")

@@ -174,14 +174,14 @@ def test_each_block_visits_a_slot_once_per_pass():
 
 def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None,
                resident: int = 0, dtype: str = "auto", device_share: float = 0.0, tied: bool = True,
-               held: int = 0):
+               held: int = 0, split: bool = True):
     torch.manual_seed(0)
     model = Model(tied=tied)
     engine = SlidingEngine(ToyStack(model), EngineConfig(device="cpu", window=window, activation_offload="cpu",
                                                          max_grad_norm=clip, pipeline=pipeline, resident=resident,
                                                          optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1),
                                                          compute_dtype=dtype, device_update_share=device_share,
-                                                         held_grads=held))
+                                                         held_grads=held, split_update=split))
     for name, seconds in (delays or {}).items():
         getattr(engine, name).delay = seconds
     if patch:
@@ -216,9 +216,45 @@ def test_a_missing_wait_is_caught_by_the_delay_tests():
     _, ref = run_engine(pipeline=False, window=2, clip=0.05)
 
     def forget_update_waits(engine):
-        engine.updater.wait = lambda index: None
+        engine.updater.wait = lambda index, params_only=False: None
 
     _, got = run_engine(pipeline=True, window=2, clip=0.05, delays={"updater": 0.01}, patch=forget_update_waits)
+    assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+@pytest.mark.parametrize("slow", ["h2d", "d2h", "updater"])
+def test_split_updates_give_the_whole_updates_result(monkeypatch, share, slow):
+    """Clipped updates split into a params part (before the next forward's load) and a moments part (after
+    that forward): the same kernel on the same inputs, so bit for bit whole updates' result, whichever worker
+    is slow. Host and device-updated blocks, and host-updated edges (share 0), take the split path."""
+    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05, device_share=share, split=False)
+    moments = []
+
+    def count_moments(engine):
+        submit = engine.updater.submit
+        engine.updater.submit = lambda index, *a, part="all": (moments.append(index) if part == "moments" else None,
+                                                               submit(index, *a, part=part))
+
+    losses, got = run_engine(pipeline=True, window=2, clip=0.05, device_share=share, delays={slow: 0.003},
+                             patch=count_moments)
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+    # every step, every unit but the edges updated on the device from their gradient there
+    assert sorted(moments) == sorted(list(range(int(share > 0), DEPTH + 1)) * 3)
+
+
+def test_a_gradient_buffer_is_reused_only_after_the_moments_part_read_it():
+    """The check above can fail: let every wait for an update stop at its params part, slow the updater down,
+    and the next backward overwrites gradients the moments part has not read yet."""
+    _, ref = run_engine(pipeline=False, window=2, clip=0.05, split=False)
+
+    def params_only_waits(engine):
+        wait = engine.updater.wait
+        engine.updater.wait = lambda index, params_only=False: wait(index, True)
+
+    _, got = run_engine(pipeline=True, window=2, clip=0.05, delays={"updater": 0.01}, patch=params_only_waits)
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
@@ -437,24 +473,25 @@ def test_evaluate_between_steps_applies_pending_device_updates_once(monkeypatch)
 def test_device_updates_on_cuda_track_host_updates():
     """On a GPU the streamed path runs CUDA's fused AdamW instead of the CPU's: the same formula, rounded by
     other hardware, so fp32 masters agree to a few ulps after several clipped steps (two of the device-updated
-    blocks keeping their gradient on the device)."""
+    blocks keeping their gradient on the device), split updates or whole ones."""
     if not torch.cuda.is_available():
         pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
     results = []
-    for share in (0.0, 1.0):
+    for share, split in ((0.0, True), (1.0, True), (1.0, False)):
         torch.manual_seed(0)
         engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
             device="cuda", compute_dtype="fp32", window=2, max_grad_norm=0.05, device_update_share=share,
-            held_grads=2 if share else 0, optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
+            held_grads=2 if share else 0, split_update=split, optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
         assert len(engine.streamed) == (DEPTH + 1 if share else 0) and len(engine.held_grads) == (2 if share else 0)
         for step in batches(seed=4, steps=4, micro=3):
             engine.step([{k: v.cuda() for k, v in b.items()} for b in step], lr=1e-2, normalizer=10)
         results.append({k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()})
         engine.close()
-    host, device = results
-    for unit, params in host.items():
-        for name, t in params.items():
-            torch.testing.assert_close(device[unit][name], t, rtol=1e-5, atol=1e-6, msg=f"{unit}.{name}")
+    host = results[0]
+    for device in results[1:]:
+        for unit, params in host.items():
+            for name, t in params.items():
+                torch.testing.assert_close(device[unit][name], t, rtol=1e-5, atol=1e-6, msg=f"{unit}.{name}")
 
 
 @pytest.mark.gpu

@@ -11,6 +11,11 @@ update, would otherwise pay for.
 The states are flat tensors allocated up front next to the master (pinned on a CUDA host), so a host unit's
 update can also run on the device: `StreamedStep` copies master, states and gradient in, steps there with the
 same kernel arithmetic, and copies master and states back.
+
+A step may also run in two parts (`part`): "params" writes only the new master (m and v are stepped in scratch
+and dropped), "moments" later writes only the new m and v (the master is stepped in scratch). Both parts run the
+same kernel on the same inputs, so together they leave exactly the state one whole step leaves; what they buy
+is time: the part the next forward waits for reads 18 bytes per parameter and writes 4, instead of 26 in all.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ import torch
 from .host import host_zeros
 
 CHUNK = 1 << 25  # elements per update chunk: the granule of "this part of the gradient has arrived"
-# Host elements per thread per kernel call: 1 MiB of fp32 scratch per core (bf16 states add 2 MiB of widened m
-# and v, past some cores' L2 but within the shared cache).
+# Host elements per thread per kernel call: 1 MiB of fp32 scratch per core (bf16 states and split steps add 2-3
+# MiB of m, v and master that are not written back, past some cores' L2 but within the shared cache).
 BLOCK_PER_THREAD = 1 << 18
 
 
@@ -34,6 +39,7 @@ def host_block(chunk: int) -> int:
 # Pieces of a chunk start at multiples of this, where the CPU kernel's vector loops would split it anyway: a
 # piece cut elsewhere sends a few elements through scalar code, which can round differently (FMA).
 PIECE_ALIGN = 64
+PARTS = ("all", "params", "moments")
 
 
 @dataclass
@@ -83,8 +89,10 @@ class FlatAdamW:
         # Host states are page-locked only when they will cross PCIe (StreamedStep); None: whenever CUDA is there.
         self.exp_avg = _zeros(master.numel(), states_dtype, master.device, pinned_states)
         self.exp_avg_sq = _zeros(master.numel(), states_dtype, master.device, pinned_states)
-        if self.narrow:  # fp32 room to run one chunk's step in
-            self._wide = wide if wide is not None else torch.empty(2, size, device=master.device)
+        # fp32 room for m, v and the master of one block whose step is not written back (or is narrowed after):
+        # bf16 states need the first two rows, split steps (host only) all three.
+        rows = 3 if master.device.type == "cpu" else 2 if self.narrow else 0
+        self._wide = wide if wide is not None else torch.zeros(rows, size, device=master.device)
         self.steps = [torch.zeros((), dtype=torch.float32, device=master.device) for _ in self.ranges]
 
     @property
@@ -93,22 +101,29 @@ class FlatAdamW:
         them, sized for the threads torch has now (the scratch caps it)."""
         if self.master.device.type != "cpu":
             return self.chunk
-        return min(host_block(self.chunk), self.scratch.numel(), *(self._wide.shape[1:] if self.narrow else ()))
+        return min(host_block(self.chunk), self.scratch.numel(), self._wide.shape[1])
 
     @property
     def step_count(self) -> int:
         return int(self.steps[0])
 
     def step(self, grad: torch.Tensor, lr: float, grad_scale: float = 1.0,
-             before_chunk: Callable[[int], None] | None = None) -> None:
+             before_chunk: Callable[[int], None] | None = None, part: str = "all") -> None:
         """One AdamW step from `grad` (flat, same length as the master), scaled first by `grad_scale`.
 
+        `part`: "all"; or "params" then "moments", with the same gradient, scale and lr (see the module notes).
         `before_chunk(k)` runs before chunk k (`ranges[k]`) is read: e.g. to wait until it has arrived."""
+        if part not in PARTS:
+            raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+        if part != "all" and len(self._wide) < 3:
+            raise ValueError("split steps run on host masters (a device unit steps whole)")
         block = self.block
+        keep_params, keep_moments = part != "moments", part != "params"
         for k, ((a, b), step) in enumerate(zip(self.ranges, self.steps)):
             if before_chunk is not None:
                 before_chunk(k)
-            step += 1
+            if keep_params:  # the "moments" part is the same update: it counts no step
+                step += 1
             for start in range(a, b, block):
                 end = min(start + block, b)
                 n = end - start
@@ -117,10 +132,11 @@ class FlatAdamW:
                 if grad_scale != 1.0:
                     g.mul_(grad_scale)
                 m, v = self.exp_avg[start:end], self.exp_avg_sq[start:end]
-                if self.narrow:  # widened for the step, rounded back after
+                if self.narrow or not keep_moments:  # widened for the step (rounded back after), or dropped
                     m, v = self._wide[0, :n].copy_(m), self._wide[1, :n].copy_(v)
-                _adamw_kernel(self.master[start:end], g, m, v, step, lr, self.config)
-                if self.narrow:
+                p = self.master[start:end] if keep_params else self._wide[2, :n]
+                _adamw_kernel(p, g, m, v, step, lr, self.config)
+                if self.narrow and keep_moments:
                     self.exp_avg[start:end].copy_(m)
                     self.exp_avg_sq[start:end].copy_(v)
 
@@ -183,9 +199,12 @@ class StreamedStep:
         self.step_t.fill_(step_count + 1)
         _adamw_kernel(self.param[:n], grad, self.exp_avg[:n], self.exp_avg_sq[:n], self.step_t, lr, self.config)
 
-    def store(self, opt: FlatAdamW, start: int, end: int) -> None:
+    def store(self, opt: FlatAdamW, start: int, end: int, moments: bool = True) -> None:
+        """Copy the stepped master (and m and v, unless the host will step them: `FlatAdamW.step` part
+        "moments") back to [start, end) of `opt`."""
         n = end - start
-        for dst, src in ((opt.master, self.param), (opt.exp_avg, self.exp_avg), (opt.exp_avg_sq, self.exp_avg_sq)):
+        pairs = ((opt.master, self.param), (opt.exp_avg, self.exp_avg), (opt.exp_avg_sq, self.exp_avg_sq))
+        for dst, src in pairs if moments else pairs[:1]:
             dst[start:end].copy_(src[:n], non_blocking=True)
 
 
@@ -204,7 +223,7 @@ class HostAdamW:
                 raise ValueError("master weights must be flat fp32 tensors on the host")
         size = min(host_block(CHUNK), max((m.numel() for m in present), default=1))
         scratch = torch.empty(size)  # one thread updates one unit at a time: every unit shares the scratch
-        wide = torch.empty(2, size) if states_dtype != torch.float32 else None
+        wide = torch.zeros(3, size)
         self.masters = masters
         self.config = config
         pinned = pinned or [None] * len(masters)
@@ -214,9 +233,9 @@ class HostAdamW:
                       for m, pin, cut in zip(masters, pinned, bounds)]
 
     def step_unit(self, unit: int, grad: torch.Tensor, lr: float, grad_scale: float = 1.0,
-                  before_chunk: Callable[[int], None] | None = None) -> None:
+                  before_chunk: Callable[[int], None] | None = None, part: str = "all") -> None:
         """Update one unit's master from its gradient (any dtype), scaled by `grad_scale` (e.g. clipping)."""
-        self.units[unit].step(grad, lr, grad_scale, before_chunk)
+        self.units[unit].step(grad, lr, grad_scale, before_chunk, part)
 
     def state_tensors(self, unit: int) -> dict[str, torch.Tensor]:
         return self.units[unit].state_tensors()

@@ -16,7 +16,10 @@ host-to-device, device-to-host) plus a host optimizer thread:
 Exact global grad-norm clipping needs every gradient before any update, so with clipping on, the updates of a
 step run while the *next* step's forward goes (each block's load waits for its own update, or runs it); without
 clipping they start during backward, as soon as each chunk of a block's gradient reaches the host. Per-block
-squared norms are reduced on the device, so the clip needs one small read at the end of backward.
+squared norms are reduced on the device, so the clip needs one small read at the end of backward. Clipped
+updates are split (`split_update`): the next forward waits only for new masters, and the AdamW moments of
+sliding blocks are stepped on the host after the forward, before the next backward reuses their gradient
+buffers; that takes a third of the memory traffic out of the forward, where it is exposed.
 
 `pipeline=False` runs the very same schedule with every lane inline and the optimizer on the calling thread:
 the synchronous engine, kept as the reference the pipelined one is tested against.
@@ -73,6 +76,9 @@ class EngineConfig:
     # With clipping, how many of those device-updated blocks keep their gradient on the device until the update
     # (2 bytes per parameter of device memory each; no host copy and no PCIe round trip). slide-train sizes it.
     held_grads: int = 0
+    # With clipping, sliding blocks' updates write the new masters first and the AdamW moments after the next
+    # forward (same kernel, same inputs: the same result bit for bit); False: whole updates in the forward.
+    split_update: bool = True
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -249,17 +255,22 @@ class SlidingEngine:
         for buf in self.stream_buffers:
             buf.free = DONE  # its last store has left
         self._next_buffer = 0
-        # unit -> (grad, grad arrived, lr, scale, optimizer chunks still to update): to run at its next load
+        # unit -> (grad, grad arrived, lr, scale, optimizer chunks still to update, split): to run at its next load
         self._pending: dict[int, tuple] = {}
         self._written: dict[int, Signal] = {}  # unit -> its master and states are back on the host
+        # unit -> (host grad, its arrival per optimizer chunk, lr, scale): the moments part of a split update,
+        # whose params part has been queued; submitted after the forward, last block first (the order in which
+        # backward reuses the gradient buffers). The next update of the unit reads m and v only after its next
+        # gradient has arrived, which reuses the buffer, which waits for this part (_send_grads).
+        self._moments_due: dict[int, tuple] = {}
 
     def _update_on_device(self, unit: int, slot: Slot | None, chunks: list[int] | None = None) -> None:
         """Queue unit's pending update on the device (only optimizer `chunks` of it, if given), writing the new
         parameters into `slot` (if any)."""
-        grad, arrived, lr, scale, todo = self._pending.pop(unit)
+        grad, arrived, lr, scale, todo, split = self._pending.pop(unit)
         chunks = todo if chunks is None else chunks
         if rest := [k for k in todo if k not in chunks]:
-            self._pending[unit] = (grad, arrived, lr, scale, rest)
+            self._pending[unit] = (grad, arrived, lr, scale, rest, split)
         opt = self.optimizer.units[unit]
         name = unit - 1 if unit else "edges"
         self.h2d.wait(arrived)
@@ -274,9 +285,11 @@ class SlidingEngine:
                 self.h2d.wait(buf.free)
                 self.h2d.run(_stream_in, buf, opt, start, end, grad, count, lr, scale, slot, label=f"update {name}")
                 self.d2h.wait(self.h2d.record())
-                self.d2h.run(buf.store, opt, start, end, label=f"store {name}")
+                self.d2h.run(buf.store, opt, start, end, not split, label=f"store {name}")
                 buf.free = self.d2h.record()
             step += 1  # host bookkeeping of the chunk's AdamW step count (in place: the chunk's state)
+        if split:  # m and v stay as they were: the host steps them once they have been read
+            self._moments_due[unit] = (grad, [self.h2d.record()] * len(opt.ranges), lr, scale)
         self._written[unit] = self.d2h.record()
         if slot is not None:
             slot.unit = unit - 1 if unit else None
@@ -300,16 +313,23 @@ class SlidingEngine:
             self.d2h.run(buffer.copy_, slot.grads, True, label=f"hold grads {block}")
             return buffer, [self.d2h.record()]
         buffer, previous = self.grad_ring.take(unit)
-        if previous is not None:  # the buffer's last gradient has been used by its update
+        if previous is not None:  # the buffer's last gradient has been used by its update (both parts)
             self._wait_for_update(previous)
         return buffer, self._copy_out(unit, buffer, slot.grads, f"grads {block}")
 
     def _flush_device_updates(self) -> None:
-        """Run the device updates still waiting for their block's next load, and wait until all are home."""
+        """Run the device updates still waiting for their block's next load, and wait until all are home (the
+        host's moments parts are queued)."""
         for unit in list(self._pending):
             self._update_on_device(unit, None)
+        self._submit_moments()
         for signal in self._written.values():
             signal.wait_host()
+
+    def _submit_moments(self) -> None:
+        """Queue the moments parts of split updates on the optimizer thread, last block first."""
+        for unit in sorted(self._moments_due, reverse=True):
+            self.updater.submit(unit, *self._moments_due.pop(unit), part="moments")
 
     # -- parameters ---------------------------------------------------------------------------------------------
 
@@ -366,7 +386,7 @@ class SlidingEngine:
         if unit in self._pending:
             self._update_on_device(unit, slot, chunks)
             return
-        self._wait_for_update(unit)
+        self._wait_for_update(unit, params_only=True)
         self.h2d.wait(self._written.get(unit, DONE))
         block = unit - 1 if unit else None
         self.h2d.run(slot.load, self.units[unit].master, block, True, label=f"params {'edges' if unit == 0 else block}")
@@ -410,9 +430,9 @@ class SlidingEngine:
     def window(self) -> int:
         return len(self.slots) if self.slots else 1
 
-    def _wait_for_update(self, unit: int) -> None:
+    def _wait_for_update(self, unit: int, params_only: bool = False) -> None:
         start = time.perf_counter()
-        self.updater.wait(unit)
+        self.updater.wait(unit, params_only)
         self._wait_update_s += time.perf_counter() - start
 
     # -- one optimizer step -------------------------------------------------------------------------------------
@@ -432,6 +452,7 @@ class SlidingEngine:
         batches = self._to_device(micro_batches)
         self.activations.trim(m)
         hidden, contexts = self._forward(batches)
+        self._submit_moments()
         clock.lap("forward")
 
         with span("compute", "tail", stream):
@@ -449,7 +470,7 @@ class SlidingEngine:
 
         clip = self.config.max_grad_norm
         if not clip and self._edge_tail:  # the edges' tail-only gradient is final: update it during backward
-            self._pending[0] = (self.edge_slot.grads, self.compute.record(), lr, 1.0, list(self._edge_tail))
+            self._pending[0] = (self.edge_slot.grads, self.compute.record(), lr, 1.0, list(self._edge_tail), False)
         arrived: dict[int, list[Signal]] = {}  # unit -> one signal per optimizer chunk of its host gradient
         host_grads: dict[int, torch.Tensor] = {}
         staged = {n - 1: self._stage(n - 1, n - 1, m)}
@@ -486,6 +507,7 @@ class SlidingEngine:
             host_grads[0], arrived[0] = self.edge_slot.grads, [self.compute.record()]
         elif not self.resident:
             host_grads[0] = self.edge_grad
+            self._wait_for_update(0)  # the last update of the edges is done reading their gradient buffer
             self.d2h.wait(self.compute.record())
             arrived[0] = self._copy_out(0, self.edge_grad, self.edge_slot.grads, "grads edges")
         clock.lap("backward")
@@ -500,13 +522,19 @@ class SlidingEngine:
                 opt.step(slot.grads, lr, scale)
                 slot.params.copy_(opt.master)
         for u in range(self.resident, len(self.units)):
+            # A clipped update splits when its gradient is in a host buffer (not held on the device, nor the
+            # streamed edges' own on the device) for the host to step the moments from.
+            split = bool(clip) and self.config.split_update and u not in self.held_grads and \
+                not (u == 0 and u in self.streamed)
             if u in self.streamed:  # runs when the unit next loads
                 chunks = range(len(self.optimizer.units[u].ranges))
                 if u == 0 and not clip:  # the tail-only part is done already
                     chunks = [k for k in chunks if k not in self._edge_tail]
-                self._pending[u] = (host_grads[u], arrived[u][-1], lr, scale, list(chunks))
+                self._pending[u] = (host_grads[u], arrived[u][-1], lr, scale, list(chunks), split)
             elif u == 0 or clip:  # without clipping, sliding blocks were submitted during backward
-                self.updater.submit(u, host_grads[u], arrived[u], lr, scale)
+                self.updater.submit(u, host_grads[u], arrived[u], lr, scale, part="params" if split else "all")
+                if split:
+                    self._moments_due[u] = (host_grads[u], arrived[u], lr, scale)
         if not self.resident:
             self._edges_loaded = None
         if not self.config.pipeline:
@@ -525,10 +553,9 @@ class SlidingEngine:
         """This step's spans, plus the optimizer thread's updates that ran during it (host times)."""
         spans = self.timeline.spans()
         seen = list(self.updater.spans)  # the worker may append meanwhile: only what was read is dropped
-        for unit, start, end in seen:
+        for label, start, end in seen:
             if end >= origin:
-                spans.append(Span("optimizer", f"update {unit - 1 if unit else 'edges'}", start - origin,
-                                  end - origin))
+                spans.append(Span("optimizer", label, start - origin, end - origin))
         del self.updater.spans[: len(seen)]
         return spans
 
@@ -545,6 +572,7 @@ class SlidingEngine:
         batches = self._to_device(micro_batches)
         with torch.no_grad():
             hidden, _ = self._forward(batches, keep=False)
+            self._submit_moments()
             loss = sum(self.edges.tail(h, batch, normalizer).float() for h, batch in zip(hidden, batches))
         return float(loss)  # one read for all micro-batches
 

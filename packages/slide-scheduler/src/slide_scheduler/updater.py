@@ -1,8 +1,10 @@
 """The host optimizer worker: one thread that applies AdamW to units in the order they are submitted.
 
 A unit's update waits for its gradient to arrive on the host (a lane signal), runs AdamW over its fp32 master
-and then sets the unit's `done` signal, which is what every later load of that unit (and every later reuse of
-its gradient buffer) waits for. One thread, because torch's CPU AdamW already uses every core inside one call.
+and then sets the unit's signals: `params` (the master is new), which every later load of the unit waits for, and
+`done` (the AdamW states too), which every later reuse of its gradient buffer waits for. A split update sets
+them one part at a time (`FlatAdamW.step`'s "params", later "moments"). One thread, because torch's CPU AdamW
+already uses every core inside one call.
 """
 
 from __future__ import annotations
@@ -19,26 +21,32 @@ from .lanes import HostSignal, Signal
 class HostUpdater:
     def __init__(self, optimizer, inline: bool = False):
         self.optimizer = optimizer
+        self.params = [HostSignal() for _ in optimizer.units]
         self.done = [HostSignal() for _ in optimizer.units]
         self.delay = 0.0  # tests: seconds each update sleeps first
-        self.spans: list[tuple[int, float, float]] = []  # (unit, start, end) host times, for the timeline
+        self.spans: list[tuple[str, float, float]] = []  # (label, start, end) host times, for the timeline
         self._queue: queue.Queue | None = None
         if not inline:
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._loop, name="slide-updater", daemon=True)
             self._thread.start()
 
-    def submit(self, index: int, grad: torch.Tensor, arrived: list[Signal], lr: float, grad_scale: float) -> None:
+    def submit(self, index: int, grad: torch.Tensor, arrived: list[Signal], lr: float, grad_scale: float,
+               part: str = "all") -> None:
         """Update unit `index` from the host tensor `grad`; `arrived[k]` holds once the unit's optimizer chunk k
-        is in it, and each chunk waits only for its own."""
+        is in it, and each chunk waits only for its own. `part` "params" leaves `done` clear until the unit's
+        "moments" part (a later submit, nothing else in between may need the unit's states) is done."""
+        if part != "moments":
+            self.params[index].clear()
         self.done[index].clear()
         if self._queue is None:
-            self._apply(index, grad, arrived, lr, grad_scale)
+            self._apply(index, grad, arrived, lr, grad_scale, part)
         else:
-            self._queue.put((index, grad, arrived, lr, grad_scale))
+            self._queue.put((index, grad, arrived, lr, grad_scale, part))
 
-    def wait(self, index: int) -> None:
-        self.done[index].wait_host()
+    def wait(self, index: int, params_only: bool = False) -> None:
+        """Until unit `index`'s last submitted update is done (`params_only`: its master is)."""
+        (self.params if params_only else self.done)[index].wait_host()
 
     def wait_all(self) -> None:
         for signal in self.done:
@@ -51,16 +59,22 @@ class HostUpdater:
                 return
             self._apply(*item)
 
-    def _apply(self, index: int, grad: torch.Tensor, arrived: list[Signal], lr: float, grad_scale: float) -> None:
+    def _apply(self, index: int, grad: torch.Tensor, arrived: list[Signal], lr: float, grad_scale: float,
+               part: str) -> None:
         try:
             arrived[0].wait_host()
             if self.delay:
                 time.sleep(self.delay)
             start = time.perf_counter()
-            self.optimizer.step_unit(index, grad, lr, grad_scale, before_chunk=lambda k: arrived[k].wait_host())
-            self.spans.append((index, start, time.perf_counter()))
-            self.done[index].set()
+            self.optimizer.step_unit(index, grad, lr, grad_scale, before_chunk=lambda k: arrived[k].wait_host(),
+                                     part=part)
+            name = index - 1 if index else "edges"
+            self.spans.append((f"{'moments' if part == 'moments' else 'update'} {name}", start, time.perf_counter()))
+            self.params[index].set()
+            if part != "params":
+                self.done[index].set()
         except BaseException as e:  # surfaced in the training thread by the next wait on this unit
+            self.params[index].set(error=e)
             self.done[index].set(error=e)
 
     def close(self) -> None:

@@ -55,6 +55,9 @@ class EngineSection:
     # Share of sliding blocks whose clipped update runs on the GPU (states streamed over PCIe) instead of the
     # CPU; any share above 0 also updates sliding edges on the GPU, clipping or not. null: auto (0.5 on CUDA)
     device_update_share: float | None = None
+    # With clipping, write new masters before the next forward and AdamW moments after it (same result); false:
+    # whole updates before the forward (for comparison)
+    split_update: bool = True
 
 
 @dataclass
