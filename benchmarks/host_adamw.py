@@ -4,7 +4,8 @@
 
 Times, for one unit of `numel` parameters with a bf16 gradient, `FlatAdamW.step` working through cache-sized
 blocks (`BLOCK_PER_THREAD` elements per thread, the default) and through whole 32M-element chunks (the widened
-gradient then goes to memory and back), for fp32 and bf16 states; prints G params/s (median of runs).
+gradient then goes to memory and back), for fp32 and bf16 states, and in cache-sized blocks the two parts of a
+split update (`part="params"`, `part="moments"`); prints G params/s (median of runs).
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ def main() -> None:
                 opt = FlatAdamW(torch.randn(n) * 0.02, AdamWConfig(lr=1e-5), states_dtype=states)
                 seconds = timed(lambda opt=opt: opt.step(grad, 1e-5, 0.5), args.runs)
             key = f"{str(states).removeprefix('torch.')}_states_{name}"
+            results[key + "_s"] = seconds
+            results[key + "_gparams_per_s"] = n / seconds / 1e9
+        for part in ("params", "moments"):
+            opt = FlatAdamW(torch.randn(n) * 0.02, AdamWConfig(lr=1e-5), states_dtype=states)
+            seconds = timed(lambda opt=opt, part=part: opt.step(grad, 1e-5, 0.5, part=part), args.runs)
+            key = f"{str(states).removeprefix('torch.')}_states_{part}_part"
             results[key + "_s"] = seconds
             results[key + "_gparams_per_s"] = n / seconds / 1e9
     print(json.dumps(results, indent=1))

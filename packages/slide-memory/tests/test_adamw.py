@@ -217,5 +217,6 @@ def test_a_step_split_into_params_then_moments_is_the_whole_step(states):
     if states == torch.float32:
         assert split.master.equal(ref.detach())
         assert split.exp_avg.equal(ref_opt.state[ref]["exp_avg"])
+        assert split.exp_avg_sq.equal(ref_opt.state[ref]["exp_avg_sq"])
     with pytest.raises(ValueError, match="part"):
         split.step(grad, lr, part="half")

@@ -237,8 +237,8 @@ def test_split_updates_give_the_whole_updates_result(monkeypatch, share, slow):
         engine.updater.submit = lambda index, *a, part="all": (moments.append(index) if part == "moments" else None,
                                                                submit(index, *a, part=part))
 
-    losses, got = run_engine(pipeline=True, window=2, clip=0.05, device_share=share, delays={slow: 0.003},
-                             patch=count_moments)
+    losses, got = run_engine(pipeline=True, window=2, clip=0.05, device_share=share,
+                             delays={slow: 0.01 if slow == "updater" else 0.003}, patch=count_moments)
     assert losses == ref_losses
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
     # every step, every unit but the edges updated on the device from their gradient there
@@ -246,15 +246,23 @@ def test_split_updates_give_the_whole_updates_result(monkeypatch, share, slow):
 
 
 def test_a_gradient_buffer_is_reused_only_after_the_moments_part_read_it():
-    """The check above can fail: let every wait for an update stop at its params part, slow the updater down,
-    and the next backward overwrites gradients the moments part has not read yet."""
+    """The check above can fail: let a block's gradient buffer be reused once the last update's params part is
+    done (not its moments part), slow the updater down as above, and the next backward overwrites gradients the
+    moments part has not read yet."""
     _, ref = run_engine(pipeline=False, window=2, clip=0.05, split=False)
 
-    def params_only_waits(engine):
-        wait = engine.updater.wait
-        engine.updater.wait = lambda index, params_only=False: wait(index, True)
+    def reuse_after_params_part(engine):
+        take = engine.grad_ring.take
 
-    _, got = run_engine(pipeline=True, window=2, clip=0.05, delays={"updater": 0.01}, patch=params_only_waits)
+        def take_early(owner):
+            buffer, previous = take(owner)
+            if previous is not None:
+                engine.updater.wait(previous, params_only=True)
+            return buffer, None
+
+        engine.grad_ring.take = take_early
+
+    _, got = run_engine(pipeline=True, window=2, clip=0.05, delays={"updater": 0.01}, patch=reuse_after_params_part)
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
@@ -414,6 +422,30 @@ def test_a_failed_copy_on_a_worker_lane_surfaces_and_close_still_stops_threads()
     assert threads and not any(t.is_alive() for t in threads)
     with pytest.raises(RuntimeError, match="closed"):
         engine.step(step, lr=1e-2, normalizer=10)
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_a_failed_params_part_surfaces_and_its_moments_part_does_not_hide_it(pipeline):
+    """A split update's params part that fails on the optimizer thread leaves the master as it was: the error
+    must reach the training thread, not be overwritten when the moments part later runs."""
+    torch.manual_seed(0)
+    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=0.05,
+                                                                    pipeline=pipeline, device_update_share=0.0))
+    step_unit = engine.optimizer.step_unit
+
+    def fail_block_one_params(unit, grad, lr, grad_scale=1.0, before_chunk=None, part="all"):
+        if unit == 2 and part == "params":
+            raise ValueError("params part failed")
+        step_unit(unit, grad, lr, grad_scale, before_chunk, part)
+
+    engine.optimizer.step_unit = fail_block_one_params
+    with pytest.raises(RuntimeError, match="optimizer worker failed") as failure:
+        for step in batches(seed=4, steps=2, micro=2):
+            engine.step(step, lr=1e-2, normalizer=10)
+        engine.synchronize()
+    assert isinstance(failure.value.__cause__, ValueError)
+    with pytest.raises(RuntimeError, match="optimizer worker failed"):
+        engine.close()  # still stops the threads
 
 
 @pytest.mark.parametrize("clip, share", [(None, 0.0), (0.05, 0.0), (0.05, 0.5)])

@@ -10,7 +10,7 @@ host-to-device, device-to-host) plus a host optimizer thread:
             micro-batch (grads accumulate in the slot), gradient to a shared host ring chunk by chunk (d2h lane)
   head      embedding backward
   update    AdamW over fp32 masters: on the optimizer thread, chunk by chunk as gradients arrive; or on the
-            device while the unit next loads (`device_update_share`: master and states streamed over PCIe);
+            device while the unit next loads (`device_update_share`: master and states streamed in over PCIe);
             the edges' tail-only part (final norm, untied lm head) on the device as soon as it may
 
 Exact global grad-norm clipping needs every gradient before any update, so with clipping on, the updates of a
@@ -19,7 +19,7 @@ clipping they start during backward, as soon as each chunk of a block's gradient
 squared norms are reduced on the device, so the clip needs one small read at the end of backward. Clipped
 updates are split (`split_update`): the next forward waits only for new masters, and the AdamW moments of
 sliding blocks are stepped on the host after the forward, before the next backward reuses their gradient
-buffers; that takes a third of the memory traffic out of the forward, where it is exposed.
+buffers; device-updated blocks then send back only their master (4 bytes per parameter instead of 12).
 
 `pipeline=False` runs the very same schedule with every lane inline and the optimizer on the calling thread:
 the synchronous engine, kept as the reference the pipelined one is tested against.
@@ -77,7 +77,9 @@ class EngineConfig:
     # (2 bytes per parameter of device memory each; no host copy and no PCIe round trip). slide-train sizes it.
     held_grads: int = 0
     # With clipping, sliding blocks' updates write the new masters first and the AdamW moments after the next
-    # forward (same kernel, same inputs: the same result bit for bit); False: whole updates in the forward.
+    # forward (a host unit's two parts run the same kernel on the same inputs: bit for bit a whole update; a
+    # device-updated block's moments come from the host's kernel, its master from the device's, which agree to
+    # rounding as the two paths do anyway); False: whole updates in the forward.
     split_update: bool = True
 
     def resolve_device(self) -> torch.device:
@@ -226,8 +228,9 @@ class SlidingEngine:
         """Exact clipping defers every update until the global norm is known, and the host optimizer alone cannot
         finish them within the next forward. A share of the sliding blocks therefore updates on the device as
         the forward loads them: master, m, v and gradient stream in (PCIe has room to spare), torch's AdamW runs
-        there, the new parameters go straight into the slot and master and states stream back. Same math as
-        the host path, so the choice changes where the work runs, not the result.
+        there, the new parameters go straight into the slot and the master streams back (and m and v, unless the
+        update is split: the host steps those). Same math as the host path, so the choice changes where the
+        work runs, not the result (beyond the devices' rounding).
 
         Sliding edges take that path too, clipping or not: their gradient is the step's last, so their update
         always stands between one step and the next; on the device it reads the gradient where it was made
@@ -257,11 +260,10 @@ class SlidingEngine:
         self._next_buffer = 0
         # unit -> (grad, grad arrived, lr, scale, optimizer chunks still to update, split): to run at its next load
         self._pending: dict[int, tuple] = {}
-        self._written: dict[int, Signal] = {}  # unit -> its master and states are back on the host
+        self._written: dict[int, Signal] = {}  # unit -> what its device update stores is back on the host
         # unit -> (host grad, its arrival per optimizer chunk, lr, scale): the moments part of a split update,
         # whose params part has been queued; submitted after the forward, last block first (the order in which
-        # backward reuses the gradient buffers). The next update of the unit reads m and v only after its next
-        # gradient has arrived, which reuses the buffer, which waits for this part (_send_grads).
+        # backward reuses the gradient buffers, each waiting for it: _send_grads).
         self._moments_due: dict[int, tuple] = {}
 
     def _update_on_device(self, unit: int, slot: Slot | None, chunks: list[int] | None = None) -> None:
@@ -273,6 +275,7 @@ class SlidingEngine:
             self._pending[unit] = (grad, arrived, lr, scale, rest, split)
         opt = self.optimizer.units[unit]
         name = unit - 1 if unit else "edges"
+        self._wait_for_update(unit)  # the host's moments part of its last update is done with m and v
         self.h2d.wait(arrived)
         self.h2d.wait(self._written.get(unit, DONE))
         for k in chunks:
@@ -381,8 +384,8 @@ class SlidingEngine:
 
     def _load(self, unit: int, slot: Slot, chunks: list[int] | None = None) -> None:
         """Queue the unit's newest parameters into `slot` on the h2d lane: its pending device update (`chunks` of
-        it, if given) writes them there; otherwise its master is copied in once its host update is done (which
-        also means its gradient has left the slot) and any device update's store is home."""
+        it, if given) writes them there; otherwise its master is copied in once its host update has written it
+        (which also means its gradient has left the slot) and any device update's store is home."""
         if unit in self._pending:
             self._update_on_device(unit, slot, chunks)
             return

@@ -61,6 +61,9 @@ class HostUpdater:
 
     def _apply(self, index: int, grad: torch.Tensor, arrived: list[Signal], lr: float, grad_scale: float,
                part: str) -> None:
+        if part == "moments" and self.params[index].error is not None:  # its params part failed: keep the error
+            self.done[index].set(error=self.params[index].error)
+            return
         try:
             arrived[0].wait_host()
             if self.delay:
