@@ -153,11 +153,7 @@ class HFStack:
             self._fill(view, block_hf_name(index, name))
 
     def _fill(self, view: torch.Tensor, hf_name: str) -> None:
-        tensor = self.weights.get(hf_name)
-        if tuple(tensor.shape) != tuple(view.shape):
-            raise ModelError(f"{hf_name} has shape {tuple(tensor.shape)} in the weights, the config implies "
-                             f"{tuple(view.shape)}: do config.json and the safetensors files belong together?")
-        view.copy_(tensor)
+        self.weights.read_into(hf_name, view)
 
 
 class _Patchable(nn.Module):

@@ -57,11 +57,16 @@ class SafetensorsWeights:
     def keys(self) -> Iterator[str]:
         return iter(self.files)
 
-    def get(self, name: str) -> torch.Tensor:
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Copy tensor `name` into `out` (converting its dtype), which must have its shape."""
         if name not in self.files:
             raise ModelError(f"tensor {name!r} is missing from the weights in {self.dir}")
         path = self.files[name]
         try:
-            return self._open(path).get_tensor(name)
+            tensor = self._open(path).get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise ModelError(f"cannot read {name!r} from {path}: {e} (truncated or corrupt file?)") from e
+        if tuple(tensor.shape) != tuple(out.shape):
+            raise ModelError(f"{name} has shape {tuple(tensor.shape)} in the weights, the config implies "
+                             f"{tuple(out.shape)}: do config.json and the safetensors files belong together?")
+        out.copy_(tensor)
