@@ -215,3 +215,16 @@ def test_other_write_errors_are_not_reported_as_a_full_disk(store, monkeypatch):
     with pytest.raises(OSError) as info:
         store.write("k", torch.ones(10)).result()
     assert not isinstance(info.value, StoreFullError) and info.value.errno == errno.EIO
+
+
+def test_a_full_store_error_survives_pickling_and_copying():
+    """It crosses process boundaries (a worker's failure) with its fields and message intact."""
+    import copy
+    import errno
+    import pickle
+
+    error = StoreFullError("/mnt/nvme", 10 << 30, 1 << 30, what="optimizer states")
+    for clone in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert type(clone) is StoreFullError and clone.errno == errno.ENOSPC
+        assert (clone.directory, clone.needed, clone.free, str(clone)) == (error.directory, error.needed,
+                                                                           error.free, str(error))

@@ -207,3 +207,31 @@ def test_gpu_int64_offsets():
     assert torch.isfinite(weight.grad.float()).all() and torch.isfinite(hidden.grad.float()).all()
     # The last rows' gradient is as large as the first rows' (no wrapped offsets writing elsewhere).
     assert hidden.grad[-100:].float().abs().mean() > 0.1 * hidden.grad[:100].float().abs().mean()
+
+
+def test_no_gradient_work_without_autograd(path, monkeypatch):
+    """Under no_grad / inference_mode (an eval loop) the forward makes no gradients it would throw away."""
+    import importlib
+
+    lce = importlib.import_module("slide_kernels.ops.linear_cross_entropy")  # the module, not the function
+    wants = []
+    run = lce._run
+    monkeypatch.setattr(lce, "_run", lambda *a: (wants.append(a[9]), run(*a))[1])
+    hidden, weight, labels = _inputs(seed=9)
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            loss = sk.linear_cross_entropy(hidden, weight, labels)
+        assert max_err(loss, linear_ce_ref(hidden.detach(), weight.detach(), labels)) < 2e-5
+    sk.linear_cross_entropy(hidden, weight, labels).backward()
+    assert wants == [(False, False, False), (False, False, False), (True, True, False)]
+    assert hidden.grad is not None and weight.grad is not None
+
+
+@pytest.mark.parametrize("bad", [V, -1])
+def test_a_label_outside_the_vocabulary_is_an_error(path, bad):
+    """A label >= V, or negative and not ignore_index, is refused as F.cross_entropy refuses it (the kernel
+    would read past the row)."""
+    hidden, weight, labels = _inputs(seed=10)
+    labels[1, 3] = bad
+    with pytest.raises((RuntimeError, IndexError)):
+        sk.linear_cross_entropy(hidden, weight, labels)

@@ -105,3 +105,16 @@ def test_gpu_backward_skips_gradients_not_asked_for(frozen):
         assert dw is None and max_err(dx, xr.grad) < 1e-5 * xr.grad.abs().max().item()
     else:
         assert dx is None and max_err(dw, wr.grad) < 1e-5 * wr.grad.abs().max().item()
+
+
+def test_a_strided_weight(path):
+    """A weight that is a strided view (e.g. every other element of a buffer) reads the right elements."""
+    torch.manual_seed(4)
+    x = torch.randn(5, 16, requires_grad=True)
+    base = (torch.rand(32) + 0.5).requires_grad_()
+    w = base[::2]
+    sk.rms_norm(x, w).backward(torch.ones(5, 16))
+    xr, br = x.detach().double().requires_grad_(), base.detach().double().requires_grad_()
+    rms_norm_ref(xr, br[::2]).backward(torch.ones(5, 16, dtype=torch.float64))
+    assert max_err(sk.rms_norm(x, w), rms_norm_ref(xr, br[::2])) < 1e-5
+    assert max_err(x.grad, xr.grad) < 1e-5 and max_err(base.grad, br.grad) < 1e-4

@@ -76,3 +76,20 @@ def test_gpu_bf16_tolerance():
     ((qor * dq.double()).sum() + (kor * dk.double()).sum()).backward()
     for ours, peer, ref in zip(outs[0], outs[1], (qor, kor, qr.grad, kr.grad)):
         assert max_err(ours, ref) <= 1.1 * max_err(peer, ref) + 1e-3
+
+
+def test_what_the_kernel_does_not_take_goes_the_torch_way(path):
+    """cos/sin narrower than the heads raise (as HF's formula does) instead of reading out of bounds; mixed
+    dtypes promote as HF's formula does; an odd head dim splits as HF's rotate_half does."""
+    torch.manual_seed(2)
+    q, k, cos, sin = _inputs(2, 4, 2, 9, 16, 1, None)
+    with pytest.raises(RuntimeError):
+        sk.rope(q, k, cos[:, :8], sin[:, :8])
+    qo, ko = sk.rope(q.detach().bfloat16(), k.detach().bfloat16(), cos, sin)
+    qr, kr = rope_ref(q.detach().bfloat16(), k.detach().bfloat16(), cos[None], sin[None])
+    assert qo.dtype == ko.dtype == torch.float32 and max_err(qo, qr) < 1e-5 and max_err(ko, kr) < 1e-5
+    q7, k7 = torch.randn(2, 4, 9, 7), torch.randn(2, 2, 9, 7)
+    c7, s7 = torch.randn(9, 7), torch.randn(9, 7)
+    qo, ko = sk.rope(q7, k7, c7, s7)
+    qr, kr = rope_ref(q7, k7, c7[None], s7[None])
+    assert max_err(qo, qr) < 1e-5 and max_err(ko, kr) < 1e-5

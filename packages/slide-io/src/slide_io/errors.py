@@ -20,6 +20,7 @@ class StoreFullError(OSError):
         self.directory = str(directory)
         self.needed = int(needed)
         self.free = int(free)
+        self.what = what
         message = (
             f"slide-io: {what or 'the store'} needs {_size(self.needed)} in {self.directory}, "
             f"but only {_size(self.free)} are free there; free some space or point the store at "
@@ -29,3 +30,6 @@ class StoreFullError(OSError):
 
     def __str__(self) -> str:
         return self.strerror or ""
+
+    def __reduce__(self):  # rebuilt from its own arguments (OSError's would be errno and message)
+        return type(self), (self.directory, self.needed, self.free, self.what)

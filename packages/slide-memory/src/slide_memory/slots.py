@@ -31,7 +31,8 @@ class Slot:
     def load(self, master: torch.Tensor, unit: int | None = None, non_blocking: bool = False) -> None:
         """Copy a flat host master (fp32) into the slot's parameters, in the slot's dtype.
 
-        The slot's gradient buffer is overwritten when the dtypes differ: it must not hold anything still needed.
+        The slot's gradient buffer is overwritten when the dtypes differ: it must not hold anything still needed,
+        and it holds master bytes afterwards, so zero it before a backward accumulates into it.
         """
         if master.dtype == self.params.dtype or self.landing is None or not self.landing.numel():
             self.params.copy_(master, non_blocking=non_blocking)

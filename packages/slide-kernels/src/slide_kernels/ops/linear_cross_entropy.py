@@ -354,13 +354,18 @@ def _run(h2d, weight, bias, labels, scale, ignore_index, smoothing, softcap, z_c
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, normalizer, ignore_index, reduction, smoothing, softcap,
-                z_coef, on_triton):
+                z_coef, on_triton, grad_enabled):
         h2d = hidden.reshape(-1, hidden.shape[-1])
         lab = labels.reshape(-1).to(device=hidden.device, dtype=torch.long)
         if lab.numel() != h2d.shape[0]:
             raise ValueError(f"labels {tuple(labels.shape)} do not match hidden {tuple(hidden.shape)}")
-        want = ctx.want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-                           bias is not None and ctx.needs_input_grad[2])
+        if on_triton:  # the kernel reads the logit a label names: an out-of-range label stops the run (no host sync)
+            v = weight.shape[0]
+            torch._assert_async(((lab >= 0) & (lab < v) | (lab == ignore_index)).all(),
+                                f"linear_cross_entropy: a label is outside [0, {v}) and is not ignore_index")
+        # Gradients are made in the forward: none when no backward can follow (no_grad, inference_mode).
+        want = ctx.want = tuple(grad_enabled and w for w in (
+            ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]))
         fp32 = dict(dtype=_acc_dtype(weight), device=hidden.device)
         if reduction == "none":
             losses, *_ = _run(h2d, weight, bias, lab, torch.ones((), **fp32), ignore_index, smoothing, softcap,
@@ -403,7 +408,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             gh, gw, gb = (None if t is None else t.mul_(g.to(t.dtype)) for t in (gh, gw, gb))
         if gh is not None:
             gh = gh.view(shape).to(ctx.hidden_dtype)
-        return gh, gw, gb, None, None, None, None, None, None, None, None
+        return gh, gw, gb, None, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -426,4 +431,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         raise ValueError(f"softcap must be positive, got {softcap}")
     on_triton = use_triton(hidden, weight) and weight.dtype != torch.float64
     return LinearCrossEntropyFunction.apply(hidden, weight, bias, labels, normalizer, ignore_index, reduction,
-                                            float(label_smoothing), softcap, float(z_loss), on_triton)
+                                            float(label_smoothing), softcap, float(z_loss), on_triton,
+                                            torch.is_grad_enabled())

@@ -151,6 +151,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     """RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * (weight + offset)`."""
     if casting_mode not in MODES:
         raise ValueError(f"casting_mode must be one of {sorted(MODES)}, got {casting_mode!r}")
-    if use_triton(x, weight):
-        return RMSNormFunction.apply(x, weight, eps, offset, casting_mode)
+    if use_triton(x, weight):  # the kernel reads the weight densely (a no-op for a parameter)
+        return RMSNormFunction.apply(x, weight.contiguous(), eps, offset, casting_mode)
     return rms_norm_torch(x, weight, eps, offset, casting_mode)

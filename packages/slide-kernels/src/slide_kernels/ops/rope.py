@@ -109,8 +109,8 @@ class RoPEFunction(torch.autograd.Function):
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    half = x.shape[-1] // 2  # HF's split (an odd dim gives the second half the extra element)
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def rope_torch(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -128,6 +128,9 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     cos, sin: [batch or 1, tokens, dim] or [tokens, dim]. `position_ids` is accepted and unused, as in HF.
     Gradients flow to q and k; cos/sin that require grad take the torch path.
     """
-    if use_triton(q, k, cos, sin) and not (cos.requires_grad or sin.requires_grad) and q.shape[-1] % 2 == 0:
+    # The kernel takes one dtype and cos/sin as wide as the heads; anything else (mixed dtypes promote, a width
+    # mismatch raises) goes the torch way, as HF's does.
+    same = q.dtype == k.dtype == cos.dtype == sin.dtype and q.shape[-1] == k.shape[-1] == cos.shape[-1]
+    if use_triton(q, k, cos, sin) and same and not (cos.requires_grad or sin.requires_grad) and q.shape[-1] % 2 == 0:
         return RoPEFunction.apply(q, k, cos, sin, unsqueeze_dim)
     return rope_torch(q, k, cos, sin, position_ids, unsqueeze_dim)
