@@ -105,7 +105,8 @@ def test_activation_offload_and_no_clipping_match(tmp_path):
     write_token_rows(tmp_path / "data.jsonl", rows, labels)
     for offload in ("none", "cpu"):
         cfg = slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
-                           **{"engine.activation_offload": offload, "max_grad_norm": 1e9})
+                           **{"engine.activation_offload": offload, "max_grad_norm": 1e9,
+                              "output_dir": tmp_path / offload})
         trainer = Trainer(cfg, progress=False)
         for _ in range(STEPS):
             trainer.step()

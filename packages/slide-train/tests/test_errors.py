@@ -8,10 +8,12 @@ import pytest
 import torch
 import transformers
 from conftest import save_tiny_model, write_token_rows
+from safetensors import SafetensorError
 
+from slide_train.checkpoint import export_run
 from slide_train.cli import main
 from slide_train.config import load_config
-from slide_train.errors import CheckpointError, ConfigError, ModelError
+from slide_train.errors import CheckpointError, ConfigError, DiskFullError, ExportError, ModelError, TrainingError
 from slide_train.models.build import load_model
 from slide_train.trainer import Trainer
 
@@ -125,6 +127,8 @@ def test_an_earlier_run_is_never_silently_mixed_with_a_new_one(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
+    ("--optimizer.lr=nan", "optimizer.lr must be a finite number"),
+    ("--max_grad_norm=inf", "max_grad_norm must be a finite number"),
     ("--engine.resident=-1", "engine.resident must be 0 or more"),
     ("--engine.device_update_share=1.5", r"engine.device_update_share must be in \[0, 1\]"),
     ("--engine.states_dtype=bf16 --engine.device_update_share=0.5", "set it to 0 with engine.states_dtype=bf16"),
@@ -158,7 +162,7 @@ def test_a_full_disk_skips_a_periodic_checkpoint_refuses_the_last_and_leaves_not
     assert trainer.save_checkpoint(required=False) == root / "step-2"
     free["bytes"] = needed // 2
     trainer.step(), trainer.step()
-    with pytest.warns(UserWarning, match=r"step-4 needs about .* GB .* free.*Training goes on"):
+    with pytest.warns(UserWarning, match=r"step-4 needs about .* MB .* free.*Training goes on"):
         assert trainer.save_checkpoint(required=False) is None
     with pytest.raises(ckpt.DiskFullError, match=r"step-4 needs .*checkpoint.keep.*latest checkpoint \(step-2\) is "
                                                  r"intact"):
@@ -170,14 +174,16 @@ def test_a_full_disk_skips_a_periodic_checkpoint_refuses_the_last_and_leaves_not
 
     def fill_up(tensors, path):
         calls.append(path)
-        if len(calls) == 3:
-            raise OSError(errno.ENOSPC, "No space left on device")
+        if len(calls) % 3 == 0:  # as the OS says it, then as safetensors says it (its own exception type)
+            raise OSError(errno.ENOSPC, "No space left on device") if len(calls) == 3 else \
+                SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
         save_file(tensors, path)
 
     monkeypatch.setattr(ckpt, "save_file", fill_up)
-    with pytest.raises(ckpt.DiskFullError, match="Nothing of step-4 was left behind"):
-        trainer.save_checkpoint()
-    assert sorted(p.name for p in root.iterdir()) == ["step-2"] and len(calls) == 3
+    for attempts in (3, 6):
+        with pytest.raises(ckpt.DiskFullError, match="Nothing of step-4 was left behind"):
+            trainer.save_checkpoint()
+        assert sorted(p.name for p in root.iterdir()) == ["step-2"] and len(calls) == attempts
     ckpt.verify(root / "step-2")
     monkeypatch.setattr(ckpt, "save_file", save_file)
     trainer.close()
@@ -198,7 +204,7 @@ def test_an_export_that_does_not_fit_says_so_and_leaves_nothing(tmp_path, monkey
                                          f"--output_dir={tmp_path / 'run'}"]), progress=False)
     trainer.step()
     monkeypatch.setattr(export, "free_bytes", lambda directory: 1000)
-    with pytest.raises(export.DiskFullError, match=r"export to .*out needs about .* GB.*slide-train export"):
+    with pytest.raises(export.DiskFullError, match=r"export to .*out needs about .* MB.*slide-train export"):
         trainer.export(tmp_path / "out")
     monkeypatch.setattr(export, "free_bytes", lambda directory: 10**12)
     monkeypatch.setattr(export, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
@@ -206,3 +212,114 @@ def test_an_export_that_does_not_fit_says_so_and_leaves_nothing(tmp_path, monkey
         trainer.export(tmp_path / "out")
     assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
     trainer.close()
+
+
+TINY = ["--seq_len=32", "--micro_batch_size=2", "--grad_accum=1", "--export=false"]
+
+
+def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start_and_a_refused_resume_changes_nothing(tmp_path):
+    """--resume=auto over checkpoints that all fail to verify stops (starting over would lose the run), and a
+    refused resume (here: another model) leaves the run's config.yaml and metrics as they were."""
+    run = tmp_path / "run"
+    base = [*TINY, f"--output_dir={run}", "--checkpoint.every=1"]
+    Trainer(load_config(None, [*base, "--steps=2"]), progress=False).fit()
+    config, metrics = (run / "config.yaml").read_text(), (run / "metrics.jsonl").read_text()
+    with pytest.raises(CheckpointError, match="checkpoint is from another model"):
+        Trainer(load_config(None, [*base, "--steps=3", "--resume=auto", "--model=tiny-qwen3"]), progress=False)
+    assert (run / "config.yaml").read_text() == config and (run / "metrics.jsonl").read_text() == metrics
+    for step in (1, 2):
+        (run / "checkpoints" / f"step-{step}" / "edges.safetensors").write_bytes(b"torn")
+    with pytest.warns(UserWarning, match="skipping damaged"), pytest.raises(CheckpointError, match="every checkpoint"):
+        Trainer(load_config(None, [*base, "--steps=3", "--resume=auto"]), progress=False)
+    assert (run / "metrics.jsonl").read_text() == metrics
+
+
+def test_a_run_without_checkpoints_is_an_earlier_run_too_and_overwrite_clears_its_outputs(tmp_path):
+    run = tmp_path / "run"
+    base = [*TINY, f"--output_dir={run}", "--steps=2"]
+    first = Trainer(load_config(None, base), progress=False)
+    first.step()  # killed before any checkpoint: metrics.jsonl only
+    first.close()
+    (run / "export").mkdir()
+    events = list((run / "tensorboard").iterdir())
+    with pytest.raises(CheckpointError, match=r"earlier run \(metrics.jsonl, no checkpoint\)"):
+        Trainer(load_config(None, base), progress=False)
+    fresh = Trainer(load_config(None, [*base, "--overwrite=true"]), progress=False)
+    assert (run / "metrics.jsonl").read_text() == "" and not (run / "export").exists()
+    assert events and not any(e.exists() for e in events)  # the old TensorBoard logs went too
+    fresh.close()
+
+
+def test_a_torn_last_metrics_line_does_not_block_resuming(tmp_path):
+    run = tmp_path / "run"
+    base = [*TINY, f"--output_dir={run}", "--checkpoint.every=1"]
+    Trainer(load_config(None, [*base, "--steps=2"]), progress=False).fit()
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 4.8')
+    with pytest.warns(UserWarning, match="not a complete record"):
+        trainer = Trainer(load_config(None, [*base, "--steps=3", "--resume=auto"]), progress=False)
+    assert trainer.step_index == 2
+    trainer.close()
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_a_non_finite_loss_stops_the_run_before_a_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    trainer = Trainer(load_config(None, [*TINY, f"--output_dir={run}", "--steps=3", "--checkpoint.every=1"]),
+                      progress=False)
+    step = trainer.engine.step
+    calls = []
+
+    def nan_on_second(*args, **kwargs):
+        stats = step(*args, **kwargs)
+        calls.append(stats)
+        if len(calls) == 2:
+            stats.loss = float("nan")
+        return stats
+
+    trainer.engine.step = nan_on_second
+    with pytest.raises(TrainingError, match=r"step 2: loss nan.*the latest, step-1, is intact.*optimizer.lr"):
+        trainer.fit()
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-1"]
+
+
+def test_a_disk_too_small_for_the_last_checkpoint_is_refused_before_training(tmp_path, monkeypatch):
+    import slide_train.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "free_bytes", lambda path: 1 << 20)
+    with pytest.raises(DiskFullError, match=r"1.0 MB free, but this run's checkpoint need about .* MB"):
+        Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'run'}"]), progress=False)
+
+
+def test_export_replaces_only_an_earlier_export(tmp_path, monkeypatch):
+    """An export never deletes a directory it did not write: a run directory, a folder of documents, '.'."""
+    run = tmp_path / "run"
+    Trainer(load_config(None, [*TINY, f"--output_dir={run}", "--steps=1"]), progress=False).fit()
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "notes.txt").write_text("keep me")
+    for out in (docs, run, tmp_path):
+        with pytest.raises(ExportError, match="is not an earlier export"):
+            export_run(run, out=str(out))
+    assert (docs / "notes.txt").read_text() == "keep me" and (run / "checkpoints").is_dir()
+    monkeypatch.chdir(docs)
+    assert main(["export", str(run), "--out", "."]) == 2  # a clean error, and nothing deleted
+    assert (docs / "notes.txt").read_text() == "keep me"
+    out = tmp_path / "model"
+    for _ in range(2):  # an earlier export is replaced
+        assert main(["export", str(run), "--out", str(out)]) == 0
+    assert (out / "config.json").is_file()
+
+
+def test_config_shapes_and_values_found_late_are_clean_errors(tmp_path, monkeypatch):
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- steps: 3\n")
+    with pytest.raises(ConfigError, match="must map config keys to values"):
+        load_config(listing, ["--steps=2"])
+    with pytest.raises(ConfigError, match=r"engine.resident=50, but this model has \d+ units"):
+        Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'r'}", "--engine.resident=50"]),
+                progress=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'c'}", "--engine.device=cuda"]),
+                progress=False)

@@ -9,7 +9,6 @@ Nothing here is pickled.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -24,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from slide_io import free_bytes
 from slide_scheduler.engine import DTYPES
 
-from .errors import CheckpointError, DiskFullError
+from .errors import CheckpointError, DiskFullError, is_disk_full, size_text
 
 MANIFEST = "manifest.json"
 
@@ -66,8 +65,8 @@ def save_checkpoint(root: pathlib.Path, step: int, engine, trainer_state: dict) 
         raise _disk_full(root, step, needed, free)
     try:
         return _write(root, final, step, engine, trainer_state)
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
+    except (OSError, SafetensorError) as e:
+        if not is_disk_full(e):
             raise
         shutil.rmtree(root / f".step-{step}.partial", ignore_errors=True)
         raise _disk_full(root, step, needed, free_bytes(root)) from e
@@ -77,7 +76,7 @@ def _disk_full(root: pathlib.Path, step: int, needed: int, free: int) -> DiskFul
     earlier = list_checkpoints(root)
     intact = f"the latest checkpoint ({earlier[-1].name}) is intact" if earlier else "no earlier checkpoint exists"
     return DiskFullError(
-        f"checkpoint step-{step} needs about {needed / 1e9:.1f} GB in {root}, but only {free / 1e9:.1f} GB are "
+        f"checkpoint step-{step} needs about {size_text(needed)} in {root}, but only {size_text(free)} are "
         f"free there: free some space, keep fewer checkpoints (checkpoint.keep), or set output_dir on a larger "
         f"disk. Nothing of step-{step} was left behind; {intact}")
 
@@ -140,13 +139,20 @@ def list_checkpoints(root: pathlib.Path) -> list[pathlib.Path]:
 
 
 def find_resumable(root: pathlib.Path) -> pathlib.Path | None:
-    """The newest checkpoint that verifies; damaged newer ones are reported and skipped."""
+    """The newest checkpoint that verifies; damaged newer ones are reported and skipped. None when there is
+    none at all; CheckpointError when every one is damaged (starting over would silently lose the run)."""
+    problems = []
     for path in reversed(list_checkpoints(root)):
         try:
             verify(path)
             return path
         except CheckpointError as e:
+            problems.append(str(e))
             warnings.warn(f"skipping damaged checkpoint: {e}; falling back to the previous one", stacklevel=2)
+    if problems:
+        raise CheckpointError(f"every checkpoint in {root} is damaged, nothing to resume from: "
+                              f"{'; '.join(problems)}. Restore them, or start afresh with --overwrite=true "
+                              "(which deletes them)")
     return None
 
 

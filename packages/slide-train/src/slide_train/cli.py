@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     except SlideError as e:
         print(f"slide-train: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a path that cannot be written or read (read-only, not a directory, ...)
+        print(f"slide-train: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import math
 import pathlib
 import re
 import types
@@ -150,6 +151,9 @@ def _coerce(kind, value, key: str):
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
+    for key, value in _leaves(to_dict(cfg)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
     for key, allowed in CHOICES.items():
         value = get_key(cfg, key)
         if value not in allowed:
@@ -195,6 +199,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+def _leaves(tree: dict, prefix: str = ""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        elif isinstance(value, list):
+            yield from ((f"{prefix}{key}", v) for v in value)
+        else:
+            yield f"{prefix}{key}", value
+
+
 def get_key(cfg, dotted: str):
     for part in dotted.split("."):
         cfg = getattr(cfg, part)
@@ -223,6 +237,8 @@ def load_config(path: str | pathlib.Path | None = None, overrides: list[str] = (
             values = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path} is not valid YAML: {e}") from e
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path} must map config keys to values, not be a YAML {type(values).__name__}")
     for arg in overrides:
         key, value = parse_override(arg)
         node = values

@@ -4,19 +4,19 @@
 from __future__ import annotations
 
 import copy
-import errno
 import json
 import os
 import pathlib
 import shutil
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from slide_io import free_bytes
 from slide_scheduler.engine import DTYPES  # the one name -> dtype table
 
-from .errors import DiskFullError
+from .errors import DiskFullError, ExportError, is_disk_full, size_text
 from .models.adapter import block_hf_name, edge_hf_name
 
 SHARD_BYTES = 5 * 2**30
@@ -41,7 +41,8 @@ def hf_tensors(masters: dict[str, dict[str, torch.Tensor]]):
 def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype: torch.dtype) -> pathlib.Path:
     """Write the model in HF layout, one shard at a time (at most SHARD_BYTES of tensors in memory). A disk too
     small for it raises DiskFullError before anything is written (or after removing the partial files)."""
-    out = pathlib.Path(directory)
+    out = pathlib.Path(directory).resolve()
+    _check_replaceable(out)
     tmp = out.with_name(out.name + ".partial")
     tensor_bytes = sum(t.numel() for _, t in hf_tensors(masters)) * dtype.itemsize
     needed = tensor_bytes + (16 << 20)  # + config and tokenizer files
@@ -49,15 +50,30 @@ def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype
         raise _disk_full(out, needed, free)
     try:
         return _write(out, tmp, hf_config, masters, tokenizer, dtype, tensor_bytes)
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
+    except (OSError, SafetensorError) as e:
+        if not is_disk_full(e):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
         raise _disk_full(out, needed, free_bytes(out.parent)) from e
 
 
+def _check_replaceable(out: pathlib.Path) -> None:
+    """An existing `out` is replaced only when it is an earlier export (or empty): model files, no folders."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportError(f"export: {out} exists and is not a directory; choose another --out")
+    entries = list(out.iterdir())
+    earlier_export = (out / "config.json").is_file() and any(p.suffix == ".safetensors" for p in entries) \
+        and not any(p.is_dir() for p in entries)
+    if entries and not earlier_export:
+        shown = ", ".join(sorted(p.name for p in entries)[:5]) + (", ..." if len(entries) > 5 else "")
+        raise ExportError(f"export: {out} exists and is not an earlier export (it holds {shown}); an export "
+                          "replaces its directory, so choose a new or empty --out")
+
+
 def _disk_full(out: pathlib.Path, needed: int, free: int) -> DiskFullError:
-    return DiskFullError(f"the export to {out} needs about {needed / 1e9:.1f} GB, but only {free / 1e9:.1f} GB "
+    return DiskFullError(f"the export to {out} needs about {size_text(needed)}, but only {size_text(free)} "
                          "are free there: free some space or export elsewhere (`slide-train export RUN_DIR --out "
                          "DIR` exports any checkpoint later). Nothing of the export was left behind")
 

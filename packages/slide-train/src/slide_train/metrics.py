@@ -52,7 +52,15 @@ class MetricsLog:
 
 
 def read_metrics(path: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a metrics.jsonl; a line that does not parse (a crash mid-write) is skipped with a warning."""
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                warnings.warn(f"{path}:{number} is not a complete record (a write cut short?): skipped", stacklevel=2)
+    return rows
 
 
 def plot_loss(metrics_path: pathlib.Path, out: pathlib.Path) -> pathlib.Path | None:

@@ -115,6 +115,11 @@ def check_fits(plan: Plan, budget_key: str) -> None:
             f"this run cannot fit in {budget_key} ({plan.budget / GIB:.1f} GiB usable): the edges, the slots and "
             f"the activations alone need ~{plan.fixed / GIB:.1f} GiB. Lower micro_batch_size or seq_len "
             "(activations grow with tokens per micro-batch), use engine.window=1, or raise the limit")
+    if plan.device_total > plan.budget:  # only a forced engine.resident gets here: the planner stays within
+        raise ConfigError(
+            f"engine.resident={plan.resident} keeps ~{plan.device_total / GIB:.1f} GiB on the device, more than "
+            f"the {plan.budget / GIB:.1f} GiB usable in {budget_key}: lower it, or set it to null and the planner "
+            "keeps as many units resident as fit")
 
 
 def host_memory() -> float | None:

@@ -20,6 +20,7 @@ import warnings
 import torch
 import yaml
 
+from slide_io import free_bytes
 from slide_memory import AdamWConfig, FlatLayout
 from slide_scheduler import EngineConfig, SlidingEngine
 from slide_scheduler.engine import DTYPES
@@ -27,13 +28,16 @@ from slide_scheduler.engine import DTYPES
 from . import checkpoint as ckpt
 from .config import TrainConfig, to_dict
 from .data import build_data
-from .errors import ConfigError
+from .errors import ConfigError, DiskFullError, TrainingError, size_text
 from .export import export_dtype, export_hf
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics
 from .models.build import check_fits, load_model
 from .plan import Plan, check_host, host_memory, make_plan
 from .plan import check_fits as check_plan
 from .schedule import lr_at
+
+# What a run writes into its directory (besides config.yaml): cleared by --overwrite=true.
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "export", "loss.png", "timeline.png", "trace.json")
 
 
 def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
@@ -65,6 +69,10 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
             budget = 0.92 * e.gpu_memory_limit_gb * 2**30  # the cap is hard: plan a little under it
     kernels = e.kernels == "on" or (e.kernels == "auto" and cuda)
     stack = model.stack(kernels=kernels)
+    if e.resident is not None and e.resident > stack.num_blocks + 1:
+        raise ConfigError(f"engine.resident={e.resident}, but this model has {stack.num_blocks + 1} units (the "
+                          f"edges and {stack.num_blocks} blocks): use at most {stack.num_blocks + 1}, or null for "
+                          "the planner")
     hf = model.hf_config
     plan = make_plan(
         edge_numel=FlatLayout(stack.make_edges()).numel, block_numel=FlatLayout(stack.make_block()).numel,
@@ -123,12 +131,18 @@ class Trainer:
         self.progress = progress
         self.run_dir = pathlib.Path(cfg.output_dir)
         self.checkpoints = self.run_dir / "checkpoints"
-        # Refuse to mix with an earlier run before anything is loaded or written.
+        # Refuse to mix with an earlier run (checkpointed or not) before anything is loaded or written.
         earlier = ckpt.list_checkpoints(self.checkpoints)
-        if earlier and not cfg.resume and not cfg.overwrite:
+        metrics = self.run_dir / "metrics.jsonl"
+        if (earlier or metrics.is_file()) and not cfg.resume and not cfg.overwrite:
+            what = f"checkpoints up to {earlier[-1].name}" if earlier else "metrics.jsonl, no checkpoint"
             raise ckpt.CheckpointError(
-                f"{self.run_dir} holds an earlier run (checkpoints up to {earlier[-1].name}): continue it with "
-                "--resume=auto, start afresh there with --overwrite=true, or choose another output_dir")
+                f"{self.run_dir} holds an earlier run ({what}): continue it with --resume=auto, start afresh "
+                "there with --overwrite=true, or choose another output_dir")
+        try:
+            EngineConfig(device=cfg.engine.device).resolve_device()
+        except RuntimeError as e:  # before minutes of loading
+            raise ConfigError(str(e)) from e
         torch.manual_seed(cfg.seed)
         self.model = load_model(cfg.model, cfg.seed, need_tokenizer=cfg.data.format != "tokens")
         check_fits(self.model, cfg.seq_len)
@@ -140,15 +154,28 @@ class Trainer:
         self.total_steps = math.ceil(cfg.epochs * rows / per_step) if cfg.epochs else cfg.steps
         self.step_index = 0
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if earlier and not cfg.resume:  # --overwrite: cleared only now that the new run could be built
-            for path in earlier:
-                shutil.rmtree(path)
-            (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        self._check_disk()
+        if cfg.overwrite and not cfg.resume:  # cleared only now that the new run could be built
+            for name in RUN_OUTPUTS:
+                path = self.run_dir / name
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         self.resumed_from = self._resume() if cfg.resume else None
+        # Written once the run is known to go ahead: a refused resume leaves the run's config as it was.
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         self.log = MetricsLog(self.run_dir)
         self._stop_signal: int | None = None
         self._eval: tuple[list, int] | None = None
+
+    def _check_disk(self) -> None:
+        """A disk too small for the run's last checkpoint (and export) is refused before training, not after."""
+        needed = ckpt.checkpoint_bytes(self.engine)
+        if self.cfg.export:
+            needed += self.num_params * export_dtype(self.cfg.export_dtype, self.model.dtype).itemsize
+        if needed > (free := free_bytes(self.run_dir)):
+            raise DiskFullError(
+                f"{self.run_dir} has {size_text(free)} free, but this run's checkpoint"
+                f"{' and export' if self.cfg.export else ''} need about {size_text(needed)}: free some space or "
+                "set output_dir on a larger disk")
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
@@ -202,6 +229,13 @@ class Trainer:
         s = cfg.schedule
         lr = lr_at(self.step_index, self.total_steps, cfg.optimizer.lr, s.warmup_steps, s.decay, s.min_lr_ratio)
         stats = self.engine.step(micro, lr=lr, normalizer=max(targets, 1))
+        if not (math.isfinite(stats.loss) and math.isfinite(stats.grad_norm)):
+            last = ckpt.list_checkpoints(self.checkpoints)
+            kept = f"the latest, {last[-1].name}, is intact" if last else "none was written"
+            raise TrainingError(
+                f"step {self.step_index + 1}: loss {stats.loss}, gradient norm {stats.grad_norm}: training stops "
+                f"before non-finite weights reach a checkpoint ({kept}). Lower optimizer.lr (now "
+                f"{cfg.optimizer.lr}), keep max_grad_norm set, or check the data")
         self.step_index += 1
         if cfg.profile and self.step_index == min(3, self.total_steps):
             self._write_profile(stats)
