@@ -95,6 +95,7 @@ def test_json_file_not_a_list(tmp_path):
         ("chat", [{"messages": ["hi"]}], ":1", "messages[0] must be an object"),
         ("tokens", [{"input_ids": [1]}, {"ids": [1]}], ":2", "missing key 'input_ids'"),
         ("tokens", [{"input_ids": [1, 999]}], ":1", "'input_ids' must be integers in [0, 259)"),
+        ("tokens", [{"input_ids": [1, True]}], ":1", "'input_ids' must be integers in [0, 259)"),
         (
             "tokens",
             [{"input_ids": [1, 2], "labels": [1]}],
@@ -186,3 +187,13 @@ def test_render_examples_reports_errors_too(tmp_path):
 def test_text_needs_a_tokenizer(tmp_path):
     with pytest.raises(DataError, match=r"data\.format 'text' needs a tokenizer; only format 'tokens'"):
         build(write(tmp_path / "a.txt", "x"), tokenizer=False)
+
+
+def test_token_ids_are_checked_against_the_models_vocabulary_without_a_tokenizer(tmp_path):
+    """Pre-tokenized rows need no tokenizer; the model's vocabulary still bounds the ids (an id past it would
+    fail deep inside the embedding)."""
+    path = jsonl(tmp_path / "t.jsonl", [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 300]}])
+    cfg = DataConfig(path=str(path), format="tokens")
+    with pytest.raises(DataError, match=r":2: 'input_ids' must be integers in \[0, 256\) \(the vocabulary"):
+        build_data(cfg, None, 8, 1, seed=0, vocab_size=256)
+    assert build_data(cfg, None, 8, 1, seed=0, vocab_size=512).train is not None

@@ -94,3 +94,23 @@ def test_fp32_compute_counts_four_bytes_per_value():
     fp32 = make_plan(budget_bytes=12 * GIB, **shape, clip=True, device_updates=True, compute_bytes=4)
     assert fp32.fixed > bf16.fixed and fp32.held <= bf16.held
     assert fp32.device_total <= 12 * GIB or fp32.held == 0
+
+
+def test_a_cpu_run_counts_its_device_side_as_host_memory():
+    """On the CPU the slots, activations and resident units live in host RAM: the host check counts them."""
+    from slide_train.plan import check_host
+
+    cpu = make_plan(budget_bytes=None, **{**SHAPE, "cuda": False, "tokens_per_micro": 2048 * 1024})
+    gpu = make_plan(budget_bytes=1000 * GIB, **{**SHAPE, "tokens_per_micro": 2048 * 1024})
+    assert cpu.device_total > 20 * GIB and cpu.ram_needed == cpu.host_total + cpu.device_total
+    assert gpu.ram_needed == gpu.host_total
+    ram = cpu.host_total / 0.9  # room for the host side alone
+    with pytest.raises(ConfigError, match="device side's buffers"):
+        check_host(cpu, ram)
+
+
+def test_forcing_more_residency_than_the_budget_holds_is_refused():
+    plan = make_plan(budget_bytes=24 * GIB, **{**SHAPE, "resident": SHAPE["num_blocks"] + 1})
+    assert plan.device_total > plan.budget
+    with pytest.raises(ConfigError, match=r"engine.resident=29 keeps ~.* GiB on the device, more than"):
+        check_fits(plan, "the GPU's memory")

@@ -38,7 +38,8 @@ def cmd_data(args, overrides) -> int:
 
     cfg = load_config(args.config, overrides)
     model = load_model(cfg.model, cfg.seed)
-    data = build_data(cfg.data, model.tokenizer, cfg.seq_len, cfg.micro_batch_size, cfg.seed)
+    data = build_data(cfg.data, model.tokenizer, cfg.seq_len, cfg.micro_batch_size, cfg.seed,
+                      vocab_size=model.hf_config.vocab_size)
     print(data.summary())
     print(render_examples(cfg.data, model.tokenizer, cfg.seq_len, n=args.n, loaded=data.loaded))
     return 0
@@ -60,7 +61,7 @@ def cmd_plan(args, overrides) -> int:
     print(plan.text())
     ram = host_memory()
     if ram is not None:
-        fits = "fits" if plan.host_total <= 0.95 * ram else "does NOT fit"
+        fits = "fits" if plan.ram_needed <= 0.95 * ram else "does NOT fit"
         print(f"  host memory here: {ram / 2**30:.0f} GiB: the run {fits}")
     return 0
 

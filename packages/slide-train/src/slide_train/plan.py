@@ -27,9 +27,15 @@ class Plan:
     host_total: float
     lines: list[str]
     held: int = 0  # device-updated blocks whose gradient stays on the device until the update (clipping)
+    device_is_host: bool = False  # a CPU run: the "device" buffers are host memory too
 
     def text(self) -> str:
         return "\n".join(self.lines)
+
+    @property
+    def ram_needed(self) -> float:
+        """Host memory the run takes: the host side, plus the device side when the device is the CPU."""
+        return self.host_total + (self.device_total if self.device_is_host else 0.0)
 
 
 def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, intermediate: int,
@@ -104,7 +110,7 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
         f"gradient staging {grads / GIB:.1f}{' (held for exact clipping)' if clip and sliding else ''}"
         + (f", boundary activations {acts_host / GIB:.1f}" if offload_activations else ""),
     ]
-    return Plan(budget, fixed, resident, device, host, lines, held)
+    return Plan(budget, fixed, resident, device, host, lines, held, device_is_host=not cuda)
 
 
 def check_fits(plan: Plan, budget_key: str) -> None:
@@ -134,9 +140,10 @@ def check_host(plan: Plan, ram: float | None) -> None:
     """Refuse a run whose host state cannot fit in RAM, before it allocates 100 GB and gets killed."""
     from .errors import ConfigError
 
-    if ram is not None and plan.host_total > 0.95 * ram:
+    if ram is not None and plan.ram_needed > 0.95 * ram:
+        on_cpu = " and, on a CPU run, the device side's buffers and activations" if plan.device_is_host else ""
         raise ConfigError(
-            f"this run needs ~{plan.host_total / GIB:.0f} GiB of host memory (fp32 masters, AdamW states, "
-            f"gradient staging, boundary activations); this machine has {ram / GIB:.0f} GiB. "
+            f"this run needs ~{plan.ram_needed / GIB:.0f} GiB of host memory (fp32 masters, AdamW states, "
+            f"gradient staging, boundary activations{on_cpu}); this machine has {ram / GIB:.0f} GiB. "
             "engine.states_dtype=bf16 saves 4 bytes per parameter, max_grad_norm=null saves the 2 bytes per "
             "parameter that exact clipping holds, fewer tokens per step shrink the activations")

@@ -151,21 +151,23 @@ def _chat_example(row: dict, where: str, tokenizer) -> tuple[list[int], list[int
     return ids, labels
 
 
-def _tokens_examples(out: ExampleSet, rows: list[tuple[str, dict]], tokenizer, seq_len: int) -> None:
-    # Pre-tokenized data may come without a tokenizer (None): then only negative ids can be caught here.
-    vocab = len(tokenizer) if tokenizer is not None else float("inf")
+def _tokens_examples(out: ExampleSet, rows: list[tuple[str, dict]], tokenizer, seq_len: int,
+                     vocab_size: int | None) -> None:
+    # The model's vocabulary bounds the ids (its embedding); else the tokenizer's; with neither, only negative
+    # ids can be caught here. JSON true/false are not ids (bool is an int subclass in Python).
+    vocab = vocab_size or (len(tokenizer) if tokenizer is not None else float("inf"))
     for where, row in rows:
         ids = get_key(row, "input_ids", where, list)
         labels = get_key(row, "labels", where, list, required=False)
         if labels is None:
             labels = ids
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+        if not all(type(t) is int and 0 <= t < vocab for t in ids):
             raise DataError(
-                f"{where}: 'input_ids' must be integers in [0, {vocab}) (the tokenizer's vocabulary)"
+                f"{where}: 'input_ids' must be integers in [0, {vocab}) (the vocabulary)"
             )
         if len(labels) != len(ids):
             raise DataError(f"{where}: 'labels' has {len(labels)} entries but 'input_ids' has {len(ids)}")
-        if not all(isinstance(t, int) and (t == IGNORE or 0 <= t < vocab) for t in labels):
+        if not all(type(t) is int and (t == IGNORE or 0 <= t < vocab) for t in labels):
             raise DataError(f"{where}: 'labels' must be integers in [0, {vocab}) or -100")
         if not ids:
             out.dropped += 1
@@ -174,8 +176,9 @@ def _tokens_examples(out: ExampleSet, rows: list[tuple[str, dict]], tokenizer, s
             out.examples.append(_example(ids[a : a + seq_len], labels[a : a + seq_len], where))
 
 
-def load_examples(cfg: DataConfig, tokenizer, seq_len: int) -> ExampleSet:
-    """All examples of the dataset, in file order, with counts of what was truncated or dropped."""
+def load_examples(cfg: DataConfig, tokenizer, seq_len: int, vocab_size: int | None = None) -> ExampleSet:
+    """All examples of the dataset, in file order, with counts of what was truncated or dropped; token ids are
+    checked against `vocab_size` (the model's) where given."""
     path = Path(cfg.path) if cfg.path is not None else builtin_corpus_path()
     check_file(path)
     if tokenizer is None and cfg.format != "tokens":
@@ -196,7 +199,7 @@ def load_examples(cfg: DataConfig, tokenizer, seq_len: int) -> ExampleSet:
         rows = read_rows(path)
         out.records = len(rows)
         if cfg.format == "tokens":
-            _tokens_examples(out, rows, tokenizer, seq_len)
+            _tokens_examples(out, rows, tokenizer, seq_len, vocab_size)
         else:
             make = _alpaca_example if cfg.format == "alpaca" else _chat_example
             for where, row in rows:
