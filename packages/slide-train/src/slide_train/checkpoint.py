@@ -19,6 +19,7 @@ import warnings
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
 
 from slide_io import free_bytes
 from slide_scheduler.engine import DTYPES
@@ -26,6 +27,11 @@ from slide_scheduler.engine import DTYPES
 from .errors import CheckpointError, DiskFullError, is_disk_full, size_text
 
 MANIFEST = "manifest.json"
+
+
+def _bar(items, desc: str, total: int | None = None):
+    """Progress over a checkpoint's files or units: an 8B checkpoint is ~100 GB (shown on terminals only)."""
+    return tqdm(items, desc=desc, total=total, unit="file", leave=False, disable=None)
 
 
 def unit_file(name: str) -> str:
@@ -87,7 +93,7 @@ def _write(root: pathlib.Path, final: pathlib.Path, step: int, engine, trainer_s
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     engine.synchronize()  # updates of the last step may still be running on the optimizer thread
-    for index, name in enumerate(engine.unit_names()):  # (one sync: optimizer_state reads what is there)
+    for index, name in enumerate(_bar(engine.unit_names(), f"writing step-{step}")):
         tensors = {"master": engine.units[index].master}
         tensors.update({f"adamw.{k}": v for k, v in engine.optimizer_state(index).items()})
         save_file(tensors, str(tmp / unit_file(name)))
@@ -118,7 +124,7 @@ def verify(path: pathlib.Path) -> dict:
         files = manifest["files"]
     except (json.JSONDecodeError, KeyError) as e:
         raise CheckpointError(f"{manifest_path} is corrupt ({e})") from e
-    for name, meta in files.items():
+    for name, meta in _bar(files.items(), f"verifying {path.name}", total=len(files)):
         p = path / name
         if not p.is_file():
             raise CheckpointError(f"checkpoint {path} is missing {name}")
@@ -160,7 +166,7 @@ def load_checkpoint(path: pathlib.Path, engine) -> dict:
     """Restore masters and optimizer states into `engine` from a checkpoint already verified (`find_resumable`
     or `verify`: hashing an 8B checkpoint takes a while, so once); returns trainer.json."""
     engine.synchronize()
-    for index, name in enumerate(engine.unit_names()):
+    for index, name in enumerate(_bar(engine.unit_names(), f"loading {path.name}")):
         try:
             tensors = load_file(str(path / unit_file(name)))
         except (SafetensorError, OSError) as e:

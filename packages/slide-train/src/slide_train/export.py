@@ -12,6 +12,7 @@ import shutil
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from slide_io import free_bytes
 from slide_scheduler.engine import DTYPES  # the one name -> dtype table
@@ -97,7 +98,8 @@ def _write(out: pathlib.Path, tmp: pathlib.Path, hf_config, masters, tokenizer, 
         names.append(name)
         shards[-1] = {}
 
-    for hf_name, tensor in hf_tensors(masters):
+    tensors = list(hf_tensors(masters))
+    for hf_name, tensor in tqdm(tensors, desc=f"exporting to {out.name}", unit="tensor", leave=False, disable=None):
         nbytes = tensor.numel() * dtype.itemsize
         if shards[-1] and size + nbytes > SHARD_BYTES:
             flush()
