@@ -28,10 +28,22 @@ def test_cpu_runs_keep_nothing_resident_unless_asked():
 
 
 def test_a_budget_too_small_says_what_would_fit():
+    """The refusal names a micro-batch that fits: planned with it, the run fits; a tenth more does not."""
     plan = make_plan(budget_bytes=2 * GIB, **SHAPE)
     with pytest.raises(ConfigError, match=r"cannot fit in engine.gpu_memory_limit_gb \(2.0 GiB usable\).*"
-                                          r"need ~\d+\.\d GiB.*micro_batch_size or seq_len"):
-        check_fits(plan, "engine.gpu_memory_limit_gb")
+                                          r"need ~\d+\.\d GiB; even short micro-batches do not fit.*window=1"):
+        check_fits(plan, "engine.gpu_memory_limit_gb", window=2)
+    long = {**SHAPE, "tokens_per_micro": 4 * 32768}
+    plan = make_plan(budget_bytes=8 * GIB, **long)
+    with pytest.raises(ConfigError, match=r"at most ~(\d+) tokens per micro-batch fit: e.g. micro_batch_size=1 "
+                                          r"with seq_len=(\d+)") as refusal:
+        check_fits(plan, "the GPU's memory", micro_batch_size=4, seq_len=32768, window=1)
+    tokens = int(refusal.value.args[0].split("at most ~")[1].split(" ")[0])
+    assert make_plan(budget_bytes=8 * GIB, **{**long, "tokens_per_micro": tokens}).fixed <= 8 * GIB
+    assert make_plan(budget_bytes=8 * GIB, **{**long, "tokens_per_micro": int(tokens * 1.1)}).fixed > 8 * GIB
+    with pytest.raises(ConfigError, match=r"micro_batch_size=\d would fit"):
+        check_fits(make_plan(budget_bytes=8 * GIB, **{**SHAPE, "tokens_per_micro": 16 * 2048}), "the GPU's memory",
+                   micro_batch_size=16, seq_len=2048)
 
 
 def test_plan_command_and_host_check(capsys):

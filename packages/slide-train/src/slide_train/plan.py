@@ -28,6 +28,8 @@ class Plan:
     lines: list[str]
     held: int = 0  # device-updated blocks whose gradient stays on the device until the update (clipping)
     device_is_host: bool = False  # a CPU run: the "device" buffers are host memory too
+    activations: float = 0.0  # device bytes of activations, all proportional to the tokens per micro-batch
+    tokens_per_micro: int = 0
 
     def text(self) -> str:
         return "\n".join(self.lines)
@@ -110,17 +112,29 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
         f"gradient staging {grads / GIB:.1f}{' (held for exact clipping)' if clip and sliding else ''}"
         + (f", boundary activations {acts_host / GIB:.1f}" if offload_activations else ""),
     ]
-    return Plan(budget, fixed, resident, device, host, lines, held, device_is_host=not cuda)
+    return Plan(budget, fixed, resident, device, host, lines, held, device_is_host=not cuda,
+                activations=activations, tokens_per_micro=tokens_per_micro)
 
 
-def check_fits(plan: Plan, budget_key: str) -> None:
+def check_fits(plan: Plan, budget_key: str, micro_batch_size: int = 1, seq_len: int = 0, window: int = 1) -> None:
+    """Refuse a plan over its device budget, saying what would fit (the current micro_batch_size, seq_len and
+    engine.window let it name concrete values)."""
     from .errors import ConfigError
 
     if plan.fixed > plan.budget:
+        room = plan.budget - (plan.fixed - plan.activations)  # activations grow with tokens per micro-batch
+        tokens = int(plan.tokens_per_micro * room / plan.activations) if room > 0 and plan.activations else 0
+        if tokens >= max(seq_len, 1) and micro_batch_size > 1:
+            fits = f"micro_batch_size={tokens // seq_len} would fit (at most ~{tokens} tokens per micro-batch)"
+        elif tokens >= 64:
+            fits = (f"at most ~{tokens} tokens per micro-batch fit: e.g. micro_batch_size=1 with "
+                    f"seq_len={tokens // 64 * 64}")
+        else:
+            fits = "even short micro-batches do not fit"
+        other = " Or use engine.window=1 (fewer slots)." if window > 1 else ""
         raise ConfigError(
             f"this run cannot fit in {budget_key} ({plan.budget / GIB:.1f} GiB usable): the edges, the slots and "
-            f"the activations alone need ~{plan.fixed / GIB:.1f} GiB. Lower micro_batch_size or seq_len "
-            "(activations grow with tokens per micro-batch), use engine.window=1, or raise the limit")
+            f"the activations alone need ~{plan.fixed / GIB:.1f} GiB; {fits}, or raise the limit.{other}")
     if plan.device_total > plan.budget:  # only a forced engine.resident gets here: the planner stays within
         raise ConfigError(
             f"engine.resident={plan.resident} keeps ~{plan.device_total / GIB:.1f} GiB on the device, more than "

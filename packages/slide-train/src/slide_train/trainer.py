@@ -84,7 +84,8 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         device_share=engine_cfg.resolve_device_update_share(cuda),
         compute_bytes=4 if e.compute_dtype == "fp32" or not cuda else 2)
     if budget is not None:
-        check_plan(plan, "engine.gpu_memory_limit_gb" if e.gpu_memory_limit_gb else "the GPU's memory")
+        check_plan(plan, "engine.gpu_memory_limit_gb" if e.gpu_memory_limit_gb else "the GPU's memory",
+                   cfg.micro_batch_size, cfg.seq_len, e.window)
     if assume_gpu_gib is None:
         check_host(plan, host_memory())
     engine_cfg.resident, engine_cfg.held_grads = plan.resident, plan.held
