@@ -242,7 +242,8 @@ def test_a_run_without_checkpoints_is_an_earlier_run_too_and_overwrite_clears_it
     first.close()
     (run / "export").mkdir()
     events = list((run / "tensorboard").iterdir())
-    with pytest.raises(CheckpointError, match=r"earlier run \(metrics.jsonl, no checkpoint\)"):
+    with pytest.raises(CheckpointError, match=r"earlier run \(metrics.jsonl, no checkpoint to continue from: "
+                                              r"start afresh there with --overwrite=true"):
         Trainer(load_config(None, base), progress=False)
     fresh = Trainer(load_config(None, [*base, "--overwrite=true"]), progress=False)
     assert (run / "metrics.jsonl").read_text() == "" and not (run / "export").exists()
@@ -309,6 +310,11 @@ def test_export_replaces_only_an_earlier_export(tmp_path, monkeypatch):
     for _ in range(2):  # an earlier export is replaced
         assert main(["export", str(run), "--out", str(out)]) == 0
     assert (out / "config.json").is_file()
+    (out / ".slide-export").unlink()  # now like a model directory from elsewhere (a base model, say)
+    (out / "README.md").write_text("my notes")
+    with pytest.raises(ExportError, match="is not an earlier export"):
+        export_run(run, out=str(out))
+    assert (out / "README.md").read_text() == "my notes"
 
 
 def test_config_shapes_and_values_found_late_are_clean_errors(tmp_path, monkeypatch):
@@ -323,3 +329,32 @@ def test_config_shapes_and_values_found_late_are_clean_errors(tmp_path, monkeypa
     with pytest.raises(ConfigError, match="no CUDA device"):
         Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'c'}", "--engine.device=cuda"]),
                 progress=False)
+
+
+def test_non_finite_weights_are_never_checkpointed_or_exported(tmp_path):
+    """An update can overflow the weights while the loss and norm that preceded it were finite."""
+    trainer = Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'run'}", "--steps=2"]), progress=False)
+    trainer.step()
+    trainer.engine.synchronize()
+    trainer.engine.units[2].master[3] = float("inf")
+    trainer.engine.refresh()
+    with pytest.raises(TrainingError, match=r"after step 1 the weights of block.1 are not finite: no checkpoint"):
+        trainer.save_checkpoint()
+    with pytest.raises(TrainingError, match="no export"):
+        trainer.export(tmp_path / "out")
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "out").exists()
+    trainer.close()
+
+
+def test_overwrite_counts_the_space_it_frees(tmp_path, monkeypatch):
+    import slide_train.trainer as trainer_module
+
+    run = tmp_path / "run"
+    (run / "export").mkdir(parents=True)
+    with open(run / "export" / "old.safetensors", "wb") as f:
+        f.truncate(200 << 20)  # an earlier run's 200 MB (sparse: takes no real space here)
+    (run / "metrics.jsonl").write_text("")
+    monkeypatch.setattr(trainer_module, "free_bytes", lambda path: 1 << 20)
+    fresh = Trainer(load_config(None, [*TINY, f"--output_dir={run}", "--overwrite=true"]), progress=False)
+    assert not (run / "export").exists()
+    fresh.close()

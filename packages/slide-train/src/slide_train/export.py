@@ -21,6 +21,7 @@ from .errors import DiskFullError, ExportError, is_disk_full, size_text
 from .models.adapter import block_hf_name, edge_hf_name
 
 SHARD_BYTES = 5 * 2**30
+MARKER = ".slide-export"  # marks a directory this module wrote: only such a directory is ever replaced
 
 
 def hf_tensors(masters: dict[str, dict[str, torch.Tensor]]):
@@ -59,15 +60,14 @@ def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype
 
 
 def _check_replaceable(out: pathlib.Path) -> None:
-    """An existing `out` is replaced only when it is an earlier export (or empty): model files, no folders."""
+    """An existing `out` is replaced only when it is empty or an earlier export (it holds MARKER): never a run
+    directory, a user's folder or a model directory that came from elsewhere."""
     if not out.exists():
         return
     if not out.is_dir():
         raise ExportError(f"export: {out} exists and is not a directory; choose another --out")
     entries = list(out.iterdir())
-    earlier_export = (out / "config.json").is_file() and any(p.suffix == ".safetensors" for p in entries) \
-        and not any(p.is_dir() for p in entries)
-    if entries and not earlier_export:
+    if entries and not (out / MARKER).is_file():
         shown = ", ".join(sorted(p.name for p in entries)[:5]) + (", ..." if len(entries) > 5 else "")
         raise ExportError(f"export: {out} exists and is not an earlier export (it holds {shown}); an export "
                           "replaces its directory, so choose a new or empty --out")
@@ -119,6 +119,7 @@ def _write(out: pathlib.Path, tmp: pathlib.Path, hf_config, masters, tokenizer, 
     cfg.save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    (tmp / MARKER).write_text("written by slide-train export; a later export may replace this directory\n")
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

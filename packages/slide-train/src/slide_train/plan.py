@@ -36,8 +36,11 @@ class Plan:
 
     @property
     def ram_needed(self) -> float:
-        """Host memory the run takes: the host side, plus the device side when the device is the CPU."""
-        return self.host_total + (self.device_total if self.device_is_host else 0.0)
+        """Host memory the run takes: the host side, plus, when the device is the CPU, the device side's
+        buffers (not the GPU-only headroom for the loss chunk and the allocator)."""
+        if not self.device_is_host:
+            return self.host_total
+        return self.host_total + max(0.0, self.device_total - LOSS_CHUNK - MARGIN)
 
 
 def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, intermediate: int,
@@ -124,7 +127,7 @@ def check_fits(plan: Plan, budget_key: str, micro_batch_size: int = 1, seq_len: 
     if plan.fixed > plan.budget:
         room = plan.budget - (plan.fixed - plan.activations)  # activations grow with tokens per micro-batch
         tokens = int(plan.tokens_per_micro * room / plan.activations) if room > 0 and plan.activations else 0
-        if tokens >= max(seq_len, 1) and micro_batch_size > 1:
+        if seq_len and tokens >= seq_len and micro_batch_size > 1:
             fits = f"micro_batch_size={tokens // seq_len} would fit (at most ~{tokens} tokens per micro-batch)"
         elif tokens >= 64:
             fits = (f"at most ~{tokens} tokens per micro-batch fit: e.g. micro_batch_size=1 with "

@@ -113,6 +113,12 @@ def build_engine(cfg: TrainConfig, model, progress: bool = False) -> tuple[Slidi
             stack.load_block = read
 
 
+def _bytes_under(path: pathlib.Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
 def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Loader micro-batch -> engine micro-batch: next-token targets, no target across a document boundary."""
     labels, docs = batch["labels"], batch["document_ids"]
@@ -136,10 +142,11 @@ class Trainer:
         earlier = ckpt.list_checkpoints(self.checkpoints)
         metrics = self.run_dir / "metrics.jsonl"
         if (earlier or metrics.is_file()) and not cfg.resume and not cfg.overwrite:
-            what = f"checkpoints up to {earlier[-1].name}" if earlier else "metrics.jsonl, no checkpoint"
+            what = (f"checkpoints up to {earlier[-1].name}: continue it with --resume=auto," if earlier else
+                    "metrics.jsonl, no checkpoint to continue from:")
             raise ckpt.CheckpointError(
-                f"{self.run_dir} holds an earlier run ({what}): continue it with --resume=auto, start afresh "
-                "there with --overwrite=true, or choose another output_dir")
+                f"{self.run_dir} holds an earlier run ({what} start afresh there with --overwrite=true, or choose "
+                "another output_dir")
         try:
             EngineConfig(device=cfg.engine.device).resolve_device()
         except RuntimeError as e:  # before minutes of loading
@@ -156,11 +163,10 @@ class Trainer:
         self.total_steps = math.ceil(cfg.epochs * rows / per_step) if cfg.epochs else cfg.steps
         self.step_index = 0
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._check_disk()
-        if cfg.overwrite and not cfg.resume:  # cleared only now that the new run could be built
-            for name in RUN_OUTPUTS:
-                path = self.run_dir / name
-                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        outputs = [self.run_dir / name for name in RUN_OUTPUTS] if cfg.overwrite and not cfg.resume else []
+        self._check_disk(reclaimable=sum(_bytes_under(p) for p in outputs))
+        for path in outputs:  # --overwrite: cleared only now that the new run could be built
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         self.resumed_from = self._resume() if cfg.resume else None
         # Written once the run is known to go ahead: a refused resume leaves the run's config as it was.
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -168,12 +174,13 @@ class Trainer:
         self._stop_signal: int | None = None
         self._eval: tuple[list, int] | None = None
 
-    def _check_disk(self) -> None:
-        """A disk too small for the run's last checkpoint (and export) is refused before training, not after."""
+    def _check_disk(self, reclaimable: int = 0) -> None:
+        """A disk too small for the run's last checkpoint (and export) is refused before training, not after
+        (`reclaimable`: bytes of an earlier run that --overwrite is about to delete)."""
         needed = ckpt.checkpoint_bytes(self.engine)
         if self.cfg.export:
             needed += self.num_params * export_dtype(self.cfg.export_dtype, self.model.dtype).itemsize
-        if needed > (free := free_bytes(self.run_dir)):
+        if needed > (free := free_bytes(self.run_dir) + reclaimable):
             raise DiskFullError(
                 f"{self.run_dir} has {size_text(free)} free, but this run's checkpoint"
                 f"{' and export' if self.cfg.export else ''} need about {size_text(needed)}: free some space or "
@@ -202,9 +209,20 @@ class Trainer:
             metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
         return path
 
+    def _check_weights(self, what: str) -> None:
+        """Non-finite weights (an update that overflowed) never reach a checkpoint or an export."""
+        self.engine.synchronize()
+        bad = [name for name, unit in zip(self.engine.unit_names(), self.engine.units)
+               if not bool(torch.isfinite(unit.master).all())]
+        if bad:
+            raise TrainingError(f"after step {self.step_index} the weights of {', '.join(bad[:4])}"
+                                f"{' ...' if len(bad) > 4 else ''} are not finite: no {what} is written. Lower "
+                                f"optimizer.lr (now {self.cfg.optimizer.lr}) or keep max_grad_norm set")
+
     def save_checkpoint(self, required: bool = True) -> pathlib.Path | None:
         """Checkpoint the current step. A periodic one (`required=False`) that does not fit on the disk is
         skipped with a warning, and training goes on; a final or stopping one raises."""
+        self._check_weights("checkpoint")
         state = {"step": self.step_index, "total_steps": self.total_steps, "data": self.data.train.state_dict(),
                  "config": to_dict(self.cfg)}
         try:
@@ -360,4 +378,5 @@ class Trainer:
     def export(self, directory: str | pathlib.Path | None = None) -> pathlib.Path:
         dtype = export_dtype(self.cfg.export_dtype, self.model.dtype)
         directory = directory or self.run_dir / "export"
+        self._check_weights("export")
         return export_hf(directory, self.model.hf_config, self.engine.named_masters(), self.model.tokenizer, dtype)
