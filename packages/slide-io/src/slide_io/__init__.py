@@ -2,7 +2,7 @@
 
 from slide_io.__about__ import __version__
 from slide_io.disk import free_bytes, preflight
-from slide_io.errors import StoreFullError
+from slide_io.errors import StoreFullError, is_disk_full
 from slide_io.host import HostStore
 from slide_io.kvikio_path import PATHS, PathChoice, select_path
 from slide_io.nvme import NVMeStore
@@ -17,6 +17,7 @@ __all__ = [
     "TensorStore",
     "__version__",
     "free_bytes",
+    "is_disk_full",
     "preflight",
     "select_path",
 ]

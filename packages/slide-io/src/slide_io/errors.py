@@ -4,6 +4,16 @@ from __future__ import annotations
 
 import errno
 
+FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """A full disk (or quota), as an OSError or as a library reports it in its message (kvikio's RuntimeError,
+    safetensors' SafetensorError carry the C library's text)."""
+    if isinstance(error, OSError):
+        return error.errno in FULL_ERRNOS
+    return "No space left on device" in str(error)
+
 
 def _size(nbytes: int) -> str:
     return f"{nbytes:,} bytes ({nbytes / 2**30:.2f} GiB)"

@@ -20,12 +20,10 @@ import tempfile
 import torch
 
 from slide_io.disk import free_bytes, preflight
-from slide_io.errors import StoreFullError
+from slide_io.errors import StoreFullError, is_disk_full
 from slide_io.kvikio_path import KvikioFile, select_path
 from slide_io.posix import PosixFile, open_direct
 from slide_io.store import TensorStore
-
-_FULL = {errno.ENOSPC, errno.EDQUOT}
 
 
 def _preallocate(fd: int, nbytes: int) -> None:
@@ -37,13 +35,6 @@ def _preallocate(fd: int, nbytes: int) -> None:
         if error.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         os.ftruncate(fd, nbytes)  # no fallocate here: a sparse file, and a full disk shows at write time
-
-
-def _is_full(error: BaseException) -> bool:
-    if isinstance(error, OSError):
-        return error.errno in _FULL
-    # kvikio reports I/O failures as RuntimeError carrying the C library's message.
-    return isinstance(error, RuntimeError) and "No space left on device" in str(error)
 
 
 class NVMeStore(TensorStore):
@@ -106,7 +97,7 @@ class NVMeStore(TensorStore):
         except OSError as error:
             os.close(fd)
             os.unlink(name)
-            if _is_full(error):
+            if is_disk_full(error):
                 raise self._full(key, nbytes) from error
             raise
         os.close(fd)
@@ -118,7 +109,7 @@ class NVMeStore(TensorStore):
         try:
             room.pwrite(tensor)
         except (OSError, RuntimeError) as error:
-            if _is_full(error):
+            if is_disk_full(error):
                 raise self._full(room.key, tensor.numel() * tensor.element_size()) from error
             raise
 

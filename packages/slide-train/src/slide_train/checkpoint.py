@@ -21,10 +21,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from slide_io import free_bytes
+from slide_io import free_bytes, is_disk_full
 from slide_scheduler.engine import DTYPES
 
-from .errors import CheckpointError, DiskFullError, is_disk_full, size_text
+from .errors import CheckpointError, DiskFullError, size_text
 
 MANIFEST = "manifest.json"
 

@@ -117,10 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args, overrides)
-    except SlideError as e:
-        print(f"slide-train: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a path that cannot be written or read (read-only, not a directory, ...)
+    except (SlideError, OSError) as e:  # OSError: a path that cannot be read or written (read-only, ...)
         print(f"slide-train: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,7 +1,5 @@
 """Errors a user can act on: each names the file, key or value at fault and what would fix it."""
 
-import errno
-
 
 class SlideError(Exception):
     """Base class: the CLI prints these without a traceback."""
@@ -35,9 +33,3 @@ def size_text(nbytes: float) -> str:
     """Bytes for a message: GB, or MB below 0.1 GB (where GB would read 0.0)."""
     return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
 
-
-def is_disk_full(error: BaseException) -> bool:
-    """ENOSPC, as an OSError or as safetensors reports it (a SafetensorError carrying the OS message)."""
-    if isinstance(error, OSError):
-        return error.errno == errno.ENOSPC
-    return "No space left on device" in str(error)

@@ -14,10 +14,10 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from slide_io import free_bytes
+from slide_io import free_bytes, is_disk_full
 from slide_scheduler.engine import DTYPES  # the one name -> dtype table
 
-from .errors import DiskFullError, ExportError, is_disk_full, size_text
+from .errors import DiskFullError, ExportError, size_text
 from .models.adapter import block_hf_name, edge_hf_name
 
 SHARD_BYTES = 5 * 2**30
@@ -46,12 +46,13 @@ def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype
     out = pathlib.Path(directory).resolve()
     _check_replaceable(out)
     tmp = out.with_name(out.name + ".partial")
-    tensor_bytes = sum(t.numel() for _, t in hf_tensors(masters)) * dtype.itemsize
+    tensors = list(hf_tensors(masters))  # (name, view): walked once for the size, once more to write
+    tensor_bytes = sum(t.numel() for _, t in tensors) * dtype.itemsize
     needed = tensor_bytes + (16 << 20)  # + config and tokenizer files
     if needed > (free := free_bytes(out.parent)):
         raise _disk_full(out, needed, free)
     try:
-        return _write(out, tmp, hf_config, masters, tokenizer, dtype, tensor_bytes)
+        return _write(out, tmp, hf_config, tensors, tokenizer, dtype, tensor_bytes)
     except (OSError, SafetensorError) as e:
         if not is_disk_full(e):
             raise
@@ -79,7 +80,7 @@ def _disk_full(out: pathlib.Path, needed: int, free: int) -> DiskFullError:
                          "DIR` exports any checkpoint later). Nothing of the export was left behind")
 
 
-def _write(out: pathlib.Path, tmp: pathlib.Path, hf_config, masters, tokenizer, dtype: torch.dtype,
+def _write(out: pathlib.Path, tmp: pathlib.Path, hf_config, tensors: list, tokenizer, dtype: torch.dtype,
            total: int) -> pathlib.Path:
     if tmp.exists():  # left by an export that crashed: none of it may leak into this one
         shutil.rmtree(tmp)
@@ -98,7 +99,6 @@ def _write(out: pathlib.Path, tmp: pathlib.Path, hf_config, masters, tokenizer, 
         names.append(name)
         shards[-1] = {}
 
-    tensors = list(hf_tensors(masters))
     for hf_name, tensor in tqdm(tensors, desc=f"exporting to {out.name}", unit="tensor", leave=False, disable=None):
         nbytes = tensor.numel() * dtype.itemsize
         if shards[-1] and size + nbytes > SHARD_BYTES:

@@ -68,6 +68,7 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
             torch.cuda.set_per_process_memory_fraction(e.gpu_memory_limit_gb * 2**30 / total, device)
             budget = 0.92 * e.gpu_memory_limit_gb * 2**30  # the cap is hard: plan a little under it
     kernels = e.kernels == "on" or (e.kernels == "auto" and cuda)
+    share = engine_cfg.resolve_device_update_share(cuda)
     stack = model.stack(kernels=kernels)
     if e.resident is not None and e.resident > stack.num_blocks + 1:
         raise ConfigError(f"engine.resident={e.resident}, but this model has {stack.num_blocks + 1} units (the "
@@ -80,8 +81,7 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         tokens_per_micro=cfg.micro_batch_size * cfg.seq_len, micro_batches=cfg.grad_accum, window=e.window,
         offload_activations=e.activation_offload == "cpu", budget_bytes=budget, resident=e.resident,
         cuda=cuda, state_bytes=2 * DTYPES[e.states_dtype].itemsize, clip=bool(cfg.max_grad_norm),
-        device_updates=engine_cfg.resolve_device_update_share(cuda) > 0,
-        device_share=engine_cfg.resolve_device_update_share(cuda),
+        device_updates=share > 0, device_share=share,
         compute_bytes=4 if e.compute_dtype == "fp32" or not cuda else 2)
     if budget is not None:
         check_plan(plan, "engine.gpu_memory_limit_gb" if e.gpu_memory_limit_gb else "the GPU's memory",
@@ -173,6 +173,7 @@ class Trainer:
         self.log = MetricsLog(self.run_dir)
         self._stop_signal: int | None = None
         self._eval: tuple[list, int] | None = None
+        self._finite_at: int | None = None  # the step whose weights were last checked finite
 
     def _check_disk(self, reclaimable: int = 0) -> None:
         """A disk too small for the run's last checkpoint (and export) is refused before training, not after
@@ -210,7 +211,10 @@ class Trainer:
         return path
 
     def _check_weights(self, what: str) -> None:
-        """Non-finite weights (an update that overflowed) never reach a checkpoint or an export."""
+        """Non-finite weights (an update that overflowed) never reach a checkpoint or an export. Once per step:
+        the last checkpoint and the export read the same weights."""
+        if self._finite_at == self.step_index:
+            return
         self.engine.synchronize()
         bad = [name for name, unit in zip(self.engine.unit_names(), self.engine.units)
                if not bool(torch.isfinite(unit.master).all())]
@@ -218,6 +222,7 @@ class Trainer:
             raise TrainingError(f"after step {self.step_index} the weights of {', '.join(bad[:4])}"
                                 f"{' ...' if len(bad) > 4 else ''} are not finite: no {what} is written. Lower "
                                 f"optimizer.lr (now {self.cfg.optimizer.lr}) or keep max_grad_norm set")
+        self._finite_at = self.step_index
 
     def save_checkpoint(self, required: bool = True) -> pathlib.Path | None:
         """Checkpoint the current step. A periodic one (`required=False`) that does not fit on the disk is

@@ -359,9 +359,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         lab = labels.reshape(-1).to(device=hidden.device, dtype=torch.long)
         if lab.numel() != h2d.shape[0]:
             raise ValueError(f"labels {tuple(labels.shape)} do not match hidden {tuple(hidden.shape)}")
+        kept = lab != ignore_index  # the labels that count (the mean's default normalizer, the check below)
         if on_triton:  # the kernel reads the logit a label names: an out-of-range label stops the run (no host sync)
             v = weight.shape[0]
-            torch._assert_async(((lab >= 0) & (lab < v) | (lab == ignore_index)).all(),
+            torch._assert_async((~kept | ((lab >= 0) & (lab < v))).all(),
                                 f"linear_cross_entropy: a label is outside [0, {v}) and is not ignore_index")
         # Gradients are made in the forward: none when no backward can follow (no_grad, inference_mode).
         want = ctx.want = tuple(grad_enabled and w for w in (
@@ -376,7 +377,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if reduction == "sum":
                 scale = torch.ones((), **fp32)
             else:
-                count = (lab != ignore_index).sum() if normalizer is None else normalizer
+                count = kept.sum() if normalizer is None else normalizer
                 denom = torch.as_tensor(count, **fp32).reshape(())
                 # An all-ignored batch has loss 0 and zero gradients, never 0/0.
                 scale = 1.0 / torch.where(denom == 0, torch.ones_like(denom), denom)

@@ -146,14 +146,12 @@ class HFStack:
 
     def load_edges(self, params: dict[str, torch.Tensor]) -> None:
         for name, view in params.items():
-            self._fill(view, edge_hf_name(name))
+            self.weights.read_into(edge_hf_name(name), view)
 
     def load_block(self, index: int, params: dict[str, torch.Tensor]) -> None:
         for name, view in params.items():
-            self._fill(view, block_hf_name(index, name))
+            self.weights.read_into(block_hf_name(index, name), view)
 
-    def _fill(self, view: torch.Tensor, hf_name: str) -> None:
-        self.weights.read_into(hf_name, view)
 
 
 class _Patchable(nn.Module):
