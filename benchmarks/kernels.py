@@ -30,9 +30,9 @@ import slide_kernels as sk
 GIB = 1 << 30
 
 
-def measure(fn, grad_to_none):
-    """fn() runs forward+backward once. Returns (median ms, extra peak GiB)."""
-    fn()  # warm up (compiles)
+def peak_of(fn, grad_to_none):
+    """fn() runs forward+backward once. Returns its extra peak GiB (after a warm-up call that compiles)."""
+    fn()
     torch.cuda.synchronize()
     for t in grad_to_none:
         t.grad = None
@@ -44,8 +44,11 @@ def measure(fn, grad_to_none):
     peak = (torch.cuda.max_memory_allocated() - base) / GIB
     for t in grad_to_none:
         t.grad = None
-    ms = do_bench(fn, grad_to_none=grad_to_none, warmup=25, rep=200, return_mode="median")
-    return ms, peak
+    return peak
+
+
+def time_of(fn, grad_to_none):
+    return do_bench(fn, grad_to_none=grad_to_none, warmup=25, rep=200, return_mode="median")
 
 
 def fwd_bwd(forward, grad_of=None):
@@ -134,22 +137,38 @@ def lce_breakdown(hidden, weight, labels, rows=2048):
     return {k: {"ms": round(t, 4), "tflops": round(flop / t / 1e9, 1)} for k, t in out.items()}
 
 
+ROUNDS = 1  # --rounds: time the providers in turn this many times, so that clock drift hits each alike
+
+
 def run_all(fns, leaves, grad, check=None):
     results = {}
     for name, f in fns.items():
         try:
             t0 = time.time()
-            ms, peak = measure(fwd_bwd(f, grad), leaves)
-            row = {"ms": round(ms, 4), "peak_gib": round(peak, 4), "wall_s": round(time.time() - t0, 1)}
+            row = {"peak_gib": round(peak_of(fwd_bwd(f, grad), leaves), 4), "rounds_ms": []}
             if check is not None:
                 with torch.no_grad():
                     row["value"] = check(f)
+            row["wall_s"] = round(time.time() - t0, 1)
             results[name] = row
         except Exception as e:  # a peer failing must not sink the run
             results[name] = {"error": f"{type(e).__name__}: {e}"[:400]}
             traceback.print_exc()
-        print(name, results[name], flush=True)
         torch.cuda.empty_cache()
+    for _ in range(ROUNDS):
+        for name, f in fns.items():
+            if "error" in results[name]:
+                continue
+            try:
+                results[name]["rounds_ms"].append(round(time_of(fwd_bwd(f, grad), leaves), 4))
+            except Exception as e:
+                results[name] = {"error": f"{type(e).__name__}: {e}"[:400]}
+                traceback.print_exc()
+            torch.cuda.empty_cache()
+    for name, row in results.items():
+        if "rounds_ms" in row:
+            row["ms"] = sorted(row["rounds_ms"])[len(row["rounds_ms"]) // 2]  # the median round
+        print(name, row, flush=True)
     return results
 
 
@@ -287,7 +306,10 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--ops", default="linear_cross_entropy,rms_norm,rope,swiglu")
     p.add_argument("--providers", default="eager,compile,liger,slide")
+    p.add_argument("--rounds", type=int, default=1, help="time the providers in turn N times; report the median")
     args = p.parse_args()
+    global ROUNDS
+    ROUNDS = args.rounds
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
     providers = set(args.providers.split(","))
@@ -323,9 +345,10 @@ def main() -> None:
         "date": now.isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
         "versions": versions,
-        "config": {"dtype": "bfloat16", "measure": "forward+backward; triton.testing.do_bench median (ms); "
+        "config": {"dtype": "bfloat16", "measure": "forward+backward; triton.testing.do_bench median (ms), the "
+                   "median over --rounds rounds that take the providers in turn; "
                    "extra peak = max_memory_allocated - memory_allocated before the call (GiB)",
-                   "providers": sorted(providers), "ops": ops},
+                   "providers": sorted(providers), "ops": ops, "rounds": ROUNDS},
         "results": {op: {"shape": shape, "providers": rows} for op, (shape, rows) in res.items()},
         "targets": targets(res),
     }

@@ -4,8 +4,9 @@
 #   bash benchmarks/run_gpu.sh small   # GPU tests, then B1 and B3 (the plain GPU-resident peer in the same run)
 #   bash benchmarks/run_gpu.sh b8      # B8 without and with clipping (no peer: it does not fit this host)
 #   bash benchmarks/run_gpu.sh clip    # B3 and B8 with clipping: split vs whole updates, device share 0.5 vs 1/3
-#   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, then benchmarks/kernels.py against eager,
-#                                      # torch.compile and Liger-Kernel (carry .whl-kernels: Liger's wheel)
+#   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
+#                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
+#                                      # (carry .whl-kernels: Liger's wheel)
 set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH=$(printf "$root/packages/%s/src:" slide-kernels slide-memory slide-io slide-scheduler slide-train)
@@ -48,7 +49,8 @@ kernels)
   fi
   (cd "$root/packages/slide-kernels" && python3 -m pytest -q -m gpu tests -p no:cacheprovider) > "$out/gpu-tests-slide-kernels.log" 2>&1
   echo "gpu tests slide-kernels: exit $?"; tail -1 "$out/gpu-tests-slide-kernels.log"
-  python3 "$root/benchmarks/kernels.py" --out "$out" 2>&1 | tail -30
+  python3 "$root/benchmarks/lce_probe.py" --out "$out" 2>&1 | tail -14
+  python3 "$root/benchmarks/kernels.py" --out "$out" --rounds 3 2>&1 | tail -30
   ;;
 esac
 # The device machine returns only a few files per call: keep the JSON and PNGs, drop the Perfetto traces.

@@ -136,10 +136,29 @@ def test_bf16_weight_grad_is_rounded_fp32_sum(monkeypatch):
         x = (torch.randn(11, 29) * 10**i).bfloat16().to(device)
         acc.add(g, x)
         exact += g.double().cpu().t() @ x.double().cpu()
-    got = acc.result().cpu()
+    got = acc.result(torch.full((), 0.5, device=device)).cpu()
     assert got.dtype == torch.bfloat16
-    # Within one bf16 rounding of the exact sum (fp32 accumulation error is far below that).
-    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+    # Within one bf16 rounding of the exact scaled sum (fp32 accumulation error is far below that).
+    assert ((got.double() - exact * 0.5).abs() <= exact.abs() * 0.5 * 2**-8 + 1e-6).all()
+
+
+@pytest.mark.gpu
+def test_gpu_cublas_weight_grad_narrowed_in_place():
+    # cuBLAS's fp32 sum, scaled and narrowed to bf16 in its own storage (row blocks that double in size).
+    from slide_kernels.ops.linear_cross_entropy import _WeightGradCublas
+    torch.manual_seed(8)
+    v, h = 5000, 40
+    acc = _WeightGradCublas(torch.empty(v, h, dtype=torch.bfloat16, device="cuda"), 3)
+    exact = torch.zeros(v, h, dtype=torch.float64)
+    for i in range(3):
+        g = torch.randn(64, v, device="cuda").bfloat16()
+        x = (torch.randn(64, h, device="cuda") * 10**i).bfloat16()
+        acc.add(g, x)
+        exact += g.double().cpu().t() @ x.double().cpu()
+    scale = 0.37
+    got = acc.result(torch.full((), scale, device="cuda")).cpu().double()
+    want = exact * scale
+    assert ((got - want).abs() <= want.abs() * 2**-8 + 1e-3 * want.abs().max() * 2**-8).all()
 
 
 def test_module(path):

@@ -188,11 +188,11 @@ class _WeightGradTriton:
         )
         self.done += 1
 
-    def result(self) -> torch.Tensor:
+    def result(self, scale: torch.Tensor) -> torch.Tensor:
         if self.split:
             self.lo = self.acc = None
-            return self.hi
-        return self.acc.to(self.dtype)
+            return self.hi.mul_(scale.to(self.dtype))
+        return (self.acc * scale).to(self.dtype)
 
 
 class _WeightGradCublas:
@@ -214,15 +214,17 @@ class _WeightGradCublas:
         else:
             torch.addmm(self.acc, g.t(), x, out_dtype=torch.float32, out=self.acc)
 
-    def result(self) -> torch.Tensor:
+    def result(self, scale: torch.Tensor) -> torch.Tensor:
+        """The scaled sum, narrowed in place: rows [r, 2r) land on bytes that only rows < r occupied."""
         v, h = self.acc.shape
         out = self.acc.view(-1).view(self.dtype)[: v * h].view(v, h)
-        rows = 1024
-        # Row block k's narrow copy lands on bytes that only blocks < k (already narrowed) occupied, except for
-        # block 0, whose source and destination overlap: it goes through a small temporary.
-        out[:rows].copy_(self.acc[:rows].to(self.dtype))
-        for r in range(rows, v, rows):
-            out[r : r + rows].copy_(self.acc[r : r + rows])
+        r = min(v, 1024)
+        out[:r].copy_(self.acc[:r] * scale)  # the first rows overlap their own source: through a temporary
+        while r < v:
+            e = min(v, 2 * r)
+            torch.mul(self.acc[r:e], scale, out=out[r:e])
+            r = e
+        self.acc = None
         return out
 
 
@@ -236,7 +238,7 @@ def _cublas_fp32_accumulation(device: torch.device) -> bool:
         acc.add(g, x)
         acc.add(g, x)
         want = (2 * (g.t().double() @ x.double())).to(torch.bfloat16)
-        return bool((acc.result().double() - want.double()).abs().max() <= 1e-2 * want.double().abs().max())
+        return bool((acc.result(torch.ones((), device=device)).double() - want.double()).abs().max() <= 1e-2 * want.double().abs().max())
     except (RuntimeError, TypeError):
         return False
 
@@ -249,8 +251,8 @@ class _WeightGradTorch:
     def add(self, g: torch.Tensor, x: torch.Tensor) -> None:
         self.acc.addmm_(g.t().to(self.acc.dtype), x.to(self.acc.dtype))
 
-    def result(self) -> torch.Tensor:
-        return self.acc.to(self.dtype)
+    def result(self, scale: torch.Tensor) -> torch.Tensor:
+        return (self.acc * scale).to(self.dtype)
 
 
 def _ce_rows_torch(logits, labels, loss_out, scale, ignore_index, smoothing, softcap, z_coef, write_grad):
@@ -296,7 +298,8 @@ def _run(h2d, weight, bias, labels, scale, ignore_index, smoothing, softcap, z_c
     """One pass over all token chunks. `want` = (grad_hidden, grad_weight, grad_bias) flags.
 
     Returns per-token losses (fp32, 0 where ignored) and the requested gradients, each multiplied by `scale`
-    (a 0-d or [N] fp32 tensor).
+    (a 0-d or [N] fp32 tensor): the hidden gradient, the weight gradient's fp32 sum (`.result(s)` gives it
+    times `s` in the weight's dtype) and the bias gradient in fp32.
     """
     n, h = h2d.shape
     v = weight.shape[0]
@@ -305,8 +308,7 @@ def _run(h2d, weight, bias, labels, scale, ignore_index, smoothing, softcap, z_c
     grad_h = torch.empty((n, h), dtype=dtype, device=h2d.device) if want[0] else None
     grad_b = torch.zeros(v, dtype=_acc_dtype(weight), device=h2d.device) if want[2] else None
     if n == 0:  # an empty batch: nothing to launch, zero gradients
-        return losses, grad_h, torch.zeros_like(weight) if want[1] else None, \
-            None if grad_b is None else grad_b.to(bias.dtype)
+        return losses, grad_h, _WeightGradTorch(weight, 0) if want[1] else None, grad_b
     write_grad = any(want)
     rows = _chunk_rows(n, v, weight.element_size(), on_triton)
     n_chunks = math.ceil(n / rows)
@@ -344,11 +346,16 @@ def _run(h2d, weight, bias, labels, scale, ignore_index, smoothing, softcap, z_c
             acc.add(logits, x)
         if want[2]:
             grad_b += logits.sum(0, dtype=grad_b.dtype)
-    del buf
-    grad_w = acc.result() if want[1] else None
-    if grad_b is not None:
-        grad_b = grad_b.to(bias.dtype)
-    return losses, grad_h, grad_w, grad_b
+    return losses, grad_h, acc, grad_b
+
+
+def _finish(grad_h, acc, grad_b, bias_dtype, g):
+    """The gradients of `_run` times the upstream gradient `g`, in the inputs' dtypes. The weight gradient is
+    narrowed from its fp32 sum only here, with the scale folded into that one pass."""
+    gh = None if grad_h is None else grad_h.mul_(g.to(grad_h.dtype))
+    gw = None if acc is None else acc.result(g)
+    gb = None if grad_b is None else (grad_b * g).to(bias_dtype)
+    return gh, gw, gb
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -384,7 +391,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             losses, *grads = _run(h2d, weight, bias, lab, scale, ignore_index, smoothing, softcap, z_coef,
                                   want, on_triton)
             ctx.grads = grads
-        ctx.hidden_dtype = hidden.dtype
+        ctx.hidden_dtype, ctx.acc_dtype = hidden.dtype, fp32["dtype"]
+        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.cfg = (ignore_index, reduction, smoothing, softcap, z_coef, on_triton, hidden.shape)
         if reduction == "none":
             return losses.view(labels.shape)
@@ -396,17 +404,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if reduction == "none":
             hidden, weight, bias, lab = ctx.saved_tensors
             scale = grad_out.reshape(-1).to(_acc_dtype(weight)).contiguous()
-            _, gh, gw, gb = _run(hidden.reshape(-1, shape[-1]), weight, bias, lab, scale, ignore_index,
-                                 smoothing, softcap, z_coef, ctx.want, on_triton)
+            _, *grads = _run(hidden.reshape(-1, shape[-1]), weight, bias, lab, scale, ignore_index,
+                             smoothing, softcap, z_coef, ctx.want, on_triton)
+            gh, gw, gb = _finish(*grads, ctx.bias_dtype, torch.ones((), dtype=scale.dtype, device=scale.device))
         else:
             if ctx.grads is None:
                 raise RuntimeError("linear_cross_entropy: backward through the same graph twice is not supported")
-            gh, gw, gb = ctx.grads
-            ctx.grads = None
+            grads, ctx.grads = ctx.grads, None
             # The gradients were made in the forward for a unit upstream gradient: scale them. Always, rather
             # than test grad_out == 1 (a host sync every backward); times 1.0 changes no bit.
-            g = grad_out.float()
-            gh, gw, gb = (None if t is None else t.mul_(g.to(t.dtype)) for t in (gh, gw, gb))
+            gh, gw, gb = _finish(*grads, ctx.bias_dtype, grad_out.to(ctx.acc_dtype))
         if gh is not None:
             gh = gh.view(shape).to(ctx.hidden_dtype)
         return gh, gw, gb, None, None, None, None, None, None, None, None, None

@@ -1,0 +1,163 @@
+"""Where the fused linear cross-entropy spends its time on the GPU, by token-chunk size (issue 3's shape).
+
+Times each piece of one chunk (the three matmuls, the fp32 accumulate of the weight gradient, the row kernel),
+the final narrowing, and the whole op at several chunk sizes next to Liger-Kernel, in alternating rounds so
+that clock drift hits every provider alike. Writes `lce-probe-<commit>.json` to --out.
+
+    PYTHONPATH=packages/slide-kernels/src python3 benchmarks/lce_probe.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+
+import torch
+from common import git_commit
+from triton.testing import do_bench
+
+import slide_kernels as sk
+from slide_kernels.ops import linear_cross_entropy as lce
+
+BT, H, V = 16384, 4096, 128256
+
+
+def pieces(hidden, weight, labels, rows):
+    x = hidden[:rows]
+    g = torch.mm(x, weight.t())
+    acc = torch.empty(V, H, device="cuda", dtype=torch.float32)
+    loss = torch.empty(rows, device="cuda")
+    scale = torch.ones((), device="cuda")
+    flop = 2 * rows * H * V
+
+    def ce():
+        lce._ce_rows_kernel[(rows,)](g, g.stride(0), labels[:rows], loss, scale, 0, V, -100, 0.0, 1.0, 0.0,
+                                     HAS_SOFTCAP=False, HAS_SMOOTHING=False, WRITE_GRAD=True, BLOCK_V=4096,
+                                     num_warps=8)
+
+    t = {
+        "logits_mm": do_bench(lambda: torch.mm(x, weight.t(), out=g), return_mode="median"),
+        "grad_h_mm": do_bench(lambda: torch.mm(g, weight), return_mode="median"),
+        "grad_w_fp32_first": do_bench(lambda: torch.mm(g.t(), x, out_dtype=torch.float32, out=acc),
+                                      return_mode="median"),
+        "grad_w_fp32_accumulate": do_bench(
+            lambda: torch.addmm(acc, g.t(), x, out_dtype=torch.float32, out=acc), return_mode="median"),
+        "grad_w_bf16": do_bench(lambda: torch.mm(g.t(), x), return_mode="median"),
+    }
+    accT = acc.view(H, V)
+    t["grad_wT_fp32_accumulate"] = do_bench(
+        lambda: torch.addmm(accT, x.t(), g, out_dtype=torch.float32, out=accT), return_mode="median")
+    out = {k: {"ms": round(v, 4), "tflops": round(flop / v / 1e9, 1)} for k, v in t.items()}
+    out["ce_kernel"] = {"ms": round(do_bench(ce, return_mode="median"), 4),
+                        "gbps": round(3 * rows * V * 2 / do_bench(ce, return_mode="median") / 1e6, 1)}
+    return out
+
+
+def narrowing(weight):
+    acc = lce._WeightGradCublas(weight, 2)
+    acc.acc.normal_()
+    src = acc.acc.clone()
+
+    def current():
+        acc.acc.copy_(src)
+        acc.result()
+
+    def doubling():
+        acc.acc.copy_(src)
+        a = acc.acc
+        out = a.view(-1).view(torch.bfloat16)[: V * H].view(V, H)
+        first = 1024
+        out[:first].copy_(a[:first].to(torch.bfloat16))
+        r = first
+        while r < V:  # rows [r, 2r) land on bytes only rows < r occupied
+            e = min(V, 2 * r)
+            out[r:e].copy_(a[r:e])
+            r = e
+
+    base = do_bench(lambda: acc.acc.copy_(src), return_mode="median")
+    g16 = torch.randn(V, H, device="cuda").bfloat16()
+    s = torch.ones((), device="cuda")
+    return {"restore_only": round(base, 4),
+            "narrow_current_minus_restore": round(do_bench(current, return_mode="median") - base, 4),
+            "narrow_doubling_minus_restore": round(do_bench(doubling, return_mode="median") - base, 4),
+            "scale_bf16_grad_w": round(do_bench(lambda: g16.mul_(s.to(g16.dtype)), return_mode="median"), 4)}
+
+
+def whole(hidden, weight, labels, chunk_list, rounds):
+    fns = {}
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+        lg = LigerFusedLinearCrossEntropyLoss()
+        fns["liger"] = lambda: lg(weight, hidden, labels).backward()
+    except Exception as e:  # noqa: BLE001
+        print("no liger:", e)
+
+    def slide(rows):
+        def run():
+            if rows:
+                os.environ["SLIDE_LCE_CHUNK_TOKENS"] = str(rows)
+            try:
+                sk.linear_cross_entropy(hidden, weight, labels).backward()
+            finally:
+                os.environ.pop("SLIDE_LCE_CHUNK_TOKENS", None)
+        return run
+    for rows in chunk_list:
+        fns[f"slide-{rows or 'default'}"] = slide(rows)
+    res = {k: {"ms": []} for k in fns}
+    for name, f in fns.items():  # peak memory, once
+        f()
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        f()
+        torch.cuda.synchronize()
+        res[name]["peak_gib"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 4)
+        hidden.grad = weight.grad = None
+    for _ in range(rounds):
+        for name, f in fns.items():
+            res[name]["ms"].append(round(do_bench(f, grad_to_none=[hidden, weight], warmup=50, rep=600,
+                                                  return_mode="median"), 3))
+    for r in res.values():
+        r["best_round_ms"] = min(r["ms"])
+    return res
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--rows", default="2048,2560,3072,3328,3584,4096")
+    p.add_argument("--whole", default="0,2560,3072,3584")
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    hidden = (torch.randn(BT, H, device="cuda") * 0.5).bfloat16().requires_grad_()
+    weight = (torch.randn(V, H, device="cuda") * 0.02).bfloat16().requires_grad_()
+    labels = torch.randint(0, V, (BT,), device="cuda")
+    labels[::17] = -100
+    doc = {"benchmark": "benchmarks/lce_probe.py", "git_commit": git_commit(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": [BT, H, V]}
+    with torch.no_grad():
+        doc["pieces"] = {r: pieces(hidden.detach(), weight.detach(), labels, int(r)) for r in a.rows.split(",")}
+        doc["narrowing"] = narrowing(weight.detach())
+    torch.cuda.empty_cache()
+    doc["whole"] = whole(hidden, weight, labels, [int(r) for r in a.whole.split(",")], a.rounds)
+    path = pathlib.Path(a.out) / f"lce-probe-{doc['git_commit'][:7]}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    for r, d in doc["pieces"].items():
+        print(r, {k: v.get("tflops", v.get("gbps")) for k, v in d.items()},
+              "sum ms", round(sum(v["ms"] for k, v in d.items() if k in (
+                  "logits_mm", "grad_h_mm", "grad_w_fp32_accumulate", "ce_kernel")), 3))
+    print(doc["narrowing"])
+    for k, v in doc["whole"].items():
+        print(k, v)
+
+
+if __name__ == "__main__":
+    main()
