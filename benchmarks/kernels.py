@@ -48,7 +48,9 @@ def peak_of(fn, grad_to_none):
 
 
 def time_of(fn, grad_to_none):
-    return do_bench(fn, grad_to_none=grad_to_none, warmup=25, rep=200, return_mode="median")
+    # A long warm-up: sub-millisecond ops timed right after an idle moment ran at up to 1.7x their time on a
+    # busy card (rounds of one run on the H200, benchmarks/results/kernels.md).
+    return do_bench(fn, grad_to_none=grad_to_none, warmup=300, rep=300, return_mode="median")
 
 
 def fwd_bwd(forward, grad_of=None):
