@@ -142,6 +142,23 @@ def test_bf16_weight_grad_is_rounded_fp32_sum(monkeypatch):
     assert ((got.double() - exact * 0.5).abs() <= exact.abs() * 0.5 * 2**-8 + 1e-6).all()
 
 
+def test_narrow_in_place(monkeypatch):
+    # The fp32 sum scaled and narrowed to bf16 in its own storage, range by range: exactly torch's rounding.
+    lce_mod = __import__("sys").modules["slide_kernels.ops.linear_cross_entropy"]
+    if not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton path")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(lce_mod, "NARROW_FIRST", 37)  # ranges [37, 74), [74, 148), ... up to 999
+    torch.manual_seed(9)
+    acc = torch.randn(27, 37, device=device) * 100
+    acc.view(-1)[[50, 300, 900]] = torch.tensor([float("nan"), float("inf"), 3.3e38])  # NaN stays NaN
+    want = (acc * 0.3).to(torch.bfloat16)
+    got = lce_mod.narrow_in_place(acc, torch.tensor(0.3), torch.bfloat16)
+    assert got.data_ptr() == acc.data_ptr() and got.shape == acc.shape
+    assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+    assert got.view(-1)[50].isnan()
+
+
 @pytest.mark.gpu
 def test_gpu_cublas_weight_grad_narrowed_in_place():
     # cuBLAS's fp32 sum, scaled and narrowed to bf16 in its own storage (row blocks that double in size).
