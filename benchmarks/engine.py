@@ -13,6 +13,7 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import pathlib
 import statistics
 import time
@@ -71,7 +72,7 @@ def run_slide(args) -> dict:
     overrides = [f"--model={args.model}", f"--seq_len={args.seq}", f"--micro_batch_size={args.micro}",
                  f"--grad_accum={args.accum}", f"--steps={args.warmup + args.steps}", f"--engine.device={args.device}",
                  f"--engine.window={args.window}", "--export=false", "--data.pack=true",
-                 f"--output_dir={args.run_dir}", "--profile=true",
+                 f"--output_dir={args.run_dir}", "--overwrite=true", "--profile=true",  # a fresh run each time
                  f"--engine.pipeline={str(bool(args.pipeline)).lower()}", f"--optimizer.lr={args.lr}"]
     if args.clip != "1.0":
         overrides.append(f"--max_grad_norm={'null' if args.clip == 'none' else args.clip}")
@@ -153,7 +154,8 @@ def main() -> None:
         "config": {"model": args.model, "seq": args.seq, "micro": args.micro, "accum": args.accum,
                    "tokens_per_step": args.seq * args.micro * args.accum, "steps_timed": args.steps,
                    "warmup": args.warmup, "window": args.window, "cap_gib": args.cap, "max_grad_norm": args.clip,
-                   "device_update_share": args.device_share, "split_update": bool(args.split), "lr": args.lr},
+                   "device_update_share": args.device_share, "split_update": bool(args.split), "lr": args.lr,
+                   "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")},
         "results": results,
     }
     out = pathlib.Path(args.out)

@@ -2,6 +2,7 @@
 # The GPU runs, in two calls of the lent machine (each fits in its 10-minute limit). Results land in $OUT; copy
 # them into benchmarks/results/.
 #   bash benchmarks/run_gpu.sh small   # GPU tests, then B1 and B3 (the plain GPU-resident peer in the same run)
+#   bash benchmarks/run_gpu.sh final   # every package's GPU tests, the fused loss vs Liger, B3 and B1 with the peer
 #   bash benchmarks/run_gpu.sh b8      # B8 without and with clipping (no peer: it does not fit this host)
 #   bash benchmarks/run_gpu.sh clip    # B3 and B8 with clipping: split vs whole updates, device share 0.5 vs 1/3
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
@@ -30,6 +31,8 @@ b8)
   b8="--model llama-3.1-8b --seq 4096 --micro 1 --accum 8 --cap 16 --peer none"
   bench $b8 --clip none --tag B8-noclip
   bench $b8 --tag B8
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench $b8 --tag B8-expseg
+  rm -f "$out"/B8-expseg-timeline.png
   ;;
 clip)
   (cd "$root/packages/slide-scheduler" && python3 -m pytest -q -m gpu tests -p no:cacheprovider) > "$out/gpu-tests-slide-scheduler.log" 2>&1
@@ -42,6 +45,23 @@ clip)
   bench $b8 --tag B8
   bench $b8 --device-share 0.33 --tag B8-share33
   rm -f "$out"/B3-whole-timeline.png "$out"/*share33-timeline.png  # the machine returns at most 8 files
+  ;;
+final)  # every package's GPU tests, the fused loss against Liger, B3 (peer; clipped, also with expandable
+  # allocator segments) and B1 (peer)
+  for p in slide-kernels slide-memory slide-scheduler slide-train; do
+    (cd "$root/packages/$p" && python3 -m pytest -q -m gpu tests -p no:cacheprovider) > "$out/gpu-tests-$p.log" 2>&1
+    echo "gpu tests $p: exit $?"; tail -1 "$out/gpu-tests-$p.log"
+  done
+  if ls "$root"/.whl-kernels/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site "$root"/.whl-kernels/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
+  python3 "$root/benchmarks/kernels.py" --out "$out" --ops linear_cross_entropy --providers eager,liger,slide \
+    --rounds 3 2>&1 | tail -8
+  b3="--model llama-3.2-3b --seq 4096 --micro 2 --accum 4 --cap 24"
+  bench $b3 --peer plain --tag B3
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench $b3 --peer none --tag B3-expseg
+  bench --model llama-3.2-1b --seq 2048 --micro 4 --accum 1 --cap 24 --peer plain --tag B1
+  cat "$out"/gpu-tests-*.log > "$out/gpu-tests.log"; rm -f "$out"/gpu-tests-slide-*.log "$out"/B3-expseg-timeline.png
   ;;
 kernels)
   if ls "$root"/.whl-kernels/*.whl >/dev/null 2>&1; then
