@@ -155,7 +155,8 @@ def main() -> None:
                    "tokens_per_step": args.seq * args.micro * args.accum, "steps_timed": args.steps,
                    "warmup": args.warmup, "window": args.window, "cap_gib": args.cap, "max_grad_norm": args.clip,
                    "device_update_share": args.device_share, "split_update": bool(args.split), "lr": args.lr,
-                   "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")},
+                   "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "slide-train's default (slide only): "
+                   "expandable_segments:True"},
         "results": results,
     }
     out = pathlib.Path(args.out)

@@ -31,8 +31,8 @@ b8)
   b8="--model llama-3.1-8b --seq 4096 --micro 1 --accum 8 --cap 16 --peer none"
   bench $b8 --clip none --tag B8-noclip
   bench $b8 --tag B8
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench $b8 --tag B8-expseg
-  rm -f "$out"/B8-expseg-timeline.png
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False bench $b8 --tag B8-fixedseg  # the allocator's default
+  rm -f "$out"/B8-fixedseg-timeline.png
   ;;
 clip)
   (cd "$root/packages/slide-scheduler" && python3 -m pytest -q -m gpu tests -p no:cacheprovider) > "$out/gpu-tests-slide-scheduler.log" 2>&1
@@ -46,8 +46,8 @@ clip)
   bench $b8 --device-share 0.33 --tag B8-share33
   rm -f "$out"/B3-whole-timeline.png "$out"/*share33-timeline.png  # the machine returns at most 8 files
   ;;
-final)  # every package's GPU tests, the fused loss against Liger, B3 (peer; clipped, also with expandable
-  # allocator segments) and B1 (peer)
+final)  # every package's GPU tests, the fused loss against Liger, B3 (peer; clipped, also with the allocator's
+  # fixed segments) and B1 (peer)
   for p in slide-kernels slide-memory slide-scheduler slide-train; do
     (cd "$root/packages/$p" && python3 -m pytest -q -m gpu tests -p no:cacheprovider) > "$out/gpu-tests-$p.log" 2>&1
     echo "gpu tests $p: exit $?"; tail -1 "$out/gpu-tests-$p.log"
@@ -59,9 +59,9 @@ final)  # every package's GPU tests, the fused loss against Liger, B3 (peer; cli
     --rounds 3 2>&1 | tail -8
   b3="--model llama-3.2-3b --seq 4096 --micro 2 --accum 4 --cap 24"
   bench $b3 --peer plain --tag B3
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench $b3 --peer none --tag B3-expseg
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False bench $b3 --peer none --tag B3-fixedseg  # allocator default
   bench --model llama-3.2-1b --seq 2048 --micro 4 --accum 1 --cap 24 --peer plain --tag B1
-  cat "$out"/gpu-tests-*.log > "$out/gpu-tests.log"; rm -f "$out"/gpu-tests-slide-*.log "$out"/B3-expseg-timeline.png
+  cat "$out"/gpu-tests-*.log > "$out/gpu-tests.log"; rm -f "$out"/gpu-tests-slide-*.log "$out"/B3-fixedseg-timeline.png
   ;;
 kernels)
   if ls "$root"/.whl-kernels/*.whl >/dev/null 2>&1; then

@@ -127,3 +127,18 @@ def test_forcing_more_residency_than_the_budget_holds_is_refused():
     assert plan.device_total > plan.budget
     with pytest.raises(ConfigError, match=r"engine.resident=29 keeps ~.* GiB on the device, more than"):
         check_fits(plan, "the GPU's memory")
+
+
+def test_expandable_segments_unless_the_user_configured_the_allocator(monkeypatch):
+    import torch
+
+    from slide_train import trainer
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(k, raising=False)
+    assert trainer.use_expandable_segments() and calls == ["expandable_segments:True"]
+    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.setenv(k, "max_split_size_mb:128")
+        assert not trainer.use_expandable_segments() and len(calls) == 1  # the user's setting stands
+        monkeypatch.delenv(k)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import shutil
 import signal
@@ -40,6 +41,24 @@ from .schedule import lr_at
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "export", "loss.png", "timeline.png", "trace.json")
 
 
+ALLOC_CONF = "expandable_segments:True"
+
+
+def use_expandable_segments() -> bool:
+    """Let the CUDA caching allocator grow segments in place, unless the user configured it (PYTORCH_CUDA_ALLOC_CONF
+    or PYTORCH_ALLOC_CONF). With fixed segments, the varying activation sizes of a step fragmented the pool under
+    a memory cap: a new segment and an allocator retry in steady steps; with expandable ones none (B3 on the H200,
+    benchmarks/results/engine.md). Applies to segments made from now on. Returns whether it was set."""
+    if any(k in os.environ for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+        return False
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+        getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)
+    if setter is None:  # a torch without either entry point: the default allocator, as before
+        return False
+    setter(ALLOC_CONF)
+    return True
+
+
 def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
     """The memory plan of a run, the engine config it implies and the stack to build it on.
 
@@ -58,6 +77,7 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         budget = 0.92 * (e.gpu_memory_limit_gb or assume_gpu_gib) * 2**30
     elif (device := engine_cfg.resolve_device()).type == "cuda":
         cuda = True
+        use_expandable_segments()  # before the cap below starts the allocator
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         total = torch.cuda.get_device_properties(device).total_memory
         budget = 0.92 * total
