@@ -72,7 +72,8 @@ def run_slide(args) -> dict:
     overrides = [f"--model={args.model}", f"--seq_len={args.seq}", f"--micro_batch_size={args.micro}",
                  f"--grad_accum={args.accum}", f"--steps={args.warmup + args.steps}", f"--engine.device={args.device}",
                  f"--engine.window={args.window}", "--export=false", "--data.pack=true",
-                 f"--output_dir={args.run_dir}", "--overwrite=true", "--profile=true",  # a fresh run each time
+                 f"--output_dir={args.run_dir}", "--overwrite=true", "--checkpoint.keep=0",  # fresh, no checkpoint
+                 "--profile=true",
                  f"--engine.pipeline={str(bool(args.pipeline)).lower()}", f"--optimizer.lr={args.lr}"]
     if args.clip != "1.0":
         overrides.append(f"--max_grad_norm={'null' if args.clip == 'none' else args.clip}")

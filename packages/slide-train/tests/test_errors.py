@@ -14,6 +14,7 @@ from slide_train.checkpoint import export_run
 from slide_train.cli import main
 from slide_train.config import load_config
 from slide_train.errors import CheckpointError, ConfigError, DiskFullError, ExportError, ModelError, TrainingError
+from slide_train.metrics import read_metrics
 from slide_train.models.build import load_model
 from slide_train.trainer import Trainer
 
@@ -290,6 +291,15 @@ def test_a_disk_too_small_for_the_last_checkpoint_is_refused_before_training(tmp
     monkeypatch.setattr(trainer_module, "free_bytes", lambda path: 1 << 20)
     with pytest.raises(DiskFullError, match=r"1.0 MB free, but this run's checkpoint need about .* MB"):
         Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'run'}"]), progress=False)
+    # checkpoint.keep=0 writes no checkpoint: only the export is counted, and without it the run goes ahead.
+    monkeypatch.setattr(trainer_module, "free_bytes", lambda path: 1 << 10)
+    with pytest.raises(DiskFullError, match=r"but this run's export need about"):
+        Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'run'}", "--checkpoint.keep=0",
+                                   "--export=true"]), progress=False)
+    run = tmp_path / "run0"
+    Trainer(load_config(None, [*TINY, f"--output_dir={run}", "--checkpoint.keep=0", "--export=false",
+                               "--steps=2", "--checkpoint.every=1"]), progress=False).fit()
+    assert len(read_metrics(run / "metrics.jsonl")) == 2 and not any((run / "checkpoints").glob("*"))
 
 
 def test_export_replaces_only_an_earlier_export(tmp_path, monkeypatch):

@@ -64,7 +64,7 @@ class EngineSection:
 @dataclass
 class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0 = only at the end
-    keep: int = 2
+    keep: int = 2  # the newest checkpoints kept; 0 = write none (a throwaway run, a benchmark)
 
 
 @dataclass
@@ -158,11 +158,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         value = get_key(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got {value!r}")
-    positive = ["seq_len", "micro_batch_size", "grad_accum", "steps", "engine.window", "checkpoint.keep"]
+    positive = ["seq_len", "micro_batch_size", "grad_accum", "steps", "engine.window"]
     for key in positive:
         if get_key(cfg, key) < 1:
             raise ConfigError(f"{key} must be at least 1, got {get_key(cfg, key)}")
-    not_negative = ["checkpoint.every", "schedule.warmup_steps", "eval_every", "optimizer.weight_decay"]
+    not_negative = ["checkpoint.every", "checkpoint.keep", "schedule.warmup_steps", "eval_every",
+                    "optimizer.weight_decay"]
     for key in not_negative:
         if get_key(cfg, key) < 0:
             raise ConfigError(f"{key} must be 0 or more, got {get_key(cfg, key)}")

@@ -198,14 +198,15 @@ class Trainer:
     def _check_disk(self, reclaimable: int = 0) -> None:
         """A disk too small for the run's last checkpoint (and export) is refused before training, not after
         (`reclaimable`: bytes of an earlier run that --overwrite is about to delete)."""
-        needed = ckpt.checkpoint_bytes(self.engine)
+        keep = self.cfg.checkpoint.keep
+        needed = ckpt.checkpoint_bytes(self.engine) if keep else 0
         if self.cfg.export:
             needed += self.num_params * export_dtype(self.cfg.export_dtype, self.model.dtype).itemsize
         if needed > (free := free_bytes(self.run_dir) + reclaimable):
             raise DiskFullError(
-                f"{self.run_dir} has {size_text(free)} free, but this run's checkpoint"
-                f"{' and export' if self.cfg.export else ''} need about {size_text(needed)}: free some space or "
-                "set output_dir on a larger disk")
+                f"{self.run_dir} has {size_text(free)} free, but this run's "
+                f"{' and '.join(w for w, on in (('checkpoint', keep), ('export', self.cfg.export)) if on)} need about "
+                f"{size_text(needed)}: free some space or set output_dir on a larger disk")
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
@@ -246,7 +247,10 @@ class Trainer:
 
     def save_checkpoint(self, required: bool = True) -> pathlib.Path | None:
         """Checkpoint the current step. A periodic one (`required=False`) that does not fit on the disk is
-        skipped with a warning, and training goes on; a final or stopping one raises."""
+        skipped with a warning, and training goes on; a final or stopping one raises. None with
+        checkpoint.keep=0 (no checkpoints)."""
+        if not self.cfg.checkpoint.keep:
+            return None
         self._check_weights("checkpoint")
         state = {"step": self.step_index, "total_steps": self.total_steps, "data": self.data.train.state_dict(),
                  "config": to_dict(self.cfg)}
@@ -380,8 +384,9 @@ class Trainer:
                     bar.close()
                     self.log.close()
                     name = signal.Signals(self._stop_signal).name
-                    print(f"{name}: stopped after step {self.step_index}; checkpoint {path} "
-                          "(continue with --resume=auto)", flush=True)
+                    saved = "no checkpoint (checkpoint.keep=0)" if not cfg.checkpoint.keep else \
+                        f"checkpoint {path} (continue with --resume=auto)"
+                    print(f"{name}: stopped after step {self.step_index}; {saved}", flush=True)
                     raise SystemExit(128 + self._stop_signal)
         bar.close()
         self.save_checkpoint()
