@@ -31,8 +31,6 @@ b8)
   b8="--model llama-3.1-8b --seq 4096 --micro 1 --accum 8 --cap 16 --peer none"
   bench $b8 --clip none --tag B8-noclip
   bench $b8 --tag B8
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False bench $b8 --tag B8-fixedseg  # the allocator's default
-  rm -f "$out"/B8-fixedseg-timeline.png
   ;;
 clip)
   (cd "$root/packages/slide-scheduler" && python3 -m pytest -q -m gpu tests -p no:cacheprovider) > "$out/gpu-tests-slide-scheduler.log" 2>&1
