@@ -85,8 +85,6 @@ def run_slide(args) -> dict:
         overrides.append(f"--engine.gpu_memory_limit_gb={args.cap}")
     if not args.split:
         overrides.append("--engine.split_update=false")
-    if not args.split_host:
-        overrides.append("--engine.split_host_updates=false")
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -106,7 +104,6 @@ def run_slide(args) -> dict:
     trainer.close()
     share = "" if args.device_share is None else f", device_update_share {args.device_share}"
     share += "" if args.split else ", whole updates"
-    share += "" if args.split_host else ", host updates whole"
     return {"system": f"slide ({'pipelined' if args.pipeline else 'synchronous'} engine, clip {args.clip}{share})",
             "cap_gib": args.cap,
             "setup_s": setup_s, "step_s": step_s, "plan": trainer.memory_plan.text(),
@@ -136,7 +133,6 @@ def main() -> None:
     p.add_argument("--device-share", type=float, default=None,
                    help="engine.device_update_share (clipped updates streamed through the GPU); default: auto")
     p.add_argument("--split", type=int, default=1, help="0: engine.split_update=false (whole clipped updates)")
-    p.add_argument("--split-host", type=int, default=1, help="0: engine.split_host_updates=false")
     p.add_argument("--lr", type=float, default=1e-5,
                    help="both systems (runs before 2026-11-29 13:00 trained ours at the config default 1e-3)")
     p.add_argument("--tag", default="")
@@ -159,8 +155,7 @@ def main() -> None:
         "config": {"model": args.model, "seq": args.seq, "micro": args.micro, "accum": args.accum,
                    "tokens_per_step": args.seq * args.micro * args.accum, "steps_timed": args.steps,
                    "warmup": args.warmup, "window": args.window, "cap_gib": args.cap, "max_grad_norm": args.clip,
-                   "device_update_share": args.device_share, "split_update": bool(args.split),
-                   "split_host_updates": bool(args.split_host), "lr": args.lr,
+                   "device_update_share": args.device_share, "split_update": bool(args.split), "lr": args.lr,
                    "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "slide-train's default (slide only): "
                    "expandable_segments:True"},
         "results": results,

@@ -174,15 +174,14 @@ def test_each_block_visits_a_slot_once_per_pass():
 
 def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None,
                resident: int = 0, dtype: str = "auto", device_share: float = 0.0, tied: bool = True,
-               held: int = 0, split: bool = True, split_host: bool = True):
+               held: int = 0, split: bool = True):
     torch.manual_seed(0)
     model = Model(tied=tied)
     engine = SlidingEngine(ToyStack(model), EngineConfig(device="cpu", window=window, activation_offload="cpu",
                                                          max_grad_norm=clip, pipeline=pipeline, resident=resident,
                                                          optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1),
                                                          compute_dtype=dtype, device_update_share=device_share,
-                                                         held_grads=held, split_update=split,
-                                                         split_host_updates=split_host))
+                                                         held_grads=held, split_update=split))
     for name, seconds in (delays or {}).items():
         getattr(engine, name).delay = seconds
     if patch:
@@ -223,31 +222,27 @@ def test_a_missing_wait_is_caught_by_the_delay_tests():
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
-@pytest.mark.parametrize("share,split_host", [(0.0, True), (0.5, True), (0.5, False)])
+@pytest.mark.parametrize("share", [0.0, 0.5])
 @pytest.mark.parametrize("slow", ["h2d", "d2h", "updater"])
-def test_split_updates_give_the_whole_updates_result(monkeypatch, share, split_host, slow):
+def test_split_updates_give_the_whole_updates_result(monkeypatch, share, slow):
     """Clipped updates split into a params part (before the next forward's load) and a moments part (after
     that forward): the same kernel on the same inputs, so bit for bit whole updates' result, whichever worker
-    is slow. Host and device-updated blocks, and host-updated edges (share 0), take the split path; with
-    split_host_updates=False only the device-updated ones do."""
+    is slow. Host and device-updated blocks, and host-updated edges (share 0), take the split path."""
     monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05, device_share=share, split=False)
-    moments, streamed = [], set()
+    moments = []
 
     def count_moments(engine):
-        streamed.update(engine.streamed)
         submit = engine.updater.submit
         engine.updater.submit = lambda index, *a, part="all": (moments.append(index) if part == "moments" else None,
                                                                submit(index, *a, part=part))
 
-    losses, got = run_engine(pipeline=True, window=2, clip=0.05, device_share=share, split_host=split_host,
+    losses, got = run_engine(pipeline=True, window=2, clip=0.05, device_share=share,
                              delays={slow: 0.01 if slow == "updater" else 0.003}, patch=count_moments)
     assert losses == ref_losses
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
-    # every step, every unit but the edges updated on the device from their gradient there (and, with
-    # split_host_updates=False, but the host-updated blocks)
-    split_units = [u for u in range(int(share > 0), DEPTH + 1) if split_host or u in streamed]
-    assert sorted(moments) == sorted(split_units * 3)
+    # every step, every unit but the edges updated on the device from their gradient there
+    assert sorted(moments) == sorted(list(range(int(share > 0), DEPTH + 1)) * 3)
 
 
 def test_a_gradient_buffer_is_reused_only_after_the_moments_part_read_it():

@@ -81,9 +81,6 @@ class EngineConfig:
     # device-updated block's moments come from the host's kernel, its master from the device's, which agree to
     # rounding as the two paths do anyway); False: whole updates in the forward.
     split_update: bool = True
-    # With split updates, whether host-updated blocks split too (False: only device-updated ones do, and host
-    # ones run whole before the forward; on the host the params part costs about a whole update).
-    split_host_updates: bool = True
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -531,7 +528,7 @@ class SlidingEngine:
             # A clipped update splits when its gradient is in a host buffer (not held on the device, nor the
             # streamed edges' own on the device) for the host to step the moments from.
             split = bool(clip) and self.config.split_update and u not in self.held_grads and \
-                not (u == 0 and u in self.streamed) and (u in self.streamed or self.config.split_host_updates)
+                not (u == 0 and u in self.streamed)
             if u in self.streamed:  # runs when the unit next loads
                 chunks = range(len(self.optimizer.units[u].ranges))
                 if u == 0 and not clip:  # the tail-only part is done already

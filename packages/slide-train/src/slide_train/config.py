@@ -59,7 +59,6 @@ class EngineSection:
     # With clipping, write new masters before the next forward and AdamW moments after it (same result); false:
     # whole updates before the forward (for comparison)
     split_update: bool = True
-    split_host_updates: bool = True  # false: split only the GPU-updated blocks' updates (host ones run whole)
 
 
 @dataclass
