@@ -54,6 +54,16 @@ def test_text_file_documents_split_on_blank_lines(tmp_path):
     assert got == [expected([("<bos>" + d + "<eos>", True)]) for d in docs]
 
 
+def test_text_documents_tokenized_in_batches_keep_their_order(tmp_path, monkeypatch):
+    from slide_train.data import formats
+    monkeypatch.setattr(formats, "ENCODE_BATCH", 2)  # 5 documents: batches of 2, 2 and 1
+    docs = ["one", "two two", "three", "four four four", "five"]
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    got = examples(DataConfig(path=str(path), format="text"))
+    assert got == [expected([("<bos>" + d + "<eos>", True)]) for d in docs]
+
+
 def test_text_jsonl_rows_with_text_key(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"body": "a b"}, {"body": "ccc", "other": 1}])
     got = examples(DataConfig(path=path, format="text", text_key="body"))

@@ -18,12 +18,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from .config import DataConfig, DataError
 from .corpus import builtin_corpus_path
 from .sources import JSON_SUFFIXES, check_file, get_key, read_documents, read_rows
 
 IGNORE = -100
+ENCODE_BATCH = 1024  # documents per tokenizer call: parallel inside a call, progress shown between calls
+
+
+def _progress(items, total: int, what: str):
+    """A progress bar over a dataset's records while they are tokenized (hidden when not on a terminal)."""
+    return tqdm(items, total=total, desc=f"tokenizing {what}", unit="row", leave=False, disable=None)
 
 
 @dataclass
@@ -75,8 +82,10 @@ def _text_examples(out: ExampleSet, cfg: DataConfig, tokenizer) -> None:
     out.records = len(docs)
     if not docs:
         return
-    # One batched call: tokenizers encodes in parallel, which matters for large corpora.
-    encoded = tokenizer([text for _, text in docs], add_special_tokens=False)["input_ids"]
+    # Batched calls: tokenizers encodes each batch in parallel, which matters for large corpora.
+    batches = (docs[i : i + ENCODE_BATCH] for i in range(0, len(docs), ENCODE_BATCH))
+    encoded = [ids for batch in _progress(batches, -(-len(docs) // ENCODE_BATCH), f"{path.name} (batches)")
+               for ids in tokenizer([text for _, text in batch], add_special_tokens=False)["input_ids"]]
     for (where, _), ids in zip(docs, encoded):
         ids = _bos(tokenizer) + list(ids) + _eos(tokenizer)
         if len(ids) < 2:  # an empty document with no bos/eos: nothing to learn
@@ -202,7 +211,7 @@ def load_examples(cfg: DataConfig, tokenizer, seq_len: int, vocab_size: int | No
             _tokens_examples(out, rows, tokenizer, seq_len, vocab_size)
         else:
             make = _alpaca_example if cfg.format == "alpaca" else _chat_example
-            for where, row in rows:
+            for where, row in _progress(rows, len(rows), path.name):
                 ids, labels = make(row, where, tokenizer)
                 if len(ids) > seq_len:
                     ids, labels = ids[:seq_len], labels[:seq_len]
