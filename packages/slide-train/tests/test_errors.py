@@ -149,6 +149,7 @@ def test_a_full_disk_skips_a_periodic_checkpoint_refuses_the_last_and_leaves_not
     import errno
 
     import slide_train.checkpoint as ckpt
+    import slide_train.space as space
 
     base = ["--seq_len=32", "--micro_batch_size=2", "--grad_accum=1", "--export=false", "--checkpoint.every=2",
             "--checkpoint.keep=3", f"--output_dir={tmp_path / 'run'}"]
@@ -159,7 +160,7 @@ def test_a_full_disk_skips_a_periodic_checkpoint_refuses_the_last_and_leaves_not
     written = ckpt.save_checkpoint(tmp_path / "probe", 0, trainer.engine, {})
     assert needed >= sum(p.stat().st_size for p in written.iterdir()) > needed - (1 << 20)  # a fair estimate
     free = {"bytes": 10 * needed}
-    monkeypatch.setattr(ckpt, "free_bytes", lambda root: free["bytes"])
+    monkeypatch.setattr(space, "free_bytes", lambda root: free["bytes"])
     assert trainer.save_checkpoint(required=False) == root / "step-2"
     free["bytes"] = needed // 2
     trainer.step(), trainer.step()
@@ -200,14 +201,15 @@ def test_an_export_that_does_not_fit_says_so_and_leaves_nothing(tmp_path, monkey
     import errno
 
     import slide_train.export as export
+    import slide_train.space as space
 
     trainer = Trainer(load_config(None, ["--steps=1", "--seq_len=32", "--micro_batch_size=2", "--grad_accum=1",
                                          f"--output_dir={tmp_path / 'run'}"]), progress=False)
     trainer.step()
-    monkeypatch.setattr(export, "free_bytes", lambda directory: 1000)
+    monkeypatch.setattr(space, "free_bytes", lambda directory: 1000)
     with pytest.raises(export.DiskFullError, match=r"export to .*out needs about .* MB.*slide-train export"):
         trainer.export(tmp_path / "out")
-    monkeypatch.setattr(export, "free_bytes", lambda directory: 10**12)
+    monkeypatch.setattr(space, "free_bytes", lambda directory: 10**12)
     monkeypatch.setattr(export, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
     with pytest.raises(export.DiskFullError, match="Nothing of the export was left behind"):
         trainer.export(tmp_path / "out")

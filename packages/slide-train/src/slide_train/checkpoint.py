@@ -21,10 +21,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from slide_io import free_bytes, is_disk_full
 from slide_scheduler.engine import DTYPES
 
 from .errors import CheckpointError, DiskFullError, size_text
+from .space import write_within
 
 MANIFEST = "manifest.json"
 
@@ -65,17 +65,10 @@ def checkpoint_bytes(engine) -> int:
 def save_checkpoint(root: pathlib.Path, step: int, engine, trainer_state: dict) -> pathlib.Path:
     """Write `step-<step>` under `root`; a disk too small for it raises DiskFullError before anything is written
     (or, if the disk fills while writing, after removing the partial files)."""
-    final = root / f"step-{step}"
-    needed, free = checkpoint_bytes(engine), free_bytes(root)
-    if needed > free:
-        raise _disk_full(root, step, needed, free)
-    try:
-        return _write(root, final, step, engine, trainer_state)
-    except (OSError, SafetensorError) as e:
-        if not is_disk_full(e):
-            raise
-        shutil.rmtree(root / f".step-{step}.partial", ignore_errors=True)
-        raise _disk_full(root, step, needed, free_bytes(root)) from e
+    needed = checkpoint_bytes(engine)
+    return write_within(root, needed, root / f".step-{step}.partial",
+                        lambda: _write(root, root / f"step-{step}", step, engine, trainer_state),
+                        lambda free: _disk_full(root, step, needed, free))
 
 
 def _disk_full(root: pathlib.Path, step: int, needed: int, free: int) -> DiskFullError:

@@ -10,15 +10,14 @@ import pathlib
 import shutil
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from slide_io import free_bytes, is_disk_full
 from slide_scheduler.engine import DTYPES  # the one name -> dtype table
 
 from .errors import DiskFullError, ExportError, size_text
 from .models.adapter import block_hf_name, edge_hf_name
+from .space import write_within
 
 SHARD_BYTES = 5 * 2**30
 MARKER = ".slide-export"  # marks a directory this module wrote: only such a directory is ever replaced
@@ -49,15 +48,9 @@ def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype
     tensors = list(hf_tensors(masters))  # (name, view): walked once for the size, once more to write
     tensor_bytes = sum(t.numel() for _, t in tensors) * dtype.itemsize
     needed = tensor_bytes + (16 << 20)  # + config and tokenizer files
-    if needed > (free := free_bytes(out.parent)):
-        raise _disk_full(out, needed, free)
-    try:
-        return _write(out, tmp, hf_config, tensors, tokenizer, dtype, tensor_bytes)
-    except (OSError, SafetensorError) as e:
-        if not is_disk_full(e):
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise _disk_full(out, needed, free_bytes(out.parent)) from e
+    return write_within(out.parent, needed, tmp,
+                        lambda: _write(out, tmp, hf_config, tensors, tokenizer, dtype, tensor_bytes),
+                        lambda free: _disk_full(out, needed, free))
 
 
 def _check_replaceable(out: pathlib.Path) -> None:
