@@ -3,12 +3,14 @@
 Tokens are processed in chunks. For each chunk the logits live in one reused buffer; a Triton kernel turns them,
 in place, into d(loss)/d(logits) (log-sum-exp, label smoothing, soft-capping and z-loss folded in); two matmuls
 then give the chunk's hidden gradient and its share of the weight gradient. With `reduction` mean or sum the
-gradients are computed during the forward (the backward only scales them); with "none" the backward recomputes.
+gradients are computed during the forward (the backward scales them by the upstream gradient); with "none" the
+backward recomputes.
 
-The weight gradient is accumulated across chunks in fp32. For a bf16 weight the fp32 accumulator is stored as
-two 16-bit planes: the high half of each fp32 word (which is a bf16 number) and the low half. The last chunk
-rounds the sum to nearest into the high plane, which then *is* the bf16 gradient: fp32 accumulation for the
-memory of two bf16 copies, with no fp32 -> bf16 copy at the end.
+The weight gradient is accumulated across chunks in fp32 and kept so until the backward, which multiplies it by
+the upstream gradient and rounds it to the weight's dtype in one pass, in the accumulator's own storage: fp32
+accumulation for the memory of one fp32 copy. On CUDA cuBLAS accumulates (fp32 output of bf16 products);
+elsewhere a Triton GEMM stores the fp32 sum of a bf16 weight as two 16-bit planes, the high half of each fp32
+word (a bf16 number, which becomes the result) and the low half.
 """
 
 from __future__ import annotations
@@ -92,9 +94,18 @@ def _ce_rows_kernel(
 
 
 @jit
+def _bf16_bits(y):
+    # fp32 -> the nearest bf16 (ties to even) as int16 bits, computed on the bits (the interpreter's float cast
+    # truncates); NaN stays NaN (rounding would carry a NaN's mantissa into the sign: -0).
+    bits = y.to(tl.int32, bitcast=True)
+    bits = tl.where(y != y, bits | 0x400000, bits + 0x7FFF + ((bits >> 16) & 1))
+    return (bits >> 16).to(tl.int16)
+
+
+@jit
 def _grad_weight_kernel(
     G, X, HI, LO, ACC, V, H, N, stride_gn, stride_gv, stride_xn, stride_xh,
-    FIRST: tl.constexpr, LAST: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    FIRST: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # C[v, h] (+)= sum_n G[n, v] X[n, h]: the weight gradient of one token chunk, added to the fp32 sum.
@@ -136,13 +147,8 @@ def _grad_weight_kernel(
             lo = tl.load(LO + offs_c, mask=cmask, other=0).to(tl.int32) & 0xFFFF
             acc += ((hi << 16) | lo).to(tl.float32, bitcast=True)
         bits = acc.to(tl.int32, bitcast=True)
-        if LAST:
-            # Round to nearest even into the high half: the high plane becomes the bf16 gradient.
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            tl.store(HI + offs_c, (bits >> 16).to(tl.int16), mask=cmask)
-        else:
-            tl.store(HI + offs_c, (bits >> 16).to(tl.int16), mask=cmask)
-            tl.store(LO + offs_c, (bits & 0xFFFF).to(tl.int16), mask=cmask)
+        tl.store(HI + offs_c, (bits >> 16).to(tl.int16), mask=cmask)
+        tl.store(LO + offs_c, (bits & 0xFFFF).to(tl.int16), mask=cmask)
     else:
         if not FIRST:
             acc += tl.load(ACC + offs_c, mask=cmask, other=0.0)
@@ -151,25 +157,35 @@ def _grad_weight_kernel(
 
 @jit
 def _narrow_kernel(SRC, DST, SCALE, start, end, BLOCK: tl.constexpr):
-    # DST[i] = bf16(SRC[i] * scale) for i in [start, end); DST is viewed as int16 and the rounding (to nearest
-    # even, as torch narrows) is done on the bits: the interpreter's float cast truncates. NaN stays NaN.
+    # DST[i] = bf16(SRC[i] * scale) for i in [start, end); DST viewed as int16.
     offs = start + tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < end
     y = tl.load(SRC + offs, mask=mask, other=0.0) * tl.load(SCALE)
-    bits = y.to(tl.int32, bitcast=True)
-    bits = tl.where(y != y, bits | 0x400000, bits + 0x7FFF + ((bits >> 16) & 1))
-    tl.store(DST + offs, (bits >> 16).to(tl.int16), mask=mask)
+    tl.store(DST + offs, _bf16_bits(y), mask=mask)
+
+
+@jit
+def _narrow_planes_kernel(HI, LO, SCALE, n, BLOCK: tl.constexpr):
+    # HI[i] = bf16((HI[i] << 16 | LO[i]) * scale): the split planes' fp32 sum, scaled and rounded into the high
+    # plane (each element read, then written, by one program: in place is safe).
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    hi = tl.load(HI + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    lo = tl.load(LO + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    y = ((hi << 16) | lo).to(tl.float32, bitcast=True) * tl.load(SCALE)
+    tl.store(HI + offs, _bf16_bits(y), mask=mask)
 
 
 NARROW_FIRST = 1 << 20  # elements narrowed through a temporary before the in-place doubling ranges
 
 
-def narrow_in_place(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def narrow_in_place(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                    first: int | None = None) -> torch.Tensor:
     """`acc * scale` (fp32) as bf16 in acc's own storage; returns the bf16 view.
 
     Elements [a, 2a) land on bytes that only elements below a occupied, already narrowed: each such range is
-    one launch, in order on the stream (about 10 for a 128k x 4k gradient). The first range overlaps its own
-    source and goes through a small temporary.
+    one launch, in order on the stream (about 10 for a 128k x 4k gradient). The first range ([0, `first`),
+    NARROW_FIRST elements by default) overlaps its own source and goes through a small temporary.
     """
     if acc.dtype != torch.float32 or dtype != torch.bfloat16:
         raise TypeError(f"narrow_in_place takes fp32 to bf16, not {acc.dtype} to {dtype}")
@@ -177,7 +193,7 @@ def narrow_in_place(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
     src = acc.view(-1)
     dst = src.view(dtype)[:n]
     scale = scale.to(device=acc.device, dtype=acc.dtype).reshape(1)
-    a = min(n, NARROW_FIRST)
+    a = min(n, first or NARROW_FIRST)
     dst[:a].copy_(src[:a] * scale)
     block = 4096
     while a < n:
@@ -200,7 +216,7 @@ class _WeightGradTriton:
     """fp32 sum of per-chunk weight gradients: split bf16 planes for a bf16 weight, one fp32 tensor otherwise."""
 
     def __init__(self, weight: torch.Tensor, n_chunks: int):
-        self.dtype, self.n_chunks, self.done = weight.dtype, n_chunks, 0
+        self.dtype, self.done = weight.dtype, 0
         self.upcast = interpreting()  # the interpreter computes bf16 dots wrongly; tiny tiles keep it quick
         self.tiles = (16, 16, 16, 4, 1) if self.upcast else _gemm_config()
         v, h = weight.shape
@@ -221,17 +237,24 @@ class _WeightGradTriton:
         hi = self.hi.view(torch.int16) if self.split else self.hi
         _grad_weight_kernel[grid](
             g, x, hi, self.lo, self.acc, v, h, n, g.stride(0), g.stride(1), x.stride(0), x.stride(1),
-            FIRST=self.done == 0, LAST=self.done == self.n_chunks - 1, SPLIT=self.split,
+            FIRST=self.done == 0, SPLIT=self.split,
             UPCAST=self.upcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
             num_warps=warps, num_stages=stages,
         )
         self.done += 1
 
     def result(self, scale: torch.Tensor) -> torch.Tensor:
+        """The sum times `scale` (fp32), rounded once to the weight's dtype."""
         if self.split:
-            self.lo = self.acc = None
-            return self.hi.mul_(scale.to(self.dtype))
-        return (self.acc * scale).to(self.dtype)
+            n = self.hi.numel()
+            scale = scale.to(device=self.hi.device, dtype=torch.float32).reshape(1)
+            _narrow_planes_kernel[(triton.cdiv(n, 4096),)](self.hi.view(torch.int16), self.lo, scale, n,
+                                                           BLOCK=4096, num_warps=8)
+            out, self.hi = self.hi, None
+        else:
+            out = self.acc.mul_(scale).to(self.dtype)  # no second copy for an fp32 weight
+        self.lo = self.acc = None
+        return out
 
 
 class _WeightGradCublas:
@@ -269,9 +292,10 @@ def _cublas_fp32_accumulation(device: torch.device) -> bool:
         acc.add(g, x)
         acc.add(g, x)
         want = (2 * (g.t().double() @ x.double())).to(torch.bfloat16)
-        got = acc.result(torch.ones((), device=device)).double()
+        acc.acc = narrow_in_place(acc.acc, torch.ones((), device=device), torch.bfloat16, first=1024)  # + kernel
+        got = acc.acc.double()
         return bool((got - want.double()).abs().max() <= 1e-2 * want.double().abs().max())
-    except (RuntimeError, TypeError):
+    except Exception:  # noqa: BLE001 - any failure (no out_dtype, a kernel that does not build): not this path
         return False
 
 
@@ -284,7 +308,18 @@ class _WeightGradTorch:
         self.acc.addmm_(g.t().to(self.acc.dtype), x.to(self.acc.dtype))
 
     def result(self, scale: torch.Tensor) -> torch.Tensor:
-        return (self.acc * scale).to(self.dtype)
+        out, self.acc = self.acc.mul_(scale).to(self.dtype), None
+        return out
+
+
+class _NoWeightGrad:
+    """An empty batch's weight gradient: zeros, made only when asked for."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def result(self, scale: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(self.weight)
 
 
 def _ce_rows_torch(logits, labels, loss_out, scale, ignore_index, smoothing, softcap, z_coef, write_grad):
@@ -331,7 +366,7 @@ def _run(h2d, weight, bias, labels, scale, ignore_index, smoothing, softcap, z_c
 
     Returns per-token losses (fp32, 0 where ignored) and the requested gradients, each multiplied by `scale`
     (a 0-d or [N] fp32 tensor): the hidden gradient, the weight gradient's fp32 sum (`.result(s)` gives it
-    times `s` in the weight's dtype) and the bias gradient in fp32.
+    times `s` in the weight's dtype) and the bias gradient in the accumulation dtype (fp32, fp64 for fp64).
     """
     n, h = h2d.shape
     v = weight.shape[0]
@@ -340,7 +375,7 @@ def _run(h2d, weight, bias, labels, scale, ignore_index, smoothing, softcap, z_c
     grad_h = torch.empty((n, h), dtype=dtype, device=h2d.device) if want[0] else None
     grad_b = torch.zeros(v, dtype=_acc_dtype(weight), device=h2d.device) if want[2] else None
     if n == 0:  # an empty batch: nothing to launch, zero gradients
-        return losses, grad_h, _WeightGradTorch(weight, 0) if want[1] else None, grad_b
+        return losses, grad_h, _NoWeightGrad(weight) if want[1] else None, grad_b
     write_grad = any(want)
     rows = _chunk_rows(n, v, weight.element_size(), on_triton)
     n_chunks = math.ceil(n / rows)
@@ -383,7 +418,8 @@ def _run(h2d, weight, bias, labels, scale, ignore_index, smoothing, softcap, z_c
 
 def _finish(grad_h, acc, grad_b, bias_dtype, g):
     """The gradients of `_run` times the upstream gradient `g`, in the inputs' dtypes. The weight gradient is
-    narrowed from its fp32 sum only here, with the scale folded into that one pass."""
+    narrowed from its fp32 sum only here, with `g` folded into that one pass; the hidden gradient is multiplied
+    by `g` rounded to its dtype (exact for g = 1, a plain `loss.backward()`)."""
     gh = None if grad_h is None else grad_h.mul_(g.to(grad_h.dtype))
     gw = None if acc is None else acc.result(g)
     gb = None if grad_b is None else (grad_b * g).to(bias_dtype)
