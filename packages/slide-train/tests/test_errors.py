@@ -138,6 +138,9 @@ def test_an_earlier_run_is_never_silently_mixed_with_a_new_one(tmp_path):
     ("--schedule.min_lr_ratio=3", r"schedule.min_lr_ratio must be in \[0, 1\]"),
     ("--optimizer.eps=0", "optimizer.eps must be positive"),
     ("--resume=true", "resume must be 'auto' or the path"),
+    ("--checkpoint.keep=0 --resume=auto", "checkpoint.keep=0 writes no checkpoint.*keep at least 1 to resume"),
+    ("--checkpoint.keep=0 --checkpoint.every=5", "checkpoint.every=5 with checkpoint.keep=0"),
+    ("--checkpoint.keep=-1", "checkpoint.keep must be 0 or more"),
 ])
 def test_impossible_values_are_refused_up_front(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -299,9 +302,13 @@ def test_a_disk_too_small_for_the_last_checkpoint_is_refused_before_training(tmp
         Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'run'}", "--checkpoint.keep=0",
                                    "--export=true"]), progress=False)
     run = tmp_path / "run0"
-    Trainer(load_config(None, [*TINY, f"--output_dir={run}", "--checkpoint.keep=0", "--export=false",
-                               "--steps=2", "--checkpoint.every=1"]), progress=False).fit()
+    with pytest.warns(UserWarning, match="writes no checkpoint"):
+        trainer = Trainer(load_config(None, [*TINY, f"--output_dir={run}", "--checkpoint.keep=0", "--export=false",
+                                             "--steps=2"]), progress=False)
+    trainer.fit()
     assert len(read_metrics(run / "metrics.jsonl")) == 2 and not any((run / "checkpoints").glob("*"))
+    with pytest.raises(CheckpointError, match="checkpoint.keep=0"):
+        export_run(run)
 
 
 def test_export_replaces_only_an_earlier_export(tmp_path, monkeypatch):
@@ -370,3 +377,13 @@ def test_overwrite_counts_the_space_it_frees(tmp_path, monkeypatch):
     fresh = Trainer(load_config(None, [*TINY, f"--output_dir={run}", "--overwrite=true"]), progress=False)
     assert not (run / "export").exists()
     fresh.close()
+
+
+def test_prune_keeps_the_newest(tmp_path):
+    from slide_train.checkpoint import list_checkpoints, prune
+    for step in (9, 10, 2):
+        (tmp_path / f"step-{step}").mkdir()
+    prune(tmp_path, 2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-9", "step-10"]  # by step, not by name
+    prune(tmp_path, 0)  # [:-0] would have kept them all
+    assert list_checkpoints(tmp_path) == []

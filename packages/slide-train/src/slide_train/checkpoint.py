@@ -76,8 +76,8 @@ def _disk_full(root: pathlib.Path, step: int, needed: int, free: int) -> DiskFul
     intact = f"the latest checkpoint ({earlier[-1].name}) is intact" if earlier else "no earlier checkpoint exists"
     return DiskFullError(
         f"checkpoint step-{step} needs about {size_text(needed)} in {root}, but only {size_text(free)} are "
-        f"free there: free some space, keep fewer checkpoints (checkpoint.keep), or set output_dir on a larger "
-        f"disk. Nothing of step-{step} was left behind; {intact}")
+        f"free there: free some space, keep fewer checkpoints (checkpoint.keep; 0 writes none), or set output_dir "
+        f"on a larger disk. Nothing of step-{step} was left behind; {intact}")
 
 
 def _write(root: pathlib.Path, final: pathlib.Path, step: int, engine, trainer_state: dict) -> pathlib.Path:
@@ -180,7 +180,9 @@ def load_checkpoint(path: pathlib.Path, engine) -> dict:
 
 
 def prune(root: pathlib.Path, keep: int) -> None:
-    for path in list_checkpoints(root)[:-keep]:
+    """Delete all but the newest `keep` checkpoints."""
+    found = list_checkpoints(root)
+    for path in found[: max(0, len(found) - keep)]:
         shutil.rmtree(path)
 
 
@@ -209,7 +211,9 @@ def export_run(run_dir: str | os.PathLike, step: int | None = None, out: str | N
     if step is None:  # find_resumable verifies what it returns
         path = find_resumable(root)
         if path is None:
-            raise CheckpointError(f"{root} holds no usable checkpoint to export")
+            why = " (the run had checkpoint.keep=0: its export, if it made one, is in its export/ directory)" \
+                if cfg.checkpoint.keep == 0 else ""
+            raise CheckpointError(f"{root} holds no usable checkpoint to export{why}")
     else:
         path = root / f"step-{step}"
         if not path.is_dir():

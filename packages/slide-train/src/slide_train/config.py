@@ -185,6 +185,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"engine.device must be auto, cpu, cuda or cuda:N; got {cfg.engine.device!r}")
     if cfg.resume in ("on", "off", ""):
         raise ConfigError("resume must be 'auto' or the path of a checkpoint directory (or null)")
+    if cfg.checkpoint.keep == 0 and cfg.resume is not None:
+        raise ConfigError("checkpoint.keep=0 writes no checkpoint, so a resumed run would leave the one it started "
+                          "from as the run's newest, behind its metrics: keep at least 1 to resume")
+    if cfg.checkpoint.keep == 0 and cfg.checkpoint.every:
+        raise ConfigError(f"checkpoint.every={cfg.checkpoint.every} with checkpoint.keep=0 (no checkpoints): set "
+                          "keep to 1 or more, or every to 0")
     if not all(0 <= b < 1 for b in cfg.optimizer.betas):
         raise ConfigError(f"optimizer.betas must be in [0, 1), got {cfg.optimizer.betas}")
     if cfg.max_grad_norm is not None and cfg.max_grad_norm <= 0:

@@ -184,6 +184,9 @@ class Trainer:
         self.step_index = 0
         self.run_dir.mkdir(parents=True, exist_ok=True)
         outputs = [self.run_dir / name for name in RUN_OUTPUTS] if cfg.overwrite and not cfg.resume else []
+        if not cfg.checkpoint.keep:
+            warnings.warn("checkpoint.keep=0: this run writes no checkpoint; a stopped run (Ctrl-C) keeps only its "
+                          "metrics" + (", and the export is written at the end" if cfg.export else ""), stacklevel=2)
         self._check_disk(reclaimable=sum(_bytes_under(p) for p in outputs))
         for path in outputs:  # --overwrite: cleared only now that the new run could be built
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
