@@ -65,6 +65,14 @@ def run_plain_peer(args, hf_config) -> dict:
     return out
 
 
+def alloc_conf(device: str) -> str | None:
+    """The CUDA allocator's settings for slide's run (the peer's, before it, are the allocator's defaults)."""
+    if device != "cuda":
+        return None
+    user = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+    return user or "expandable_segments:True (slide-train's default)"
+
+
 def run_slide(args) -> dict:
     from slide_train.config import load_config
     from slide_train.trainer import Trainer
@@ -136,7 +144,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-5,
                    help="both systems (runs before 2026-11-29 13:00 trained ours at the config default 1e-3)")
     p.add_argument("--tag", default="")
-    p.add_argument("--run-dir", default="/tmp/slide-bench-run")
+    p.add_argument("--run-dir", default="/tmp/slide-bench-run",
+                   help="scratch run directory: its earlier outputs (metrics, checkpoints, export) are deleted")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
 
@@ -156,8 +165,7 @@ def main() -> None:
                    "tokens_per_step": args.seq * args.micro * args.accum, "steps_timed": args.steps,
                    "warmup": args.warmup, "window": args.window, "cap_gib": args.cap, "max_grad_norm": args.clip,
                    "device_update_share": args.device_share, "split_update": bool(args.split), "lr": args.lr,
-                   "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "slide-train's default (slide only): "
-                   "expandable_segments:True"},
+                   "alloc_conf": alloc_conf(args.device)},
         "results": results,
     }
     out = pathlib.Path(args.out)

@@ -15,6 +15,7 @@ import datetime
 import json
 import os
 import pathlib
+import statistics
 import sys
 import time
 import traceback
@@ -151,7 +152,7 @@ def run_all(fns, leaves, grad, check=None):
             if check is not None:
                 with torch.no_grad():
                     row["value"] = check(f)
-            row["wall_s"] = round(time.time() - t0, 1)
+            row["setup_wall_s"] = round(time.time() - t0, 1)  # warm-up, peak and check; the rounds come after
             results[name] = row
         except Exception as e:  # a peer failing must not sink the run
             results[name] = {"error": f"{type(e).__name__}: {e}"[:400]}
@@ -169,7 +170,7 @@ def run_all(fns, leaves, grad, check=None):
             torch.cuda.empty_cache()
     for name, row in results.items():
         if "rounds_ms" in row:
-            row["ms"] = sorted(row["rounds_ms"])[len(row["rounds_ms"]) // 2]  # the median round
+            row["ms"] = statistics.median(row["rounds_ms"])
         print(name, row, flush=True)
     return results
 

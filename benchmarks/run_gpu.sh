@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU runs, in two calls of the lent machine (each fits in its 10-minute limit). Results land in $OUT; copy
-# them into benchmarks/results/.
+# The GPU runs, one mode per call of the lent machine (each fits in its 10-minute limit). Results land in $OUT;
+# copy them into benchmarks/results/ (set SLIDE_COMMIT: the device's copy has no .git).
 #   bash benchmarks/run_gpu.sh small   # GPU tests, then B1 and B3 (the plain GPU-resident peer in the same run)
 #   bash benchmarks/run_gpu.sh final   # every package's GPU tests, the fused loss vs Liger, B3 and B1 with the peer
 #   bash benchmarks/run_gpu.sh b8      # B8 without and with clipping (no peer: it does not fit this host)

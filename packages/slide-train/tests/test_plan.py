@@ -135,10 +135,10 @@ def test_expandable_segments_unless_the_user_configured_the_allocator(monkeypatc
     from slide_train import trainer
     calls = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
-    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(k, raising=False)
     assert trainer.use_expandable_segments() and calls == ["expandable_segments:True"]
-    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+    for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.setenv(k, "max_split_size_mb:128")
         assert not trainer.use_expandable_segments() and len(calls) == 1  # the user's setting stands
         monkeypatch.delenv(k)

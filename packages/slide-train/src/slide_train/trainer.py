@@ -45,11 +45,12 @@ ALLOC_CONF = "expandable_segments:True"
 
 
 def use_expandable_segments() -> bool:
-    """Let the CUDA caching allocator grow segments in place, unless the user configured it (PYTORCH_CUDA_ALLOC_CONF
-    or PYTORCH_ALLOC_CONF). With fixed segments, the varying activation sizes of a step fragmented the pool under
-    a memory cap: a new segment and an allocator retry in steady steps; with expandable ones none (B3 on the H200,
-    benchmarks/results/engine.md). Applies to segments made from now on. Returns whether it was set."""
-    if any(k in os.environ for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+    """Let the CUDA caching allocator grow segments in place, unless the user configured the allocator
+    (PYTORCH_CUDA_ALLOC_CONF, PYTORCH_HIP_ALLOC_CONF or PYTORCH_ALLOC_CONF). With fixed segments, clipped B3
+    under a 24 GiB cap made new segments and an allocator retry in steady steps; with expandable ones it had no
+    retry and ran 1% faster (H200, benchmarks/results/engine.md). It applies to segments made from then on.
+    Returns whether it was set."""
+    if any(k in os.environ for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
         return False
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
         getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)
@@ -77,7 +78,6 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         budget = 0.92 * (e.gpu_memory_limit_gb or assume_gpu_gib) * 2**30
     elif (device := engine_cfg.resolve_device()).type == "cuda":
         cuda = True
-        use_expandable_segments()  # before the cap below starts the allocator
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         total = torch.cuda.get_device_properties(device).total_memory
         budget = 0.92 * total
@@ -117,6 +117,8 @@ def build_engine(cfg: TrainConfig, model, progress: bool = False) -> tuple[Slidi
     weights takes minutes: with `progress`, a bar counts the blocks as they are read."""
     from tqdm.auto import tqdm
 
+    if EngineConfig(device=cfg.engine.device).resolve_device().type == "cuda":
+        use_expandable_segments()  # a training run's process (not `slide-train plan`), before its first segment
     plan, engine_cfg, stack = plan_run(cfg, model)
     with tqdm(total=stack.num_blocks, desc="loading weights", unit="block", disable=not progress,
               leave=False) as bar:
