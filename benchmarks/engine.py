@@ -69,8 +69,10 @@ def alloc_conf(device: str) -> str | None:
     """The CUDA allocator's settings for slide's run (the peer's, before it, are the allocator's defaults)."""
     if device != "cuda":
         return None
-    user = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
-    return user or "expandable_segments:True (slide-train's default)"
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # as slide-train reads
+        if key in os.environ:
+            return f"{key}={os.environ[key]}"
+    return "expandable_segments:True (slide-train's default)"
 
 
 def run_slide(args) -> dict:

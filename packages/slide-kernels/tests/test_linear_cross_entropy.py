@@ -186,6 +186,17 @@ def test_gpu_cublas_weight_grad_narrowed_in_place():
     assert ((got - want).abs() <= want.abs() * 2**-8 + 1e-3 * want.abs().max() * 2**-8).all()
 
 
+def test_fp16_hidden_gradient_under_a_loss_scale(path):
+    # GradScaler multiplies the loss by 65536, beyond fp16's range: the upstream gradient must scale in fp32.
+    hidden, weight, labels = _inputs(seed=10)
+    h16, w16 = (t.detach().half().requires_grad_() for t in (hidden, weight))
+    (sk.linear_cross_entropy(h16, w16, labels) * 65536.0).backward()
+    hr, wr = h16.detach().double().requires_grad_(), w16.detach().double().requires_grad_()
+    (linear_ce_ref(hr, wr, labels) * 65536.0).backward()
+    for got, want in ((h16.grad, hr.grad), (w16.grad, wr.grad)):
+        assert got.isfinite().all() and max_err(got, want) < 2e-3 * want.abs().max().item()
+
+
 def test_module(path):
     hidden, weight, labels = _inputs(seed=8)
     m = sk.LinearCrossEntropy(label_smoothing=0.1)
@@ -229,6 +240,20 @@ def test_gpu_bf16_tolerance(opts):
     ref.backward()
     for name, o, p, r in zip(("loss", "grad_hidden", "grad_weight"), ours, peer, (ref, hr.grad, wr.grad)):
         assert max_err(o, r) <= 1.25 * max_err(p, r) + 1e-2 * r.abs().max().item(), name
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_weight_gradient_is_full_fp32():
+    # The Triton GEMM's fp32 products are IEEE fp32, as torch's fp32 matmuls (tf32 would miss by ~1e-3).
+    torch.manual_seed(0)
+    hidden = torch.randn(4, 300, 256, device="cuda").requires_grad_()
+    weight = (torch.randn(5003, 256, device="cuda") * 0.05).requires_grad_()
+    labels = torch.randint(0, 5003, (4, 300), device="cuda")
+    sk.linear_cross_entropy(hidden, weight, labels).backward()
+    hr, wr = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    linear_ce_ref(hr, wr, labels).backward()
+    assert max_err(weight.grad, wr.grad) < 1e-5 * wr.grad.abs().max().item()
+    assert max_err(hidden.grad, hr.grad) < 1e-5 * hr.grad.abs().max().item()
 
 
 @pytest.mark.gpu

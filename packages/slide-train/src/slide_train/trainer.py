@@ -177,7 +177,7 @@ class Trainer:
         self.model = load_model(cfg.model, cfg.seed, need_tokenizer=cfg.data.format != "tokens")
         check_fits(self.model, cfg.seq_len)
         self.data = build_data(cfg.data, self.model.tokenizer, cfg.seq_len, cfg.micro_batch_size, cfg.seed,
-                               vocab_size=self.model.hf_config.vocab_size)
+                               vocab_size=self.model.hf_config.vocab_size, progress=None if progress else False)
         self.engine, self.memory_plan = build_engine(cfg, self.model, progress)
         self.num_params = sum(u.layout.numel for u in self.engine.units)
         rows = self.data.train.rows_per_epoch

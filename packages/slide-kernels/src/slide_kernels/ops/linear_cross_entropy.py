@@ -7,10 +7,11 @@ gradients are computed during the forward (the backward scales them by the upstr
 backward recomputes.
 
 The weight gradient is accumulated across chunks in fp32 and kept so until the backward, which multiplies it by
-the upstream gradient and rounds it to the weight's dtype in one pass, in the accumulator's own storage: fp32
-accumulation for the memory of one fp32 copy. On CUDA cuBLAS accumulates (fp32 output of bf16 products);
-elsewhere a Triton GEMM stores the fp32 sum of a bf16 weight as two 16-bit planes, the high half of each fp32
-word (a bf16 number, which becomes the result) and the low half.
+the upstream gradient and rounds it to the weight's dtype in one pass. For a bf16 weight on the Triton path that
+pass writes into the accumulator's own storage (fp32 accumulation for the memory of one fp32 copy): on CUDA
+cuBLAS accumulates (fp32 output of bf16 products); otherwise a Triton GEMM stores the fp32 sum as two 16-bit
+planes, the high half of each fp32 word (a bf16 number, which becomes the result) and the low half. Other
+dtypes, and the torch fallback, round into a new tensor.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def _bf16_bits(y):
 @jit
 def _grad_weight_kernel(
     G, X, HI, LO, ACC, V, H, N, stride_gn, stride_gv, stride_xn, stride_xh,
-    FIRST: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    FIRST: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # C[v, h] (+)= sum_n G[n, v] X[n, h]: the weight gradient of one token chunk, added to the fp32 sum.
@@ -135,7 +136,10 @@ def _grad_weight_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        if IEEE:  # fp32 operands: full fp32 products, as torch's fp32 matmuls (not tf32)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_gn
         b_ptrs += BLOCK_K * stride_xn
 
@@ -189,6 +193,8 @@ def narrow_in_place(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     """
     if acc.dtype != torch.float32 or dtype != torch.bfloat16:
         raise TypeError(f"narrow_in_place takes fp32 to bf16, not {acc.dtype} to {dtype}")
+    if first is not None and first < 1:
+        raise ValueError(f"first must be at least 1, got {first}")
     n = acc.numel()
     src = acc.view(-1)
     dst = src.view(dtype)[:n]
@@ -237,8 +243,8 @@ class _WeightGradTriton:
         hi = self.hi.view(torch.int16) if self.split else self.hi
         _grad_weight_kernel[grid](
             g, x, hi, self.lo, self.acc, v, h, n, g.stride(0), g.stride(1), x.stride(0), x.stride(1),
-            FIRST=self.done == 0, SPLIT=self.split,
-            UPCAST=self.upcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+            FIRST=self.done == 0, SPLIT=self.split, UPCAST=self.upcast, IEEE=self.upcast or g.dtype == torch.float32,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
             num_warps=warps, num_stages=stages,
         )
         self.done += 1
@@ -286,8 +292,9 @@ class _WeightGradCublas:
 def _cublas_fp32_accumulation(device: torch.device) -> bool:
     """Whether this build's cuBLAS path takes bf16 inputs with an fp32 output in place (checked once, exactly)."""
     try:
-        g = torch.randn(64, 3000, device=device).to(torch.bfloat16)
-        x = torch.randn(64, 40, device=device).to(torch.bfloat16)
+        rng = torch.Generator(device=device).manual_seed(0)  # leaves the run's random stream alone (resume)
+        g = torch.randn(64, 3000, device=device, generator=rng).to(torch.bfloat16)
+        x = torch.randn(64, 40, device=device, generator=rng).to(torch.bfloat16)
         acc = _WeightGradCublas(torch.empty(3000, 40, dtype=torch.bfloat16, device=device), 2)
         acc.add(g, x)
         acc.add(g, x)
@@ -418,9 +425,13 @@ def _run(h2d, weight, bias, labels, scale, ignore_index, smoothing, softcap, z_c
 
 def _finish(grad_h, acc, grad_b, bias_dtype, g):
     """The gradients of `_run` times the upstream gradient `g`, in the inputs' dtypes. The weight gradient is
-    narrowed from its fp32 sum only here, with `g` folded into that one pass; the hidden gradient is multiplied
-    by `g` rounded to its dtype (exact for g = 1, a plain `loss.backward()`)."""
-    gh = None if grad_h is None else grad_h.mul_(g.to(grad_h.dtype))
+    narrowed from its fp32 sum only here, with `g` folded into that one pass. A bf16 hidden gradient is
+    multiplied by `g` rounded to bf16 (exact for g = 1, a plain `loss.backward()`); an fp16 one in fp32, since a
+    loss scale such as GradScaler's 65536 is out of fp16's range."""
+    if grad_h is not None and grad_h.dtype == torch.float16:
+        gh = grad_h.copy_(grad_h.float().mul_(g))
+    else:
+        gh = None if grad_h is None else grad_h.mul_(g.to(grad_h.dtype))
     gw = None if acc is None else acc.result(g)
     gb = None if grad_b is None else (grad_b * g).to(bias_dtype)
     return gh, gw, gb

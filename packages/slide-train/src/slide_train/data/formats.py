@@ -28,9 +28,10 @@ IGNORE = -100
 ENCODE_BATCH = 1024  # documents per tokenizer call: parallel inside a call, progress shown between calls
 
 
-def _progress(items, total: int, what: str):
-    """A progress bar over a dataset's records while they are tokenized (hidden when not on a terminal)."""
-    return tqdm(items, total=total, desc=f"tokenizing {what}", unit="row", leave=False, disable=None)
+def _progress(items, total: int, what: str, show: bool | None):
+    """A progress bar over a dataset's records while they are tokenized (`show` None: on a terminal only)."""
+    return tqdm(items, total=total, desc=f"tokenizing {what}", unit="row", leave=False,
+                disable=None if show is None else not show)
 
 
 @dataclass
@@ -73,7 +74,7 @@ def _eos(tokenizer) -> list[int]:
     return [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
 
 
-def _text_examples(out: ExampleSet, cfg: DataConfig, tokenizer) -> None:
+def _text_examples(out: ExampleSet, cfg: DataConfig, tokenizer, progress: bool | None) -> None:
     path = out.source
     if cfg.format == "jsonl" or path.suffix in JSON_SUFFIXES:
         docs = [(where, get_key(row, cfg.text_key, where)) for where, row in read_rows(path)]
@@ -84,7 +85,8 @@ def _text_examples(out: ExampleSet, cfg: DataConfig, tokenizer) -> None:
         return
     # Batched calls: tokenizers encodes each batch in parallel, which matters for large corpora.
     batches = (docs[i : i + ENCODE_BATCH] for i in range(0, len(docs), ENCODE_BATCH))
-    encoded = [ids for batch in _progress(batches, -(-len(docs) // ENCODE_BATCH), f"{path.name} (batches)")
+    encoded = [ids for batch in _progress(batches, -(-len(docs) // ENCODE_BATCH), f"{path.name} (batches)",
+                                          progress)
                for ids in tokenizer([text for _, text in batch], add_special_tokens=False)["input_ids"]]
     for (where, _), ids in zip(docs, encoded):
         ids = _bos(tokenizer) + list(ids) + _eos(tokenizer)
@@ -185,9 +187,11 @@ def _tokens_examples(out: ExampleSet, rows: list[tuple[str, dict]], tokenizer, s
             out.examples.append(_example(ids[a : a + seq_len], labels[a : a + seq_len], where))
 
 
-def load_examples(cfg: DataConfig, tokenizer, seq_len: int, vocab_size: int | None = None) -> ExampleSet:
+def load_examples(cfg: DataConfig, tokenizer, seq_len: int, vocab_size: int | None = None,
+                  progress: bool | None = None) -> ExampleSet:
     """All examples of the dataset, in file order, with counts of what was truncated or dropped; token ids are
-    checked against `vocab_size` (the model's) where given."""
+    checked against `vocab_size` (the model's) where given. `progress`: show tokenization progress (None: on a
+    terminal only)."""
     path = Path(cfg.path) if cfg.path is not None else builtin_corpus_path()
     check_file(path)
     if tokenizer is None and cfg.format != "tokens":
@@ -196,7 +200,7 @@ def load_examples(cfg: DataConfig, tokenizer, seq_len: int, vocab_size: int | No
         )
     out = ExampleSet(source=path)
     if cfg.format in ("text", "jsonl"):
-        _text_examples(out, cfg, tokenizer)
+        _text_examples(out, cfg, tokenizer, progress)
     else:
         if path.suffix not in JSON_SUFFIXES:
             raise DataError(f"{path}: format {cfg.format!r} reads .jsonl or .json files")
@@ -211,7 +215,7 @@ def load_examples(cfg: DataConfig, tokenizer, seq_len: int, vocab_size: int | No
             _tokens_examples(out, rows, tokenizer, seq_len, vocab_size)
         else:
             make = _alpaca_example if cfg.format == "alpaca" else _chat_example
-            for where, row in _progress(rows, len(rows), path.name):
+            for where, row in _progress(rows, len(rows), path.name, progress):
                 ids, labels = make(row, where, tokenizer)
                 if len(ids) > seq_len:
                     ids, labels = ids[:seq_len], labels[:seq_len]

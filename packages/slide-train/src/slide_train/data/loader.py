@@ -120,9 +120,9 @@ def split_eval(n: int, fraction: float, seed: int, source) -> tuple[list[int], l
 
 
 def build_data(cfg: DataConfig, tokenizer, seq_len: int, micro_batch_size: int, seed: int,
-               vocab_size: int | None = None) -> TokenData:
+               vocab_size: int | None = None, progress: bool | None = None) -> TokenData:
     check_config(cfg, seq_len, micro_batch_size)
-    loaded: ExampleSet = load_examples(cfg, tokenizer, seq_len, vocab_size)
+    loaded: ExampleSet = load_examples(cfg, tokenizer, seq_len, vocab_size, progress)
     if loaded.truncated:
         warnings.warn(
             f"{loaded.source}: {loaded.truncated} of {loaded.records} examples are longer than "
