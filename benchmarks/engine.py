@@ -67,12 +67,14 @@ def run_plain_peer(args, hf_config) -> dict:
 
 def alloc_conf(device: str) -> str | None:
     """The CUDA allocator's settings for slide's run (the peer's, before it, are the allocator's defaults)."""
+    from slide_train.trainer import ALLOC_CONF, ALLOC_ENV
+
     if device != "cuda":
         return None
-    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # as slide-train reads
+    for key in ALLOC_ENV:
         if key in os.environ:
             return f"{key}={os.environ[key]}"
-    return "expandable_segments:True (slide-train's default)"
+    return f"{ALLOC_CONF} (slide-train's default)"
 
 
 def run_slide(args) -> dict:

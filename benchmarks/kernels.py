@@ -93,51 +93,8 @@ def bench_linear_ce(bt, h, v, providers):
         lg = LigerFusedLinearCrossEntropyLoss()
         fns["liger"] = lambda: lg(weight, hidden, labels)
     fns["slide"] = lambda: sk.linear_cross_entropy(hidden, weight, labels)
-    # Variant through the env knob: the shorter token chunks of the first version (lower peak, slower).
-    def chunk2048():
-        os.environ["SLIDE_LCE_CHUNK_TOKENS"] = "2048"
-        try:
-            return sk.linear_cross_entropy(hidden, weight, labels)
-        finally:
-            os.environ.pop("SLIDE_LCE_CHUNK_TOKENS")
-    fns["slide-chunk2048"] = chunk2048
-    results = run_all(fns, [hidden, weight], None, check=lambda f: f().item())
-    results["_breakdown_per_2048_token_chunk"] = lce_breakdown(hidden.detach(), weight.detach(), labels)
-    return results
-
-
-def lce_breakdown(hidden, weight, labels, rows=2048):
-    """Times of the pieces of one chunk, to see where the fused loss spends its time."""
-    m = sys.modules["slide_kernels.ops.linear_cross_entropy"]
-
-    v = weight.shape[0]
-    x = hidden[:rows]
-    buf = torch.mm(x, weight.t())
-    loss = torch.empty(rows, device="cuda")
-    scale = torch.ones((), device="cuda")
-    out = {}
-
-    def ce():
-        torch.mm(x, weight.t(), out=buf)
-        m._ce_rows_kernel[(rows,)](buf, buf.stride(0), labels[:rows], loss, scale, 0, v, -100, 0.0, 1.0, 0.0,
-                                   HAS_SOFTCAP=False, HAS_SMOOTHING=False, WRITE_GRAD=True, BLOCK_V=4096,
-                                   num_warps=8)
-    out["logits_mm"] = do_bench(lambda: torch.mm(x, weight.t(), out=buf), return_mode="median")
-    out["logits_mm+ce_kernel"] = do_bench(ce, return_mode="median")
-    out["grad_hidden_mm"] = do_bench(lambda: torch.mm(buf, weight), return_mode="median")
-    out["grad_weight_cublas_bf16"] = do_bench(lambda: torch.mm(buf.t(), x), return_mode="median")
-    for gemm in ("128,256,64,8,3", "128,128,64,4,3"):
-        os.environ["SLIDE_LCE_GEMM"] = gemm
-        for first in (True, False):
-            acc = m._WeightGradTriton(weight, 3)
-            acc.add(buf, x)  # first chunk: fills the planes
-            acc.done = 0 if first else 1
-            out[f"grad_weight_triton_{gemm}_{'first' if first else 'middle'}"] = do_bench(
-                lambda acc=acc, first=first: (acc.add(buf, x), setattr(acc, "done", 0 if first else 1)),
-                return_mode="median")
-        os.environ.pop("SLIDE_LCE_GEMM")
-    flop = 2 * rows * weight.shape[1] * v
-    return {k: {"ms": round(t, 4), "tflops": round(flop / t / 1e9, 1)} for k, t in out.items()}
+    # Chunk sizes and the pieces of one chunk: benchmarks/lce_probe.py.
+    return run_all(fns, [hidden, weight], None, check=lambda f: f().item())
 
 
 ROUNDS = 1  # --rounds: time the providers in turn this many times, so that clock drift hits each alike

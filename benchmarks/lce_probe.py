@@ -16,6 +16,7 @@ import json
 import os
 import pathlib
 
+import kernels  # the timing harness (and it puts the packages on the path)
 import torch
 from common import git_commit
 from triton.testing import do_bench
@@ -59,9 +60,9 @@ def pieces(hidden, weight, labels, rows):
 
 
 def narrowing(weight):
-    """The fp32 sum's scaled narrowing to bf16 in place, against the earlier 1024-row loop (unscaled). (Run at
-    0b62531, when the narrowing was a torch `mul` per doubling range; it is a Triton kernel since 20141aa.)"""
-    acc = lce._WeightGradCublas(weight, 2)
+    """The backward's scaled narrowing of the fp32 weight-gradient sum to bf16 in place (the restoring copy that
+    each run needs is timed alone and taken off)."""
+    acc = lce._WeightGradCublas(weight)
     buf = acc.acc
     src = torch.randn_like(buf)
     s = torch.full((), 0.5, device="cuda")
@@ -71,60 +72,32 @@ def narrowing(weight):
         acc.acc = buf
         acc.result(s)
 
-    def rows_1024():
-        buf.copy_(src)
-        out = buf.view(-1).view(torch.bfloat16)[: V * H].view(V, H)
-        out[:1024].copy_(buf[:1024].to(torch.bfloat16))
-        for r in range(1024, V, 1024):
-            out[r : r + 1024].copy_(buf[r : r + 1024])
-
     base = do_bench(lambda: buf.copy_(src), return_mode="median")
-    g16 = torch.randn(V, H, device="cuda").bfloat16()
     return {"restore_only": round(base, 4),
-            "narrow_scaled_minus_restore": round(do_bench(current, return_mode="median") - base, 4),
-            "narrow_rows1024_minus_restore": round(do_bench(rows_1024, return_mode="median") - base, 4),
-            "scale_bf16_grad_w": round(do_bench(lambda: g16.mul_(s.to(g16.dtype)), return_mode="median"), 4)}
+            "narrow_scaled_minus_restore": round(do_bench(current, return_mode="median") - base, 4)}
 
 
 def whole(hidden, weight, labels, chunk_list, rounds):
+    """The op at several chunk sizes (the env knob) next to Liger, through kernels.py's harness."""
     fns = {}
-    try:
+    if kernels.liger():
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
         lg = LigerFusedLinearCrossEntropyLoss()
-        fns["liger"] = lambda: lg(weight, hidden, labels).backward()
-    except Exception as e:  # noqa: BLE001
-        print("no liger:", e)
+        fns["liger"] = lambda: lg(weight, hidden, labels)
 
     def slide(rows):
         def run():
             if rows:
                 os.environ["SLIDE_LCE_CHUNK_TOKENS"] = str(rows)
             try:
-                sk.linear_cross_entropy(hidden, weight, labels).backward()
+                return sk.linear_cross_entropy(hidden, weight, labels)
             finally:
                 os.environ.pop("SLIDE_LCE_CHUNK_TOKENS", None)
         return run
     for rows in chunk_list:
         fns[f"slide-{rows or 'default'}"] = slide(rows)
-    res = {k: {"ms": []} for k in fns}
-    for name, f in fns.items():  # peak memory, once
-        f()
-        hidden.grad = weight.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        f()
-        torch.cuda.synchronize()
-        res[name]["peak_gib"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 4)
-        hidden.grad = weight.grad = None
-    for _ in range(rounds):
-        for name, f in fns.items():
-            res[name]["ms"].append(round(do_bench(f, grad_to_none=[hidden, weight], warmup=50, rep=600,
-                                                  return_mode="median"), 3))
-    for r in res.values():
-        r["best_round_ms"] = min(r["ms"])
-    return res
+    kernels.ROUNDS = rounds
+    return kernels.run_all(fns, [hidden, weight], None)
 
 
 def main():

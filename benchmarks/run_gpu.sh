@@ -15,58 +15,58 @@ export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/slide-gpu}
 mkdir -p "$out"
 bench() { python3 "$root/benchmarks/engine.py" --out "$out" --steps 3 --warmup 2 "$@" 2>&1 | tail -2; }
-case ${1:-small} in
-small)
-  for p in slide-memory slide-scheduler slide-train; do
-    (cd "$root/packages/$p" && python3 -m pytest -q -m gpu tests -p no:cacheprovider -s) > "$out/gpu-tests-$p.log" 2>&1
+gpu_tests() {  # gpu_tests [pytest options --] package...: each package's GPU-marked tests, a log each
+  local opts=()
+  if [ "${2:-}" = "--" ]; then opts=("$1"); shift 2; fi
+  for p in "$@"; do
+    (cd "$root/packages/$p" && python3 -m pytest -q -m gpu tests -p no:cacheprovider "${opts[@]}") \
+      > "$out/gpu-tests-$p.log" 2>&1
     echo "gpu tests $p: exit $?"; tail -1 "$out/gpu-tests-$p.log"
   done
-  b3="--model llama-3.2-3b --seq 4096 --micro 2 --accum 4 --cap 24"
+}
+install_liger() {  # Liger-Kernel's wheel, carried in .whl-kernels (the peer of the kernel benchmarks)
+  if ls "$root"/.whl-kernels/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site "$root"/.whl-kernels/*.whl &&
+      export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
+}
+b3="--model llama-3.2-3b --seq 4096 --micro 2 --accum 4 --cap 24"
+b8="--model llama-3.1-8b --seq 4096 --micro 1 --accum 8 --cap 16 --peer none"
+case ${1:-small} in
+small)
+  gpu_tests -s -- slide-memory slide-scheduler slide-train
   bench $b3 --peer plain --tag B3
   bench $b3 --peer none --device-share 0 --tag B3-hostonly
   bench $b3 --peer none --clip none --tag B3-noclip
   bench --model llama-3.2-1b --seq 2048 --micro 4 --accum 1 --cap 24 --peer plain --tag B1
   ;;
 b8)
-  b8="--model llama-3.1-8b --seq 4096 --micro 1 --accum 8 --cap 16 --peer none"
   bench $b8 --clip none --tag B8-noclip
   bench $b8 --tag B8
   ;;
 clip)
-  (cd "$root/packages/slide-scheduler" && python3 -m pytest -q -m gpu tests -p no:cacheprovider) > "$out/gpu-tests-slide-scheduler.log" 2>&1
-  echo "gpu tests slide-scheduler: exit $?"; tail -1 "$out/gpu-tests-slide-scheduler.log"
-  b3="--model llama-3.2-3b --seq 4096 --micro 2 --accum 4 --cap 24"
+  gpu_tests slide-scheduler
   bench $b3 --peer plain --tag B3
   bench $b3 --peer none --split 0 --tag B3-whole
   bench $b3 --peer none --device-share 0.33 --tag B3-share33
-  b8="--model llama-3.1-8b --seq 4096 --micro 1 --accum 8 --cap 16 --peer none"
   bench $b8 --tag B8
   bench $b8 --device-share 0.33 --tag B8-share33
   rm -f "$out"/B3-whole-timeline.png "$out"/*share33-timeline.png  # the machine returns at most 8 files
   ;;
 final)  # every package's GPU tests, the fused loss against Liger, B3 (peer; clipped, also with the allocator's
   # fixed segments) and B1 (peer)
-  for p in slide-kernels slide-memory slide-scheduler slide-train; do
-    (cd "$root/packages/$p" && python3 -m pytest -q -m gpu tests -p no:cacheprovider) > "$out/gpu-tests-$p.log" 2>&1
-    echo "gpu tests $p: exit $?"; tail -1 "$out/gpu-tests-$p.log"
-  done
-  if ls "$root"/.whl-kernels/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site "$root"/.whl-kernels/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-  fi
+  gpu_tests slide-kernels slide-memory slide-scheduler slide-train
+  install_liger
   python3 "$root/benchmarks/kernels.py" --out "$out" --ops linear_cross_entropy --providers eager,liger,slide \
     --rounds 3 2>&1 | tail -8
-  b3="--model llama-3.2-3b --seq 4096 --micro 2 --accum 4 --cap 24"
   bench $b3 --peer plain --tag B3
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False bench $b3 --peer none --tag B3-fixedseg  # allocator default
   bench --model llama-3.2-1b --seq 2048 --micro 4 --accum 1 --cap 24 --peer plain --tag B1
   cat "$out"/gpu-tests-*.log > "$out/gpu-tests.log"; rm -f "$out"/gpu-tests-slide-*.log "$out"/B3-fixedseg-timeline.png
   ;;
 kernels)
-  if ls "$root"/.whl-kernels/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site "$root"/.whl-kernels/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-  fi
-  (cd "$root/packages/slide-kernels" && python3 -m pytest -q -m gpu tests -p no:cacheprovider) > "$out/gpu-tests-slide-kernels.log" 2>&1
-  echo "gpu tests slide-kernels: exit $?"; tail -1 "$out/gpu-tests-slide-kernels.log"
+  install_liger
+  gpu_tests slide-kernels
   python3 "$root/benchmarks/lce_probe.py" --out "$out" 2>&1 | tail -14
   python3 "$root/benchmarks/kernels.py" --out "$out" --rounds 3 2>&1 | tail -30
   ;;

@@ -129,7 +129,7 @@ def test_bf16_weight_grad_is_rounded_fp32_sum(monkeypatch):
         pytest.skip("needs the Triton path")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(7)
-    acc = _WeightGradTriton(torch.zeros(37, 29, dtype=torch.bfloat16, device=device), 3)
+    acc = _WeightGradTriton(torch.zeros(37, 29, dtype=torch.bfloat16, device=device))
     exact = torch.zeros(37, 29, dtype=torch.float64)
     for i in range(3):
         g = torch.randn(11, 37).bfloat16().to(device)
@@ -148,18 +148,17 @@ def test_bf16_weight_grad_is_rounded_fp32_sum(monkeypatch):
     assert ok.all()
 
 
-def test_narrow_in_place(monkeypatch):
+def test_narrow_in_place():
     # The fp32 sum scaled and narrowed to bf16 in its own storage, range by range: exactly torch's rounding.
     lce_mod = __import__("sys").modules["slide_kernels.ops.linear_cross_entropy"]
     if not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs the Triton path")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    monkeypatch.setattr(lce_mod, "NARROW_FIRST", 37)  # ranges [37, 74), [74, 148), ... up to 999
     torch.manual_seed(9)
     acc = torch.randn(27, 37, device=device) * 100
     acc.view(-1)[[50, 300, 900]] = torch.tensor([float("nan"), float("inf"), 3.3e38])  # NaN stays NaN
     want = (acc * 0.3).to(torch.bfloat16)
-    got = lce_mod.narrow_in_place(acc, torch.tensor(0.3), torch.bfloat16)
+    got = lce_mod.narrow_in_place(acc, torch.tensor(0.3), torch.bfloat16, first=37)  # [37, 74), ... up to 999
     assert got.data_ptr() == acc.data_ptr() and got.shape == acc.shape
     assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
     assert got.view(-1)[50].isnan()
@@ -172,7 +171,7 @@ def test_gpu_cublas_weight_grad_narrowed_in_place():
     _WeightGradCublas = lce_mod._WeightGradCublas
     torch.manual_seed(8)
     v, h = 5000, 40
-    acc = _WeightGradCublas(torch.empty(v, h, dtype=torch.bfloat16, device="cuda"), 3)
+    acc = _WeightGradCublas(torch.empty(v, h, dtype=torch.bfloat16, device="cuda"))
     exact = torch.zeros(v, h, dtype=torch.float64)
     for i in range(3):
         g = torch.randn(64, v, device="cuda").bfloat16()

@@ -19,19 +19,14 @@ import warnings
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
 from slide_scheduler.engine import DTYPES
 
 from .errors import CheckpointError, DiskFullError, size_text
+from .progress import bar
 from .space import write_within
 
 MANIFEST = "manifest.json"
-
-
-def _bar(items, desc: str, total: int | None = None):
-    """Progress over a checkpoint's files or units: an 8B checkpoint is ~100 GB (shown on terminals only)."""
-    return tqdm(items, desc=desc, total=total, unit="file", leave=False, disable=None)
 
 
 def unit_file(name: str) -> str:
@@ -65,9 +60,9 @@ def checkpoint_bytes(engine) -> int:
 def save_checkpoint(root: pathlib.Path, step: int, engine, trainer_state: dict) -> pathlib.Path:
     """Write `step-<step>` under `root`; a disk too small for it raises DiskFullError before anything is written
     (or, if the disk fills while writing, after removing the partial files)."""
-    needed = checkpoint_bytes(engine)
-    return write_within(root, needed, root / f".step-{step}.partial",
-                        lambda: _write(root, root / f"step-{step}", step, engine, trainer_state),
+    needed, tmp = checkpoint_bytes(engine), root / f".step-{step}.partial"
+    return write_within(root, needed, tmp,
+                        lambda: _write(root, tmp, root / f"step-{step}", step, engine, trainer_state),
                         lambda free: _disk_full(root, step, needed, free))
 
 
@@ -80,13 +75,13 @@ def _disk_full(root: pathlib.Path, step: int, needed: int, free: int) -> DiskFul
         f"on a larger disk. Nothing of step-{step} was left behind; {intact}")
 
 
-def _write(root: pathlib.Path, final: pathlib.Path, step: int, engine, trainer_state: dict) -> pathlib.Path:
-    tmp = root / f".step-{step}.partial"
+def _write(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int, engine,
+           trainer_state: dict) -> pathlib.Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     engine.synchronize()  # updates of the last step may still be running on the optimizer thread
-    for index, name in enumerate(_bar(engine.unit_names(), f"writing step-{step}")):
+    for index, name in enumerate(bar(engine.unit_names(), desc=f"writing step-{step}", unit="file")):
         tensors = {"master": engine.units[index].master}
         tensors.update({f"adamw.{k}": v for k, v in engine.optimizer_state(index).items()})
         save_file(tensors, str(tmp / unit_file(name)))
@@ -117,7 +112,7 @@ def verify(path: pathlib.Path) -> dict:
         files = manifest["files"]
     except (json.JSONDecodeError, KeyError) as e:
         raise CheckpointError(f"{manifest_path} is corrupt ({e})") from e
-    for name, meta in _bar(files.items(), f"verifying {path.name}", total=len(files)):
+    for name, meta in bar(files.items(), desc=f"verifying {path.name}", unit="file", total=len(files)):
         p = path / name
         if not p.is_file():
             raise CheckpointError(f"checkpoint {path} is missing {name}")
@@ -159,7 +154,7 @@ def load_checkpoint(path: pathlib.Path, engine) -> dict:
     """Restore masters and optimizer states into `engine` from a checkpoint already verified (`find_resumable`
     or `verify`: hashing an 8B checkpoint takes a while, so once); returns trainer.json."""
     engine.synchronize()
-    for index, name in enumerate(_bar(engine.unit_names(), f"loading {path.name}")):
+    for index, name in enumerate(bar(engine.unit_names(), desc=f"loading {path.name}", unit="file")):
         try:
             tensors = load_file(str(path / unit_file(name)))
         except (SafetensorError, OSError) as e:

@@ -11,12 +11,12 @@ import shutil
 
 import torch
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
 from slide_scheduler.engine import DTYPES  # the one name -> dtype table
 
 from .errors import DiskFullError, ExportError, size_text
 from .models.adapter import block_hf_name, edge_hf_name
+from .progress import bar
 from .space import write_within
 
 SHARD_BYTES = 5 * 2**30
@@ -39,6 +39,11 @@ def hf_tensors(masters: dict[str, dict[str, torch.Tensor]]):
             yield edge_hf_name(name), t
 
 
+def export_bytes(numel: int, dtype: torch.dtype) -> int:
+    """About what an export of `numel` parameters in `dtype` takes: the tensors, config and tokenizer files."""
+    return numel * dtype.itemsize + (16 << 20)
+
+
 def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype: torch.dtype) -> pathlib.Path:
     """Write the model in HF layout, one shard at a time (at most SHARD_BYTES of tensors in memory). A disk too
     small for it raises DiskFullError before anything is written (or after removing the partial files)."""
@@ -46,8 +51,8 @@ def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype
     _check_replaceable(out)
     tmp = out.with_name(out.name + ".partial")
     tensors = list(hf_tensors(masters))  # (name, view): walked once for the size, once more to write
-    tensor_bytes = sum(t.numel() for _, t in tensors) * dtype.itemsize
-    needed = tensor_bytes + (16 << 20)  # + config and tokenizer files
+    numel = sum(t.numel() for _, t in tensors)
+    tensor_bytes, needed = numel * dtype.itemsize, export_bytes(numel, dtype)
     return write_within(out.parent, needed, tmp,
                         lambda: _write(out, tmp, hf_config, tensors, tokenizer, dtype, tensor_bytes),
                         lambda free: _disk_full(out, needed, free))
@@ -92,7 +97,7 @@ def _write(out: pathlib.Path, tmp: pathlib.Path, hf_config, tensors: list, token
         names.append(name)
         shards[-1] = {}
 
-    for hf_name, tensor in tqdm(tensors, desc=f"exporting to {out.name}", unit="tensor", leave=False, disable=None):
+    for hf_name, tensor in bar(tensors, desc=f"exporting to {out.name}", unit="tensor"):
         nbytes = tensor.numel() * dtype.itemsize
         if shards[-1] and size + nbytes > SHARD_BYTES:
             flush()

@@ -30,11 +30,12 @@ from . import checkpoint as ckpt
 from .config import TrainConfig, to_dict
 from .data import build_data
 from .errors import ConfigError, DiskFullError, TrainingError, size_text
-from .export import export_dtype, export_hf
+from .export import export_bytes, export_dtype, export_hf
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics
 from .models.build import check_fits, load_model
 from .plan import Plan, check_host, host_memory, make_plan
 from .plan import check_fits as check_plan
+from .progress import bar
 from .schedule import lr_at
 
 # What a run writes into its directory (besides config.yaml): cleared by --overwrite=true.
@@ -42,6 +43,7 @@ RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "export", "loss.pn
 
 
 ALLOC_CONF = "expandable_segments:True"
+ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the user's settings
 
 
 def use_expandable_segments() -> bool:
@@ -50,7 +52,7 @@ def use_expandable_segments() -> bool:
     under a 24 GiB cap made new segments and an allocator retry in steady steps; with expandable ones it had no
     retry and ran 1% faster (H200, benchmarks/results/engine.md). It applies to segments made from then on.
     Returns whether it was set."""
-    if any(k in os.environ for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+    if any(k in os.environ for k in ALLOC_ENV):
         return False
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
         getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)
@@ -115,18 +117,15 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
 def build_engine(cfg: TrainConfig, model, progress: bool = False) -> tuple[SlidingEngine, Plan]:
     """The engine, with as many units resident on the device as the memory plan allows. Loading an 8B model's
     weights takes minutes: with `progress`, a bar counts the blocks as they are read."""
-    from tqdm.auto import tqdm
-
-    if EngineConfig(device=cfg.engine.device).resolve_device().type == "cuda":
-        use_expandable_segments()  # a training run's process (not `slide-train plan`), before its first segment
     plan, engine_cfg, stack = plan_run(cfg, model)
-    with tqdm(total=stack.num_blocks, desc="loading weights", unit="block", disable=not progress,
-              leave=False) as bar:
+    if not plan.device_is_host:  # a training run's process (not `slide-train plan`), before its first segment
+        use_expandable_segments()
+    with bar(total=stack.num_blocks, desc="loading weights", unit="block", show=progress) as loading:
         read = stack.load_block
 
         def load_block(index, params):
             read(index, params)
-            bar.update(1)
+            loading.update(1)
 
         stack.load_block = load_block
         try:
@@ -189,7 +188,7 @@ class Trainer:
         if not cfg.checkpoint.keep:
             warnings.warn("checkpoint.keep=0: this run writes no checkpoint; a stopped run (Ctrl-C) keeps only its "
                           "metrics" + (", and the export is written at the end" if cfg.export else ""), stacklevel=2)
-        self._check_disk(reclaimable=sum(_bytes_under(p) for p in outputs))
+        self._check_disk(outputs)
         for path in outputs:  # --overwrite: cleared only now that the new run could be built
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         self.resumed_from = self._resume() if cfg.resume else None
@@ -200,14 +199,17 @@ class Trainer:
         self._eval: tuple[list, int] | None = None
         self._finite_at: int | None = None  # the step whose weights were last checked finite
 
-    def _check_disk(self, reclaimable: int = 0) -> None:
+    def _check_disk(self, outputs: list[pathlib.Path]) -> None:
         """A disk too small for the run's last checkpoint (and export) is refused before training, not after
-        (`reclaimable`: bytes of an earlier run that --overwrite is about to delete)."""
+        (`outputs`: an earlier run's, which --overwrite is about to delete: their space counts)."""
         keep = self.cfg.checkpoint.keep
         needed = ckpt.checkpoint_bytes(self.engine) if keep else 0
         if self.cfg.export:
-            needed += self.num_params * export_dtype(self.cfg.export_dtype, self.model.dtype).itemsize
-        if needed > (free := free_bytes(self.run_dir) + reclaimable):
+            needed += export_bytes(self.num_params, export_dtype(self.cfg.export_dtype, self.model.dtype))
+        free = free_bytes(self.run_dir)
+        if needed > free:  # only then walk what --overwrite frees
+            free += sum(_bytes_under(p) for p in outputs)
+        if needed > free:
             raise DiskFullError(
                 f"{self.run_dir} has {size_text(free)} free, but this run's "
                 f"{' and '.join(w for w, on in (('checkpoint', keep), ('export', self.cfg.export)) if on)} need about "
@@ -369,31 +371,31 @@ class Trainer:
 
         cfg = self.cfg
         last = None
-        bar = tqdm(total=self.total_steps, initial=self.step_index, disable=not self.progress, unit="step",
+        steps = tqdm(total=self.total_steps, initial=self.step_index, disable=not self.progress, unit="step",
                    dynamic_ncols=True)
         start = time.perf_counter()
         while self.step_index < self.total_steps:
             last = self.step()
-            bar.update(1)
-            bar.set_postfix_str(f"loss {last['loss']:.3f} | {last['tokens_per_s']:,.0f} tok/s | "
+            steps.update(1)
+            steps.set_postfix_str(f"loss {last['loss']:.3f} | {last['tokens_per_s']:,.0f} tok/s | "
                                 f"{last['tflops']:.2f} TFLOP/s | gpu {last['gpu_peak_gib']:.1f} GiB | "
                                 f"host {last['host_rss_gib']:.1f} GiB")
             if cfg.eval_every and self.step_index % cfg.eval_every == 0:
                 ev = self.evaluate()
-                bar.write(f"step {self.step_index}: validation loss {ev['eval_loss']:.4f} "
+                steps.write(f"step {self.step_index}: validation loss {ev['eval_loss']:.4f} "
                           f"(ppl {ev['eval_ppl']:.2f})")
             every, stop = cfg.checkpoint.every, self._stop_signal is not None
             if stop or (every and self.step_index % every == 0 and self.step_index < self.total_steps):
                 path = self.save_checkpoint(required=stop)  # a periodic one may be skipped; the last one below
                 if stop:
-                    bar.close()
+                    steps.close()
                     self.log.close()
                     name = signal.Signals(self._stop_signal).name
                     saved = "no checkpoint (checkpoint.keep=0)" if not cfg.checkpoint.keep else \
                         f"checkpoint {path} (continue with --resume=auto)"
                     print(f"{name}: stopped after step {self.step_index}; {saved}", flush=True)
                     raise SystemExit(128 + self._stop_signal)
-        bar.close()
+        steps.close()
         self.save_checkpoint()
         if self.data.eval is not None and (not cfg.eval_every or self.step_index % cfg.eval_every):
             self.evaluate()

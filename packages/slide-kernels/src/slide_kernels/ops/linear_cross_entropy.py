@@ -104,6 +104,14 @@ def _bf16_bits(y):
 
 
 @jit
+def _planes_fp32(HI, LO, offs, mask):
+    # The fp32 number whose high and low 16 bits are stored in the two int16 planes.
+    hi = tl.load(HI + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    lo = tl.load(LO + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    return ((hi << 16) | lo).to(tl.float32, bitcast=True)
+
+
+@jit
 def _grad_weight_kernel(
     G, X, HI, LO, ACC, V, H, N, stride_gn, stride_gv, stride_xn, stride_xh,
     FIRST: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
@@ -147,9 +155,7 @@ def _grad_weight_kernel(
     cmask = mmask[:, None] & nmask[None, :]
     if SPLIT:
         if not FIRST:
-            hi = tl.load(HI + offs_c, mask=cmask, other=0).to(tl.int32) & 0xFFFF
-            lo = tl.load(LO + offs_c, mask=cmask, other=0).to(tl.int32) & 0xFFFF
-            acc += ((hi << 16) | lo).to(tl.float32, bitcast=True)
+            acc += _planes_fp32(HI, LO, offs_c, cmask)
         bits = acc.to(tl.int32, bitcast=True)
         tl.store(HI + offs_c, (bits >> 16).to(tl.int16), mask=cmask)
         tl.store(LO + offs_c, (bits & 0xFFFF).to(tl.int16), mask=cmask)
@@ -160,52 +166,53 @@ def _grad_weight_kernel(
 
 
 @jit
-def _narrow_kernel(SRC, DST, SCALE, start, end, BLOCK: tl.constexpr):
-    # DST[i] = bf16(SRC[i] * scale) for i in [start, end); DST viewed as int16.
+def _narrow_kernel(SRC, LO, DST, SCALE, start, end, PLANES: tl.constexpr, BLOCK: tl.constexpr):
+    # DST[i] = bf16(x[i] * scale) for i in [start, end), DST viewed as int16; x is SRC (fp32), or with PLANES the
+    # fp32 sum held as SRC (high halves, DST itself) and LO (each element read, then written, by one program).
     offs = start + tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < end
-    y = tl.load(SRC + offs, mask=mask, other=0.0) * tl.load(SCALE)
-    tl.store(DST + offs, _bf16_bits(y), mask=mask)
+    if PLANES:
+        x = _planes_fp32(SRC, LO, offs, mask)
+    else:
+        x = tl.load(SRC + offs, mask=mask, other=0.0)
+    tl.store(DST + offs, _bf16_bits(x * tl.load(SCALE)), mask=mask)
 
 
-@jit
-def _narrow_planes_kernel(HI, LO, SCALE, n, BLOCK: tl.constexpr):
-    # HI[i] = bf16((HI[i] << 16 | LO[i]) * scale): the split planes' fp32 sum, scaled and rounded into the high
-    # plane (each element read, then written, by one program: in place is safe).
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    hi = tl.load(HI + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
-    lo = tl.load(LO + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
-    y = ((hi << 16) | lo).to(tl.float32, bitcast=True) * tl.load(SCALE)
-    tl.store(HI + offs, _bf16_bits(y), mask=mask)
+def _narrow(src, lo, dst, scale, start, end, planes=False):
+    block = 4096
+    _narrow_kernel[(triton.cdiv(end - start, block),)](src, lo, dst, scale, start, end, PLANES=planes, BLOCK=block,
+                                                       num_warps=8)
+
+
+def _scale_of(scale: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The upstream scale as a one-element fp32 tensor on `like`'s device (what the kernels read)."""
+    return scale.to(device=like.device, dtype=torch.float32).reshape(1)
 
 
 NARROW_FIRST = 1 << 20  # elements narrowed through a temporary before the in-place doubling ranges
 
 
 def narrow_in_place(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                    first: int | None = None) -> torch.Tensor:
+                    first: int = NARROW_FIRST) -> torch.Tensor:
     """`acc * scale` (fp32) as bf16 in acc's own storage; returns the bf16 view.
 
     Elements [a, 2a) land on bytes that only elements below a occupied, already narrowed: each such range is
-    one launch, in order on the stream (about 10 for a 128k x 4k gradient). The first range ([0, `first`),
-    NARROW_FIRST elements by default) overlaps its own source and goes through a small temporary.
+    one launch, in order on the stream (about 10 for a 128k x 4k gradient). The first range, [0, `first`),
+    overlaps its own source and goes through a small temporary.
     """
     if acc.dtype != torch.float32 or dtype != torch.bfloat16:
         raise TypeError(f"narrow_in_place takes fp32 to bf16, not {acc.dtype} to {dtype}")
-    if first is not None and first < 1:
+    if first < 1:
         raise ValueError(f"first must be at least 1, got {first}")
     n = acc.numel()
     src = acc.view(-1)
     dst = src.view(dtype)[:n]
-    scale = scale.to(device=acc.device, dtype=acc.dtype).reshape(1)
-    a = min(n, first or NARROW_FIRST)
+    scale = _scale_of(scale, acc)
+    a = min(n, first)
     dst[:a].copy_(src[:a] * scale)
-    block = 4096
     while a < n:
         b = min(n, 2 * a)
-        _narrow_kernel[(triton.cdiv(b - a, block),)](src, dst.view(torch.int16), scale, a, b, BLOCK=block,
-                                                     num_warps=8)
+        _narrow(src, src, dst.view(torch.int16), scale, a, b)  # (LO unused)
         a = b
     return dst.view(acc.shape)
 
@@ -221,8 +228,8 @@ def _gemm_config() -> tuple[int, ...]:
 class _WeightGradTriton:
     """fp32 sum of per-chunk weight gradients: split bf16 planes for a bf16 weight, one fp32 tensor otherwise."""
 
-    def __init__(self, weight: torch.Tensor, n_chunks: int):
-        self.dtype, self.done = weight.dtype, 0
+    def __init__(self, weight: torch.Tensor):
+        self.dtype, self.first = weight.dtype, True
         self.upcast = interpreting()  # the interpreter computes bf16 dots wrongly; tiny tiles keep it quick
         self.tiles = (16, 16, 16, 4, 1) if self.upcast else _gemm_config()
         v, h = weight.shape
@@ -243,22 +250,20 @@ class _WeightGradTriton:
         hi = self.hi.view(torch.int16) if self.split else self.hi
         _grad_weight_kernel[grid](
             g, x, hi, self.lo, self.acc, v, h, n, g.stride(0), g.stride(1), x.stride(0), x.stride(1),
-            FIRST=self.done == 0, SPLIT=self.split, UPCAST=self.upcast, IEEE=self.upcast or g.dtype == torch.float32,
+            FIRST=self.first, SPLIT=self.split, UPCAST=self.upcast, IEEE=self.upcast or g.dtype == torch.float32,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
             num_warps=warps, num_stages=stages,
         )
-        self.done += 1
+        self.first = False
 
     def result(self, scale: torch.Tensor) -> torch.Tensor:
         """The sum times `scale` (fp32), rounded once to the weight's dtype."""
-        if self.split:
-            n = self.hi.numel()
-            scale = scale.to(device=self.hi.device, dtype=torch.float32).reshape(1)
-            _narrow_planes_kernel[(triton.cdiv(n, 4096),)](self.hi.view(torch.int16), self.lo, scale, n,
-                                                           BLOCK=4096, num_warps=8)
-            out, self.hi = self.hi, None
-        else:
-            out = self.acc.mul_(scale).to(self.dtype)  # no second copy for an fp32 weight
+        if not self.split:
+            out, self.acc = _scaled(self.acc, scale, self.dtype), None
+            return out
+        hi = self.hi.view(torch.int16)
+        _narrow(hi, self.lo, hi, _scale_of(scale, hi), 0, hi.numel(), planes=True)
+        out, self.hi = self.hi, None
         self.lo = self.acc = None
         return out
 
@@ -270,7 +275,7 @@ class _WeightGradCublas:
     as with the split planes of `_WeightGradTriton`, while the products run at cuBLAS speed.
     """
 
-    def __init__(self, weight: torch.Tensor, n_chunks: int):
+    def __init__(self, weight: torch.Tensor):
         self.dtype = weight.dtype
         self.acc = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
         self.first = True
@@ -295,19 +300,23 @@ def _cublas_fp32_accumulation(device: torch.device) -> bool:
         rng = torch.Generator(device=device).manual_seed(0)  # leaves the run's random stream alone (resume)
         g = torch.randn(64, 3000, device=device, generator=rng).to(torch.bfloat16)
         x = torch.randn(64, 40, device=device, generator=rng).to(torch.bfloat16)
-        acc = _WeightGradCublas(torch.empty(3000, 40, dtype=torch.bfloat16, device=device), 2)
+        acc = _WeightGradCublas(torch.empty(3000, 40, dtype=torch.bfloat16, device=device))
         acc.add(g, x)
         acc.add(g, x)
         want = (2 * (g.t().double() @ x.double())).to(torch.bfloat16)
-        acc.acc = narrow_in_place(acc.acc, torch.ones((), device=device), torch.bfloat16, first=1024)  # + kernel
-        got = acc.acc.double()
+        got = narrow_in_place(acc.acc, torch.ones((), device=device), torch.bfloat16, first=1024).double()
         return bool((got - want.double()).abs().max() <= 1e-2 * want.double().abs().max())
     except Exception:  # noqa: BLE001 - any failure (no out_dtype, a kernel that does not build): not this path
         return False
 
 
+def _scaled(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An fp32 (or fp64) sum times `scale`, in `dtype`: in place, so an fp32 weight makes no second copy."""
+    return acc.mul_(scale).to(dtype)
+
+
 class _WeightGradTorch:
-    def __init__(self, weight: torch.Tensor, n_chunks: int):
+    def __init__(self, weight: torch.Tensor):
         self.dtype = weight.dtype
         self.acc = torch.zeros(weight.shape, dtype=_acc_dtype(weight), device=weight.device)
 
@@ -315,7 +324,7 @@ class _WeightGradTorch:
         self.acc.addmm_(g.t().to(self.acc.dtype), x.to(self.acc.dtype))
 
     def result(self, scale: torch.Tensor) -> torch.Tensor:
-        out, self.acc = self.acc.mul_(scale).to(self.dtype), None
+        out, self.acc = _scaled(self.acc, scale, self.dtype), None
         return out
 
 
@@ -391,7 +400,7 @@ def _run(h2d, weight, bias, labels, scale, ignore_index, smoothing, softcap, z_c
         kind = _WeightGradCublas
     else:
         kind = _WeightGradTriton if on_triton else _WeightGradTorch
-    acc = kind(weight, n_chunks) if want[1] else None
+    acc = kind(weight) if want[1] else None
     scale_stride = 1 if scale.dim() == 1 else 0
     bias_c = None if bias is None else bias.to(dtype)  # once, not per chunk
     for i in range(n_chunks):
@@ -423,18 +432,25 @@ def _run(h2d, weight, bias, labels, scale, ignore_index, smoothing, softcap, z_c
     return losses, grad_h, acc, grad_b
 
 
-def _finish(grad_h, acc, grad_b, bias_dtype, g):
-    """The gradients of `_run` times the upstream gradient `g`, in the inputs' dtypes. The weight gradient is
+def _finish(grad_h, acc, grad_b, bias_dtype, g, applied=False):
+    """The gradients of `_run` in the inputs' dtypes, times the upstream gradient `g`; with `applied` (reduction
+    "none", whose `_run` took it per row) `g` is 1 and only narrows the weight gradient. The weight gradient is
     narrowed from its fp32 sum only here, with `g` folded into that one pass. A bf16 hidden gradient is
-    multiplied by `g` rounded to bf16 (exact for g = 1, a plain `loss.backward()`); an fp16 one in fp32, since a
-    loss scale such as GradScaler's 65536 is out of fp16's range."""
-    if grad_h is not None and grad_h.dtype == torch.float16:
-        gh = grad_h.copy_(grad_h.float().mul_(g))
-    else:
-        gh = None if grad_h is None else grad_h.mul_(g.to(grad_h.dtype))
+    multiplied by `g` rounded to bf16 (exact for g = 1, a plain `loss.backward()`); an fp16 one in fp32, a block
+    of rows at a time, since a loss scale such as GradScaler's 65536 is out of fp16's range."""
     gw = None if acc is None else acc.result(g)
-    gb = None if grad_b is None else (grad_b * g).to(bias_dtype)
-    return gh, gw, gb
+    if not applied and grad_h is not None:
+        if grad_h.dtype == torch.float16:
+            for r in range(0, grad_h.shape[0], FP16_ROWS):
+                grad_h[r : r + FP16_ROWS].copy_(grad_h[r : r + FP16_ROWS].float().mul_(g))
+        else:
+            grad_h.mul_(g.to(grad_h.dtype))
+    if grad_b is not None:
+        grad_b = (grad_b if applied else grad_b * g).to(bias_dtype)
+    return grad_h, gw, grad_b
+
+
+FP16_ROWS = 4096  # rows of an fp16 hidden gradient scaled per fp32 temporary
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -482,10 +498,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ignore_index, reduction, smoothing, softcap, z_coef, on_triton, shape = ctx.cfg
         if reduction == "none":
             hidden, weight, bias, lab = ctx.saved_tensors
-            scale = grad_out.reshape(-1).to(_acc_dtype(weight)).contiguous()
+            scale = grad_out.reshape(-1).to(ctx.acc_dtype).contiguous()
             _, *grads = _run(hidden.reshape(-1, shape[-1]), weight, bias, lab, scale, ignore_index,
                              smoothing, softcap, z_coef, ctx.want, on_triton)
-            gh, gw, gb = _finish(*grads, ctx.bias_dtype, torch.ones((), dtype=scale.dtype, device=scale.device))
+            gh, gw, gb = _finish(*grads, ctx.bias_dtype, scale.new_ones(()), applied=True)
         else:
             if ctx.grads is None:
                 raise RuntimeError("linear_cross_entropy: backward through the same graph twice is not supported")

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
+from ..progress import bar
 from .config import DataConfig, DataError
 from .corpus import builtin_corpus_path
 from .sources import JSON_SUFFIXES, check_file, get_key, read_documents, read_rows
@@ -30,8 +30,7 @@ ENCODE_BATCH = 1024  # documents per tokenizer call: parallel inside a call, pro
 
 def _progress(items, total: int, what: str, show: bool | None):
     """A progress bar over a dataset's records while they are tokenized (`show` None: on a terminal only)."""
-    return tqdm(items, total=total, desc=f"tokenizing {what}", unit="row", leave=False,
-                disable=None if show is None else not show)
+    return bar(items, total=total, desc=f"tokenizing {what}", unit="row", show=show)
 
 
 @dataclass
