@@ -130,6 +130,9 @@ def test_an_earlier_run_is_never_silently_mixed_with_a_new_one(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("--optimizer.lr=nan", "optimizer.lr must be a finite number"),
     ("--max_grad_norm=inf", "max_grad_norm must be a finite number"),
+    ("--steps=nan", "steps must be a finite number"),
+    ("--seq_len=.inf", "seq_len must be a finite number"),
+    ("--optimizer.betas=[0.9,nan]", "optimizer.betas must be a finite number"),
     ("--engine.resident=-1", "engine.resident must be 0 or more"),
     ("--engine.device_update_share=1.5", r"engine.device_update_share must be in \[0, 1\]"),
     ("--engine.states_dtype=bf16 --engine.device_update_share=0.5", "set it to 0 with engine.states_dtype=bf16"),

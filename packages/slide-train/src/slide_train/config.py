@@ -138,8 +138,12 @@ def _coerce(kind, value, key: str):
         if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
             with contextlib.suppress(ValueError):
                 value = float(value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+        if not math.isfinite(value):  # every number of the config passes here (int(nan) would raise)
+            raise ConfigError(f"{key} must be a finite number, got {value}")
+        if kind is int and value != int(value):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
         return kind(value)
     if kind is str:
         if isinstance(value, bool):  # YAML 1.1 reads on/off/yes/no as booleans
@@ -151,9 +155,6 @@ def _coerce(kind, value, key: str):
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
-    for key, value in _leaves(to_dict(cfg)):
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{key} must be a finite number, got {value}")
     for key, allowed in CHOICES.items():
         value = get_key(cfg, key)
         if value not in allowed:
@@ -204,16 +205,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.eval_every and cfg.data.eval_fraction <= 0:
         raise ConfigError("eval_every needs a validation split: set data.eval_fraction (e.g. 0.05)")
     return cfg
-
-
-def _leaves(tree: dict, prefix: str = ""):
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _leaves(value, f"{prefix}{key}.")
-        elif isinstance(value, list):
-            yield from ((f"{prefix}{key}", v) for v in value)
-        else:
-            yield f"{prefix}{key}", value
 
 
 def get_key(cfg, dotted: str):
