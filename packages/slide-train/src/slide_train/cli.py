@@ -61,7 +61,7 @@ def cmd_plan(args, overrides) -> int:
     print(plan.text())
     ram = host_memory()
     if ram is not None:
-        fits = "fits" if plan.ram_needed <= 0.95 * ram else "does NOT fit"
+        fits = "fits" if plan.fits_host(ram) else "does NOT fit"
         print(f"  host memory here: {ram / 2**30:.0f} GiB: the run {fits}")
     return 0
 

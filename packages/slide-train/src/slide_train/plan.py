@@ -42,6 +42,10 @@ class Plan:
             return self.host_total
         return self.host_total + max(0.0, self.device_total - LOSS_CHUNK - MARGIN)
 
+    def fits_host(self, ram: float) -> bool:
+        """Whether the run's host memory fits in `ram` bytes, leaving 5% for the rest of the machine."""
+        return self.ram_needed <= 0.95 * ram
+
 
 def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, intermediate: int,
               tokens_per_micro: int, micro_batches: int, window: int, offload_activations: bool,
@@ -157,7 +161,7 @@ def check_host(plan: Plan, ram: float | None) -> None:
     """Refuse a run whose host state cannot fit in RAM, before it allocates 100 GB and gets killed."""
     from .errors import ConfigError
 
-    if ram is not None and plan.ram_needed > 0.95 * ram:
+    if ram is not None and not plan.fits_host(ram):
         on_cpu = " and, on a CPU run, the device side's buffers and activations" if plan.device_is_host else ""
         raise ConfigError(
             f"this run needs ~{plan.ram_needed / GIB:.0f} GiB of host memory (fp32 masters, AdamW states, "
