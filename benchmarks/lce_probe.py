@@ -59,6 +59,23 @@ def pieces(hidden, weight, labels, rows):
     return out
 
 
+def ceiling(hidden, weight):
+    """What cuBLAS gives on the op's three matmuls done whole (no chunking: 4.2 GB of logits) and on a square
+    8192^3 GEMM, the shape such peak figures are usually quoted for: the floor of any op built on them."""
+    g = torch.mm(hidden, weight.t())
+    sq = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    runs = {"logits_mm": (lambda: torch.mm(hidden, weight.t(), out=g), 2 * BT * H * V),
+            "grad_h_mm": (lambda: torch.mm(g, weight), 2 * BT * H * V),
+            "grad_w_mm": (lambda: torch.mm(g.t(), hidden), 2 * BT * H * V),
+            "square_8192": (lambda: torch.mm(sq, sq), 2 * 8192**3)}
+    out = {}
+    for name, (fn, flop) in runs.items():
+        ms = do_bench(fn, warmup=300, rep=1000, return_mode="median")
+        out[name] = {"ms": round(ms, 3), "tflops": round(flop / ms / 1e9, 1)}
+    out["three_whole_ms"] = round(sum(out[k]["ms"] for k in ("logits_mm", "grad_h_mm", "grad_w_mm")), 3)
+    return out
+
+
 def narrowing(weight):
     """The backward's scaled narrowing of the fp32 weight-gradient sum to bf16 in place (the restoring copy that
     each run needs is timed alone and taken off)."""
@@ -103,7 +120,7 @@ def whole(hidden, weight, labels, chunk_list, rounds):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    p.add_argument("--rows", default="2048,2560,3072,3328,3584,4096")
+    p.add_argument("--rows", default="2048,2560,3072,3328,3584,4096")  # "" skips the pieces
     p.add_argument("--whole", default="0,2560,3072,3584")
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
@@ -117,12 +134,14 @@ def main():
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": [BT, H, V]}
     with torch.no_grad():
         doc["pieces"] = {}
-        for r in a.rows.split(","):
+        for r in filter(None, a.rows.split(",")):
             doc["pieces"][r] = pieces(hidden.detach(), weight.detach(), labels, int(r))
             print(r, doc["pieces"][r], flush=True)
         doc["narrowing"] = narrowing(weight.detach())
+        doc["ceiling"] = ceiling(hidden.detach(), weight.detach())
+        print("ceiling", doc["ceiling"], flush=True)
     torch.cuda.empty_cache()
-    doc["whole"] = whole(hidden, weight, labels, [int(r) for r in a.whole.split(",")], a.rounds)
+    doc["whole"] = whole(hidden, weight, labels, [int(r) for r in a.whole.split(",")], a.rounds) if a.whole else {}
     path = pathlib.Path(a.out) / f"lce-probe-{doc['git_commit'][:7]}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")

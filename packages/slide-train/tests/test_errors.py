@@ -162,7 +162,7 @@ def test_a_full_disk_skips_a_periodic_checkpoint_refuses_the_last_and_leaves_not
     root = tmp_path / "run" / "checkpoints"
     trainer = Trainer(load_config(None, [*base, "--steps=6"]), progress=False)
     trainer.step(), trainer.step()
-    needed = ckpt.checkpoint_bytes(trainer.engine)
+    needed = ckpt.engine_checkpoint_bytes(trainer.engine)
     written = ckpt.save_checkpoint(tmp_path / "probe", 0, trainer.engine, {})
     assert needed >= sum(p.stat().st_size for p in written.iterdir()) > needed - (1 << 20)  # a fair estimate
     free = {"bytes": 10 * needed}
@@ -297,8 +297,15 @@ def test_a_disk_too_small_for_the_last_checkpoint_is_refused_before_training(tmp
     import slide_train.trainer as trainer_module
 
     monkeypatch.setattr(trainer_module, "free_bytes", lambda path: 1 << 20)
+    engine = trainer_module.SlidingEngine
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the disk check")
+
+    monkeypatch.setattr(trainer_module, "SlidingEngine", no_loading)  # refused before the wait for the weights
     with pytest.raises(DiskFullError, match=r"1.0 MB free, but this run's checkpoint need about .* MB"):
         Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'run'}"]), progress=False)
+    monkeypatch.setattr(trainer_module, "SlidingEngine", engine)
     # checkpoint.keep=0 writes no checkpoint: only the export is counted, and without it the run goes ahead.
     monkeypatch.setattr(trainer_module, "free_bytes", lambda path: 1 << 10)
     with pytest.raises(DiskFullError, match=r"but this run's export need about"):

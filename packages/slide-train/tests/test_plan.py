@@ -142,3 +142,13 @@ def test_expandable_segments_unless_the_user_configured_the_allocator(monkeypatc
         monkeypatch.setenv(k, "max_split_size_mb:128")
         assert not trainer.use_expandable_segments() and len(calls) == 1  # the user's setting stands
         monkeypatch.delenv(k)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_plan_for_a_cuda_device_on_a_machine_without_one_is_a_config_error(capsys):
+    """Exit 2 with the fix in one line (it was a traceback), before any model is built."""
+    from slide_train.cli import main
+
+    assert main(["plan", "--model=llama-3.2-1b", "--engine.device=cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device is available; use engine.device=cpu" in err and "Traceback" not in err

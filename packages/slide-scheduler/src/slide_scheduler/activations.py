@@ -22,6 +22,9 @@ class ActivationStore:
         self.device, self.d2h, self.h2d, self.compute = device, d2h, h2d, compute
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, Signal]] = {}
         self._landing: dict[tuple[object, int], torch.Tensor] = {}  # (owner, micro-batch) -> device buffer
+        # Device tensors whose copy out is queued: (boundary, tensor, copied). Held until `release`, so their
+        # memory goes back to the allocator only after compute is ordered behind the copy.
+        self._leaving: list[tuple[int, torch.Tensor, Signal]] = []
 
     def put(self, boundary: int, micro: int, hidden: torch.Tensor, produced: Signal) -> None:
         """Keep `hidden` (made on the compute lane; `produced` holds once it is written)."""
@@ -34,9 +37,26 @@ class ActivationStore:
             buf = host_empty(hidden.numel(), hidden.dtype).view(hidden.shape)
         self.d2h.wait(produced)
         self.d2h.run(buf.copy_, hidden, True, label=f"acts out {boundary}")
-        if self.d2h.stream is not None:
-            hidden.record_stream(self.d2h.stream)  # its memory must outlive the copy
-        self._saved[boundary, micro] = (buf, self.d2h.record())
+        copied = self.d2h.record()
+        if self.d2h.stream is not None:  # (a CPU lane's task holds its own reference)
+            self._leaving.append((boundary, hidden, copied))
+        self._saved[boundary, micro] = (buf, copied)
+
+    def release(self, through: int | None = None) -> None:
+        """Let go of the device tensors put for boundaries up to `through` (None: all), once compute has queued
+        its last read of them. Compute first waits for their copies out, so later compute allocations cannot
+        reuse memory a copy still reads. (Not `record_stream`: its frees wait on events the allocator polls
+        only when it allocates, and under a tight memory cap that polling happens inside an allocation retry.)"""
+        keep = []
+        last = None
+        for entry in self._leaving:
+            if through is None or entry[0] <= through:
+                last = entry[2]
+            else:
+                keep.append(entry)
+        if last is not None:  # the lane copies in order: its latest signal covers the earlier copies
+            self.compute.wait(last)
+        self._leaving = keep
 
     def trim(self, micro_batches: int) -> None:
         """Let go of landing buffers for micro-batches beyond `micro_batches` (a step with fewer of them)."""

@@ -49,18 +49,21 @@ def _fsync(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def checkpoint_bytes(engine) -> int:
-    """About what one checkpoint takes: every unit's fp32 master and its two AdamW states (fp32 on the device,
-    `states_dtype` on the host), plus a little for the small files."""
-    host_state = DTYPES[engine.config.states_dtype].itemsize
-    return sum(u.layout.numel * (4 + 2 * (4 if i < engine.resident else host_state))
-               for i, u in enumerate(engine.units)) + (1 << 20)
+def checkpoint_bytes(unit_numels, resident: int, states_dtype: str) -> int:
+    """About what one checkpoint takes: every unit's fp32 master and its two AdamW states (fp32 for the first
+    `resident` units, kept on the device, `states_dtype` for the rest), plus a little for the small files."""
+    host_state = DTYPES[states_dtype].itemsize
+    return sum(n * (4 + 2 * (4 if i < resident else host_state)) for i, n in enumerate(unit_numels)) + (1 << 20)
+
+
+def engine_checkpoint_bytes(engine) -> int:
+    return checkpoint_bytes([u.layout.numel for u in engine.units], engine.resident, engine.config.states_dtype)
 
 
 def save_checkpoint(root: pathlib.Path, step: int, engine, trainer_state: dict) -> pathlib.Path:
     """Write `step-<step>` under `root`; a disk too small for it raises DiskFullError before anything is written
     (or, if the disk fills while writing, after removing the partial files)."""
-    needed, tmp = checkpoint_bytes(engine), root / f".step-{step}.partial"
+    needed, tmp = engine_checkpoint_bytes(engine), root / f".step-{step}.partial"
     return write_within(root, needed, tmp,
                         lambda: _write(root, tmp, root / f"step-{step}", step, engine, trainer_state),
                         lambda free: _disk_full(root, step, needed, free))

@@ -30,6 +30,11 @@ class Plan:
     device_is_host: bool = False  # a CPU run: the "device" buffers are host memory too
     activations: float = 0.0  # device bytes of activations, all proportional to the tokens per micro-batch
     tokens_per_micro: int = 0
+    unit_numels: tuple[int, ...] = ()  # parameters per unit: the edges, then each block
+
+    @property
+    def num_params(self) -> int:
+        return sum(self.unit_numels)
 
     def text(self) -> str:
         return "\n".join(self.lines)
@@ -120,7 +125,8 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
         + (f", boundary activations {acts_host / GIB:.1f}" if offload_activations else ""),
     ]
     return Plan(budget, fixed, resident, device, host, lines, held, device_is_host=not cuda,
-                activations=activations, tokens_per_micro=tokens_per_micro)
+                activations=activations, tokens_per_micro=tokens_per_micro,
+                unit_numels=(edge_numel,) + (block_numel,) * num_blocks)
 
 
 def check_fits(plan: Plan, budget_key: str, micro_batch_size: int = 1, seq_len: int = 0, window: int = 1) -> None:

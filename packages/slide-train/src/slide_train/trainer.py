@@ -62,6 +62,18 @@ def use_expandable_segments() -> bool:
     return True
 
 
+def resolve_device(name: str) -> torch.device:
+    """`engine.device` as a device, or a ConfigError saying why it cannot be used here."""
+    try:
+        device = EngineConfig(device=name).resolve_device()
+    except RuntimeError as e:
+        raise ConfigError(str(e)) from e
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"engine.device={name}, but this machine has {torch.cuda.device_count()} CUDA device(s): "
+                          f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
 def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
     """The memory plan of a run, the engine config it implies and the stack to build it on.
 
@@ -78,7 +90,7 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
     budget, cuda = None, assume_gpu_gib is not None
     if cuda:
         budget = 0.92 * (e.gpu_memory_limit_gb or assume_gpu_gib) * 2**30
-    elif (device := engine_cfg.resolve_device()).type == "cuda":
+    elif (device := resolve_device(e.device)).type == "cuda":
         cuda = True
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         total = torch.cuda.get_device_properties(device).total_memory
@@ -114,10 +126,13 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
     return plan, engine_cfg, stack
 
 
-def build_engine(cfg: TrainConfig, model, progress: bool = False) -> tuple[SlidingEngine, Plan]:
+def build_engine(cfg: TrainConfig, model, progress: bool = False, before_load=None) -> tuple[SlidingEngine, Plan]:
     """The engine, with as many units resident on the device as the memory plan allows. Loading an 8B model's
-    weights takes minutes: with `progress`, a bar counts the blocks as they are read."""
+    weights takes minutes: with `progress`, a bar counts the blocks as they are read; `before_load(plan)` runs
+    first (checks that can refuse the run without that wait)."""
     plan, engine_cfg, stack = plan_run(cfg, model)
+    if before_load is not None:
+        before_load(plan)
     if not plan.device_is_host:  # a training run's process (not `slide-train plan`), before its first segment
         use_expandable_segments()
     with bar(total=stack.num_blocks, desc="loading weights", unit="block", show=progress) as loading:
@@ -168,27 +183,24 @@ class Trainer:
             raise ckpt.CheckpointError(
                 f"{self.run_dir} holds an earlier run ({what} start afresh there with --overwrite=true, or choose "
                 "another output_dir")
-        try:
-            EngineConfig(device=cfg.engine.device).resolve_device()
-        except RuntimeError as e:  # before minutes of loading
-            raise ConfigError(str(e)) from e
+        resolve_device(cfg.engine.device)  # before minutes of loading
         torch.manual_seed(cfg.seed)
         self.model = load_model(cfg.model, cfg.seed, need_tokenizer=cfg.data.format != "tokens")
         check_fits(self.model, cfg.seq_len)
         self.data = build_data(cfg.data, self.model.tokenizer, cfg.seq_len, cfg.micro_batch_size, cfg.seed,
                                vocab_size=self.model.hf_config.vocab_size, progress=None if progress else False)
-        self.engine, self.memory_plan = build_engine(cfg, self.model, progress)
+        outputs = [self.run_dir / name for name in RUN_OUTPUTS] if cfg.overwrite and not cfg.resume else []
+        if not cfg.checkpoint.keep:
+            warnings.warn("checkpoint.keep=0: this run writes no checkpoint; a stopped run (Ctrl-C) keeps only its "
+                          "metrics" + (", and the export is written at the end" if cfg.export else ""), stacklevel=2)
+        self.engine, self.memory_plan = build_engine(cfg, self.model, progress,
+                                                     before_load=lambda plan: self._check_disk(plan, outputs))
         self.num_params = sum(u.layout.numel for u in self.engine.units)
         rows = self.data.train.rows_per_epoch
         per_step = cfg.micro_batch_size * cfg.grad_accum
         self.total_steps = math.ceil(cfg.epochs * rows / per_step) if cfg.epochs else cfg.steps
         self.step_index = 0
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        outputs = [self.run_dir / name for name in RUN_OUTPUTS] if cfg.overwrite and not cfg.resume else []
-        if not cfg.checkpoint.keep:
-            warnings.warn("checkpoint.keep=0: this run writes no checkpoint; a stopped run (Ctrl-C) keeps only its "
-                          "metrics" + (", and the export is written at the end" if cfg.export else ""), stacklevel=2)
-        self._check_disk(outputs)
         for path in outputs:  # --overwrite: cleared only now that the new run could be built
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         self.resumed_from = self._resume() if cfg.resume else None
@@ -199,13 +211,13 @@ class Trainer:
         self._eval: tuple[list, int] | None = None
         self._finite_at: int | None = None  # the step whose weights were last checked finite
 
-    def _check_disk(self, outputs: list[pathlib.Path]) -> None:
-        """A disk too small for the run's last checkpoint (and export) is refused before training, not after
-        (`outputs`: an earlier run's, which --overwrite is about to delete: their space counts)."""
+    def _check_disk(self, plan: Plan, outputs: list[pathlib.Path]) -> None:
+        """A disk too small for the run's last checkpoint (and export) is refused before the weights load, not
+        after training (`outputs`: an earlier run's, which --overwrite is about to delete: their space counts)."""
         keep = self.cfg.checkpoint.keep
-        needed = ckpt.checkpoint_bytes(self.engine) if keep else 0
+        needed = ckpt.checkpoint_bytes(plan.unit_numels, plan.resident, self.cfg.engine.states_dtype) if keep else 0
         if self.cfg.export:
-            needed += export_bytes(self.num_params, export_dtype(self.cfg.export_dtype, self.model.dtype))
+            needed += export_bytes(plan.num_params, export_dtype(self.cfg.export_dtype, self.model.dtype))
         free = free_bytes(self.run_dir)
         if needed > free:  # only then walk what --overwrite frees
             free += sum(_bytes_under(p) for p in outputs)
