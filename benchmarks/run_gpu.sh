@@ -5,6 +5,8 @@
 #   bash benchmarks/run_gpu.sh final   # every package's GPU tests, the fused loss vs Liger, B3 and B1 with the peer
 #   bash benchmarks/run_gpu.sh b8      # B8 without and with clipping (no peer: it does not fit this host)
 #   bash benchmarks/run_gpu.sh clip    # B3 and B8 with clipping: split vs whole updates, device share 0.5 vs 1/3
+#   bash benchmarks/run_gpu.sh check   # every package's GPU tests, B8 with clipping, the loss's matmul ceiling and
+#                                      # the loss vs Liger, B8 without clipping
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -63,6 +65,14 @@ final)  # every package's GPU tests, the fused loss against Liger, B3 (peer; cli
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False bench $b3 --peer none --tag B3-fixedseg  # allocator default
   bench --model llama-3.2-1b --seq 2048 --micro 4 --accum 1 --cap 24 --peer plain --tag B1
   cat "$out"/gpu-tests-*.log > "$out/gpu-tests.log"; rm -f "$out"/gpu-tests-slide-*.log "$out"/B3-fixedseg-timeline.png
+  ;;
+check)
+  gpu_tests slide-kernels slide-memory slide-scheduler slide-train
+  cat "$out"/gpu-tests-*.log > "$out/gpu-tests.log"; rm -f "$out"/gpu-tests-slide-*.log
+  bench $b8 --tag B8
+  install_liger
+  python3 "$root/benchmarks/lce_probe.py" --out "$out" --rows "" --whole 0 2>&1 | tail -4
+  bench $b8 --clip none --tag B8-noclip
   ;;
 kernels)
   install_liger
