@@ -7,6 +7,8 @@
 #   bash benchmarks/run_gpu.sh clip    # B3 and B8 with clipping: split vs whole updates, device share 0.5 vs 1/3
 #   bash benchmarks/run_gpu.sh check   # every package's GPU tests, B8 with clipping, the loss's matmul ceiling and
 #                                      # the loss vs Liger, B8 without clipping
+#   bash benchmarks/run_gpu.sh host    # host memory bandwidth alone and under PCIe copies; B3 (peer; clipped and
+#                                      # not) and B1 (peer)
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -73,6 +75,12 @@ check)
   install_liger
   python3 "$root/benchmarks/lce_probe.py" --out "$out" --rows "" --whole 0 2>&1 | tail -4
   bench $b8 --clip none --tag B8-noclip
+  ;;
+host)
+  python3 "$root/benchmarks/host_memory.py" --out "$out" 2>&1 | tail -20
+  bench $b3 --peer plain --tag B3
+  bench $b3 --peer none --clip none --tag B3-noclip
+  bench --model llama-3.2-1b --seq 2048 --micro 4 --accum 1 --cap 24 --peer plain --tag B1
   ;;
 kernels)
   install_liger
