@@ -97,6 +97,8 @@ def run_slide(args) -> dict:
         overrides.append(f"--engine.gpu_memory_limit_gb={args.cap}")
     if not args.split:
         overrides.append("--engine.split_update=false")
+    if args.states != "fp32":
+        overrides.append(f"--engine.states_dtype={args.states}")
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -116,6 +118,7 @@ def run_slide(args) -> dict:
     trainer.close()
     share = "" if args.device_share is None else f", device_update_share {args.device_share}"
     share += "" if args.split else ", whole updates"
+    share += "" if args.states == "fp32" else f", {args.states} states"
     return {"system": f"slide ({'pipelined' if args.pipeline else 'synchronous'} engine, clip {args.clip}{share})",
             "cap_gib": args.cap,
             "setup_s": setup_s, "step_s": step_s, "plan": trainer.memory_plan.text(),
@@ -144,6 +147,7 @@ def main() -> None:
     p.add_argument("--pipeline", type=int, default=1, help="0: the synchronous reference schedule")
     p.add_argument("--device-share", type=float, default=None,
                    help="engine.device_update_share (clipped updates streamed through the GPU); default: auto")
+    p.add_argument("--states", choices=["fp32", "bf16"], default="fp32", help="engine.states_dtype (AdamW m and v)")
     p.add_argument("--split", type=int, default=1, help="0: engine.split_update=false (whole clipped updates)")
     p.add_argument("--lr", type=float, default=1e-5,
                    help="both systems (runs before 2026-11-29 13:00 trained ours at the config default 1e-3)")

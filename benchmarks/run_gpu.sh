@@ -9,6 +9,8 @@
 #                                      # the loss vs Liger, B8 without clipping
 #   bash benchmarks/run_gpu.sh host    # host memory bandwidth alone and under PCIe copies; B3 (peer; clipped and
 #                                      # not) and B1 (peer)
+#   bash benchmarks/run_gpu.sh states  # slide-kernels' whole test suite (its CUDA-only tests too), B8 with clipping
+#                                      # and bf16 AdamW states
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -81,6 +83,11 @@ host)
   bench $b3 --peer plain --tag B3
   bench $b3 --peer none --clip none --tag B3-noclip
   bench --model llama-3.2-1b --seq 2048 --micro 4 --accum 1 --cap 24 --peer plain --tag B1
+  ;;
+states)
+  (cd "$root/packages/slide-kernels" && python3 -m pytest -q tests -p no:cacheprovider) > "$out/kernels-suite.log" 2>&1
+  echo "slide-kernels suite: exit $?"; tail -1 "$out/kernels-suite.log"
+  bench $b8 --states bf16 --tag B8-bf16states
   ;;
 kernels)
   install_liger
