@@ -304,3 +304,26 @@ def test_a_label_outside_the_vocabulary_is_an_error(path, bad):
     labels[1, 3] = bad
     with pytest.raises((RuntimeError, IndexError)):
         sk.linear_cross_entropy(hidden, weight, labels)
+
+
+def test_cublas_probe_raises_out_of_memory_and_warns_on_other_failures(monkeypatch):
+    """Out of memory is this moment's state, not the build's: it propagates and nothing is cached. Any other
+    failure picks the Triton sum for the process, and says so."""
+    lce_mod = __import__("sys").modules["slide_kernels.ops.linear_cross_entropy"]
+    probe = lce_mod._cublas_fp32_accumulation
+    probe.cache_clear()
+    device = torch.device("cpu")
+
+    def fail(error):
+        def construct(weight):
+            raise error
+        return construct
+
+    monkeypatch.setattr(lce_mod, "_WeightGradCublas", fail(torch.OutOfMemoryError("out of memory")))
+    with pytest.raises(torch.OutOfMemoryError):
+        probe(device)
+    assert probe.cache_info().currsize == 0
+    monkeypatch.setattr(lce_mod, "_WeightGradCublas", fail(RuntimeError("no fp32 output")))
+    with pytest.warns(UserWarning, match="RuntimeError: no fp32 output.*slower Triton weight-gradient sum"):
+        assert probe(device) is False
+    probe.cache_clear()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 
 import torch
 
@@ -306,7 +307,11 @@ def _cublas_fp32_accumulation(device: torch.device) -> bool:
         want = (2 * (g.t().double() @ x.double())).to(torch.bfloat16)
         got = narrow_in_place(acc.acc, torch.ones((), device=device), torch.bfloat16, first=1024).double()
         return bool((got - want.double()).abs().max() <= 1e-2 * want.double().abs().max())
-    except Exception:  # noqa: BLE001 - any failure (no out_dtype, a kernel that does not build): not this path
+    except torch.OutOfMemoryError:  # a transient state of this run, not of the build: raised, and not cached
+        raise
+    except Exception as e:  # noqa: BLE001 - any other failure (no out_dtype, a kernel that does not build)
+        warnings.warn(f"linear_cross_entropy: cuBLAS's fp32-output path failed its check ({type(e).__name__}: {e}); "
+                      "using the slower Triton weight-gradient sum in this process", stacklevel=2)
         return False
 
 
