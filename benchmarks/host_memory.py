@@ -9,7 +9,8 @@ engines stream them to the device. This measures, on the lent machine, what thos
   copy        a 2 GiB fp32 host copy (bytes read + written per second)
   adamw       FlatAdamW over 256M fp32 parameters, whole update and the split update's params part
   pcie        pinned host -> device and device -> host, 1 GiB each, alone and both ways at once
-  shared      the AdamW params part while both PCIe directions stream without pause (each side's rate)
+  shared      the AdamW params part while both PCIe directions stream without pause (each side's rate over the
+              same window), on all threads and, as a control, on one thread fewer
 """
 
 from __future__ import annotations
@@ -41,36 +42,46 @@ def timed(fn, runs: int = 5) -> float:
 
 
 class Streaming:
-    """Copies in both PCIe directions, queued back to back on two streams until stopped; counts the bytes."""
+    """Copies in both PCIe directions, queued back to back on two streams until stopped; counts the bytes.
+
+    The thread sleeps on blocking events (no spinning core), so it takes no CPU time from what runs beside it."""
 
     def __init__(self, nbytes: int):
         self.src, self.dst = host_empty(nbytes, torch.uint8), host_empty(nbytes, torch.uint8)
         self.dev_in = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         self.dev_out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         self.h2d, self.d2h = torch.cuda.Stream(), torch.cuda.Stream()
-        self.stop, self.moved, self.seconds = threading.Event(), 0, 0.0
+        self.stop, self.moved = threading.Event(), 0
 
     def _loop(self) -> None:
-        start = time.perf_counter()
         while not self.stop.is_set():
-            with torch.cuda.stream(self.h2d):
-                self.dev_in.copy_(self.src, non_blocking=True)
-            with torch.cuda.stream(self.d2h):
-                self.dst.copy_(self.dev_out, non_blocking=True)
-            self.h2d.synchronize()
-            self.d2h.synchronize()
+            done = []
+            for stream, dst, src in ((self.h2d, self.dev_in, self.src), (self.d2h, self.dst, self.dev_out)):
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+                    event = torch.cuda.Event(blocking=True)
+                    event.record(stream)
+                    done.append(event)
+            for event in done:
+                event.synchronize()
             self.moved += 2 * self.src.numel()
-        self.seconds = time.perf_counter() - start
 
     def __enter__(self):
         self.thread = threading.Thread(target=self._loop)
         self.thread.start()
-        time.sleep(0.2)
+        time.sleep(0.3)  # both directions streaming before anything is timed
         return self
 
     def __exit__(self, *exc):
         self.stop.set()
         self.thread.join()
+
+    def rate_during(self, fn) -> tuple[float, float]:
+        """(seconds fn took, PCIe bytes per second moved meanwhile), from whole copies completed in that window."""
+        moved, start = self.moved, time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - start
+        return seconds, (self.moved - moved) / seconds
 
 
 def main() -> None:
@@ -89,18 +100,19 @@ def main() -> None:
 
     grad = (torch.randn(n) * 1e-3).to(torch.bfloat16)
     opt = FlatAdamW(torch.randn(n) * 0.02, AdamWConfig(lr=1e-5))
-    # bytes through host memory per parameter: whole = p, m, v read and written + bf16 gradient read;
-    # params part = p, m, v, gradient read + p written
+    # Nominal bytes through host memory per parameter (what the update must move; the kernel's scratch copies
+    # in cache-sized blocks come on top): whole = p, m, v read and written + bf16 gradient read; params part =
+    # p, m, v, gradient read + p written
     for part, per_param in (("all", 26), ("params", 18)):
         s = timed(lambda part=part: opt.step(grad, 1e-5, 0.5, part=part))
         out[f"adamw_{part}_gparams_per_s"] = round(n / s / 1e9, 3)
-        out[f"adamw_{part}_gbps"] = round(n * per_param / s / GB, 1)
+        out[f"adamw_{part}_nominal_gbps"] = round(n * per_param / s / GB, 1)
 
     if torch.cuda.is_available():
         nbytes = 1 << 30
-        with Streaming(nbytes) as both:
-            time.sleep(2.0)
-        out["pcie_both_gbps"] = round(both.moved / both.seconds / GB, 1)
+        streamed = 256 << 20  # per copy while streaming: short copies, so a window's count is not coarse
+        with Streaming(streamed) as both:
+            out["pcie_both_gbps"] = round(both.rate_during(lambda: time.sleep(2.0))[1] / GB, 1)
         h = host_empty(nbytes, torch.uint8)
         d = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         for name, fn in (("pcie_h2d_gbps", lambda: d.copy_(h, non_blocking=True)),
@@ -108,12 +120,22 @@ def main() -> None:
             s = timed(lambda fn=fn: (fn(), torch.cuda.synchronize()))
             out[name] = round(nbytes / s / GB, 1)
         del h, d
-        with Streaming(nbytes) as both:
-            s = timed(lambda: opt.step(grad, 1e-5, 0.5, part="params"), runs=4)
-        out["shared_adamw_params_gparams_per_s"] = round(n / s / 1e9, 3)
-        out["shared_adamw_params_gbps"] = round(n * 18 / s / GB, 1)
-        out["shared_pcie_both_gbps"] = round(both.moved / both.seconds / GB, 1)
-        out["shared_total_gbps"] = round(out["shared_adamw_params_gbps"] + out["shared_pcie_both_gbps"], 1)
+        # AdamW beside the copies, on all threads and on one thread fewer (a control for the copy thread's share
+        # of the CPU); both rates over the same window, medians of 3.
+        threads = torch.get_num_threads()
+        for key, n_threads in (("shared", threads), ("shared_one_thread_fewer", threads - 1)):
+            torch.set_num_threads(n_threads)
+            alone = timed(lambda: opt.step(grad, 1e-5, 0.5, part="params"), runs=3)
+            runs = []
+            with Streaming(streamed) as both:
+                for _ in range(3):
+                    runs.append(both.rate_during(lambda: opt.step(grad, 1e-5, 0.5, part="params")))
+            seconds, pcie = sorted(runs)[1]
+            out[key] = {"threads": n_threads, "adamw_params_alone_gparams_per_s": round(n / alone / 1e9, 3),
+                        "adamw_params_gparams_per_s": round(n / seconds / 1e9, 3),
+                        "adamw_params_nominal_gbps": round(n * 18 / seconds / GB, 1),
+                        "pcie_both_gbps": round(pcie / GB, 1)}
+        torch.set_num_threads(threads)
     print(json.dumps(out, indent=1))
     if a.out:
         path = pathlib.Path(a.out) / f"host-memory-{out['commit'][:7]}.json"
