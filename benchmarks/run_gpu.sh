@@ -11,7 +11,6 @@
 #                                      # not) and B1 (peer)
 #   bash benchmarks/run_gpu.sh states  # slide-kernels' whole test suite (its CUDA-only tests too), B8 with clipping
 #                                      # and bf16 AdamW states
-#   bash benchmarks/run_gpu.sh sleep   # B3 (peer), B8 with and without clipping: after host waits stopped spinning
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -89,11 +88,6 @@ states)
   (cd "$root/packages/slide-kernels" && python3 -m pytest -q tests -p no:cacheprovider) > "$out/kernels-suite.log" 2>&1
   echo "slide-kernels suite: exit $?"; tail -1 "$out/kernels-suite.log"
   bench $b8 --states bf16 --tag B8-bf16states
-  ;;
-sleep)
-  bench $b3 --peer plain --tag B3
-  bench $b8 --tag B8
-  bench $b8 --clip none --tag B8-noclip
   ;;
 kernels)
   install_liger

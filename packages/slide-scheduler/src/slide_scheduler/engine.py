@@ -222,7 +222,6 @@ class SlidingEngine:
         # device as gradients are made).
         self._readout = torch.zeros(1 + len(self.units), dtype=torch.float32, device=self.device)
         self._loss, self._sq_norms = self._readout[0], self._readout[1:]
-        self._readout_host = host_zeros(self._readout.numel(), torch.float32)  # pinned on CUDA: read by a copy
         self.closed = False
 
     def _choose_streamed(self) -> set[int]:
@@ -517,9 +516,7 @@ class SlidingEngine:
         clock.lap("backward")
 
         # The one read of the step: loss and the per-unit squared norms (the clip needs the global norm).
-        self.compute.run(self._readout_host.copy_, self._readout, True)
-        self.compute.record().wait_host()  # (a sleeping wait: `.tolist()` on the device tensor would spin)
-        loss_value, *sq = self._readout_host.tolist()
+        loss_value, *sq = self._readout.tolist()
         grad_norm = math.sqrt(sum(sq))
         scale = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
         with span("compute", "update resident", stream):

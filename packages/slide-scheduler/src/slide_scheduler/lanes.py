@@ -99,9 +99,7 @@ class Lane:
 
     def record(self) -> Signal:
         if self.stream is not None:
-            # Blocking: a host wait on it sleeps. The default spins a core, and torch's CPU AdamW, whose threads
-            # use every core, then waits on the one thread that shares a core with the spinner.
-            event = torch.cuda.Event(blocking=True)
+            event = torch.cuda.Event()
             event.record(self.stream)
             return CudaSignal(event)
         if self._pool is not None:
