@@ -59,9 +59,12 @@ class ActivationStore:
         self._leaving = keep
 
     def trim(self, micro_batches: int) -> None:
-        """Let go of landing buffers for micro-batches beyond `micro_batches` (a step with fewer of them)."""
+        """Let go of landing buffers for micro-batches beyond `micro_batches` (a step with fewer of them); 0
+        also drops any device tensors a failed forward left unreleased."""
         for key in [k for k in self._landing if k[1] >= micro_batches]:
             del self._landing[key]
+        if not micro_batches:
+            self.release()
 
     def fetch(self, boundary: int, micro: int, owner: object) -> torch.Tensor:
         """The saved activation as a device tensor, queued on the host-to-device lane.
