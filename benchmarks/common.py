@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Run from a plain checkout (the device machine has no installed packages): import the sources.
@@ -20,3 +22,14 @@ def git_commit() -> str:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def timed(fn, runs: int = 5) -> float:
+    """Median wall-clock seconds of `runs` calls of `fn` after one untimed call (host-side work)."""
+    fn()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -14,24 +14,13 @@ import argparse
 import json
 import pathlib
 import platform
-import statistics
-import time
 from unittest import mock
 
 import common
 import torch
+from common import timed
 
 from slide_memory import AdamWConfig, FlatAdamW, adamw
-
-
-def timed(fn, runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -19,26 +19,16 @@ import argparse
 import datetime
 import json
 import pathlib
-import statistics
 import threading
 import time
 
 import common
 import torch
+from common import timed
 
 from slide_memory import AdamWConfig, FlatAdamW, host_empty
 
 GB = 1e9
-
-
-def timed(fn, runs: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 class Streaming:

@@ -17,10 +17,10 @@ import pathlib
 import platform
 import sys
 import threading
-import time
 
 import common
 import torch
+from common import timed
 
 from slide_memory import AdamWConfig, FlatAdamW
 
@@ -37,15 +37,9 @@ def main() -> None:
     opt = FlatAdamW(torch.randn(n) * 0.02, AdamWConfig(lr=1e-5))
     grad = (torch.randn(n) * 1e-3).bfloat16()
 
-    def step_seconds(runs: int = 5) -> float:
-        times = []
-        for _ in range(runs):
-            start = time.perf_counter()
-            opt.step(grad, 1e-5, 0.5, part="params")
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
+    def step_seconds() -> float:
+        return timed(lambda: opt.step(grad, 1e-5, 0.5, part="params"))
 
-    step_seconds(1)
     default = sys.getswitchinterval()
     out = {"benchmark": "optimizer_gil", "commit": common.git_commit(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
