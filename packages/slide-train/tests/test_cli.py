@@ -42,3 +42,15 @@ def test_help_lists_every_key_with_default():
                          text=True, check=True)
     for key in ("engine.window", "optimizer.lr", "schedule.warmup_steps", "data.format", "checkpoint.every"):
         assert key in out.stdout
+
+
+def test_no_progress_hides_every_bar(tmp_path, monkeypatch):
+    """--no-progress reaches the bars of checkpoints and exports too, which callers show on a terminal."""
+    from slide_train import progress
+    from slide_train.cli import main
+
+    monkeypatch.setattr(progress, "_hidden", False)
+    assert not progress.bar(range(2), desc="writing step-1", unit="file", show=True).disable
+    assert main(["finetune", "--steps=1", "--seq_len=32", "--micro_batch_size=2", "--grad_accum=1",
+                 "--export=false", f"--output_dir={tmp_path / 'run'}", "--no-progress"]) == 0
+    assert progress.bar(range(2), desc="writing step-1", unit="file", show=True).disable

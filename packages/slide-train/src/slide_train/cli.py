@@ -25,9 +25,12 @@ def _config_parser(sub, name: str, help: str):
 
 
 def cmd_finetune(args, overrides) -> int:
+    from .progress import hide_bars
     from .trainer import Trainer
 
     cfg = load_config(args.config, overrides + (["--profile=true"] if args.profile else []))
+    if args.no_progress:  # checkpoints and the export included
+        hide_bars()
     Trainer(cfg, progress=not args.no_progress).fit()
     return 0
 
@@ -86,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slide-train", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     p = _config_parser(sub, "finetune", "fine-tune every parameter of a model (default: the built-in tiny demo)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars, for training, tokenizing, weights, checkpoints or the export (logs "
+                        "still go to metrics.jsonl)")
     p.add_argument("--profile", action="store_true",
                    help="write timeline.png and trace.json (Perfetto) of step 3 into the run directory")
     p.set_defaults(func=cmd_finetune)
