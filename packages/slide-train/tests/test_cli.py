@@ -54,3 +54,15 @@ def test_no_progress_hides_every_bar(tmp_path, monkeypatch):
     assert main(["finetune", "--steps=1", "--seq_len=32", "--micro_batch_size=2", "--grad_accum=1",
                  "--export=false", f"--output_dir={tmp_path / 'run'}", "--no-progress"]) == 0
     assert progress.bar(range(2), desc="writing step-1", unit="file", show=True).disable
+
+
+def test_profile_flag_and_profile_key(tmp_path):
+    """`--profile` alone and the config key's `--profile=true|false` (argparse refused the latter two)."""
+    from slide_train.cli import main
+
+    base = ["finetune", "--steps=1", "--seq_len=32", "--micro_batch_size=2", "--grad_accum=1", "--export=false",
+            "--no-progress"]
+    for flag, written in (("--profile", True), ("--profile=true", True), ("--profile=false", False)):
+        run = tmp_path / flag.strip("-").replace("=", "-")
+        assert main([*base, f"--output_dir={run}", flag]) == 0
+        assert (run / "timeline.png").is_file() == written, flag

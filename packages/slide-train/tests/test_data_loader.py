@@ -82,6 +82,19 @@ def test_resume_refuses_a_different_dataset_or_seed(tmp_path):
         build(make_corpus(tmp_path, n=41)).train.load_state_dict(state)
 
 
+@pytest.mark.parametrize(("key", "value"), [("seq_len", 16), ("pack", False), ("shuffle", False)])
+def test_resume_refuses_another_row_layout(tmp_path, key, value):
+    """A text dataset's tokens do not depend on seq_len, packing or shuffling, but its rows do: the saved row
+    index would point into other rows (it resumed silently before)."""
+    path = make_corpus(tmp_path)
+    state = build(path).train.state_dict()
+    other = build(path, **{key: value}).train
+    with pytest.raises(DataError, match=rf"had {key}=.* \(now {value}\).*same values"):
+        other.load_state_dict(state)
+    legacy = {k: v for k, v in state.items() if k not in ("seq_len", "pack", "shuffle")}
+    build(path).train.load_state_dict(legacy)  # a checkpoint from before these were saved still resumes
+
+
 def test_eval_split_is_held_out_and_fixed(tmp_path):
     path = make_corpus(tmp_path)
     data = build(path, eval_fraction=0.25, eval_batches=2, seq_len=16, mbs=2)

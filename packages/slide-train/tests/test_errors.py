@@ -397,3 +397,36 @@ def test_prune_keeps_the_newest(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-9", "step-10"]  # by step, not by name
     prune(tmp_path, 0)  # [:-0] would have kept them all
     assert list_checkpoints(tmp_path) == []
+
+
+def test_string_keys_keep_their_text_and_odd_yaml_is_refused_clearly(tmp_path):
+    """An override of a string key is taken as typed (YAML read `007` as 7, `yes` as true, `12:30` as 750);
+    in a config file such a value is refused with the fix (quote it). Found by running them."""
+    cfg = load_config(None, ["--output_dir=007", "--data.text_key=yes", "--resume=2024-01-01", "--model=12:30"])
+    assert (cfg.output_dir, cfg.data.text_key, cfg.resume, cfg.model) == ("007", "yes", "2024-01-01", "12:30")
+    assert load_config(None, ["--resume=null"]).resume is None
+    assert load_config(None, ["--engine.kernels=off", "--seq_len=64"]).engine.kernels == "off"
+    f = tmp_path / "run.yaml"
+    f.write_text("output_dir: 007\n")
+    with pytest.raises(ConfigError, match=r"output_dir must be a string, but the YAML read it as int 7: put it in "
+                                          r"quotes"):
+        load_config(f)
+    f.write_text("engine:\n  kernels: off\n")  # the one key whose values YAML 1.1 reads as booleans
+    assert load_config(f).engine.kernels == "off"
+    f.write_text("1: 2\n")
+    with pytest.raises(ConfigError, match="config key 1 is not a name"):
+        load_config(f)
+    f.write_bytes("model: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(f)
+    f.write_text("data:\nseq_len: 64\n")  # an empty section still takes overrides
+    assert load_config(f, ["--data.path=x.txt"]).data.path == "x.txt"
+    with pytest.raises(ConfigError, match="resume must be 'auto' or the path"):
+        load_config(None, ["--resume=yes"])
+
+
+def test_jsonl_without_a_path_asks_for_a_file():
+    from slide_train.data.config import DataConfig, DataError, check_config
+
+    with pytest.raises(DataError, match="format 'jsonl' needs a file"):
+        check_config(DataConfig(format="jsonl"), seq_len=64, micro_batch_size=2)

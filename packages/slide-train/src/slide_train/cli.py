@@ -28,7 +28,7 @@ def cmd_finetune(args, overrides) -> int:
     from .progress import hide_bars
     from .trainer import Trainer
 
-    cfg = load_config(args.config, overrides + (["--profile=true"] if args.profile else []))
+    cfg = load_config(args.config, overrides)
     if args.no_progress:  # checkpoints and the export included
         hide_bars()
     Trainer(cfg, progress=not args.no_progress).fit()
@@ -92,8 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars, for training, tokenizing, weights, checkpoints or the export (logs "
                         "still go to metrics.jsonl)")
-    p.add_argument("--profile", action="store_true",
-                   help="write timeline.png and trace.json (Perfetto) of step 3 into the run directory")
     p.set_defaults(func=cmd_finetune)
     p = _config_parser(sub, "data", "print a few training rows as the model sees them, with the label mask")
     p.add_argument("-n", type=int, default=3, help="how many examples")
@@ -112,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         argv = ["finetune"]
+    # `--profile` alone is the config key's `--profile=true` (which, like `--profile=false`, is an override)
+    argv = ["--profile=true" if a == "--profile" else a for a in argv]
     args, rest = parser.parse_known_args(argv)
     overrides = [a for a in rest if a.startswith("--") and "=" in a]
     unknown = [a for a in rest if a not in overrides]

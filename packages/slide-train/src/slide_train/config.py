@@ -109,6 +109,8 @@ def _build(cls, values: dict[str, Any], prefix: str = ""):
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in values.items():
+        if not isinstance(key, str):  # YAML reads `1:` or `on:` as a number or a boolean
+            raise ConfigError(f"config key {prefix}{key!r} is not a name: quote it, or check the YAML's indentation")
         if key not in fields:
             near = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {prefix}{near[0]}?" if near else f"; valid keys: {', '.join(fields)}"
@@ -117,7 +119,27 @@ def _build(cls, values: dict[str, Any], prefix: str = ""):
     return cls(**kwargs)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Typed:
+    """A `--key=value` override as typed: a string key takes the text itself (`--output_dir=007` is "007",
+    not 7), any other key the text read as YAML (3, 1e-4, true, null, [0.9, 0.95])."""
+
+    arg: str
+    raw: str
+
+    def parsed(self):
+        try:
+            return yaml.safe_load(self.raw) if self.raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"cannot read the value of {self.arg!r}: {e}") from e
+
+
 def _coerce(kind, value, key: str):
+    if isinstance(value, _Typed):
+        text = kind is str or (typing.get_origin(kind) in (typing.Union, types.UnionType)
+                               and str in typing.get_args(kind))
+        parsed = value.parsed() if not text or value.raw in ("null", "~") else value.raw
+        value = value.raw if text and parsed is not None else parsed
     if dataclasses.is_dataclass(kind):
         return _build(kind, value or {}, key + ".")
     origin, args = typing.get_origin(kind), typing.get_args(kind)
@@ -146,11 +168,12 @@ def _coerce(kind, value, key: str):
             raise ConfigError(f"{key} must be an integer, got {value!r}")
         return kind(value)
     if kind is str:
-        if isinstance(value, bool):  # YAML 1.1 reads on/off/yes/no as booleans
+        if isinstance(value, bool) and {"on", "off"} <= set(CHOICES.get(key, ())):  # YAML 1.1: `on` is true
             return "on" if value else "off"
-        if not isinstance(value, (str, int, float)):
-            raise ConfigError(f"{key} must be a string, got {value!r}")
-        return str(value)
+        if not isinstance(value, str):  # `007`, `12:30`, `yes` or a date: YAML has changed what was written
+            raise ConfigError(f"{key} must be a string, but the YAML read it as {type(value).__name__} {value!r}: "
+                              f"put it in quotes")
+        return value
     return value
 
 
@@ -184,7 +207,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                           "engine.states_dtype=bf16")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.engine.device):
         raise ConfigError(f"engine.device must be auto, cpu, cuda or cuda:N; got {cfg.engine.device!r}")
-    if cfg.resume in ("on", "off", ""):
+    if cfg.resume is not None and cfg.resume.lower() in ("on", "off", "true", "false", "yes", "no", ""):
         raise ConfigError("resume must be 'auto' or the path of a checkpoint directory (or null)")
     if cfg.checkpoint.keep == 0 and cfg.resume is not None:
         raise ConfigError("checkpoint.keep=0 writes no checkpoint, so a resumed run would leave the one it started "
@@ -213,16 +236,13 @@ def get_key(cfg, dotted: str):
     return cfg
 
 
-def parse_override(arg: str) -> tuple[str, Any]:
-    """`--a.b=value` -> ("a.b", value), the value read as YAML (so 3, 1e-4, true, null, [0.9, 0.95] work)."""
+def parse_override(arg: str) -> tuple[str, _Typed]:
+    """`--a.b=value` -> ("a.b", value as typed; read for the key's type when the config is built)."""
     body = arg.removeprefix("--")
     if "=" not in body:
         raise ConfigError(f"override {arg!r} must look like --key.sub=value")
     key, raw = body.split("=", 1)
-    try:
-        return key, yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"cannot read the value of {arg!r}: {e}") from e
+    return key, _Typed(arg, raw)
 
 
 def load_config(path: str | pathlib.Path | None = None, overrides: list[str] = ()) -> TrainConfig:
@@ -232,9 +252,11 @@ def load_config(path: str | pathlib.Path | None = None, overrides: list[str] = (
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            values = yaml.safe_load(path.read_text()) or {}
+            values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path} is not valid YAML: {e}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path} is not UTF-8 text ({e}): save it as UTF-8") from e
         if not isinstance(values, dict):
             raise ConfigError(f"{path} must map config keys to values, not be a YAML {type(values).__name__}")
     for arg in overrides:
@@ -242,7 +264,9 @@ def load_config(path: str | pathlib.Path | None = None, overrides: list[str] = (
         node = values
         *parents, last = key.split(".")
         for part in parents:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or a section left empty in the YAML (`data:`)
+                node[part] = {}
+            node = node[part]
             if not isinstance(node, dict):
                 raise ConfigError(f"override {arg!r}: {part} is not a section")
         node[last] = value

@@ -29,7 +29,7 @@ def check_config(cfg: DataConfig, seq_len: int, micro_batch_size: int) -> None:
     """Fail before reading any file when a setting cannot work."""
     if cfg.format not in FORMATS:
         raise DataError(f"data.format: unknown format {cfg.format!r}; valid formats: {', '.join(FORMATS)}")
-    if cfg.path is None and cfg.format not in ("text", "jsonl"):
+    if cfg.path is None and cfg.format != "text":
         raise DataError(
             f"data.path: format {cfg.format!r} needs a file; only format 'text' has a built-in corpus"
         )

@@ -68,7 +68,12 @@ class Loader:
         return collate(self.examples, batch, self.seq_len, self.pad, self.micro_batch_size)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "fingerprint": self.fingerprint}
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "fingerprint": self.fingerprint,
+                **self._layout()}
+
+    def _layout(self) -> dict:
+        """What lays the examples out in rows: the saved row index means another row under other values."""
+        return {"seq_len": self.seq_len, "pack": self.pack, "shuffle": self.shuffle}
 
     def load_state_dict(self, d: dict) -> None:
         if d.get("fingerprint") != self.fingerprint or d.get("seed") != self.seed:
@@ -77,6 +82,12 @@ class Loader:
                 f"run that saved it (fingerprint {d.get('fingerprint')} seed {d.get('seed')}, now "
                 f"{self.fingerprint} seed {self.seed})"
             )
+        # (Checkpoints from before these were saved carry none of them: nothing to compare.)
+        changed = {k: (d[k], v) for k, v in self._layout().items() if k in d and d[k] != v}
+        if changed:
+            was = ", ".join(f"{k}={old} (now {new})" for k, (old, new) in changed.items())
+            raise DataError(f"cannot resume the data position: the run that saved it had {was}; resume with the "
+                            "same values, or start afresh with --overwrite=true")
         epoch, index = int(d["epoch"]), int(d["index"])
         if not 0 <= index < len(self.rows(epoch)):
             raise DataError(f"cannot resume the data position: row {index} is past the end of epoch {epoch}")
