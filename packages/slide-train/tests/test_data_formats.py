@@ -217,3 +217,44 @@ def test_alpaca_input_may_be_null(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", [{"instruction": "Hi.", "input": None, "output": "yo"}])
     got = examples(DataConfig(path=path, format="alpaca"))
     assert got == [expected([("<bos>### Instruction:\nHi.\n\n### Response:\n", False), ("yo<eos>", True)])]
+
+
+def metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Metaspace, prefix on the first word; characters as tokens), as Llama-2
+    and Mistral's are: a piece tokenized on its own gets a '▁' the whole text does not have there."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyz[]/#:.\n") | {"▁"})
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[inst] {{ m['content'] }}"
+                          " [/inst]{% else %}{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}"
+                          "{% endif %}{% endfor %}")
+    return fast
+
+
+def test_answers_of_a_metaspace_tokenizer_are_tokenized_as_in_the_whole_text(tmp_path):
+    """Chat and alpaca answers get the tokens the whole text has: no extra '▁' at the answer's start (they did
+    when each piece was tokenized on its own), and the chat mask is transformers' own assistant mask."""
+    tok = metaspace_tokenizer()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "and"}, {"role": "assistant", "content": "ok then"}]
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
+    ((ids, labels),) = examples(DataConfig(path=str(tmp_path / "chat.jsonl"), format="chat"), tok)
+    whole = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert ids == list(whole["input_ids"])
+    assert labels == [t if m else -100 for t, m in zip(whole["input_ids"], whole["assistant_masks"])]
+    assert tok.convert_ids_to_tokens([t for t in labels if t != -100]) == [
+        "y", "o", "</s>", "o", "k", "▁", "t", "h", "e", "n", "</s>"]
+
+    write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "say", "input": "", "output": "yo"}])
+    ((ids, labels),) = examples(DataConfig(path=str(tmp_path / "alpaca.jsonl"), format="alpaca"), tok)
+    from slide_train.data.formats import alpaca_prompt
+
+    text = alpaca_prompt("say", "") + "yo"
+    assert ids == [tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert tok.convert_ids_to_tokens([t for t in labels if t != -100]) == ["y", "o", "</s>"]

@@ -106,13 +106,35 @@ def alpaca_prompt(instruction: str, input: str) -> str:
     )
 
 
+def _trained_spans(tokenizer, text: str, spans: list[tuple[int, int]], cuts: list[int]):
+    """`text` tokenized, with labels on the tokens inside `spans` (character ranges) and IGNORE elsewhere.
+
+    A fast tokenizer encodes the text once and its offsets place each token: one that touches a span is
+    trained. Tokenizing the pieces apart would give each a start of text, where SentencePiece-style tokenizers
+    (a Metaspace prefix) add a token the whole text does not have. A slow tokenizer (no offsets) encodes the
+    pieces between `cuts` apart instead, so no token straddles a boundary."""
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        trained = [any(s < b and e > a or a <= s < b for a, b in spans) for s, e in enc["offset_mapping"]]
+        return ids, [t if keep else IGNORE for t, keep in zip(ids, trained)]
+    ids, labels = [], []
+    for a, b in zip(cuts, cuts[1:]):
+        piece = _encode(tokenizer, text[a:b])
+        ids += piece
+        labels += piece if (a, b) in spans else [IGNORE] * len(piece)
+    return ids, labels
+
+
 def _alpaca_example(row: dict, where: str, tokenizer) -> tuple[list[int], list[int]]:
     instruction = get_key(row, "instruction", where)
     input = get_key(row, "input", where, (str, type(None)), required=False) or ""
     output = get_key(row, "output", where)
-    prompt = _bos(tokenizer) + _encode(tokenizer, alpaca_prompt(instruction, input))
-    answer = _encode(tokenizer, output) + _eos(tokenizer)
-    return prompt + answer, [IGNORE] * len(prompt) + answer
+    prompt = alpaca_prompt(instruction, input)
+    text = prompt + output
+    ids, labels = _trained_spans(tokenizer, text, [(len(prompt), len(text))], [0, len(prompt), len(text)])
+    bos, eos = _bos(tokenizer), _eos(tokenizer)
+    return bos + ids + eos, [IGNORE] * len(bos) + labels + eos
 
 
 def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, where: str) -> str:
@@ -129,8 +151,8 @@ def _chat_example(row: dict, where: str, tokenizer) -> tuple[list[int], list[int
 
     Assistant turn i spans from the end of render(messages[:i], add_generation_prompt=True) to the end
     of render(messages[:i+1]); both must be prefixes of the whole rendering, which holds for templates
-    that render a conversation turn by turn. The text is cut at those spans and each piece tokenized on
-    its own, so no token straddles the boundary between prompt and answer.
+    that render a conversation turn by turn. The whole rendering is tokenized once and the tokens within
+    those spans are trained (`_trained_spans`).
     """
     messages = get_key(row, "messages", where, list)
     for j, m in enumerate(messages):
@@ -153,12 +175,7 @@ def _chat_example(row: dict, where: str, tokenizer) -> tuple[list[int], list[int
         cuts += [len(start), len(end)]
         spans.append((len(start), len(end)))
     cuts.append(len(full))
-    ids, labels = [], []
-    for a, b in zip(cuts, cuts[1:]):
-        piece = _encode(tokenizer, full[a:b])
-        ids += piece
-        labels += piece if (a, b) in spans else [IGNORE] * len(piece)
-    return ids, labels
+    return _trained_spans(tokenizer, full, spans, cuts)
 
 
 def _tokens_examples(out: ExampleSet, rows: list[tuple[str, dict]], tokenizer, seq_len: int,
