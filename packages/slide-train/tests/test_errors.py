@@ -430,3 +430,11 @@ def test_jsonl_without_a_path_asks_for_a_file():
 
     with pytest.raises(DataError, match="format 'jsonl' needs a file"):
         check_config(DataConfig(format="jsonl"), seq_len=64, micro_batch_size=2)
+
+
+def test_paths_expand_the_home_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, ["--output_dir=~/runs/a", "--data.path=~/d.txt", "--resume=~/runs/a/checkpoints/step-2"])
+    assert (cfg.output_dir, cfg.data.path, cfg.resume) == (
+        f"{tmp_path}/runs/a", f"{tmp_path}/d.txt", f"{tmp_path}/runs/a/checkpoints/step-2")
+    assert load_config(None, ["--resume=auto"]).resume == "auto"

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import difflib
 import math
+import os
 import pathlib
 import re
 import types
@@ -178,6 +179,12 @@ def _coerce(kind, value, key: str):
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
+    # Paths: a leading ~ is the home directory, as for `model` (a shell leaves `--key=~/x` unexpanded).
+    cfg.output_dir = os.path.expanduser(cfg.output_dir)
+    if cfg.data.path is not None:
+        cfg.data.path = os.path.expanduser(cfg.data.path)
+    if cfg.resume not in (None, "auto"):
+        cfg.resume = os.path.expanduser(cfg.resume)
     for key, allowed in CHOICES.items():
         value = get_key(cfg, key)
         if value not in allowed:
