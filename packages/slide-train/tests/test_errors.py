@@ -382,6 +382,7 @@ def test_overwrite_counts_the_space_it_frees(tmp_path, monkeypatch):
     (run / "export").mkdir(parents=True)
     with open(run / "export" / "old.safetensors", "wb") as f:
         f.truncate(200 << 20)  # an earlier run's 200 MB (sparse: takes no real space here)
+    (run / "export" / ".slide-export").write_text("")
     (run / "metrics.jsonl").write_text("")
     monkeypatch.setattr(trainer_module, "free_bytes", lambda path: 1 << 20)
     fresh = Trainer(load_config(None, [*TINY, f"--output_dir={run}", "--overwrite=true"]), progress=False)
@@ -393,10 +394,57 @@ def test_prune_keeps_the_newest(tmp_path):
     from slide_train.checkpoint import list_checkpoints, prune
     for step in (9, 10, 2):
         (tmp_path / f"step-{step}").mkdir()
-    prune(tmp_path, 2)
+    prune(tmp_path, 2, newest=10)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-9", "step-10"]  # by step, not by name
-    prune(tmp_path, 0)  # [:-0] would have kept them all
+    prune(tmp_path, 0, newest=10)  # [:-0] would have kept them all
     assert list_checkpoints(tmp_path) == []
+
+
+def test_prune_after_resuming_an_older_checkpoint_drops_the_replaced_course(tmp_path):
+    """Resumed from step-4 of a run that reached step-6, the new step-5 must not be pruned while the old step-6
+    stays (resume=auto and export would then take the replaced course). Found by a review."""
+    from slide_train.checkpoint import list_checkpoints, prune
+    for step in (4, 5, 6):
+        (tmp_path / f"step-{step}").mkdir()
+    assert [p.name for p in prune(tmp_path, 1, newest=5)] == ["step-6"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-5"]
+
+
+def test_overwrite_deletes_only_what_a_run_wrote(tmp_path):
+    run = tmp_path / "run"
+    Trainer(load_config(None, [*TINY, f"--output_dir={run}", "--steps=1"]), progress=False).fit()
+    (run / "checkpoints" / "mine").mkdir()
+    (run / "checkpoints" / "mine" / "model.bin").write_text("keep")
+    (run / "tensorboard" / "notes.txt").write_text("keep")
+    fresh = Trainer(load_config(None, [*TINY, f"--output_dir={run}", "--steps=1", "--overwrite=true"]),
+                    progress=False)
+    fresh.close()
+    assert (run / "checkpoints" / "mine" / "model.bin").read_text() == "keep"
+    assert (run / "tensorboard" / "notes.txt").read_text() == "keep"
+    assert not list((run / "checkpoints").glob("step-*")) and (run / "metrics.jsonl").read_text() == ""
+    (run / "export").mkdir()
+    (run / "export" / "notes.txt").write_text("keep")  # not an export of ours: refused, nothing deleted
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"export was not written by slide-train.*move it away"):
+        Trainer(load_config(None, [*TINY, f"--output_dir={run}", "--overwrite=true"]), progress=False)
+    assert (run / "export" / "notes.txt").read_text() == "keep" and (run / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_the_last_checkpoint_makes_room_by_deleting_older_ones(tmp_path, monkeypatch):
+    """On a disk that holds two checkpoints, keep=3 with a checkpoint every step: the last one (the run's final
+    weights) deletes the oldest rather than fail after all the training. Found by a review."""
+    import slide_train.checkpoint as ckpt
+    import slide_train.space as space
+
+    run = tmp_path / "run"
+    trainer = Trainer(load_config(None, [*TINY, f"--output_dir={run}", "--steps=3", "--checkpoint.every=1",
+                                         "--checkpoint.keep=3"]), progress=False)
+    size = ckpt.engine_checkpoint_bytes(trainer.engine)
+    used = lambda: sum(f.stat().st_size for f in (run / "checkpoints").rglob("*") if f.is_file())  # noqa: E731
+    monkeypatch.setattr(space, "free_bytes", lambda root: int(2.5 * size) - used())
+    with pytest.warns(UserWarning, match="Deleting the oldest checkpoint, step-1, to make room"):
+        trainer.fit()
+    assert [p.name for p in ckpt.list_checkpoints(run / "checkpoints")] == ["step-2", "step-3"]
 
 
 def test_string_keys_keep_their_text_and_odd_yaml_is_refused_clearly(tmp_path):

@@ -132,7 +132,7 @@ def list_checkpoints(root: pathlib.Path) -> list[pathlib.Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[5:]))
+    return sorted(found, key=step_of)
 
 
 def find_resumable(root: pathlib.Path) -> pathlib.Path | None:
@@ -177,11 +177,20 @@ def load_checkpoint(path: pathlib.Path, engine) -> dict:
     return json.loads((path / "trainer.json").read_text())
 
 
-def prune(root: pathlib.Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints."""
+def step_of(path: pathlib.Path) -> int:
+    return int(path.name[5:])
+
+
+def prune(root: pathlib.Path, keep: int, newest: int) -> list[pathlib.Path]:
+    """After checkpoint `newest` is written: delete checkpoints of later steps (an earlier timeline, which a
+    resume from an older checkpoint has replaced) and all but the newest `keep` of the rest. Returns the later
+    ones deleted."""
     found = list_checkpoints(root)
-    for path in found[: max(0, len(found) - keep)]:
+    later = [p for p in found if step_of(p) > newest]
+    kept = [p for p in found if step_of(p) <= newest]
+    for path in later + kept[: max(0, len(kept) - keep)]:
         shutil.rmtree(path)
+    return later
 
 
 def read_masters(path: pathlib.Path, layouts: dict[str, object]) -> dict[str, dict[str, torch.Tensor]]:

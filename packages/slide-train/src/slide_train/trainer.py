@@ -30,6 +30,7 @@ from . import checkpoint as ckpt
 from .config import TrainConfig, to_dict
 from .data import build_data
 from .errors import ConfigError, DiskFullError, TrainingError, size_text
+from .export import MARKER as EXPORT_MARKER
 from .export import export_bytes, export_dtype, export_hf
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics
 from .models.build import check_fits, load_model
@@ -149,6 +150,25 @@ def build_engine(cfg: TrainConfig, model, progress: bool = False, before_load=No
             stack.load_block = read
 
 
+def _earlier_outputs(run_dir: pathlib.Path) -> list[pathlib.Path]:
+    """What --overwrite deletes: the files and folders an earlier run wrote, and nothing else. A folder of
+    ours that holds something we did not write keeps that (an export folder without our marker is refused)."""
+    out = [run_dir / name for name in RUN_OUTPUTS if name.endswith((".jsonl", ".png", ".json"))]
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir():
+        out += [p for p in checkpoints.iterdir() if p.name.startswith((".step-", "step-"))]
+    tensorboard = run_dir / "tensorboard"
+    if tensorboard.is_dir():
+        out += list(tensorboard.glob("events.out.tfevents.*"))
+    export = run_dir / "export"
+    if export.is_dir():
+        if any(export.iterdir()) and not (export / EXPORT_MARKER).is_file():
+            raise ConfigError(f"--overwrite: {export} was not written by slide-train (no {EXPORT_MARKER} in it); "
+                              "move it away, or choose another output_dir")
+        out.append(export)
+    return [p for p in out if p.exists()]
+
+
 def _bytes_under(path: pathlib.Path) -> int:
     if path.is_file():
         return path.stat().st_size
@@ -189,7 +209,7 @@ class Trainer:
         check_fits(self.model, cfg.seq_len)
         self.data = build_data(cfg.data, self.model.tokenizer, cfg.seq_len, cfg.micro_batch_size, cfg.seed,
                                vocab_size=self.model.hf_config.vocab_size, progress=None if progress else False)
-        outputs = [self.run_dir / name for name in RUN_OUTPUTS] if cfg.overwrite and not cfg.resume else []
+        outputs = _earlier_outputs(self.run_dir) if cfg.overwrite and not cfg.resume else []
         if not cfg.checkpoint.keep:
             warnings.warn("checkpoint.keep=0: this run writes no checkpoint; a stopped run (Ctrl-C) keeps only its "
                           "metrics" + (", and the export is written at the end" if cfg.export else ""), stacklevel=2)
@@ -273,14 +293,27 @@ class Trainer:
         self._check_weights("checkpoint")
         state = {"step": self.step_index, "total_steps": self.total_steps, "data": self.data.train.state_dict(),
                  "config": to_dict(self.cfg)}
-        try:
-            path = ckpt.save_checkpoint(self.checkpoints, self.step_index, self.engine, state)
-        except ckpt.DiskFullError as e:
-            if required:
-                raise
-            warnings.warn(f"{e}. Training goes on; the next checkpoint tries again.", stacklevel=2)
-            return None
-        ckpt.prune(self.checkpoints, self.cfg.checkpoint.keep)
+        while True:
+            try:
+                path = ckpt.save_checkpoint(self.checkpoints, self.step_index, self.engine, state)
+                break
+            except ckpt.DiskFullError as e:
+                if not required:
+                    warnings.warn(f"{e}. Training goes on; the next checkpoint tries again.", stacklevel=2)
+                    return None
+                # The last (or stopping) checkpoint holds the run's final weights: older ones make room for it,
+                # oldest first, but never the newest of them (the run keeps one intact checkpoint whatever
+                # happens to this one).
+                older = [p for p in ckpt.list_checkpoints(self.checkpoints) if ckpt.step_of(p) < self.step_index]
+                if len(older) < 2:
+                    raise
+                warnings.warn(f"{e}. Deleting the oldest checkpoint, {older[0].name}, to make room for this one",
+                              stacklevel=2)
+                shutil.rmtree(older[0])
+        later = ckpt.prune(self.checkpoints, self.cfg.checkpoint.keep, self.step_index)
+        if later:
+            warnings.warn(f"deleted {', '.join(p.name for p in later)}: checkpoints of the run's earlier course, "
+                          f"which this run (resumed from an older checkpoint) has replaced", stacklevel=2)
         return path
 
     def _on_signal(self, signum, frame) -> None:
