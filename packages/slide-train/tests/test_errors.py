@@ -486,3 +486,15 @@ def test_paths_expand_the_home_directory(monkeypatch, tmp_path):
     assert (cfg.output_dir, cfg.data.path, cfg.resume) == (
         f"{tmp_path}/runs/a", f"{tmp_path}/d.txt", f"{tmp_path}/runs/a/checkpoints/step-2")
     assert load_config(None, ["--resume=auto"]).resume == "auto"
+
+
+@pytest.mark.parametrize("manifest", ["[]", '{"files": []}', '{"files": {"a.safetensors": {"sha256": "0"}}}'])
+def test_a_manifest_of_the_wrong_shape_is_a_damaged_checkpoint(tmp_path, manifest):
+    """Valid JSON of another shape raised TypeError / AttributeError / KeyError, which resume=auto did not
+    treat as damage (no fallback to the previous checkpoint). Found by a review."""
+    from slide_train.checkpoint import verify
+
+    (tmp_path / "step-1").mkdir()
+    (tmp_path / "step-1" / "manifest.json").write_text(manifest)
+    with pytest.raises(CheckpointError, match="manifest.json is corrupt"):
+        verify(tmp_path / "step-1")

@@ -113,8 +113,12 @@ def verify(path: pathlib.Path) -> dict:
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
-    except (json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"{manifest_path} is corrupt ({e})") from e
+        # valid JSON of another shape ([], {"files": []}, an entry without its size) is as corrupt
+        if not all(isinstance(m, dict) and isinstance(m.get("bytes"), int) and isinstance(m.get("sha256"), str)
+                   for m in files.values()):
+            raise ValueError("a file entry lacks its bytes or sha256")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, ValueError) as e:
+        raise CheckpointError(f"{manifest_path} is corrupt ({type(e).__name__}: {e})") from e
     for name, meta in bar(files.items(), desc=f"verifying {path.name}", unit="file", total=len(files)):
         p = path / name
         if not p.is_file():
