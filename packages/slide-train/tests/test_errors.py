@@ -498,3 +498,17 @@ def test_a_manifest_of_the_wrong_shape_is_a_damaged_checkpoint(tmp_path, manifes
     (tmp_path / "step-1" / "manifest.json").write_text(manifest)
     with pytest.raises(CheckpointError, match="manifest.json is corrupt"):
         verify(tmp_path / "step-1")
+
+
+def test_a_resumed_run_shows_each_step_once_in_tensorboard(tmp_path):
+    """Resumed from step-2 of a run that logged 4 steps, steps 3-4 are redone: TensorBoard shows them once (it
+    showed both courses). Found by a review."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    base = [*TINY, f"--output_dir={run}", "--steps=4", "--checkpoint.every=2", "--checkpoint.keep=3"]
+    Trainer(load_config(None, base), progress=False).fit()
+    Trainer(load_config(None, [*base, f"--resume={run / 'checkpoints' / 'step-2'}"]), progress=False).fit()
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]

@@ -25,7 +25,9 @@ def gpu_peak_gib(device: torch.device) -> float:
 
 
 class MetricsLog:
-    def __init__(self, run_dir: pathlib.Path, tensorboard: bool = True):
+    def __init__(self, run_dir: pathlib.Path, tensorboard: bool = True, first_step: int = 1):
+        """`first_step`: the step logged next; TensorBoard hides events of that step and later that an earlier
+        course of the run wrote (a resume from an older checkpoint redoes them)."""
         self.path = run_dir / "metrics.jsonl"
         self._file = open(self.path, "a")  # noqa: SIM115 - stays open for the run, closed by close()
         self._tb = None
@@ -35,7 +37,7 @@ class MetricsLog:
             except ImportError as e:  # a declared dependency; only a hand-made environment lacks it
                 warnings.warn(f"no TensorBoard logs: {e}", stacklevel=2)
             else:
-                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+                self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=first_step)
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")

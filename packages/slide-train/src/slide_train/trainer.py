@@ -226,7 +226,7 @@ class Trainer:
         self.resumed_from = self._resume() if cfg.resume else None
         # Written once the run is known to go ahead: a refused resume leaves the run's config as it was.
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        self.log = MetricsLog(self.run_dir)
+        self.log = MetricsLog(self.run_dir, first_step=self.step_index + 1)
         self._stop_signal: int | None = None
         self._eval: tuple[list, int] | None = None
         self._finite_at: int | None = None  # the step whose weights were last checked finite
