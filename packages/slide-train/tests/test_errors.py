@@ -512,3 +512,24 @@ def test_a_resumed_run_shows_each_step_once_in_tensorboard(tmp_path):
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]
+
+
+def test_export_after_the_base_model_moved_or_changed(tmp_path):
+    """The run keeps its base model's config and tokenizer: `slide-train export` works after the base model
+    directory moved, and does not take a different model later put at that path. Found by a review (export
+    said the model directory does not exist, with no way to give it)."""
+    save_tiny_model(tmp_path / "m", "llama")
+    run = tmp_path / "run"
+    Trainer(load_config(None, [*TINY, f"--model={tmp_path / 'm'}", f"--output_dir={run}", "--steps=1"]),
+            progress=False).fit()
+    (tmp_path / "m").rename(tmp_path / "moved")
+    out = export_run(run, out=str(tmp_path / "e1"))
+    assert transformers.AutoConfig.from_pretrained(out).rms_norm_eps == \
+        transformers.AutoConfig.from_pretrained(tmp_path / "moved").rms_norm_eps == 1e-5
+    assert (out / "tokenizer.json").is_file() or (out / "tokenizer_config.json").is_file()
+    other = transformers.AutoConfig.from_pretrained(tmp_path / "moved")
+    other.rms_norm_eps = 1e-3  # another model of the same shapes at the old path
+    save_tiny_model(tmp_path / "m", "llama")
+    other.save_pretrained(tmp_path / "m")
+    out = export_run(run, out=str(tmp_path / "e2"))
+    assert transformers.AutoConfig.from_pretrained(out).rms_norm_eps == 1e-5

@@ -212,7 +212,7 @@ def export_run(run_dir: str | os.PathLike, step: int | None = None, out: str | N
 
     from .config import load_config
     from .export import export_dtype, export_hf
-    from .models.build import load_model
+    from .models.build import MODEL_FILES_MARKER, load_model
 
     run = pathlib.Path(run_dir)
     if not (run / "config.yaml").is_file():
@@ -231,7 +231,10 @@ def export_run(run_dir: str | os.PathLike, step: int | None = None, out: str | N
             have = ", ".join(p.name for p in list_checkpoints(root)) or "none"
             raise CheckpointError(f"no checkpoint for step {step} in {root} (have: {have})")
         verify(path)
-    model = load_model(cfg.model, cfg.seed, need_tokenizer=False)
+    # The run's copy of the base model's config and tokenizer (none for a preset, or a run from before it)
+    saved = run / "base-model"
+    source = str(saved) if (saved / MODEL_FILES_MARKER).is_file() else cfg.model
+    model = load_model(source, cfg.seed, need_tokenizer=False, need_weights=False)
     stack = model.stack()
     block = FlatLayout(stack.make_block())
     layouts = {"edges": FlatLayout(stack.make_edges())}

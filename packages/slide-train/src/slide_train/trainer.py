@@ -33,7 +33,7 @@ from .errors import ConfigError, DiskFullError, TrainingError, size_text
 from .export import MARKER as EXPORT_MARKER
 from .export import export_bytes, export_dtype, export_hf
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics
-from .models.build import check_fits, load_model
+from .models.build import check_fits, load_model, save_model_files
 from .plan import Plan, check_host, host_memory, make_plan
 from .plan import check_fits as check_plan
 from .progress import bar
@@ -221,6 +221,9 @@ class Trainer:
         self.total_steps = math.ceil(cfg.epochs * rows / per_step) if cfg.epochs else cfg.steps
         self.step_index = 0
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not save_model_files(self.model, self.run_dir / "base-model"):  # what `slide-train export` reads
+            warnings.warn(f"{self.run_dir / 'base-model'} was not written by slide-train: left alone; "
+                          f"`slide-train export` will read {cfg.model} instead", stacklevel=2)
         for path in outputs:  # --overwrite: cleared only now that the new run could be built
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         self.resumed_from = self._resume() if cfg.resume else None

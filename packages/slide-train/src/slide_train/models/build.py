@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,9 @@ class ModelBundle:
         return HFStack(self.hf_config, self.weights, kernels=kernels)
 
 
-def load_model(name: str, seed: int = 0, need_tokenizer: bool = True) -> ModelBundle:
+def load_model(name: str, seed: int = 0, need_tokenizer: bool = True, need_weights: bool = True) -> ModelBundle:
+    """A preset or a local HF directory. `need_weights=False`: config and tokenizer only (an export reads
+    the weights from a checkpoint; a run directory's `model/` holds no weights)."""
     if name in PRESETS:
         tokenizer = builtin_tokenizer()  # bytes: fits any vocabulary, so public shapes train on text too
         vocab = -(-len(tokenizer) // 64) * 64 if name.startswith("tiny-") else None
@@ -45,7 +48,7 @@ def load_model(name: str, seed: int = 0, need_tokenizer: bool = True) -> ModelBu
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot read {path / 'config.json'}: {e}") from e
     check_supported(config)
-    weights = SafetensorsWeights(path)
+    weights = SafetensorsWeights(path) if need_weights else None
     tokenizer = None
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False)
@@ -68,3 +71,23 @@ def check_fits(bundle: ModelBundle, seq_len: int) -> None:
     if tok is not None and len(tok) > bundle.hf_config.vocab_size:
         raise ModelError(f"the tokenizer has {len(tok)} tokens but the model's vocab_size is "
                          f"{bundle.hf_config.vocab_size}: they do not belong together")
+
+
+MODEL_FILES_MARKER = ".slide-base-model"
+
+
+def save_model_files(bundle: ModelBundle, directory: pathlib.Path) -> bool:
+    """The model's config and tokenizer (no weights) into `directory`, so that a run can be exported after its
+    base model has moved or changed; False when `directory` exists and was not written here (left alone). A
+    preset needs none: its name rebuilds it."""
+    if directory.exists():
+        if not (directory / MODEL_FILES_MARKER).is_file():
+            return False
+        shutil.rmtree(directory)
+    if bundle.name in PRESETS:
+        return True
+    bundle.hf_config.save_pretrained(directory)
+    if bundle.tokenizer is not None:
+        bundle.tokenizer.save_pretrained(directory)
+    (directory / MODEL_FILES_MARKER).write_text(f"config and tokenizer of {bundle.name}, for slide-train export\n")
+    return True
