@@ -533,3 +533,12 @@ def test_export_after_the_base_model_moved_or_changed(tmp_path):
     other.save_pretrained(tmp_path / "m")
     out = export_run(run, out=str(tmp_path / "e2"))
     assert transformers.AutoConfig.from_pretrained(out).rms_norm_eps == 1e-5
+
+
+def test_jsonl_of_empty_texts_has_no_tokens(tmp_path):
+    """Empty texts were kept as [bos, eos] examples: a file of only those trained on nothing but eos."""
+    (tmp_path / "e.jsonl").write_text('{"text": ""}\n{"text": ""}\n')
+    cfg = load_config(None, [f"--data.path={tmp_path / 'e.jsonl'}", "--data.format=jsonl",
+                             f"--output_dir={tmp_path / 'r'}"])
+    with pytest.raises(Exception, match=r"e.jsonl.*token|token.*e.jsonl"):
+        Trainer(cfg, progress=False)

@@ -88,8 +88,11 @@ def _text_examples(out: ExampleSet, cfg: DataConfig, tokenizer, progress: bool |
                                           progress)
                for ids in tokenizer([text for _, text in batch], add_special_tokens=False)["input_ids"]]
     for (where, _), ids in zip(docs, encoded):
+        if not ids:  # an empty document: bos then eos would teach only that documents can be empty
+            out.dropped += 1
+            continue
         ids = _bos(tokenizer) + list(ids) + _eos(tokenizer)
-        if len(ids) < 2:  # an empty document with no bos/eos: nothing to learn
+        if len(ids) < 2:  # one token, no bos/eos: nothing to predict
             out.dropped += 1
             continue
         out.examples.append(_example(ids, ids, where, splittable=True))
