@@ -394,20 +394,43 @@ def test_prune_keeps_the_newest(tmp_path):
     from slide_train.checkpoint import list_checkpoints, prune
     for step in (9, 10, 2):
         (tmp_path / f"step-{step}").mkdir()
-    prune(tmp_path, 2, newest=10)
+    prune(tmp_path, 2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-9", "step-10"]  # by step, not by name
-    prune(tmp_path, 0, newest=10)  # [:-0] would have kept them all
+    prune(tmp_path, 0)  # [:-0] would have kept them all
     assert list_checkpoints(tmp_path) == []
 
 
-def test_prune_after_resuming_an_older_checkpoint_drops_the_replaced_course(tmp_path):
-    """Resumed from step-4 of a run that reached step-6, the new step-5 must not be pruned while the old step-6
-    stays (resume=auto and export would then take the replaced course). Found by a review."""
-    from slide_train.checkpoint import list_checkpoints, prune
-    for step in (4, 5, 6):
-        (tmp_path / f"step-{step}").mkdir()
-    assert [p.name for p in prune(tmp_path, 1, newest=5)] == ["step-6"]
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-5"]
+def test_a_resume_from_an_older_checkpoint_replaces_the_later_ones(tmp_path, monkeypatch):
+    """Resumed from step-2 of a run that reached step-4, the first new checkpoint deletes step-3 and step-4:
+    resume=auto or `export --step=4` would take the replaced course. Short of disk, the last checkpoint deletes
+    those first and never the one resumed from (it once deleted that and kept a damaged step-4). Found by two
+    reviews."""
+    import slide_train.checkpoint as ckpt
+    import slide_train.space as space
+
+    run = tmp_path / "run"
+    base = [*TINY, f"--output_dir={run}", "--checkpoint.keep=3"]
+    Trainer(load_config(None, [*base, "--steps=4", "--checkpoint.every=1"]), progress=False).fit()
+    with pytest.warns(UserWarning, match="deleted step-3, step-4: checkpoints of the course this run replaced"):
+        Trainer(load_config(None, [*base, "--steps=6", f"--resume={run / 'checkpoints' / 'step-2'}"]),
+                progress=False).fit()
+    assert [p.name for p in ckpt.list_checkpoints(run / "checkpoints")] == ["step-2", "step-6"]
+
+    other = tmp_path / "other"
+    base = [*TINY, f"--output_dir={other}", "--checkpoint.keep=3"]
+    trainer = Trainer(load_config(None, [*base, "--steps=4", "--checkpoint.every=2"]), progress=False)
+    size = ckpt.engine_checkpoint_bytes(trainer.engine)
+    trainer.fit()
+    damaged = other / "checkpoints" / "step-4" / "manifest.json"
+    damaged.write_text("[]")
+    used = lambda: sum(f.stat().st_size for f in (other / "checkpoints").rglob("*") if f.is_file())  # noqa: E731
+    monkeypatch.setattr(space, "free_bytes", lambda root: int(2.5 * size) - used())
+    with pytest.warns(UserWarning, match="skipping damaged checkpoint"):
+        resumed = Trainer(load_config(None, [*base, "--steps=6", "--resume=auto"]), progress=False)
+    assert resumed.step_index == 2
+    with pytest.warns(UserWarning, match="Deleting step-4 to make room"):
+        resumed.fit()
+    assert [p.name for p in ckpt.list_checkpoints(other / "checkpoints")] == ["step-2", "step-6"]
 
 
 def test_overwrite_deletes_only_what_a_run_wrote(tmp_path):
@@ -442,7 +465,7 @@ def test_the_last_checkpoint_makes_room_by_deleting_older_ones(tmp_path, monkeyp
     size = ckpt.engine_checkpoint_bytes(trainer.engine)
     used = lambda: sum(f.stat().st_size for f in (run / "checkpoints").rglob("*") if f.is_file())  # noqa: E731
     monkeypatch.setattr(space, "free_bytes", lambda root: int(2.5 * size) - used())
-    with pytest.warns(UserWarning, match="Deleting the oldest checkpoint, step-1, to make room"):
+    with pytest.warns(UserWarning, match="Deleting step-1 to make room"):
         trainer.fit()
     assert [p.name for p in ckpt.list_checkpoints(run / "checkpoints")] == ["step-2", "step-3"]
 
@@ -471,6 +494,9 @@ def test_string_keys_keep_their_text_and_odd_yaml_is_refused_clearly(tmp_path):
     assert load_config(f, ["--data.path=x.txt"]).data.path == "x.txt"
     with pytest.raises(ConfigError, match="resume must be 'auto' or the path"):
         load_config(None, ["--resume=yes"])
+    assert load_config(None, ["--resume=NULL"]).resume is None
+    cfg = load_config(None, ["--data={path: x.jsonl}", "--data.format=jsonl"])  # a section, then one of its keys
+    assert (cfg.data.path, cfg.data.format) == ("x.jsonl", "jsonl")
 
 
 def test_jsonl_without_a_path_asks_for_a_file():
@@ -486,6 +512,7 @@ def test_paths_expand_the_home_directory(monkeypatch, tmp_path):
     assert (cfg.output_dir, cfg.data.path, cfg.resume) == (
         f"{tmp_path}/runs/a", f"{tmp_path}/d.txt", f"{tmp_path}/runs/a/checkpoints/step-2")
     assert load_config(None, ["--resume=auto"]).resume == "auto"
+    assert load_config(None, ["--output_dir=~"]).output_dir == str(tmp_path)
 
 
 @pytest.mark.parametrize("manifest", ["[]", '{"files": []}', '{"files": {"a.safetensors": {"sha256": "0"}}}'])
@@ -533,6 +560,12 @@ def test_export_after_the_base_model_moved_or_changed(tmp_path):
     other.save_pretrained(tmp_path / "m")
     out = export_run(run, out=str(tmp_path / "e2"))
     assert transformers.AutoConfig.from_pretrained(out).rms_norm_eps == 1e-5
+    # A refused resume with another model leaves the run's copy as it was (it was overwritten before the check).
+    save_tiny_model(tmp_path / "q", "qwen2")
+    with pytest.raises(CheckpointError, match="the checkpoint is from another model"):
+        Trainer(load_config(None, [*TINY, f"--model={tmp_path / 'q'}", f"--output_dir={run}", "--steps=2",
+                                   "--resume=auto"]), progress=False)
+    assert transformers.AutoConfig.from_pretrained(run / "base-model").model_type == "llama"
 
 
 def test_jsonl_of_empty_texts_has_no_tokens(tmp_path):

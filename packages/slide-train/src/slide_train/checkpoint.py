@@ -185,16 +185,11 @@ def step_of(path: pathlib.Path) -> int:
     return int(path.name[5:])
 
 
-def prune(root: pathlib.Path, keep: int, newest: int) -> list[pathlib.Path]:
-    """After checkpoint `newest` is written: delete checkpoints of later steps (an earlier timeline, which a
-    resume from an older checkpoint has replaced) and all but the newest `keep` of the rest. Returns the later
-    ones deleted."""
+def prune(root: pathlib.Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints."""
     found = list_checkpoints(root)
-    later = [p for p in found if step_of(p) > newest]
-    kept = [p for p in found if step_of(p) <= newest]
-    for path in later + kept[: max(0, len(kept) - keep)]:
+    for path in found[: max(0, len(found) - keep)]:
         shutil.rmtree(path)
-    return later
 
 
 def read_masters(path: pathlib.Path, layouts: dict[str, object]) -> dict[str, dict[str, torch.Tensor]]:

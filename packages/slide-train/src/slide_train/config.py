@@ -139,7 +139,7 @@ def _coerce(kind, value, key: str):
     if isinstance(value, _Typed):
         text = kind is str or (typing.get_origin(kind) in (typing.Union, types.UnionType)
                                and str in typing.get_args(kind))
-        parsed = value.parsed() if not text or value.raw in ("null", "~") else value.raw
+        parsed = value.parsed() if not text or value.raw in ("null", "Null", "NULL") else value.raw
         value = value.raw if text and parsed is not None else parsed
     if dataclasses.is_dataclass(kind):
         return _build(kind, value or {}, key + ".")
@@ -271,6 +271,8 @@ def load_config(path: str | pathlib.Path | None = None, overrides: list[str] = (
         node = values
         *parents, last = key.split(".")
         for part in parents:
+            if isinstance(node.get(part), _Typed):  # an earlier override gave the whole section
+                node[part] = node[part].parsed()
             if node.get(part) is None:  # absent, or a section left empty in the YAML (`data:`)
                 node[part] = {}
             node = node[part]

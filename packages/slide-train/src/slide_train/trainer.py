@@ -221,14 +221,16 @@ class Trainer:
         self.total_steps = math.ceil(cfg.epochs * rows / per_step) if cfg.epochs else cfg.steps
         self.step_index = 0
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if not save_model_files(self.model, self.run_dir / "base-model"):  # what `slide-train export` reads
-            warnings.warn(f"{self.run_dir / 'base-model'} was not written by slide-train: left alone; "
-                          f"`slide-train export` will read {cfg.model} instead", stacklevel=2)
         for path in outputs:  # --overwrite: cleared only now that the new run could be built
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         self.resumed_from = self._resume() if cfg.resume else None
+        # Checkpoints after the one resumed from belong to a course this run replaces: deleted at its first save.
+        self._replaces_after = ckpt.step_of(self.resumed_from) if self.resumed_from is not None else None
         # Written once the run is known to go ahead: a refused resume leaves the run's config as it was.
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        if not save_model_files(self.model, self.run_dir / "base-model"):  # what `slide-train export` reads
+            warnings.warn(f"{self.run_dir / 'base-model'} was not written by slide-train: left alone; "
+                          f"`slide-train export` will read {cfg.model} instead", stacklevel=2)
         self.log = MetricsLog(self.run_dir, first_step=self.step_index + 1)
         self._stop_signal: int | None = None
         self._eval: tuple[list, int] | None = None
@@ -304,20 +306,35 @@ class Trainer:
                 if not required:
                     warnings.warn(f"{e}. Training goes on; the next checkpoint tries again.", stacklevel=2)
                     return None
-                # The last (or stopping) checkpoint holds the run's final weights: older ones make room for it,
-                # oldest first, but never the newest of them (the run keeps one intact checkpoint whatever
-                # happens to this one).
-                older = [p for p in ckpt.list_checkpoints(self.checkpoints) if ckpt.step_of(p) < self.step_index]
-                if len(older) < 2:
+                # The last (or stopping) checkpoint holds the run's final weights: others make room for it.
+                # First those of a replaced course, then older ones oldest first, but never the newest of
+                # those (the one resumed from, after a resume): the run keeps one good checkpoint whatever
+                # happens to this one.
+                replaced = self._replaced_checkpoints()
+                older = [p for p in ckpt.list_checkpoints(self.checkpoints)
+                         if ckpt.step_of(p) < self.step_index and p not in replaced]
+                spare = replaced + older[:-1]
+                if not spare:
                     raise
-                warnings.warn(f"{e}. Deleting the oldest checkpoint, {older[0].name}, to make room for this one",
-                              stacklevel=2)
-                shutil.rmtree(older[0])
-        later = ckpt.prune(self.checkpoints, self.cfg.checkpoint.keep, self.step_index)
-        if later:
-            warnings.warn(f"deleted {', '.join(p.name for p in later)}: checkpoints of the run's earlier course, "
-                          f"which this run (resumed from an older checkpoint) has replaced", stacklevel=2)
+                warnings.warn(f"{e}. Deleting {spare[0].name} to make room for this one", stacklevel=2)
+                shutil.rmtree(spare[0])
+        replaced = self._replaced_checkpoints()
+        for old in replaced:
+            shutil.rmtree(old)
+        if replaced:
+            warnings.warn(f"deleted {', '.join(p.name for p in replaced)}: checkpoints of the course this run "
+                          f"replaced when it resumed from step-{self._replaces_after}", stacklevel=2)
+        self._replaces_after = None
+        ckpt.prune(self.checkpoints, self.cfg.checkpoint.keep)
         return path
+
+    def _replaced_checkpoints(self) -> list[pathlib.Path]:
+        """Until this run's first checkpoint after a resume: the ones after the step it resumed from (other
+        than the current step's), from the course the resume replaced."""
+        if self._replaces_after is None:
+            return []
+        return [p for p in ckpt.list_checkpoints(self.checkpoints)
+                if self._replaces_after < ckpt.step_of(p) != self.step_index]
 
     def _on_signal(self, signum, frame) -> None:
         self._stop_signal = signum  # finish the step in flight, then checkpoint and stop

@@ -119,7 +119,8 @@ def _trained_spans(tokenizer, text: str, spans: list[tuple[int, int]], cuts: lis
     if getattr(tokenizer, "is_fast", False):
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
-        trained = [any(s < b and e > a or a <= s < b for a, b in spans) for s, e in enc["offset_mapping"]]
+        # A token overlapping a span is trained; a zero-width one (trimmed offsets) goes with what precedes it.
+        trained = [any(s < b and e > a if e > s else a < s <= b for a, b in spans) for s, e in enc["offset_mapping"]]
         return ids, [t if keep else IGNORE for t, keep in zip(ids, trained)]
     ids, labels = [], []
     for a, b in zip(cuts, cuts[1:]):

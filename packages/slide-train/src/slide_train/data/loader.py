@@ -87,7 +87,8 @@ class Loader:
         if changed:
             was = ", ".join(f"{k}={old} (now {new})" for k, (old, new) in changed.items())
             raise DataError(f"cannot resume the data position: the run that saved it had {was}; resume with the "
-                            "same values, or start afresh with --overwrite=true")
+                            "same values, or start afresh (--overwrite=true without --resume, or another "
+                            "output_dir)")
         epoch, index = int(d["epoch"]), int(d["index"])
         if not 0 <= index < len(self.rows(epoch)):
             raise DataError(f"cannot resume the data position: row {index} is past the end of epoch {epoch}")
