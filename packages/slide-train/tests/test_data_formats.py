@@ -258,3 +258,16 @@ def test_answers_of_a_metaspace_tokenizer_are_tokenized_as_in_the_whole_text(tmp
     text = alpaca_prompt("say", "") + "yo"
     assert ids == [tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert tok.convert_ids_to_tokens([t for t in labels if t != -100]) == ["y", "o", "</s>"]
+
+
+def test_chat_opening_assistant_turn_is_context_not_an_error(tmp_path):
+    """A conversation opening with an assistant turn stopped the whole dataset (its prompt, an empty
+    conversation, cannot be rendered); it is context now, and later answers train. Found by a review."""
+    tok = builtin_tokenizer()
+    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": [
+        {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"}]}])
+    got = examples(DataConfig(path=path, format="chat"), tok)
+    want = expected([("<bos><|assistant|>\nHello!<eos>\n<|user|>\nhi<eos>\n<|assistant|>\n", False),
+                     ("yo<eos>\n", True)])
+    assert got == [want]

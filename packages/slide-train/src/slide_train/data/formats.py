@@ -167,7 +167,7 @@ def _chat_example(row: dict, where: str, tokenizer) -> tuple[list[int], list[int
     full = _render(tokenizer, messages, False, where)
     cuts, spans = [0], []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i == 0:  # an opening assistant turn answers nothing: context, untrained
             continue
         start = _render(tokenizer, messages[:i], True, where)
         end = _render(tokenizer, messages[: i + 1], False, where)
