@@ -152,3 +152,11 @@ def test_plan_for_a_cuda_device_on_a_machine_without_one_is_a_config_error(capsy
     assert main(["plan", "--model=llama-3.2-1b", "--engine.device=cuda"]) == 2
     err = capsys.readouterr().err
     assert "no CUDA device is available; use engine.device=cpu" in err and "Traceback" not in err
+
+
+def test_plan_checks_the_data_settings_too(capsys):
+    """`slide-train plan` reads no data, and accepted data.eval_fraction=1.5 (found by a review)."""
+    from slide_train.cli import main
+
+    assert main(["plan", "--data.eval_fraction=1.5"]) == 2
+    assert "data.eval_fraction: must be in [0, 1), got 1.5" in capsys.readouterr().err

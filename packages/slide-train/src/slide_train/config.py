@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from .data import FORMATS, DataConfig
+from .data.config import check_config as check_data_config
 from .errors import ConfigError
 
 
@@ -234,6 +235,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("engine.gpu_memory_limit_gb must be positive, or null for no cap")
     if cfg.eval_every and cfg.data.eval_fraction <= 0:
         raise ConfigError("eval_every needs a validation split: set data.eval_fraction (e.g. 0.05)")
+    check_data_config(cfg.data, cfg.seq_len, cfg.micro_batch_size)  # also for `slide-train plan`, which reads no data
     return cfg
 
 
