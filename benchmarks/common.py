@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import pathlib
 import statistics
@@ -33,3 +35,21 @@ def timed(fn, runs: int = 5) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def header(benchmark: str) -> dict:
+    """The fields every result file starts with: what made it, from which commit, when."""
+    return {"benchmark": benchmark, "commit": git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def write_result(doc: dict, out_dir: str | os.PathLike | None, name: str) -> pathlib.Path | None:
+    """Print `doc` as JSON and, given `out_dir`, write it there as `name`."""
+    text = json.dumps(doc, indent=1) + "\n"
+    print(text, end="", flush=True)
+    if out_dir is None:
+        return None
+    path = pathlib.Path(out_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path

@@ -16,9 +16,6 @@ engines stream them to the device. This measures, on the lent machine, what thos
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import pathlib
 import threading
 import time
 
@@ -80,9 +77,7 @@ def main() -> None:
     p.add_argument("--numel", type=int, default=256 << 20)
     a = p.parse_args()
     n = a.numel
-    out = {"benchmark": "host_memory", "commit": common.git_commit(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "threads": torch.get_num_threads(), "numel": n}
+    out = {**common.header("host_memory"), "threads": torch.get_num_threads(), "numel": n}
 
     src, dst = torch.ones(512 << 20), torch.empty(512 << 20)
     s = timed(lambda src=src, dst=dst: dst.copy_(src))
@@ -126,10 +121,7 @@ def main() -> None:
                         "adamw_params_nominal_gbps": round(n * 18 / seconds / GB, 1),
                         "pcie_both_gbps": round(pcie / GB, 1)}
         torch.set_num_threads(threads)
-    print(json.dumps(out, indent=1))
-    if a.out:
-        path = pathlib.Path(a.out) / f"host-memory-{out['commit'][:7]}.json"
-        path.write_text(json.dumps(out, indent=1) + "\n")
+    common.write_result(out, a.out, f"host-memory-{out['commit'][:7]}.json")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,6 @@ kernel-launching thread does), at several `sys.setswitchinterval` values, on `--
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import pathlib
 import platform
 import sys
 import threading
@@ -41,9 +38,8 @@ def main() -> None:
         return timed(lambda: opt.step(grad, 1e-5, 0.5, part="params"))
 
     default = sys.getswitchinterval()
-    out = {"benchmark": "optimizer_gil", "commit": common.git_commit(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "cpu": platform.processor() or platform.machine(), "threads": a.threads, "numel": n,
+    out = {**common.header("optimizer_gil"), "cpu": platform.processor() or platform.machine(),
+           "threads": a.threads, "numel": n,
            "alone_gparams_per_s": round(n / step_seconds() / 1e9, 3), "beside_busy_thread": {}}
     small = torch.zeros(8)
     for interval in (float(x) for x in a.intervals.split(",")):
@@ -57,10 +53,7 @@ def main() -> None:
         worker.join()
         out["beside_busy_thread"][f"{interval * 1e3:g} ms"] = round(n / result["s"] / 1e9, 3)
     sys.setswitchinterval(default)
-    print(json.dumps(out, indent=1))
-    if a.out:
-        path = pathlib.Path(a.out) / f"optimizer-gil-{out['commit'][:7]}-{a.threads}threads.json"
-        path.write_text(json.dumps(out, indent=1) + "\n")
+    common.write_result(out, a.out, f"optimizer-gil-{out['commit'][:7]}-{a.threads}threads.json")
 
 
 if __name__ == "__main__":
