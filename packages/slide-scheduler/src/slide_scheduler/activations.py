@@ -22,9 +22,11 @@ class ActivationStore:
         self.device, self.d2h, self.h2d, self.compute = device, d2h, h2d, compute
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, Signal]] = {}
         self._landing: dict[tuple[object, int], torch.Tensor] = {}  # (owner, micro-batch) -> device buffer
-        # Device tensors whose copy out is queued: (boundary, tensor, copied). Held until `release`, so their
-        # memory goes back to the allocator only after compute is ordered behind the copy.
-        self._leaving: list[tuple[int, torch.Tensor, Signal]] = []
+        # Device tensors whose copy out is queued, held until `release`, so their memory goes back to the
+        # allocator only after compute is ordered behind the copies; the d2h lane copies in order, so the
+        # latest copy's signal covers them all.
+        self._leaving: list[torch.Tensor] = []
+        self._last_copy: Signal = DONE
 
     def put(self, boundary: int, micro: int, hidden: torch.Tensor, produced: Signal) -> None:
         """Keep `hidden` (made on the compute lane; `produced` holds once it is written)."""
@@ -39,32 +41,25 @@ class ActivationStore:
         self.d2h.run(buf.copy_, hidden, True, label=f"acts out {boundary}")
         copied = self.d2h.record()
         if self.d2h.stream is not None:  # (a CPU lane's task holds its own reference)
-            self._leaving.append((boundary, hidden, copied))
+            self._leaving.append(hidden)
+            self._last_copy = copied
         self._saved[boundary, micro] = (buf, copied)
 
-    def release(self, through: int | None = None) -> None:
-        """Let go of the device tensors put for boundaries up to `through` (None: all), once compute has queued
-        its last read of them. Compute first waits for their copies out, so later compute allocations cannot
-        reuse memory a copy still reads. (Not `record_stream`: its frees wait on events the allocator polls
-        only when it allocates, and under a tight memory cap that polling happens inside an allocation retry.)"""
-        keep = []
-        last = None
-        for entry in self._leaving:
-            if through is None or entry[0] <= through:
-                last = entry[2]
-            else:
-                keep.append(entry)
-        if last is not None:  # the lane copies in order: its latest signal covers the earlier copies
-            self.compute.wait(last)
-        self._leaving = keep
+    def release(self) -> None:
+        """Let go of the device tensors put so far, once compute has queued its last read of them. Compute first
+        waits for their copies out, so later compute allocations cannot reuse memory a copy still reads. (Not
+        `record_stream`: its frees wait on events the allocator polls only when it allocates, and under a tight
+        memory cap that polling happens inside an allocation retry.)"""
+        if self._leaving:
+            self.compute.wait(self._last_copy)
+            self._leaving.clear()
 
     def trim(self, micro_batches: int) -> None:
-        """Let go of landing buffers for micro-batches beyond `micro_batches` (a step with fewer of them); 0
-        also drops any device tensors a failed forward left unreleased."""
+        """Let go of landing buffers for micro-batches beyond `micro_batches` (a step with fewer of them), and of
+        any device tensors a failed forward left unreleased."""
         for key in [k for k in self._landing if k[1] >= micro_batches]:
             del self._landing[key]
-        if not micro_batches:
-            self.release()
+        self.release()
 
     def fetch(self, boundary: int, micro: int, owner: object) -> torch.Tensor:
         """The saved activation as a device tensor, queued on the host-to-device lane.

@@ -610,14 +610,13 @@ class SlidingEngine:
             with self.timeline.span("compute", f"forward {i}", self.compute.stream):
                 hidden = [slot.module(h, ctx) for h, ctx in zip(hidden, contexts)]
             slot.free = self.compute.record()
-            acts.release(i)  # this block's inputs: compute has queued its last read of them
+            acts.release()  # this block's inputs (all that is held): compute has queued its last read of them
             if keep and i + 1 < n:  # the last output goes straight to the tail; backward never reads it
                 for j, h in enumerate(hidden):
                     acts.put(i + 1, j, h, slot.free)
             for k in range(i + 1, min(i + window + 1, n)):  # prefetch: every slot not in use
                 if k not in staged:
                     staged[k] = self._stage(k, None, 0)
-        acts.release()  # (the head's outputs, when there are no blocks)
         if self._update_edges_tail(None):
             tail_ready = self.h2d.record()
         if tail_ready is not None:  # the tail reads it
