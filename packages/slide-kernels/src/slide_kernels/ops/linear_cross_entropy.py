@@ -10,8 +10,8 @@ The weight gradient is accumulated across chunks in fp32 and kept so until the b
 the upstream gradient and rounds it to the weight's dtype in one pass. For a bf16 weight on the Triton path that
 pass writes into the accumulator's own storage (fp32 accumulation for the memory of one fp32 copy): on CUDA
 cuBLAS accumulates (fp32 output of bf16 products); otherwise a Triton GEMM stores the fp32 sum as two 16-bit
-planes, the high half of each fp32 word (a bf16 number, which becomes the result) and the low half. Other
-dtypes, and the torch fallback, round into a new tensor.
+planes, the high half of each fp32 word (a bf16 number, which becomes the result) and the low half. An fp32
+weight's gradient is the scaled sum itself; other dtypes, and the torch fallback, round into a new tensor.
 """
 
 from __future__ import annotations
@@ -218,12 +218,7 @@ def narrow_in_place(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     return dst.view(acc.shape)
 
 
-def _gemm_config() -> tuple[int, ...]:
-    # SLIDE_LCE_GEMM="BM,BN,BK,warps,stages" overrides the tile shape (benchmarks/kernels.py compares some).
-    env = os.environ.get("SLIDE_LCE_GEMM")
-    if env:
-        return tuple(int(v) for v in env.split(","))
-    return 128, 256, 64, 8, 3
+GEMM_TILES = (128, 256, 64, 8, 3)  # BM, BN, BK, warps, stages of the Triton weight-gradient GEMM
 
 
 class _WeightGradTriton:
@@ -232,7 +227,7 @@ class _WeightGradTriton:
     def __init__(self, weight: torch.Tensor):
         self.dtype, self.first = weight.dtype, True
         self.upcast = interpreting()  # the interpreter computes bf16 dots wrongly; tiny tiles keep it quick
-        self.tiles = (16, 16, 16, 4, 1) if self.upcast else _gemm_config()
+        self.tiles = (16, 16, 16, 4, 1) if self.upcast else GEMM_TILES
         v, h = weight.shape
         self.split = weight.dtype == torch.bfloat16
         if self.split:
@@ -316,8 +311,11 @@ def _cublas_fp32_accumulation(device: torch.device) -> bool:
 
 
 def _scaled(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An fp32 (or fp64) sum times `scale`, in `dtype`: in place, so an fp32 weight makes no second copy."""
-    return acc.mul_(scale).to(dtype)
+    """An fp32 (or fp64) sum times `scale`, in `dtype`: in place for the sum's own dtype (an fp32 weight makes no
+    second copy), else in one pass into the narrower result (the product in fp32, rounded once, as before)."""
+    if dtype == acc.dtype:
+        return acc.mul_(scale)
+    return torch.mul(acc, scale, out=torch.empty(acc.shape, dtype=dtype, device=acc.device))
 
 
 class _WeightGradTorch:
