@@ -117,7 +117,7 @@ def verify(path: pathlib.Path) -> dict:
         if not all(isinstance(m, dict) and isinstance(m.get("bytes"), int) and isinstance(m.get("sha256"), str)
                    for m in files.values()):
             raise ValueError("a file entry lacks its bytes or sha256")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, ValueError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # (JSON and Unicode decode errors are ValueErrors)
         raise CheckpointError(f"{manifest_path} is corrupt ({type(e).__name__}: {e})") from e
     for name, meta in bar(files.items(), desc=f"verifying {path.name}", unit="file", total=len(files)):
         p = path / name
@@ -207,7 +207,7 @@ def export_run(run_dir: str | os.PathLike, step: int | None = None, out: str | N
 
     from .config import load_config
     from .export import export_dtype, export_hf
-    from .models.build import MODEL_FILES_MARKER, load_model
+    from .models.build import load_model, saved_model_source
 
     run = pathlib.Path(run_dir)
     if not (run / "config.yaml").is_file():
@@ -226,10 +226,7 @@ def export_run(run_dir: str | os.PathLike, step: int | None = None, out: str | N
             have = ", ".join(p.name for p in list_checkpoints(root)) or "none"
             raise CheckpointError(f"no checkpoint for step {step} in {root} (have: {have})")
         verify(path)
-    # The run's copy of the base model's config and tokenizer (none for a preset, or a run from before it)
-    saved = run / "base-model"
-    source = str(saved) if (saved / MODEL_FILES_MARKER).is_file() else cfg.model
-    model = load_model(source, cfg.seed, need_tokenizer=False, need_weights=False)
+    model = load_model(saved_model_source(run, cfg.model), cfg.seed, need_tokenizer=False, need_weights=False)
     stack = model.stack()
     block = FlatLayout(stack.make_block())
     layouts = {"edges": FlatLayout(stack.make_edges())}

@@ -140,8 +140,7 @@ def _coerce(kind, value, key: str):
     if isinstance(value, _Typed):
         text = kind is str or (typing.get_origin(kind) in (typing.Union, types.UnionType)
                                and str in typing.get_args(kind))
-        parsed = value.parsed() if not text or value.raw in ("null", "Null", "NULL") else value.raw
-        value = value.raw if text and parsed is not None else parsed
+        value = value.raw if text and value.raw not in ("null", "Null", "NULL") else value.parsed()
     if dataclasses.is_dataclass(kind):
         return _build(kind, value or {}, key + ".")
     origin, args = typing.get_origin(kind), typing.get_args(kind)

@@ -58,6 +58,11 @@ def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype
                         lambda free: _disk_full(out, needed, free))
 
 
+def is_earlier_export(out: pathlib.Path) -> bool:
+    """Whether the folder `out` may be replaced by an export: it is empty, or an earlier export (holds MARKER)."""
+    return (out / MARKER).is_file() or not any(out.iterdir())
+
+
 def _check_replaceable(out: pathlib.Path) -> None:
     """An existing `out` is replaced only when it is empty or an earlier export (it holds MARKER): never a run
     directory, a user's folder or a model directory that came from elsewhere."""
@@ -65,8 +70,8 @@ def _check_replaceable(out: pathlib.Path) -> None:
         return
     if not out.is_dir():
         raise ExportError(f"export: {out} exists and is not a directory; choose another --out")
-    entries = list(out.iterdir())
-    if entries and not (out / MARKER).is_file():
+    if not is_earlier_export(out):
+        entries = list(out.iterdir())
         shown = ", ".join(sorted(p.name for p in entries)[:5]) + (", ..." if len(entries) > 5 else "")
         raise ExportError(f"export: {out} exists and is not an earlier export (it holds {shown}); an export "
                           "replaces its directory, so choose a new or empty --out")

@@ -31,16 +31,17 @@ from .config import TrainConfig, to_dict
 from .data import build_data
 from .errors import ConfigError, DiskFullError, TrainingError, size_text
 from .export import MARKER as EXPORT_MARKER
-from .export import export_bytes, export_dtype, export_hf
+from .export import export_bytes, export_dtype, export_hf, is_earlier_export
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics
-from .models.build import check_fits, load_model, save_model_files
+from .models.build import BASE_MODEL_DIR, check_fits, load_model, save_model_files
 from .plan import Plan, check_host, host_memory, make_plan
 from .plan import check_fits as check_plan
 from .progress import bar
 from .schedule import lr_at
 
-# What a run writes into its directory (besides config.yaml): cleared by --overwrite=true.
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tensorboard", "export", "loss.png", "timeline.png", "trace.json")
+# Files a run writes into its directory, which --overwrite=true deletes; in its folders it deletes only what
+# `_earlier_outputs` names (config.yaml and base-model/ are rewritten by the new run).
+RUN_FILES = ("metrics.jsonl", "loss.png", "timeline.png", "trace.json")
 
 
 ALLOC_CONF = "expandable_segments:True"
@@ -153,7 +154,7 @@ def build_engine(cfg: TrainConfig, model, progress: bool = False, before_load=No
 def _earlier_outputs(run_dir: pathlib.Path) -> list[pathlib.Path]:
     """What --overwrite deletes: the files and folders an earlier run wrote, and nothing else. A folder of
     ours that holds something we did not write keeps that (an export folder without our marker is refused)."""
-    out = [run_dir / name for name in RUN_OUTPUTS if name.endswith((".jsonl", ".png", ".json"))]
+    out = [run_dir / name for name in RUN_FILES]
     checkpoints = run_dir / "checkpoints"
     if checkpoints.is_dir():
         out += [p for p in checkpoints.iterdir() if p.name.startswith((".step-", "step-"))]
@@ -162,7 +163,7 @@ def _earlier_outputs(run_dir: pathlib.Path) -> list[pathlib.Path]:
         out += list(tensorboard.glob("events.out.tfevents.*"))
     export = run_dir / "export"
     if export.is_dir():
-        if any(export.iterdir()) and not (export / EXPORT_MARKER).is_file():
+        if not is_earlier_export(export):
             raise ConfigError(f"--overwrite: {export} was not written by slide-train (no {EXPORT_MARKER} in it); "
                               "move it away, or choose another output_dir")
         out.append(export)
@@ -228,8 +229,8 @@ class Trainer:
         self._replaces_after = ckpt.step_of(self.resumed_from) if self.resumed_from is not None else None
         # Written once the run is known to go ahead: a refused resume leaves the run's config as it was.
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        if not save_model_files(self.model, self.run_dir / "base-model"):  # what `slide-train export` reads
-            warnings.warn(f"{self.run_dir / 'base-model'} was not written by slide-train: left alone; "
+        if not save_model_files(self.model, self.run_dir / BASE_MODEL_DIR):  # what `slide-train export` reads
+            warnings.warn(f"{self.run_dir / BASE_MODEL_DIR} was not written by slide-train: left alone; "
                           f"`slide-train export` will read {cfg.model} instead", stacklevel=2)
         self.log = MetricsLog(self.run_dir, first_step=self.step_index + 1)
         self._stop_signal: int | None = None

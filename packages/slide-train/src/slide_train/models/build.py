@@ -31,7 +31,7 @@ class ModelBundle:
 
 def load_model(name: str, seed: int = 0, need_tokenizer: bool = True, need_weights: bool = True) -> ModelBundle:
     """A preset or a local HF directory. `need_weights=False`: config and tokenizer only (an export reads
-    the weights from a checkpoint; a run directory's `model/` holds no weights)."""
+    the weights from a checkpoint; a run directory's `base-model/` holds no weights)."""
     if name in PRESETS:
         tokenizer = builtin_tokenizer()  # bytes: fits any vocabulary, so public shapes train on text too
         vocab = -(-len(tokenizer) // 64) * 64 if name.startswith("tiny-") else None
@@ -73,7 +73,15 @@ def check_fits(bundle: ModelBundle, seq_len: int) -> None:
                          f"{bundle.hf_config.vocab_size}: they do not belong together")
 
 
+BASE_MODEL_DIR = "base-model"  # a run directory's copy of its model's config and tokenizer
 MODEL_FILES_MARKER = ".slide-base-model"
+
+
+def saved_model_source(run_dir: pathlib.Path, fallback: str) -> str:
+    """What to build a run's model from for an export: its saved copy if it has one, else `fallback` (its
+    config's `model`: a preset, or a run from before the copy existed)."""
+    saved = run_dir / BASE_MODEL_DIR
+    return str(saved) if (saved / MODEL_FILES_MARKER).is_file() else fallback
 
 
 def save_model_files(bundle: ModelBundle, directory: pathlib.Path) -> bool:
