@@ -106,7 +106,7 @@ def main() -> None:
             out[name] = round(nbytes / s / GB, 1)
         del h, d
         # AdamW beside the copies, on all threads and on one thread fewer (a control for the copy thread's share
-        # of the CPU); both rates over the same window, medians of 3.
+        # of the CPU); both rates over the same window, from the run of median AdamW time of 3.
         threads = torch.get_num_threads()
         for key, n_threads in (("shared", threads), ("shared_one_thread_fewer", threads - 1)):
             torch.set_num_threads(n_threads)
