@@ -185,6 +185,23 @@ def step_of(path: pathlib.Path) -> int:
     return int(path.name[5:])
 
 
+def replaced(root: pathlib.Path, resumed_step: int | None, step: int) -> list[pathlib.Path]:
+    """After a resume from `resumed_step`, until the run's first save (at `step`): the checkpoints of the course
+    that resume replaced, those after `resumed_step` other than `step`'s."""
+    if resumed_step is None:
+        return []
+    return [p for p in list_checkpoints(root) if resumed_step < step_of(p) != step]
+
+
+def spare(root: pathlib.Path, resumed_step: int | None, step: int) -> list[pathlib.Path]:
+    """The checkpoints a last (or stopping) save at `step` may delete to make room, in order: those of a replaced
+    course, then older ones oldest first, never the newest of those (after a resume, the one resumed from), so
+    the run keeps one good checkpoint whatever happens to the new one."""
+    gone = replaced(root, resumed_step, step)
+    older = [p for p in list_checkpoints(root) if step_of(p) < step and p not in gone]
+    return gone + older[:-1]
+
+
 def prune(root: pathlib.Path, keep: int) -> None:
     """Delete all but the newest `keep` checkpoints."""
     found = list_checkpoints(root)

@@ -308,18 +308,12 @@ class Trainer:
                     warnings.warn(f"{e}. Training goes on; the next checkpoint tries again.", stacklevel=2)
                     return None
                 # The last (or stopping) checkpoint holds the run's final weights: others make room for it.
-                # First those of a replaced course, then older ones oldest first, but never the newest of
-                # those (the one resumed from, after a resume): the run keeps one good checkpoint whatever
-                # happens to this one.
-                replaced = self._replaced_checkpoints()
-                older = [p for p in ckpt.list_checkpoints(self.checkpoints)
-                         if ckpt.step_of(p) < self.step_index and p not in replaced]
-                spare = replaced + older[:-1]
+                spare = ckpt.spare(self.checkpoints, self._replaces_after, self.step_index)
                 if not spare:
                     raise
                 warnings.warn(f"{e}. Deleting {spare[0].name} to make room for this one", stacklevel=2)
                 shutil.rmtree(spare[0])
-        replaced = self._replaced_checkpoints()
+        replaced = ckpt.replaced(self.checkpoints, self._replaces_after, self.step_index)
         for old in replaced:
             shutil.rmtree(old)
         if replaced:
@@ -328,14 +322,6 @@ class Trainer:
         self._replaces_after = None
         ckpt.prune(self.checkpoints, self.cfg.checkpoint.keep)
         return path
-
-    def _replaced_checkpoints(self) -> list[pathlib.Path]:
-        """Until this run's first checkpoint after a resume: the ones after the step it resumed from (other
-        than the current step's), from the course the resume replaced."""
-        if self._replaces_after is None:
-            return []
-        return [p for p in ckpt.list_checkpoints(self.checkpoints)
-                if self._replaces_after < ckpt.step_of(p) != self.step_index]
 
     def _on_signal(self, signum, frame) -> None:
         self._stop_signal = signum  # finish the step in flight, then checkpoint and stop
