@@ -77,6 +77,28 @@ def alloc_conf(device: str) -> str | None:
     return f"{ALLOC_CONF} (slide-train's default)"
 
 
+def thread_cpu() -> dict[int, float]:
+    """CPU seconds (user + system) of each of this process's threads, by native thread id (Linux)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in pathlib.Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cpu_by_role(before: dict[int, float], after: dict[int, float], roles: dict[str, int]) -> dict[str, float]:
+    """CPU seconds spent between two `thread_cpu()` readings: by the named threads, and by all others together
+    (torch's intra-op workers, the CUDA driver's threads), with the busiest of those and how many there are."""
+    spent = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
+    named = {role: spent.pop(tid, 0.0) for role, tid in roles.items()}
+    return {**{f"{role}_cpu_s": s for role, s in named.items()}, "other_cpu_s": sum(spent.values()),
+            "busiest_other_cpu_s": max(spent.values(), default=0.0), "other_threads": len(spent)}
+
+
 def run_slide(args) -> dict:
     from slide_train.config import load_config
     from slide_train.trainer import Trainer
@@ -101,16 +123,32 @@ def run_slide(args) -> dict:
         overrides.append(f"--engine.states_dtype={args.states}")
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    if args.threads:  # before the optimizer thread first runs a parallel op (it keeps the count it starts with)
+        torch.set_num_threads(args.threads)
+    if args.host_block:
+        from slide_memory import adamw
+
+        adamw.BLOCK_PER_THREAD = args.host_block
     t0 = time.perf_counter()
     trainer = Trainer(load_config(None, overrides), progress=False)
     setup_s = time.perf_counter() - t0
-    records = [trainer.step() for _ in range(args.warmup + args.steps)]
+    import threading
+
+    roles = {"training": threading.main_thread().native_id, "optimizer": trainer.engine.updater._thread.native_id}
+    records = []
+    for _ in range(args.warmup + args.steps):
+        before, start = thread_cpu(), time.perf_counter()
+        records.append(trainer.step())  # (the CPU seconds include the trainer's own work around the engine step)
+        records[-1].update(cpu_by_role(before, thread_cpu(), roles), trainer_step_s=time.perf_counter() - start)
     timed = records[args.warmup :]
     step_s = statistics.median(r["step_s"] for r in timed)
     tokens = statistics.median(r["tokens"] for r in timed)
     timeline = {k: statistics.median(r[k] for r in timed if k in r)
                 for k in ("gpu_busy_s", "exposed_s", "copy_busy_s", "update_busy_s", "wait_update_s")}
     memory = [{k: r.get(k) for k in ("allocated_bytes_at_start", "alloc_retries", "cuda_mallocs")} for r in records]
+    cpu = {k: statistics.median(r[k] for r in timed)
+           for k in ("trainer_step_s", "training_cpu_s", "optimizer_cpu_s", "other_cpu_s", "busiest_other_cpu_s",
+                     "other_threads")}
     for name in ("timeline.png", "trace.json"):
         src = pathlib.Path(args.run_dir) / name
         if src.is_file():
@@ -119,10 +157,13 @@ def run_slide(args) -> dict:
     share = "" if args.device_share is None else f", device_update_share {args.device_share}"
     share += "" if args.split else ", whole updates"
     share += "" if args.states == "fp32" else f", {args.states} states"
+    share += f", {args.threads} torch threads" if args.threads else ""
+    share += f", host block {args.host_block}/thread" if args.host_block else ""
     return {"system": f"slide ({'pipelined' if args.pipeline else 'synchronous'} engine, clip {args.clip}{share})",
             "cap_gib": args.cap,
             "setup_s": setup_s, "step_s": step_s, "plan": trainer.memory_plan.text(),
             "exposed_fraction": timeline["exposed_s"] / step_s, "timeline_s": timeline, "memory_per_step": memory,
+            "torch_threads": torch.get_num_threads(), "cpu_per_step_s": cpu,
             "tokens_per_s": tokens / step_s, "tflops": 6 * trainer.num_params * tokens / step_s / 1e12,
             "gpu_peak_gib": max(r["gpu_peak_gib"] for r in records),
             "host_rss_gib": max(r["host_rss_gib"] for r in records),
@@ -149,6 +190,9 @@ def main() -> None:
                    help="engine.device_update_share (clipped updates streamed through the GPU); default: auto")
     p.add_argument("--states", choices=["fp32", "bf16"], default="fp32", help="engine.states_dtype (AdamW m and v)")
     p.add_argument("--split", type=int, default=1, help="0: engine.split_update=false (whole clipped updates)")
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads before the engine (0: leave it)")
+    p.add_argument("--host-block", type=int, default=0,
+                   help="slide_memory.adamw.BLOCK_PER_THREAD (host AdamW elements per thread per call; 0: default)")
     p.add_argument("--lr", type=float, default=1e-5,
                    help="both systems (runs before 2026-11-29 13:00 trained ours at the config default 1e-3)")
     p.add_argument("--tag", default="")

@@ -11,6 +11,8 @@
 #                                      # not) and B1 (peer)
 #   bash benchmarks/run_gpu.sh states  # slide-kernels' whole test suite (its CUDA-only tests too), B8 with clipping
 #                                      # and bf16 AdamW states
+#   bash benchmarks/run_gpu.sh threads # the host's CPUs; B3 (peer) with torch's threads at 16, 15, 14, 12 and a
+#                                      # smaller host AdamW block; the optimizer beside a busy thread (one tarball)
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -88,6 +90,16 @@ states)
   (cd "$root/packages/slide-kernels" && python3 -m pytest -q tests -p no:cacheprovider) > "$out/kernels-suite.log" 2>&1
   echo "slide-kernels suite: exit $?"; tail -1 "$out/kernels-suite.log"
   bench $b8 --states bf16 --tag B8-bf16states
+  ;;
+threads)
+  { nproc; lscpu; numactl -H 2>&1; cat /sys/fs/cgroup/cpu.max 2>&1; } > "$out/host-cpus.txt"
+  bench $b3 --peer plain --tag B3
+  for t in 15 14 12; do bench $b3 --peer none --threads $t --tag B3-t$t; done
+  bench $b3 --peer none --threads 14 --host-block 65536 --tag B3-t14-hb64k
+  bench $b3 --peer none --threads 14 --clip none --tag B3-noclip-t14
+  for t in 16 15; do python3 "$root/benchmarks/optimizer_gil.py" --threads $t --out "$out" 2>&1 | tail -3; done
+  rm -f "$out"/*-trace.json
+  (cd "$out" && tar czf threads.tgz --remove-files -- *)  # the machine returns at most 8 files
   ;;
 kernels)
   install_liger
