@@ -14,6 +14,7 @@ from slide_memory import AdamWConfig, StagingRing
 from slide_scheduler import EngineConfig, SlidingEngine
 from slide_scheduler import engine as engine_module
 from slide_scheduler.lanes import DONE
+from slide_scheduler.updater import HostUpdater
 
 VOCAB, DIM, DEPTH = 17, 12, 4
 
@@ -527,6 +528,18 @@ def test_device_updates_on_cuda_track_host_updates():
 
 
 @pytest.mark.gpu
+def test_cuda_copy_lanes_run_their_kernels_ahead_of_compute():
+    """The copy lanes' kernels (narrowing a master, a streamed AdamW step) must not queue behind compute's:
+    their streams have the higher priority (the lower number)."""
+    if not torch.cuda.is_available():
+        pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
+    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cuda", window=2))
+    assert engine.h2d.stream.priority < engine.compute.stream.priority
+    assert engine.d2h.stream.priority < engine.compute.stream.priority
+    engine.close()
+
+
+@pytest.mark.gpu
 def test_cuda_landing_buffers_wait_for_the_backward_that_reads_them(monkeypatch):
     """Resident blocks wait for no slot, so only the landing buffers' own wait keeps the h2d lane from
     overwriting activations a slow backward still reads: with every block resident and compute slowed on the
@@ -553,6 +566,37 @@ def test_cuda_landing_buffers_wait_for_the_backward_that_reads_them(monkeypatch)
     (kept_losses, kept), (offloaded_losses, offloaded) = results
     assert offloaded_losses == kept_losses
     assert all(offloaded[u][n].equal(t) for u, params in kept.items() for n, t in params.items())
+
+
+def test_host_threads_resolve_and_govern_the_optimizer_thread_alone(monkeypatch):
+    """`host_threads` is torch's thread count inside the optimizer thread: explicit, or on CUDA all but two of
+    the cores this process may use (never fewer than one), or torch's own count on the CPU. The training thread
+    keeps its count."""
+    monkeypatch.setattr(engine_module.os, "sched_getaffinity", lambda pid: set(range(6)))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    assert EngineConfig().resolve_host_threads(cuda=True) == 4
+    assert EngineConfig().resolve_host_threads(cuda=False) == 16
+    assert EngineConfig(host_threads=3).resolve_host_threads(cuda=True) == 3
+    monkeypatch.setattr(engine_module.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert EngineConfig().resolve_host_threads(cuda=True) == 1
+    with pytest.raises(ValueError, match="host_threads must be >= 1"):
+        EngineConfig(host_threads=0).resolve_host_threads(cuda=False)
+    monkeypatch.undo()
+
+    seen = []
+
+    class Recording:
+        units = [None]
+
+        def step_unit(self, *args, **kwargs):
+            seen.append(torch.get_num_threads())
+
+    before = torch.get_num_threads()
+    updater = HostUpdater(Recording(), threads=1)
+    updater.submit(0, torch.zeros(1), [DONE], lr=1.0, grad_scale=1.0)
+    updater.wait_all()
+    updater.close()
+    assert seen == [1] and torch.get_num_threads() == before
 
 
 def test_a_failed_device_update_stops_the_lane_that_would_store_it(monkeypatch):

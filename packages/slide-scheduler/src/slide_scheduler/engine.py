@@ -28,6 +28,7 @@ the synchronous engine, kept as the reference the pipelined one is tested agains
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -81,6 +82,10 @@ class EngineConfig:
     # device-updated block's moments come from the host's kernel, its master from the device's, which agree to
     # rounding as the two paths do anyway); False: whole updates in the forward.
     split_update: bool = True
+    # torch threads for the host AdamW (set in the optimizer thread, whose parallel regions it governs). None:
+    # on CUDA all but two cores, as the training thread and the CUDA driver's threads need cores too (a parallel
+    # region is as slow as its slowest thread); torch's own count on the CPU.
+    host_threads: int | None = None
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -95,6 +100,14 @@ class EngineConfig:
         if self.device_update_share is not None:
             return self.device_update_share
         return 0.5 if cuda and self.states_dtype == "fp32" else 0.0
+
+    def resolve_host_threads(self, cuda: bool) -> int:
+        threads = torch.get_num_threads()
+        if self.host_threads is not None:
+            if self.host_threads < 1:
+                raise ValueError(f"host_threads must be >= 1, got {self.host_threads}")
+            return self.host_threads
+        return max(1, min(threads, len(os.sched_getaffinity(0)) - 2)) if cuda else threads
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.compute_dtype == "auto":
@@ -134,8 +147,11 @@ class SlidingEngine:
         self.num_blocks = stack.num_blocks
         inline = not config.pipeline
         self.compute = Lane("compute", self.device, inline=True)
-        self.h2d = Lane("h2d", self.device, inline=inline)
-        self.d2h = Lane("d2h", self.device, inline=inline)
+        # The copy lanes also run small kernels (narrowing a loaded master, a streamed AdamW step), and copies
+        # queued behind such a kernel wait for it. At compute's priority it waits for SMs behind the forward's
+        # GEMMs; at a higher one it runs first, so the copies keep flowing.
+        self.h2d = Lane("h2d", self.device, inline=inline, priority=-1)
+        self.d2h = Lane("d2h", self.device, inline=inline, priority=-1)
         self.timeline = Timeline(self.device)
         for lane in (self.compute, self.h2d, self.d2h):
             lane.timeline = self.timeline
@@ -209,7 +225,8 @@ class SlidingEngine:
         sliding_blocks = self.num_blocks - max(self.resident - 1, 0)
         ring = sliding_blocks - len(held) if config.max_grad_norm else min(3, sliding_blocks)
         self.grad_ring = StagingRing(ring, block_layout.numel, self.dtype) if ring else None
-        self.updater = HostUpdater(self.optimizer, inline=inline)
+        self.updater = HostUpdater(self.optimizer, inline=inline,
+                                   threads=config.resolve_host_threads(self.device.type == "cuda"))
         self._setup_device_updates(block_layout.numel)
         self.edge_grad = (host_zeros(edge_layout.numel, self.dtype)
                           if not self.resident and 0 not in self.streamed else None)

@@ -71,7 +71,7 @@ class Lane:
     """An ordered queue of device work. `run(fn)` queues fn; `record()` is a signal for everything queued so
     far; `wait(signal)` makes everything queued later wait for it."""
 
-    def __init__(self, name: str, device: torch.device, inline: bool = False):
+    def __init__(self, name: str, device: torch.device, inline: bool = False, priority: int = 0):
         self.name = name
         self.device = device
         self.delay = 0.0  # tests: seconds each queued task sleeps first, to shake out missing waits
@@ -80,7 +80,8 @@ class Lane:
         self.stream = None
         self._pool = None
         if device.type == "cuda":
-            self.stream = torch.cuda.current_stream(device) if inline else torch.cuda.Stream(device)
+            # priority: lower runs first when both streams have kernels waiting (torch's convention)
+            self.stream = torch.cuda.current_stream(device) if inline else torch.cuda.Stream(device, priority)
         elif not inline:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"slide-{name}")
 
