@@ -123,8 +123,8 @@ def run_slide(args) -> dict:
         overrides.append(f"--engine.states_dtype={args.states}")
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    if args.threads:
-        overrides.append(f"--engine.host_threads={args.threads}")
+    if args.threads:  # before the optimizer thread starts: it takes torch's count then
+        torch.set_num_threads(args.threads)
     if args.host_block:
         from slide_memory import adamw
 
@@ -157,13 +157,13 @@ def run_slide(args) -> dict:
     share = "" if args.device_share is None else f", device_update_share {args.device_share}"
     share += "" if args.split else ", whole updates"
     share += "" if args.states == "fp32" else f", {args.states} states"
-    share += f", {args.threads} host AdamW threads" if args.threads else ""
+    share += f", {args.threads} torch threads" if args.threads else ""
     share += f", host block {args.host_block}/thread" if args.host_block else ""
     return {"system": f"slide ({'pipelined' if args.pipeline else 'synchronous'} engine, clip {args.clip}{share})",
             "cap_gib": args.cap,
             "setup_s": setup_s, "step_s": step_s, "plan": trainer.memory_plan.text(),
             "exposed_fraction": timeline["exposed_s"] / step_s, "timeline_s": timeline, "memory_per_step": memory,
-            "host_threads": trainer.engine.updater.threads, "cpu_per_step_s": cpu,
+            "torch_threads": torch.get_num_threads(), "cpu_per_step_s": cpu,
             "tokens_per_s": tokens / step_s, "tflops": 6 * trainer.num_params * tokens / step_s / 1e12,
             "gpu_peak_gib": max(r["gpu_peak_gib"] for r in records),
             "host_rss_gib": max(r["host_rss_gib"] for r in records),
@@ -190,7 +190,7 @@ def main() -> None:
                    help="engine.device_update_share (clipped updates streamed through the GPU); default: auto")
     p.add_argument("--states", choices=["fp32", "bf16"], default="fp32", help="engine.states_dtype (AdamW m and v)")
     p.add_argument("--split", type=int, default=1, help="0: engine.split_update=false (whole clipped updates)")
-    p.add_argument("--threads", type=int, default=0, help="engine.host_threads (0: the engine's default)")
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads before the engine (0: leave it)")
     p.add_argument("--host-block", type=int, default=0,
                    help="slide_memory.adamw.BLOCK_PER_THREAD (host AdamW elements per thread per call; 0: default)")
     p.add_argument("--lr", type=float, default=1e-5,

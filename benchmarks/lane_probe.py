@@ -5,15 +5,14 @@ the forward's other loads.
 
 In a clipped forward, half the sliding blocks update on the device as they load: master, m, v and the bf16
 gradient cross PCIe (14 bytes per parameter) piece by piece through two device buffers, the new master goes back
-on the device-to-host lane. The engine's timelines show that lane running at about two thirds of the PCIe rate
-that `host_memory.py` measures. This times the engine's own piece loop (`_stream_in` and `StreamedStep.store`,
-two buffers) for one block of `--numel` parameters:
-- the bare copies of the same bytes, nothing else (the lane's ceiling);
-- the engine's loop alone;
-- beside bf16 GEMMs on a compute stream (the forward), with the h2d stream at normal and at high priority;
-- beside the host AdamW's params part on another block (torch's threads, in a Python thread);
-- beside both, and device-to-host copies of activations.
-Also a host-updated block's load (`Slot.load`: its fp32 master, narrowed on the device) alone and beside both.
+on the device-to-host lane. The engine's timelines showed that lane at about two thirds of the PCIe rate that
+`host_memory.py` measures. This times the engine's piece loop (`StreamedStep.load`, `_step_piece`,
+`StreamedStep.store`; two buffers) for one block of `--numel` parameters, with its kernels on the copy stream
+(as before 2026-11-30) and on a land stream of their own (as now):
+- the bare copies of the same bytes, nothing else (the lane's ceiling), alone and beside the rest below;
+- the loop alone; beside bf16 GEMMs on another stream (the forward); beside GEMMs, the host AdamW's params part
+  on another block (torch's threads, in a Python thread) and device-to-host copies (activations).
+And a host-updated block's load (its fp32 master, narrowed on the device), both ways, alone and beside all that.
 Each figure: median of 3, effective GB/s of the bytes the lane must carry in.
 """
 
@@ -30,7 +29,7 @@ from common import timed
 
 from slide_memory import AdamWConfig, FlatAdamW, Slot, StreamedStep, host_empty, host_zeros
 from slide_memory.layout import FlatLayout
-from slide_scheduler.engine import STREAM_PIECE, _stream_in
+from slide_scheduler.engine import STREAM_PIECE, _step_piece
 
 GB = 1e9
 
@@ -41,7 +40,7 @@ class Busy:
 
     def __init__(self, kinds: set[str], numel: int):
         self.kinds, self.stop = kinds, threading.Event()
-        self.threads = []
+        self.threads, self.started = [], {kind: threading.Event() for kind in kinds}
         if "gemm" in kinds:
             self.a = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
             self.b = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16)
@@ -60,22 +59,27 @@ class Busy:
                 for _ in range(8):
                     torch.matmul(self.a, self.b)
                 self.gemm_stream.synchronize()  # keep the queue short, so stopping is prompt
+                self.started["gemm"].set()  # (the first batch includes cuBLAS's set-up in this thread)
 
     def _adamw(self):
         while not self.stop.is_set():
             self.opt.step(self.grad, 1e-5, 0.5, part="params")
+            self.started["adamw"].set()
 
     def _copies(self):
         with torch.cuda.stream(self.d2h_stream):
             while not self.stop.is_set():
                 self.acts_host.copy_(self.acts, non_blocking=True)
                 self.d2h_stream.synchronize()
+                self.started["d2h"].set()
 
     def __enter__(self):
         for kind, fn in (("gemm", self._gemms), ("adamw", self._adamw), ("d2h", self._copies)):
             if kind in self.kinds:
                 self.threads.append(threading.Thread(target=fn, daemon=True))
                 self.threads[-1].start()
+        for started in self.started.values():  # measure only once everything runs
+            started.wait()
         return self
 
     def __exit__(self, *exc):
@@ -84,8 +88,10 @@ class Busy:
             t.join()
 
 
-def device_update(opt: FlatAdamW, grad: torch.Tensor, bufs: list[StreamedStep], slot, h2d, d2h) -> None:
-    """The engine's `_update_on_device` piece loop for one whole unit, then wait for its last store."""
+def device_update(opt: FlatAdamW, grad: torch.Tensor, bufs: list[StreamedStep], slot, h2d, d2h, land=None) -> None:
+    """The engine's `_update_on_device` piece loop for one whole unit, then wait for its last store. `land`: the
+    stream the kernels run on (the engine's land lane); None: on the copy stream, between the copies (the
+    engine before 2026-11-30)."""
     free = [None, None]
     numel = bufs[0].numel
     for i, start in enumerate(range(0, opt.master.numel(), numel)):
@@ -94,10 +100,12 @@ def device_update(opt: FlatAdamW, grad: torch.Tensor, bufs: list[StreamedStep], 
         if free[i % 2] is not None:
             h2d.wait_event(free[i % 2])
         with torch.cuda.stream(h2d):
-            _stream_in(buf, opt, start, end, grad, 1, 1e-5, 0.5, slot)
-            loaded = torch.cuda.Event()
-            loaded.record(h2d)
-        d2h.wait_event(loaded)
+            buf.load(opt, start, end, grad)
+        if land is not None:
+            land.wait_stream(h2d)
+        with torch.cuda.stream(land or h2d):
+            _step_piece(buf, start, end, grad, 1, 1e-5, 0.5, slot)
+        d2h.wait_stream(land or h2d)
         with torch.cuda.stream(d2h):
             buf.store(opt, start, end, moments=False)
             free[i % 2] = torch.cuda.Event()
@@ -129,7 +137,7 @@ def main() -> None:
     slot = types.SimpleNamespace(params=torch.zeros(n, device="cuda", dtype=torch.bfloat16))
     module = torch.nn.Linear(n, 1, bias=False, device="meta")  # a slot of n parameters
     block = Slot(FlatLayout(module), module, torch.device("cuda"), torch.bfloat16)
-    streams = {prio: (torch.cuda.Stream(priority=prio), torch.cuda.Stream(priority=prio)) for prio in (0, -1)}
+    h2d, d2h = torch.cuda.Stream(), torch.cuda.Stream()
     update_bytes, load_bytes = 14 * n, 4 * n
     out = {**common.header("lane_probe"), "numel": n, "piece": STREAM_PIECE, "threads": torch.get_num_threads(),
            "gbps": {}}
@@ -140,27 +148,40 @@ def main() -> None:
         out["gbps"][name] = round(nbytes / seconds / GB, 1)
         print(f"{name:40s} {nbytes / seconds / GB:6.1f} GB/s  ({seconds * 1e3:.1f} ms)", flush=True)
 
-    h2d, d2h = streams[0]
+    land = torch.cuda.Stream(priority=-1)
     rate("bare copies", lambda: bare_copies(opt, grad, bufs, h2d), update_bytes)
-    rate("update alone", lambda: device_update(opt, grad, bufs, slot, h2d, d2h), update_bytes)
-    for prio in (0, -1):
-        h, d = streams[prio]
-        rate(f"update + gemm, priority {prio}", lambda h=h, d=d: device_update(opt, grad, bufs, slot, h, d),
-             update_bytes, {"gemm"})
-    rate("update + host adamw", lambda: device_update(opt, grad, bufs, slot, h2d, d2h), update_bytes, {"adamw"})
-    rate("bare copies + host adamw", lambda: bare_copies(opt, grad, bufs, h2d), update_bytes, {"adamw"})
-    for prio in (0, -1):
-        h, d = streams[prio]
-        rate(f"update + gemm + adamw + d2h, priority {prio}",
-             lambda h=h, d=d: device_update(opt, grad, bufs, slot, h, d), update_bytes, {"gemm", "adamw", "d2h"})
+    busy = {"gemm", "adamw", "d2h"}
+    for name, kernels in (("kernels on the copy stream", None), ("kernels on a land stream", land)):
+        def fn(kernels=kernels):
+            device_update(opt, grad, bufs, slot, h2d, d2h, kernels)
 
-    def load():
+        rate(f"update alone, {name}", fn, update_bytes)
+        rate(f"update + gemm, {name}", fn, update_bytes, {"gemm"})
+        rate(f"update + gemm + adamw + d2h, {name}", fn, update_bytes, busy)
+    rate("bare copies + gemm + adamw + d2h", lambda: bare_copies(opt, grad, bufs, h2d), update_bytes, busy)
+
+    def load_in_one_stream():  # Slot.load: copy and narrow each piece on one stream
         with torch.cuda.stream(h2d):
             block.load(opt.master, non_blocking=True)
         h2d.synchronize()
 
-    rate("host block load alone", load, load_bytes)
-    rate("host block load + gemm + adamw + d2h", load, load_bytes, {"gemm", "adamw", "d2h"})
+    def load_landed():  # the engine's _load: copies on h2d, narrowing on land, alternating landing halves
+        narrowed = {}
+        for start, end, k, landing in block.pieces(n):
+            if k in narrowed:
+                h2d.wait_event(narrowed[k])
+            with torch.cuda.stream(h2d):
+                landing.copy_(opt.master[start:end], non_blocking=True)
+            land.wait_stream(h2d)
+            with torch.cuda.stream(land):
+                block.params[start:end].copy_(landing)
+                narrowed[k] = torch.cuda.Event()
+                narrowed[k].record(land)
+        land.synchronize()
+
+    for name, fn in (("one stream", load_in_one_stream), ("copies and land streams", load_landed)):
+        rate(f"host block load alone, {name}", fn, load_bytes)
+        rate(f"host block load + gemm + adamw + d2h, {name}", fn, load_bytes, busy)
     common.write_result(out, a.out, f"lane-probe-{out['commit'][:7]}.json")
 
 

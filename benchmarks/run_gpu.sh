@@ -13,8 +13,7 @@
 #                                      # and bf16 AdamW states
 #   bash benchmarks/run_gpu.sh threads # the host's CPUs; B3 (peer) with torch's threads at 16, 15, 14, 12 and a
 #                                      # smaller host AdamW block; the optimizer beside a busy thread (one tarball)
-#   bash benchmarks/run_gpu.sh lanes   # scheduler GPU tests; B3 (peer) with the copy lanes at high priority and the
-#                                      # default host threads, with 16 threads, with device share 0.6; B8 clipped
+#   bash benchmarks/run_gpu.sh land    # memory, scheduler and train GPU tests; lane_probe.py; B3 (peer); B8 clipped
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -103,14 +102,12 @@ threads)
   rm -f "$out"/*-trace.json
   (cd "$out" && tar czf threads.tgz --remove-files -- *)  # the machine returns at most 8 files
   ;;
-lanes)
-  gpu_tests slide-scheduler
+land)
+  gpu_tests slide-memory slide-scheduler slide-train
+  cat "$out"/gpu-tests-*.log > "$out/gpu-tests.log"; rm -f "$out"/gpu-tests-slide-*.log
+  python3 "$root/benchmarks/lane_probe.py" --out "$out" 2>&1 | grep GB/s
   bench $b3 --peer plain --tag B3
-  bench $b3 --peer none --threads 16 --tag B3-t16
-  bench $b3 --peer none --device-share 0.6 --tag B3-share60
   bench $b8 --tag B8
-  rm -f "$out"/*-trace.json
-  (cd "$out" && tar czf lanes.tgz --remove-files -- *)  # the machine returns at most 8 files
   ;;
 kernels)
   install_liger

@@ -127,7 +127,7 @@ def test_streamed_steps_equal_host_steps_bit_for_bit(piece):
             for start in range(a, b, piece):
                 end = min(start + piece, b)
                 buffer.load(streamed, start, end, grad)
-                buffer.step(end - start, int(step), lr, scale)
+                buffer.step(start, end, grad, int(step), lr, scale)
                 buffer.store(streamed, start, end)
             step += 1
     assert streamed.master.equal(host.master)

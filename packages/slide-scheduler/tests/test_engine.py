@@ -14,7 +14,6 @@ from slide_memory import AdamWConfig, StagingRing
 from slide_scheduler import EngineConfig, SlidingEngine
 from slide_scheduler import engine as engine_module
 from slide_scheduler.lanes import DONE
-from slide_scheduler.updater import HostUpdater
 
 VOCAB, DIM, DEPTH = 17, 12, 4
 
@@ -196,7 +195,7 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
     return losses, masters
 
 
-@pytest.mark.parametrize("slow", ["h2d", "d2h", "updater"])
+@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "updater"])
 @pytest.mark.parametrize("window", [1, 2, 3])
 @pytest.mark.parametrize("clip", [0.05, None])
 def test_pipeline_is_bitwise_the_synchronous_engine_whatever_is_slow(slow, window, clip):
@@ -224,7 +223,7 @@ def test_a_missing_wait_is_caught_by_the_delay_tests():
 
 
 @pytest.mark.parametrize("share", [0.0, 0.5])
-@pytest.mark.parametrize("slow", ["h2d", "d2h", "updater"])
+@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "updater"])
 def test_split_updates_give_the_whole_updates_result(monkeypatch, share, slow):
     """Clipped updates split into a params part (before the next forward's load) and a moments part (after
     that forward): the same kernel on the same inputs, so bit for bit whole updates' result, whichever worker
@@ -288,12 +287,14 @@ def test_one_gradient_buffer_for_all_blocks_is_enough_and_its_wait_matters():
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
+@pytest.mark.parametrize("slow", ["h2d", "land"])
 @pytest.mark.parametrize("clip", [0.05, None])
-def test_bf16_slots_load_fp32_masters_through_the_gradient_buffer(clip):
-    """A bf16 engine keeps no bf16 copy on the host: slots narrow the fp32 master on arrival. Pipelined with a
-    slow h2d lane it equals the synchronous engine, and it tracks the fp32 engine within bf16 rounding."""
+def test_bf16_slots_load_fp32_masters_through_the_gradient_buffer(clip, slow):
+    """A bf16 engine keeps no bf16 copy on the host: slots narrow the fp32 master on arrival, piece by piece
+    through the two halves of the landing zone (copied on h2d, narrowed on land). Pipelined with either lane
+    slow it equals the synchronous engine, and it tracks the fp32 engine within bf16 rounding."""
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip, dtype="bf16")
-    losses, got = run_engine(pipeline=True, window=2, clip=clip, dtype="bf16", delays={"h2d": 0.004})
+    losses, got = run_engine(pipeline=True, window=2, clip=clip, dtype="bf16", delays={slow: 0.004})
     assert losses == ref_losses
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
     fp32_losses, _ = run_engine(pipeline=False, window=2, clip=clip)
@@ -301,8 +302,24 @@ def test_bf16_slots_load_fp32_masters_through_the_gradient_buffer(clip):
     torch.testing.assert_close(torch.tensor(ref_losses), torch.tensor(fp32_losses), rtol=2e-2, atol=0)
 
 
+def test_a_landing_half_reused_before_it_is_narrowed_is_caught():
+    """The check above can fail: when every piece claims a landing buffer of its own (so no copy waits for the
+    narrowing of the piece before it in the same half) and the land lane is slow, a copy overwrites a half
+    before it is narrowed, and wrong parameters reach compute."""
+    def unique_buffers(engine):
+        for slot in [*engine.slots.slots, engine.edge_slot]:
+            pieces = slot.pieces
+            slot.pieces = lambda numel, pieces=pieces: [(a, b, k, view) for k, (a, b, _, view) in
+                                                         enumerate(pieces(numel))]
+
+    _, ref = run_engine(pipeline=False, window=2, clip=None, dtype="bf16")
+    _, got = run_engine(pipeline=True, window=2, clip=None, dtype="bf16", delays={"land": 0.004},
+                        patch=unique_buffers)
+    assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+
 @pytest.mark.parametrize("share", [0.5, 1.0])
-@pytest.mark.parametrize("slow", ["h2d", "d2h", "updater"])
+@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "updater"])
 @pytest.mark.parametrize("resident", [0, 2])
 def test_clipped_updates_streamed_through_the_device_equal_host_updates(monkeypatch, share, slow, resident):
     """With clipping, a share of the sliding blocks updates on the device as the next forward loads them
@@ -317,7 +334,7 @@ def test_clipped_updates_streamed_through_the_device_equal_host_updates(monkeypa
 
 
 @pytest.mark.parametrize("share, held", [(0.5, 1), (1.0, 2), (1.0, DEPTH)])
-@pytest.mark.parametrize("slow", ["h2d", "d2h", "updater"])
+@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "updater"])
 def test_gradients_held_on_the_device_for_device_updates_give_the_same_result(monkeypatch, share, held, slow):
     """With clipping, blocks updated on the device may keep their gradient there until the next forward runs
     the update: a device copy instead of the host ring, fewer ring buffers, the same result bit for bit."""
@@ -365,7 +382,7 @@ def expect_streamed(share, resident, clip=True):
     return check
 
 
-@pytest.mark.parametrize("slow", ["h2d", "d2h", "updater"])
+@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "updater"])
 def test_sliding_edges_update_on_the_device_without_clipping_too(monkeypatch, slow):
     monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=None)
@@ -416,10 +433,14 @@ def test_a_failed_copy_on_a_worker_lane_surfaces_and_close_still_stops_threads()
     engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=None))
     break_block_one(engine)
     step = batches(seed=4, steps=1, micro=2)[0]
-    with pytest.raises(RuntimeError, match="h2d lane failed"):
+    with pytest.raises(RuntimeError, match="lane failed") as failure:  # (the land lane waits for h2d's copies)
         engine.step(step, lr=1e-2, normalizer=10)
+    causes = [failure.value]
+    while causes[-1].__cause__ is not None:
+        causes.append(causes[-1].__cause__)
+    assert any("h2d lane failed" in str(e) for e in causes)
     engine.close()
-    threads = [engine.updater._thread, *engine.h2d._pool._threads, *engine.d2h._pool._threads]
+    threads = [engine.updater._thread, *(t for lane in engine.lanes[1:] for t in lane._pool._threads)]
     assert threads and not any(t.is_alive() for t in threads)
     with pytest.raises(RuntimeError, match="closed"):
         engine.step(step, lr=1e-2, normalizer=10)
@@ -528,14 +549,14 @@ def test_device_updates_on_cuda_track_host_updates():
 
 
 @pytest.mark.gpu
-def test_cuda_copy_lanes_run_their_kernels_ahead_of_compute():
-    """The copy lanes' kernels (narrowing a master, a streamed AdamW step) must not queue behind compute's:
-    their streams have the higher priority (the lower number)."""
+def test_cuda_land_lane_runs_its_kernels_ahead_of_compute():
+    """The kernels that turn landed bytes into slot contents (narrowing, a streamed AdamW step) run on a stream
+    of their own with the higher priority (the lower number): a copy stream never waits behind them."""
     if not torch.cuda.is_available():
         pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
     engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cuda", window=2))
-    assert engine.h2d.stream.priority < engine.compute.stream.priority
-    assert engine.d2h.stream.priority < engine.compute.stream.priority
+    assert engine.land.stream.priority < engine.compute.stream.priority
+    assert len({lane.stream for lane in engine.lanes}) == 4
     engine.close()
 
 
@@ -568,39 +589,8 @@ def test_cuda_landing_buffers_wait_for_the_backward_that_reads_them(monkeypatch)
     assert all(offloaded[u][n].equal(t) for u, params in kept.items() for n, t in params.items())
 
 
-def test_host_threads_resolve_and_govern_the_optimizer_thread_alone(monkeypatch):
-    """`host_threads` is torch's thread count inside the optimizer thread: explicit, or on CUDA all but two of
-    the cores this process may use (never fewer than one), or torch's own count on the CPU. The training thread
-    keeps its count."""
-    monkeypatch.setattr(engine_module.os, "sched_getaffinity", lambda pid: set(range(6)))
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
-    assert EngineConfig().resolve_host_threads(cuda=True) == 4
-    assert EngineConfig().resolve_host_threads(cuda=False) == 16
-    assert EngineConfig(host_threads=3).resolve_host_threads(cuda=True) == 3
-    monkeypatch.setattr(engine_module.os, "sched_getaffinity", lambda pid: {0, 1})
-    assert EngineConfig().resolve_host_threads(cuda=True) == 1
-    with pytest.raises(ValueError, match="host_threads must be >= 1"):
-        EngineConfig(host_threads=0).resolve_host_threads(cuda=False)
-    monkeypatch.undo()
-
-    seen = []
-
-    class Recording:
-        units = [None]
-
-        def step_unit(self, *args, **kwargs):
-            seen.append(torch.get_num_threads())
-
-    before = torch.get_num_threads()
-    updater = HostUpdater(Recording(), threads=1)
-    updater.submit(0, torch.zeros(1), [DONE], lr=1.0, grad_scale=1.0)
-    updater.wait_all()
-    updater.close()
-    assert seen == [1] and torch.get_num_threads() == before
-
-
 def test_a_failed_device_update_stops_the_lane_that_would_store_it(monkeypatch):
-    """A piece whose step fails on the h2d lane must not be stored back into the host master by the d2h lane
+    """A piece whose step fails on the land lane must not be stored back into the host master by the d2h lane
     (which only waits for it): the failure stops that lane too and surfaces in the training thread."""
     monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
     engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=0.05,
@@ -611,17 +601,17 @@ def test_a_failed_device_update_stops_the_lane_that_would_store_it(monkeypatch):
     def broken(*args):
         raise RuntimeError("device step failed")
 
-    monkeypatch.setattr(engine_module, "_stream_in", broken)
+    monkeypatch.setattr(engine_module, "_step_piece", broken)
     with pytest.raises(RuntimeError, match="lane failed"):
         engine.step(step, lr=1e-2, normalizer=10)
     engine.updater.close()
-    for lane in (engine.h2d, engine.d2h):
+    for lane in engine.lanes:
         lane.close()  # lets each lane finish (or skip) what it had queued
-    assert isinstance(engine.h2d.error, RuntimeError) and engine.d2h.error is not None
+    assert isinstance(engine.land.error, RuntimeError) and engine.d2h.error is not None
 
 
 @pytest.mark.parametrize("clip", [0.05, None])
-@pytest.mark.parametrize("slow", ["h2d", "d2h", "updater"])
+@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "updater"])
 def test_the_edges_tail_only_part_updates_apart_with_the_same_result(monkeypatch, clip, slow):
     """Untied edges updated on the device split into what the head reads (embedding) and what only the tail
     reads (final norm, output projection). Without clipping the tail part updates during backward, with

@@ -162,10 +162,10 @@ class StreamedStep:
     """Runs host units' AdamW steps on a device, piece by piece through a small device buffer.
 
     For each piece: master, m, v (and the gradient) are copied in (`load`), stepped by torch's AdamW on the
-    device (`step`: the same formula the host runs, so the two paths agree to the last bits on the same
-    hardware) and copied back (`store`: master, m and v; or the master alone when the host steps the moments).
-    Where each copy runs and what it waits for is the caller's business: the engine puts loads and steps on its
-    host-to-device stream and stores on its device-to-host stream.
+    device (`step`, which widens the gradient first: the same formula the host runs, so the two paths agree to
+    the last bits on the same hardware) and copied back (`store`: master, m and v; or the master alone when the
+    host steps the moments). Where each runs and what it waits for is the caller's business: the engine puts
+    loads on its host-to-device stream, steps on a stream of their own and stores on its device-to-host stream.
     """
 
     def __init__(self, numel: int, config: AdamWConfig, device: torch.device, grad_dtype: torch.dtype):
@@ -181,25 +181,29 @@ class StreamedStep:
         self.config = config
 
     def load(self, opt: FlatAdamW, start: int, end: int, grad: torch.Tensor) -> None:
-        """Copy [start, end) of `opt`'s master, states and `grad` in (`end - start <= numel`)."""
+        """Copy [start, end) of `opt`'s master, states and `grad` in (`end - start <= numel`): copies only, so a
+        copy stream is never held up behind a kernel."""
         if opt.narrow:
             raise ValueError("streamed steps need fp32 AdamW states")
         n = end - start
         for dst, src in ((self.param, opt.master), (self.exp_avg, opt.exp_avg), (self.exp_avg_sq, opt.exp_avg_sq)):
             dst[:n].copy_(src[start:end], non_blocking=True)
-        if grad.device == self.grad.device:  # already here (kept on the device): widened in place
-            self.grad[:n].copy_(grad[start:end])
-        else:  # lands as it is, then is widened on the device, as the host path widens it
+        if grad.device != self.grad.device:  # lands as it is; `step` widens it, as the host path does (a gradient
+            # already on this device is read by `step` where it is)
             self.grad_in[:n].copy_(grad[start:end], non_blocking=True)
-            self.grad[:n].copy_(self.grad_in[:n])
 
-    def step(self, n: int, step_count: int, lr: float, grad_scale: float = 1.0) -> None:
-        """AdamW on the first `n` loaded elements, as update number `step_count + 1` of their chunk."""
-        grad = self.grad[:n]
+    def step(self, start: int, end: int, grad: torch.Tensor, step_count: int, lr: float,
+             grad_scale: float = 1.0) -> None:
+        """AdamW on the piece `load(opt, start, end, grad)` landed, as update number `step_count + 1` of its
+        chunk; the gradient is widened first (from where it landed, or from `grad` itself on this device)."""
+        n = end - start
+        grad_piece = self.grad[:n]
+        grad_piece.copy_(grad[start:end] if grad.device == self.grad.device else self.grad_in[:n])
         if grad_scale != 1.0:
-            grad.mul_(grad_scale)
+            grad_piece.mul_(grad_scale)
         self.step_t.fill_(step_count + 1)
-        _adamw_kernel(self.param[:n], grad, self.exp_avg[:n], self.exp_avg_sq[:n], self.step_t, lr, self.config)
+        _adamw_kernel(self.param[:n], grad_piece, self.exp_avg[:n], self.exp_avg_sq[:n], self.step_t, lr,
+                      self.config)
 
     def store(self, opt: FlatAdamW, start: int, end: int, moments: bool = True) -> None:
         """Copy the stepped master (and m and v, unless the host will step them: `FlatAdamW.step` part

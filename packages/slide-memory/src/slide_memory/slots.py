@@ -28,20 +28,34 @@ class Slot:
         self.landing = self.grads.view(torch.uint8)[: whole * 4].view(torch.float32) if dtype != torch.float32 \
             else None
 
+    @property
+    def narrow(self) -> bool:
+        """Whether a master lands through the landing zone (fp32 in, narrowed on the device)."""
+        return self.landing is not None and self.landing.numel() > 0
+
+    def pieces(self, numel: int) -> list[tuple[int, int, int, torch.Tensor]]:
+        """How a master of `numel` fp32 elements lands in a narrow slot: (start, end, buffer, landing view) per
+        piece. The pieces alternate between the two halves of the landing zone (buffers 0 and 1), so one can be
+        copied in while the other is narrowed; a zone too small to halve is one buffer."""
+        halves = 2 if self.landing.numel() >= 2 else 1
+        size = self.landing.numel() // halves
+        return [(start, min(start + size, numel), k % halves,
+                 self.landing[(k % halves) * size:][: min(size, numel - start)])
+                for k, start in enumerate(range(0, numel, size))]
+
     def load(self, master: torch.Tensor, unit: int | None = None, non_blocking: bool = False) -> None:
         """Copy a flat host master (fp32) into the slot's parameters, in the slot's dtype.
 
         The slot's gradient buffer is overwritten when the dtypes differ: it must not hold anything still needed,
-        and it holds master bytes afterwards, so zero it before a backward accumulates into it.
+        and it holds master bytes afterwards, so zero it before a backward accumulates into it. (The engine
+        queues the same pieces itself, copies and narrowing on separate streams.)
         """
-        if master.dtype == self.params.dtype or self.landing is None or not self.landing.numel():
+        if master.dtype == self.params.dtype or not self.narrow:
             self.params.copy_(master, non_blocking=non_blocking)
         else:
-            step = self.landing.numel()
-            for start in range(0, master.numel(), step):
-                n = min(step, master.numel() - start)
-                self.landing[:n].copy_(master[start : start + n], non_blocking=non_blocking)
-                self.params[start : start + n].copy_(self.landing[:n])
+            for start, end, _, landing in self.pieces(master.numel()):
+                landing.copy_(master[start:end], non_blocking=non_blocking)
+                self.params[start:end].copy_(landing)
         self.unit = unit
 
 

@@ -1,9 +1,10 @@
 """The layer-sliding engine: trains a `Stack` whose blocks live on the host and visit the device in slots.
 
-One optimizer step over a list of micro-batches (DESIGN.md section 3), as queued work on three lanes (compute,
-host-to-device, device-to-host) plus a host optimizer thread:
-  forward   head, then block by block: each block is loaded into a slot ahead of its turn (h2d lane, while the
-            previous block computes: the fp32 master crosses PCIe and is narrowed to bf16 in the slot) and runs
+One optimizer step over a list of micro-batches (DESIGN.md section 3), as queued work on four lanes (compute,
+host-to-device copies, land: the kernels that turn landed bytes into slot contents, device-to-host) plus a host
+optimizer thread:
+  forward   head, then block by block: each block is loaded into a slot ahead of its turn (while the previous
+            block computes: the fp32 master crosses PCIe on h2d and is narrowed to bf16 in the slot on land) and runs
             every micro-batch there (layer-major); each output boundary activation goes to the host (d2h lane)
   tail      loss and the gradient w.r.t. the last boundary activation, per micro-batch
   backward  block by block in reverse: load params + boundary activations ahead, recompute + backward per
@@ -28,7 +29,6 @@ the synchronous engine, kept as the reference the pipelined one is tested agains
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -82,10 +82,6 @@ class EngineConfig:
     # device-updated block's moments come from the host's kernel, its master from the device's, which agree to
     # rounding as the two paths do anyway); False: whole updates in the forward.
     split_update: bool = True
-    # torch threads for the host AdamW (set in the optimizer thread, whose parallel regions it governs). None:
-    # on CUDA all but two cores, as the training thread and the CUDA driver's threads need cores too (a parallel
-    # region is as slow as its slowest thread); torch's own count on the CPU.
-    host_threads: int | None = None
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -100,14 +96,6 @@ class EngineConfig:
         if self.device_update_share is not None:
             return self.device_update_share
         return 0.5 if cuda and self.states_dtype == "fp32" else 0.0
-
-    def resolve_host_threads(self, cuda: bool) -> int:
-        threads = torch.get_num_threads()
-        if self.host_threads is not None:
-            if self.host_threads < 1:
-                raise ValueError(f"host_threads must be >= 1, got {self.host_threads}")
-            return self.host_threads
-        return max(1, min(threads, len(os.sched_getaffinity(0)) - 2)) if cuda else threads
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.compute_dtype == "auto":
@@ -147,13 +135,17 @@ class SlidingEngine:
         self.num_blocks = stack.num_blocks
         inline = not config.pipeline
         self.compute = Lane("compute", self.device, inline=True)
-        # The copy lanes also run small kernels (narrowing a loaded master, a streamed AdamW step), and copies
-        # queued behind such a kernel wait for it. At compute's priority it waits for SMs behind the forward's
-        # GEMMs; at a higher one it runs first, so the copies keep flowing.
-        self.h2d = Lane("h2d", self.device, inline=inline, priority=-1)
-        self.d2h = Lane("d2h", self.device, inline=inline, priority=-1)
+        self.h2d = Lane("h2d", self.device, inline=inline)
+        self.d2h = Lane("d2h", self.device, inline=inline)
+        # What lands on the device is turned into slot contents (a master narrowed to bf16, a streamed AdamW
+        # step) on a lane of its own: a copy queued behind such a kernel would wait with it for SMs, which the
+        # forward's GEMMs hold up to a millisecond at a time (lane_probe.py: a device update beside GEMMs ran at
+        # 20 GB/s with its kernels on the copy stream, 45 GB/s alone). Higher priority: its kernels go first
+        # when SMs free up.
+        self.land = Lane("land", self.device, inline=inline, priority=-1)
+        self.lanes = (self.compute, self.h2d, self.land, self.d2h)
         self.timeline = Timeline(self.device)
-        for lane in (self.compute, self.h2d, self.d2h):
+        for lane in self.lanes:
             lane.timeline = self.timeline
         self._wait_update_s = 0.0
 
@@ -225,8 +217,7 @@ class SlidingEngine:
         sliding_blocks = self.num_blocks - max(self.resident - 1, 0)
         ring = sliding_blocks - len(held) if config.max_grad_norm else min(3, sliding_blocks)
         self.grad_ring = StagingRing(ring, block_layout.numel, self.dtype) if ring else None
-        self.updater = HostUpdater(self.optimizer, inline=inline,
-                                   threads=config.resolve_host_threads(self.device.type == "cuda"))
+        self.updater = HostUpdater(self.optimizer, inline=inline)
         self._setup_device_updates(block_layout.numel)
         self.edge_grad = (host_zeros(edge_layout.numel, self.dtype)
                           if not self.resident and 0 not in self.streamed else None)
@@ -303,8 +294,10 @@ class SlidingEngine:
                 buf = self.stream_buffers[self._next_buffer]
                 self._next_buffer = (self._next_buffer + 1) % len(self.stream_buffers)
                 self.h2d.wait(buf.free)
-                self.h2d.run(_stream_in, buf, opt, start, end, grad, count, lr, scale, slot, label=f"update {name}")
-                self.d2h.wait(self.h2d.record())
+                self.h2d.run(buf.load, opt, start, end, grad, label=f"update {name}")
+                self.land.wait(self.h2d.record())
+                self.land.run(_step_piece, buf, start, end, grad, count, lr, scale, slot, label=f"update {name}")
+                self.d2h.wait(self.land.record())
                 self.d2h.run(buf.store, opt, start, end, not split, label=f"store {name}")
                 buf.free = self.d2h.record()
             step += 1  # host bookkeeping of the chunk's AdamW step count (in place: the chunk's state)
@@ -409,7 +402,23 @@ class SlidingEngine:
         self._wait_for_update(unit, params_only=True)
         self.h2d.wait(self._written.get(unit, DONE))
         block = unit - 1 if unit else None
-        self.h2d.run(slot.load, self.units[unit].master, block, True, label=f"params {'edges' if unit == 0 else block}")
+        master, label = self.units[unit].master, f"params {'edges' if unit == 0 else block}"
+        if not slot.narrow:
+            self.h2d.run(slot.params.copy_, master, True, label=label)
+        else:  # copied in on h2d, narrowed on the land lane, piece by piece through the landing zone's halves
+            narrowed: dict[int, Signal] = {}  # landing buffer -> its last narrowing
+            for start, end, k, landing in slot.pieces(master.numel()):
+                self.h2d.wait(narrowed.get(k, DONE))
+                self.h2d.run(landing.copy_, master[start:end], True, label=label)
+                self.land.wait(self.h2d.record())
+                self.land.run(slot.params[start:end].copy_, landing, label=label)
+                narrowed[k] = self.land.record()
+        slot.unit = block
+
+    def _landed(self) -> Signal:
+        """A signal for everything queued so far on the h2d and land lanes."""
+        self.land.wait(self.h2d.record())
+        return self.land.record()
 
     def _update_edges_tail(self, chunks: int | None = 1) -> bool:
         """Queue `chunks` more optimizer chunks (None: all that are left) of the edges' pending tail-only update;
@@ -426,7 +435,7 @@ class SlidingEngine:
         if self._edges_loaded is None:
             head = [k for k in self._pending[0][4] if k not in self._edge_tail] if 0 in self._pending else None
             self._load(0, self.edge_slot, head)
-            self._edges_loaded = self.h2d.record()
+            self._edges_loaded = self._landed()
         self.compute.wait(self._edges_loaded)
 
     def _stage(self, block: int, boundary: int | None, micro: int):
@@ -443,7 +452,7 @@ class SlidingEngine:
             landing = self._act_landing[block % len(self._act_landing)]
             self.h2d.wait(landing.free)
             acts = [self.activations.fetch(boundary, j, owner=landing) for j in range(micro)]
-        slot.ready = self.h2d.record()
+        slot.ready = self._landed()
         return slot, acts
 
     @property
@@ -559,8 +568,8 @@ class SlidingEngine:
             self._edges_loaded = None
         if not self.config.pipeline:
             self.synchronize()
-        for lane in (self.compute, self.d2h, self.h2d):  # the spans of every lane are complete (and a failed
-            lane.record().wait_host()  # copy raises here)
+        for lane in self.lanes:  # the spans of every lane are complete (and a failed copy raises here)
+            lane.record().wait_host()
         clock.lap("update")
         spans = self._spans(clock.start)
         timeline = summarize(spans, clock.total)
@@ -621,7 +630,7 @@ class SlidingEngine:
         tail_ready = None  # the edges' tail-only part, deferred by clipping, is queued a chunk per block
         for i in range(n):
             if self._update_edges_tail():
-                tail_ready = self.h2d.record()
+                tail_ready = self._landed()
             slot, _ = staged.pop(i)
             self.compute.wait(slot.ready)
             with self.timeline.span("compute", f"forward {i}", self.compute.stream):
@@ -635,7 +644,7 @@ class SlidingEngine:
                 if k not in staged:
                     staged[k] = self._stage(k, None, 0)
         if self._update_edges_tail(None):
-            tail_ready = self.h2d.record()
+            tail_ready = self._landed()
         if tail_ready is not None:  # the tail reads it
             self.compute.wait(tail_ready)
         return hidden, contexts
@@ -649,7 +658,7 @@ class SlidingEngine:
             self.synchronize()
         finally:
             self.updater.close()
-            for lane in (self.h2d, self.d2h):
+            for lane in self.lanes:
                 lane.close()
             self.activations.trim(0)
 
@@ -670,10 +679,11 @@ def _tail_only_from(edges, layout: FlatLayout) -> int:
     return start
 
 
-def _stream_in(buf: StreamedStep, opt: FlatAdamW, start: int, end: int, grad: torch.Tensor, count: int, lr: float,
-               scale: float, slot: Slot | None) -> None:
-    buf.load(opt, start, end, grad)
-    buf.step(end - start, count, lr, scale)
+def _step_piece(buf: StreamedStep, start: int, end: int, grad: torch.Tensor, count: int, lr: float, scale: float,
+                slot: Slot | None) -> None:
+    """The device's part of a streamed update piece, once `buf.load` has landed it: AdamW, then the new
+    parameters into the slot (if any)."""
+    buf.step(start, end, grad, count, lr, scale)
     if slot is not None:
         slot.params[start:end].copy_(buf.param[: end - start])
 

@@ -1,4 +1,4 @@
-"""Lanes: the three places work is queued (compute, host-to-device, device-to-host) and the signals that order
+"""Lanes: the places work is queued (compute, host-to-device, land, device-to-host) and the signals that order
 them.
 
 On CUDA a lane is a stream and a signal is an event: queuing never blocks the Python thread, and the GPU runs

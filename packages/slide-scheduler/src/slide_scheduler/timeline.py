@@ -102,7 +102,7 @@ def plot(spans: list[Span], path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    order = ["compute", "h2d", "d2h", "optimizer"]
+    order = ["compute", "h2d", "land", "d2h", "optimizer"]
     lanes = [lane for lane in order if any(s.lane == lane for s in spans)]
     colors = {"forward": "tab:blue", "backward": "tab:orange", "tail": "tab:green", "head": "tab:purple",
               "params": "tab:gray", "acts": "tab:olive", "grads": "tab:red", "update": "tab:brown"}

@@ -4,7 +4,7 @@ A unit's update waits for its gradient to arrive on the host (a lane signal), ru
 and then sets the unit's signals: `params` (the master is new), which every later load of the unit waits for, and
 `done` (the AdamW states too), which every later reuse of its gradient buffer waits for. A split update sets
 them one part at a time (`FlatAdamW.step`'s "params", later "moments"). One thread, because torch's CPU AdamW
-already uses many cores inside one call (`threads`, set in this thread: only its calls use that count).
+already uses every core inside one call.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from .lanes import HostSignal, Signal
 
 
 class HostUpdater:
-    def __init__(self, optimizer, inline: bool = False, threads: int | None = None):
+    def __init__(self, optimizer, inline: bool = False):
         self.optimizer = optimizer
-        self.threads = threads
         self.params = [HostSignal() for _ in optimizer.units]
         self.done = [HostSignal() for _ in optimizer.units]
         self.delay = 0.0  # tests: seconds each update sleeps first
@@ -54,8 +53,6 @@ class HostUpdater:
             signal.wait_host()
 
     def _loop(self) -> None:
-        if self.threads:
-            torch.set_num_threads(self.threads)
         while True:
             item = self._queue.get()
             if item is None:

@@ -61,8 +61,6 @@ class EngineSection:
     # With clipping, write new masters before the next forward and AdamW moments after it (same result); false:
     # whole updates before the forward (for comparison)
     split_update: bool = True
-    # torch threads for the CPU AdamW; null: all but two cores on CUDA (the training thread needs one)
-    host_threads: int | None = None
 
 
 @dataclass

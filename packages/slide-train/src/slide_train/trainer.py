@@ -86,7 +86,7 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
     engine_cfg = EngineConfig(
         device=e.device, compute_dtype=e.compute_dtype, window=e.window, activation_offload=e.activation_offload,
         max_grad_norm=cfg.max_grad_norm, pipeline=e.pipeline, states_dtype=e.states_dtype,
-        device_update_share=e.device_update_share, split_update=e.split_update, host_threads=e.host_threads,
+        device_update_share=e.device_update_share, split_update=e.split_update,
         optimizer=AdamWConfig(**dataclasses.asdict(opt)),  # same fields; the front end has its own defaults
     )
     budget, cuda = None, assume_gpu_gib is not None
