@@ -75,3 +75,13 @@ def test_chat_finetune_of_a_local_model_from_the_command_line(tmp_path, capsys, 
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again")
     for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
         assert a.equal(b), name
+
+
+@pytest.mark.parametrize("n", ["0", "-1", "two"])
+def test_data_refuses_a_count_below_one(n, capsys):
+    """`slide-train data -n` counts examples to print: a count below one (which had printed all but the last
+    example, or none) is refused by the argument parser, before any data is read."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["data", "-n", n])
+    assert exit_info.value.code == 2
+    assert f"expected a whole number of at least 1, got '{n}'" in capsys.readouterr().err

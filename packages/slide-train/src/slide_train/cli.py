@@ -85,6 +85,17 @@ def cmd_presets(args, overrides) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slide-train", description=__doc__)
     sub = parser.add_subparsers(dest="command")
@@ -94,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                         "still go to metrics.jsonl)")
     p.set_defaults(func=cmd_finetune)
     p = _config_parser(sub, "data", "print a few training rows as the model sees them, with the label mask")
-    p.add_argument("-n", type=int, default=3, help="how many examples")
+    p.add_argument("-n", type=_positive, default=3, help="how many examples")
     p.set_defaults(func=cmd_data)
     p = _config_parser(sub, "plan", "print the memory plan of a run (GPU residency, host memory) without training")
     p.add_argument("--gpu-gib", type=float, default=None,
