@@ -181,15 +181,14 @@ class StreamedStep:
         self.config = config
 
     def load(self, opt: FlatAdamW, start: int, end: int, grad: torch.Tensor) -> None:
-        """Copy [start, end) of `opt`'s master, states and `grad` in (`end - start <= numel`): copies only, so a
-        copy stream is never held up behind a kernel."""
+        """Copy [start, end) of `opt`'s master and states in, and of `grad` unless it is on this device already
+        (`end - start <= numel`): copies only, so a copy stream is never held up behind a kernel."""
         if opt.narrow:
             raise ValueError("streamed steps need fp32 AdamW states")
         n = end - start
         for dst, src in ((self.param, opt.master), (self.exp_avg, opt.exp_avg), (self.exp_avg_sq, opt.exp_avg_sq)):
             dst[:n].copy_(src[start:end], non_blocking=True)
-        if grad.device != self.grad.device:  # lands as it is; `step` widens it, as the host path does (a gradient
-            # already on this device is read by `step` where it is)
+        if grad.device != self.grad.device:  # lands as it is; `step` widens it, as the host path does
             self.grad_in[:n].copy_(grad[start:end], non_blocking=True)
 
     def step(self, start: int, end: int, grad: torch.Tensor, step_count: int, lr: float,

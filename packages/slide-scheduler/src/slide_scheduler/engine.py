@@ -301,8 +301,9 @@ class SlidingEngine:
                 self.d2h.run(buf.store, opt, start, end, not split, label=f"store {name}")
                 buf.free = self.d2h.record()
             step += 1  # host bookkeeping of the chunk's AdamW step count (in place: the chunk's state)
-        if split:  # m and v stay as they were: the host steps them once they have been read
-            self._moments_due[unit] = (grad, [self.h2d.record()] * len(opt.ranges), lr, scale)
+        if split:  # m and v stay as they were: the host steps them once they have been read (and, so that a failed
+            # device step stops the host's part too, once the steps are done)
+            self._moments_due[unit] = (grad, [self._landed()] * len(opt.ranges), lr, scale)
         self._written[unit] = self.d2h.record()
         if slot is not None:
             slot.unit = unit - 1 if unit else None
@@ -393,9 +394,10 @@ class SlidingEngine:
     # -- loading units --------------------------------------------------------------------------------------------
 
     def _load(self, unit: int, slot: Slot, chunks: list[int] | None = None) -> None:
-        """Queue the unit's newest parameters into `slot` on the h2d lane: its pending device update (`chunks` of
-        it, if given) writes them there; otherwise its master is copied in once its host update has written it
-        (which also means its gradient has left the slot) and any device update's store is home."""
+        """Queue the unit's newest parameters into `slot` (copies on the h2d lane, kernels on land): its pending
+        device update (`chunks` of it, if given) writes them there; otherwise its master is copied in once its
+        host update has written it (which also means its gradient has left the slot) and any device update's
+        store is home."""
         if unit in self._pending:
             self._update_on_device(unit, slot, chunks)
             return
@@ -439,7 +441,8 @@ class SlidingEngine:
         self.compute.wait(self._edges_loaded)
 
     def _stage(self, block: int, boundary: int | None, micro: int):
-        """Queue block `block` into the next slot (and, for backward, its input activations) on the h2d lane."""
+        """Queue block `block` into the next slot (and, for backward, its input activations) on the h2d and land
+        lanes; `slot.ready` covers both."""
         if block in self.resident_slots:  # always loaded; its update runs on the compute lane
             slot = self.resident_slots[block]
         else:

@@ -2,7 +2,7 @@
 them.
 
 On CUDA a lane is a stream and a signal is an event: queuing never blocks the Python thread, and the GPU runs
-copies and compute side by side. On the CPU a copy lane is a single worker thread and a signal is a future, so
+copies and compute side by side. On the CPU every other lane is a single worker thread and a signal is a future, so
 the CPU run of the engine has the same concurrency, the same ordering rules and the same races to get right;
 that is what lets CI test the pipeline. The compute lane on the CPU is the calling thread itself.
 """

@@ -68,11 +68,15 @@ class Timeline:
 
 
 def summarize(spans: list[Span], wall: float) -> dict[str, float]:
-    """GPU busy time (union of compute spans) and what is left of the step: exposed time."""
+    """GPU busy time (union of compute spans) and what is left of the step: exposed time. Also the busy time of
+    the copy lanes together, of the land lane (its kernels; before it existed they ran inside h2d spans) and of
+    the host optimizer."""
     busy = _union([(s.start, s.end) for s in spans if s.lane == "compute"])
     copies = _union([(s.start, s.end) for s in spans if s.lane in ("h2d", "d2h")])
+    land = _union([(s.start, s.end) for s in spans if s.lane == "land"])
     update = _union([(s.start, s.end) for s in spans if s.lane == "optimizer"])
-    return {"gpu_busy_s": busy, "exposed_s": max(0.0, wall - busy), "copy_busy_s": copies, "update_busy_s": update}
+    return {"gpu_busy_s": busy, "exposed_s": max(0.0, wall - busy), "copy_busy_s": copies, "land_busy_s": land,
+            "update_busy_s": update}
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
