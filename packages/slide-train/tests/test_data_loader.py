@@ -130,3 +130,28 @@ def test_builtin_corpus_default(tmp_path):
     batch = data.train.next_micro_batch()
     assert (batch["document_ids"] >= 0).all()  # text fills every row: no padding
     assert "train examples" in data.summary()
+
+
+def test_epochs_count_each_epochs_own_rows():
+    """Packing whole (unsplittable) examples in a new order each epoch gives each epoch its own row count; the
+    rows of N epochs are what the stream really yields before its epoch counter reaches N."""
+    from slide_train.data.formats import Example
+    from slide_train.data.loader import Loader
+
+    lengths = [6, 5, 4, 3, 7, 2, 6, 5, 3, 4, 8, 2, 5, 6, 3]
+    examples = [Example(torch.arange(n), torch.arange(n), f"row {i}", splittable=False)
+                for i, n in enumerate(lengths)]
+    loader = Loader(examples, seq_len=10, micro_batch_size=1, seed=0, shuffle=True, pack=True, pad=0)
+    counts = [len(loader.rows(epoch)) for epoch in range(3)]
+    assert len(set(counts)) > 1  # the case this is about
+
+    def yielded(epochs: int) -> int:
+        stream, rows = Loader(examples, 10, 1, 0, True, True, 0), 0
+        while stream.epoch < epochs:
+            stream.next_micro_batch()
+            rows += 1
+        return rows
+
+    assert [loader.rows_in(n) for n in (1, 2, 3)] == [yielded(1), yielded(2), yielded(3)]
+    assert yielded(2) != 2 * counts[0]  # what counting epoch 0's rows twice gave (the old total_steps)
+    assert loader.rows_in(1.5) == counts[0] + -(-counts[1] // 2)

@@ -217,9 +217,8 @@ class Trainer:
         self.engine, self.memory_plan = build_engine(cfg, self.model, progress,
                                                      before_load=lambda plan: self._check_disk(plan, outputs))
         self.num_params = sum(u.layout.numel for u in self.engine.units)
-        rows = self.data.train.rows_per_epoch
         per_step = cfg.micro_batch_size * cfg.grad_accum
-        self.total_steps = math.ceil(cfg.epochs * rows / per_step) if cfg.epochs else cfg.steps
+        self.total_steps = math.ceil(self.data.train.rows_in(cfg.epochs) / per_step) if cfg.epochs else cfg.steps
         self.step_index = 0
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for path in outputs:  # --overwrite: cleared only now that the new run could be built

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import warnings
 from dataclasses import dataclass
@@ -56,6 +57,16 @@ class Loader:
     def rows_per_epoch(self) -> int:
         """Rows in the current epoch (it can differ slightly between epochs when packing whole examples)."""
         return len(self.rows(self.epoch))
+
+    def rows_in(self, epochs: float) -> int:
+        """Rows in the first `epochs` epochs from the start (a fraction counts that share of the next epoch's
+        rows, rounded up). Each epoch packs its own order, so whole examples can make their counts differ."""
+        whole = int(epochs)
+        total = sum(len(self.rows(epoch)) for epoch in range(whole))
+        if epochs > whole:
+            total += math.ceil((epochs - whole) * len(self.rows(whole)))
+        self.rows(self.epoch)  # the current epoch's rows cached again
+        return total
 
     def next_micro_batch(self) -> dict:
         batch: list[Row] = []
