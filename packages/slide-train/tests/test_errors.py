@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -114,6 +115,33 @@ def test_corrupted_checkpoint_is_refused_and_auto_falls_back(tmp_path):
     assert trainer.step_index == 1
     manifest = json.loads((newest.parent / "manifest.json").read_text())
     assert "block-001.safetensors" in manifest["files"]
+
+
+def test_a_resume_with_another_model_of_the_same_shapes_says_whose_weights_train(tmp_path):
+    """The checkpoint holds every weight, so a resume given another model of the same shapes continues the
+    checkpoint's weights; it says so, naming both models, and stays silent when the model is the same."""
+    for name, seed in (("m", 0), ("other", 1)):
+        torch.manual_seed(seed)
+        save_tiny_model(tmp_path / name, "llama")
+    write_token_rows(tmp_path / "d.jsonl", torch.randint(3, 259, (16, 16)).tolist())
+    base = [f"--data.path={tmp_path / 'd.jsonl'}", "--data.format=tokens", "--seq_len=16", "--micro_batch_size=2",
+            "--grad_accum=1", "--engine.device=cpu", f"--output_dir={tmp_path / 'run'}", "--checkpoint.every=1",
+            "--export=false", "--steps=2"]
+    first = Trainer(load_config(None, [*base, f"--model={tmp_path / 'm'}"]), progress=False)
+    first.fit()
+    saved = {k: v.clone() for k, v in first.engine.named_masters()["block.0"].items()}
+    for model, warned in (("m", False), ("other", True)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resumed = Trainer(load_config(None, [*base, f"--model={tmp_path / model}", "--resume=auto"]),
+                              progress=False)
+        said = [str(w.message) for w in caught if "started from model" in str(w.message)]
+        assert bool(said) == warned, said
+        if warned:
+            assert str(tmp_path / "m") in said[0] and str(tmp_path / "other") in said[0]
+        masters = resumed.engine.named_masters()["block.0"]
+        assert all(masters[k].equal(v) for k, v in saved.items())  # the checkpoint's weights either way
+        resumed.close()
 
 
 def test_an_earlier_run_is_never_silently_mixed_with_a_new_one(tmp_path):

@@ -269,6 +269,11 @@ class Trainer:
             if state.get("total_steps") != self.total_steps:
                 warnings.warn(f"resuming a run planned for {state.get('total_steps')} steps as a run of "
                               f"{self.total_steps}: the learning-rate schedule changes from here on", stacklevel=2)
+            started = state.get("config", {}).get("model")
+            if started is not None and started != self.cfg.model:  # same shapes (the load checked those)
+                warnings.warn(f"resuming {path} of a run that started from model {started!r}, now given model="
+                              f"{self.cfg.model!r}: its weights come from the checkpoint, not from that model",
+                              stacklevel=2)
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.is_file():  # drop records of steps after the checkpoint: they will be redone
             kept = [r for r in read_metrics(metrics) if r["step"] <= self.step_index]
