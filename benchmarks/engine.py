@@ -125,6 +125,11 @@ def run_slide(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     if args.threads:  # before the optimizer thread starts: it takes torch's count then
         torch.set_num_threads(args.threads)
+    if args.stream_buffers:  # the engine's and the planner's count (plan.py imports the name)
+        import slide_scheduler.engine
+        import slide_train.plan
+
+        slide_scheduler.engine.STREAM_BUFFERS = slide_train.plan.STREAM_BUFFERS = args.stream_buffers
     if args.host_block:
         from slide_memory import adamw
 
@@ -160,6 +165,7 @@ def run_slide(args) -> dict:
     share += "" if args.states == "fp32" else f", {args.states} states"
     share += f", {args.threads} torch threads" if args.threads else ""
     share += f", host block {args.host_block}/thread" if args.host_block else ""
+    share += f", {args.stream_buffers} device-update buffers" if args.stream_buffers else ""
     return {"system": f"slide ({'pipelined' if args.pipeline else 'synchronous'} engine, clip {args.clip}{share})",
             "cap_gib": args.cap,
             "setup_s": setup_s, "step_s": step_s, "plan": trainer.memory_plan.text(),
@@ -194,6 +200,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads before the engine (0: leave it)")
     p.add_argument("--host-block", type=int, default=0,
                    help="slide_memory.adamw.BLOCK_PER_THREAD (host AdamW elements per thread per call; 0: default)")
+    p.add_argument("--stream-buffers", type=int, default=0,
+                   help="slide_scheduler.engine.STREAM_BUFFERS, device-update buffers (0: the default)")
     p.add_argument("--lr", type=float, default=1e-5,
                    help="both systems (runs before 2026-11-29 13:00 trained ours at the config default 1e-3)")
     p.add_argument("--tag", default="")

@@ -14,6 +14,7 @@
 #   bash benchmarks/run_gpu.sh threads # the host's CPUs; B3 (peer) with torch's threads at 16, 15, 14, 12 and a
 #                                      # smaller host AdamW block; the optimizer beside a busy thread (one tarball)
 #   bash benchmarks/run_gpu.sh land    # memory, scheduler and train GPU tests; lane_probe.py; B3 (peer); B8 clipped
+#   bash benchmarks/run_gpu.sh buffers # B3 (peer) with 2 and 3 device-update buffers; clipped B8 with 3
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -108,6 +109,11 @@ land)
   python3 "$root/benchmarks/lane_probe.py" --out "$out" 2>&1 | grep GB/s
   bench $b3 --peer plain --tag B3
   bench $b8 --tag B8
+  ;;
+buffers)
+  bench $b3 --peer plain --tag B3
+  bench $b3 --peer none --stream-buffers 3 --tag B3-buffers3
+  bench $b8 --stream-buffers 3 --tag B8-buffers3
   ;;
 kernels)
   install_liger

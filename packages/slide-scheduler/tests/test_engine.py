@@ -333,6 +333,24 @@ def test_clipped_updates_streamed_through_the_device_equal_host_updates(monkeypa
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
+@pytest.mark.parametrize("buffers", [1, 3])
+@pytest.mark.parametrize("slow", ["h2d", "land", "d2h"])
+def test_streamed_updates_take_any_number_of_device_buffers(monkeypatch, buffers, slow):
+    """With one device-update buffer every piece's copy waits for the last piece's store; with three, for the
+    store three pieces back. Either way the result is the synchronous engine's, bit for bit."""
+    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    monkeypatch.setattr(engine_module, "STREAM_BUFFERS", buffers)
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05)
+    losses, got = run_engine(pipeline=True, window=2, clip=0.05, device_share=1.0, delays={slow: 0.003},
+                             patch=lambda engine: assert_buffers(engine, buffers))
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+
+def assert_buffers(engine, count):
+    assert len(engine.stream_buffers) == count
+
+
 @pytest.mark.parametrize("share, held", [(0.5, 1), (1.0, 2), (1.0, DEPTH)])
 @pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "updater"])
 def test_gradients_held_on_the_device_for_device_updates_give_the_same_result(monkeypatch, share, held, slow):

@@ -54,7 +54,9 @@ from .timeline import Span, Timeline, summarize
 from .updater import HostUpdater
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-STREAM_PIECE = 1 << 23  # elements per device-update piece: two buffers of ~150 MB on the device
+STREAM_PIECE = 1 << 23  # elements per device-update piece: each buffer ~150 MB on the device
+# Device-update buffers: a piece's copy in waits for the store of the piece that used its buffer last
+STREAM_BUFFERS = 2
 
 
 @dataclass
@@ -262,7 +264,7 @@ class SlidingEngine:
         numel = max(block_numel, self.units[0].layout.numel if 0 in self.streamed else 0)
         piece = min(STREAM_PIECE, -(-numel // PIECE_ALIGN) * PIECE_ALIGN)
         self.stream_buffers = [StreamedStep(piece, self.config.optimizer, self.device, self.dtype)
-                               for _ in range(2 if self.streamed else 0)]
+                               for _ in range(STREAM_BUFFERS if self.streamed else 0)]
         for buf in self.stream_buffers:
             buf.free = DONE  # its last store has left
         self._next_buffer = 0
