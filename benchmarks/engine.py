@@ -209,6 +209,8 @@ def main() -> None:
                    help="scratch run directory: its earlier outputs (metrics, checkpoints, export) are deleted")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
+    if args.stream_buffers < 0:
+        p.error("--stream-buffers must be 1 or more (0: the engine's default)")
 
     from slide_train.models.presets import preset_config
 

@@ -14,7 +14,7 @@
 #   bash benchmarks/run_gpu.sh threads # the host's CPUs; B3 (peer) with torch's threads at 16, 15, 14, 12 and a
 #                                      # smaller host AdamW block; the optimizer beside a busy thread (one tarball)
 #   bash benchmarks/run_gpu.sh land    # memory, scheduler and train GPU tests; lane_probe.py; B3 (peer); B8 clipped
-#   bash benchmarks/run_gpu.sh buffers # B3 (peer) with 2 and 3 device-update buffers; clipped B8 with 3
+#   bash benchmarks/run_gpu.sh buffers # clipped B3 and B8, each with 2 and 3 device-update buffers
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -110,9 +110,10 @@ land)
   bench $b3 --peer plain --tag B3
   bench $b8 --tag B8
   ;;
-buffers)
-  bench $b3 --peer plain --tag B3
+buffers)  # each with its 2-buffer baseline in the same call (no peer: it is the engine against itself)
+  bench $b3 --peer none --tag B3
   bench $b3 --peer none --stream-buffers 3 --tag B3-buffers3
+  bench $b8 --tag B8
   bench $b8 --stream-buffers 3 --tag B8-buffers3
   ;;
 kernels)

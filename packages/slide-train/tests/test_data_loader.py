@@ -154,4 +154,8 @@ def test_epochs_count_each_epochs_own_rows():
 
     assert [loader.rows_in(n) for n in (1, 2, 3)] == [yielded(1), yielded(2), yielded(3)]
     assert yielded(2) != 2 * counts[0]  # what counting epoch 0's rows twice gave (the old total_steps)
-    assert loader.rows_in(1.5) == counts[0] + -(-counts[1] // 2)
+    assert loader.rows_in(1.6) == 10 + 6 and loader.rows_in(2.5) == 10 + 9 + 6  # 5.4 and 5.5 rows: rounded up
+    same_every_epoch = Loader(examples, 10, 1, 0, False, False, 0)  # neither shuffled nor packed: a row each
+    assert [len(same_every_epoch.rows(e)) for e in range(3)] == [15, 15, 15]
+    # (1.6 - 1) * 15 is 9.000000000000002 in floats: still 9 rows
+    assert same_every_epoch.rows_in(1.6) == 24 and same_every_epoch.rows_in(0.25) == 4

@@ -269,10 +269,10 @@ class Trainer:
             if state.get("total_steps") != self.total_steps:
                 warnings.warn(f"resuming a run planned for {state.get('total_steps')} steps as a run of "
                               f"{self.total_steps}: the learning-rate schedule changes from here on", stacklevel=2)
-            started = state.get("config", {}).get("model")
-            if started is not None and started != self.cfg.model:  # same shapes (the load checked those)
-                warnings.warn(f"resuming {path} of a run that started from model {started!r}, now given model="
-                              f"{self.cfg.model!r}: its weights come from the checkpoint, not from that model",
+            started = state.get("model")  # (checkpoints from before it was saved: nothing to compare)
+            if started is not None and started != self.model.identity:  # same shapes: the load checked those
+                warnings.warn(f"resuming {path} of a run that started from model {started}, now given "
+                              f"{self.model.identity}: its weights come from the checkpoint, not from that model",
                               stacklevel=2)
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.is_file():  # drop records of steps after the checkpoint: they will be redone
@@ -302,7 +302,7 @@ class Trainer:
             return None
         self._check_weights("checkpoint")
         state = {"step": self.step_index, "total_steps": self.total_steps, "data": self.data.train.state_dict(),
-                 "config": to_dict(self.cfg)}
+                 "model": self.model.identity, "config": to_dict(self.cfg)}
         while True:
             try:
                 path = ckpt.save_checkpoint(self.checkpoints, self.step_index, self.engine, state)

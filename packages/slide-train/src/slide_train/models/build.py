@@ -25,6 +25,11 @@ class ModelBundle:
     tokenizer: object | None
     dtype: torch.dtype  # the dtype the weights came in (the default export dtype)
 
+    @property
+    def identity(self) -> str:
+        """What names this model however it was typed: a preset's name, or its directory's resolved path."""
+        return self.name if self.name in PRESETS else str(pathlib.Path(self.name).resolve())
+
     def stack(self, kernels: bool = False) -> HFStack:
         return HFStack(self.hf_config, self.weights, kernels=kernels)
 
