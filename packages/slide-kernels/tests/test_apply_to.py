@@ -158,6 +158,22 @@ def test_toy_llama_matches_unpatched(path, restore_rope):
     assert model(input_ids=ids, labels=labels).logits.shape == (2, 9, 61)
 
 
+def test_patched_forward_passes_cache_arguments_only_when_given(path, restore_rope, monkeypatch):
+    """transformers 5.24 deprecates the `past_key_values` keyword of the base model's forward, even as None (a
+    FutureWarning on every training step); the patched forward hands cache arguments on only when the caller
+    gave them."""
+    seen = []
+    forward = ToyModel.forward
+    monkeypatch.setattr(ToyModel, "forward", lambda self, *a, **kw: seen.append(set(kw)) or forward(self, *a, **kw))
+    model = ToyForCausalLM()
+    sk.apply_to(model)
+    ids = torch.randint(0, 61, (1, 5))
+    model(input_ids=ids, labels=ids)
+    model(input_ids=ids, labels=ids, use_cache=False)
+    assert not {"past_key_values", "use_cache"} & seen[0]
+    assert "use_cache" in seen[1] and "past_key_values" not in seen[1]
+
+
 def test_unsupported_model_type():
     model = ToyForCausalLM()
     model.config.model_type = "gpt2"

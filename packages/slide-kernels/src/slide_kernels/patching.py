@@ -46,9 +46,10 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     shift_labels = kwargs.pop("shift_labels", None)
     ignore_index = kwargs.pop("ignore_index", -100)
     return_dict = kwargs.pop("return_dict", None)
+    # Cache arguments only when given: newer transformers deprecate the `past_key_values` name even as None.
+    cache = {k: v for k, v in (("past_key_values", past_key_values), ("use_cache", use_cache)) if v is not None}
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         **kwargs)
+                         inputs_embeds=inputs_embeds, **cache, **kwargs)
     hidden = outputs[0]
     loss = logits = None
     if labels is not None or shift_labels is not None:
