@@ -10,16 +10,17 @@ engine runs. TFLOP/s count 6·N·T (no recompute), as the peers' figures do.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
 import pathlib
 import statistics
+import threading
 import time
 
+import common
 import torch
-from common import ROOT, git_commit
+from common import ROOT
 
 
 def random_batches(vocab: int, micro: int, seq: int, accum: int, steps: int, seed: int = 0):
@@ -125,11 +126,10 @@ def run_slide(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     if args.threads:  # before the optimizer thread starts: it takes torch's count then
         torch.set_num_threads(args.threads)
-    if args.stream_buffers:  # the engine's and the planner's count (plan.py imports the name)
+    if args.stream_buffers:  # (the planner reads the engine's count)
         import slide_scheduler.engine
-        import slide_train.plan
 
-        slide_scheduler.engine.STREAM_BUFFERS = slide_train.plan.STREAM_BUFFERS = args.stream_buffers
+        slide_scheduler.engine.STREAM_BUFFERS = args.stream_buffers
     if args.host_block:
         from slide_memory import adamw
 
@@ -137,9 +137,9 @@ def run_slide(args) -> dict:
     t0 = time.perf_counter()
     trainer = Trainer(load_config(None, overrides), progress=False)
     setup_s = time.perf_counter() - t0
-    import threading
-
-    roles = {"training": threading.main_thread().native_id, "optimizer": trainer.engine.updater._thread.native_id}
+    roles = {"training": threading.main_thread().native_id}
+    if (worker := getattr(trainer.engine.updater, "_thread", None)) is not None:  # (none when synchronous)
+        roles["optimizer"] = worker.native_id
     records = []
     for _ in range(args.warmup + args.steps):
         before, start = thread_cpu(), time.perf_counter()
@@ -154,7 +154,7 @@ def run_slide(args) -> dict:
     memory = [{k: r.get(k) for k in ("allocated_bytes_at_start", "alloc_retries", "cuda_mallocs")} for r in records]
     cpu = {k: statistics.median(r[k] for r in timed)
            for k in ("trainer_step_s", "training_cpu_s", "optimizer_cpu_s", "other_cpu_s", "busiest_other_cpu_s",
-                     "other_threads")}
+                     "other_threads") if k in timed[0]}
     for name in ("timeline.png", "trace.json"):
         src = pathlib.Path(args.run_dir) / name
         if src.is_file():
@@ -222,7 +222,7 @@ def main() -> None:
     results.append(run_slide(args))
     print(json.dumps({k: v for k, v in results[-1].items() if k not in ("losses", "grad_norms")}), flush=True)
     record = {
-        "benchmark": "engine", "commit": git_commit(), "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        **common.header("engine"),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
         "config": {"model": args.model, "seq": args.seq, "micro": args.micro, "accum": args.accum,
                    "tokens_per_step": args.seq * args.micro * args.accum, "steps_timed": args.steps,

@@ -7,8 +7,8 @@ In a clipped forward, half the sliding blocks update on the device as they load:
 gradient cross PCIe (14 bytes per parameter) piece by piece through two device buffers, the new master goes back
 on the device-to-host lane. The engine's timelines showed that lane at about two thirds of the PCIe rate that
 `host_memory.py` measures. This times the engine's piece loop (`StreamedStep.load`, `_step_piece`,
-`StreamedStep.store`; two buffers) for one block of `--numel` parameters, with its kernels on the copy stream
-(as before 2026-11-30) and on a land stream of their own (as now):
+`StreamedStep.store`; the engine's `STREAM_BUFFERS`) for one block of `--numel` parameters, with its kernels on
+the copy stream (as before 2026-11-30) and on a land stream of their own (as now):
 - the bare copies of the same bytes, nothing else (the lane's ceiling), alone and beside the rest below;
 - the loop alone; beside bf16 GEMMs on another stream (the forward); beside GEMMs, the host AdamW's params part
   on another block (torch's threads, in a Python thread) and device-to-host copies (activations).
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import threading
-import types
 
 import common
 import torch
@@ -29,7 +28,7 @@ from common import timed
 
 from slide_memory import AdamWConfig, FlatAdamW, Slot, StreamedStep, host_empty, host_zeros
 from slide_memory.layout import FlatLayout
-from slide_scheduler.engine import STREAM_PIECE, _step_piece
+from slide_scheduler.engine import STREAM_BUFFERS, STREAM_PIECE, _step_piece
 
 GB = 1e9
 
@@ -88,17 +87,18 @@ class Busy:
             t.join()
 
 
-def device_update(opt: FlatAdamW, grad: torch.Tensor, bufs: list[StreamedStep], slot, h2d, d2h, land=None) -> None:
+def device_update(opt: FlatAdamW, grad: torch.Tensor, bufs: list[StreamedStep], slot: Slot, h2d, d2h,
+                  land=None) -> None:
     """The engine's `_update_on_device` piece loop for one whole unit, then wait for its last store. `land`: the
     stream the kernels run on (the engine's land lane); None: on the copy stream, between the copies (the
     engine before 2026-11-30)."""
-    free = [None, None]
+    free = [None] * len(bufs)
     numel = bufs[0].numel
     for i, start in enumerate(range(0, opt.master.numel(), numel)):
-        end = min(start + numel, opt.master.numel())
-        buf = bufs[i % 2]
-        if free[i % 2] is not None:
-            h2d.wait_event(free[i % 2])
+        end, k = min(start + numel, opt.master.numel()), i % len(bufs)
+        buf = bufs[k]
+        if free[k] is not None:
+            h2d.wait_event(free[k])
         with torch.cuda.stream(h2d):
             buf.load(opt, start, end, grad)
         if land is not None:
@@ -108,19 +108,16 @@ def device_update(opt: FlatAdamW, grad: torch.Tensor, bufs: list[StreamedStep], 
         d2h.wait_stream(land or h2d)
         with torch.cuda.stream(d2h):
             buf.store(opt, start, end, moments=False)
-            free[i % 2] = torch.cuda.Event()
-            free[i % 2].record(d2h)
-    free[i % 2].synchronize()
+            free[k] = torch.cuda.Event()
+            free[k].record(d2h)
+    free[k].synchronize()
 
 
 def bare_copies(opt: FlatAdamW, grad: torch.Tensor, bufs: list[StreamedStep], h2d) -> None:
     numel = bufs[0].numel
-    with torch.cuda.stream(h2d):
+    with torch.cuda.stream(h2d):  # the update's copies in (StreamedStep.load), nothing else
         for i, start in enumerate(range(0, opt.master.numel(), numel)):
-            end, buf = min(start + numel, opt.master.numel()), bufs[i % 2]
-            for dst, src in ((buf.param, opt.master), (buf.exp_avg, opt.exp_avg), (buf.exp_avg_sq, opt.exp_avg_sq),
-                             (buf.grad_in, grad)):
-                dst[: end - start].copy_(src[start:end], non_blocking=True)
+            bufs[i % len(bufs)].load(opt, start, min(start + numel, opt.master.numel()), grad)
     h2d.synchronize()
 
 
@@ -133,8 +130,7 @@ def main() -> None:
     config = AdamWConfig(lr=1e-5)
     opt = FlatAdamW(host_zeros(n, torch.float32).normal_(0, 0.02), config, pinned_states=True)  # as a unit's
     grad = host_zeros(n, torch.bfloat16).normal_(0, 1e-3)
-    bufs = [StreamedStep(STREAM_PIECE, config, torch.device("cuda"), torch.bfloat16) for _ in range(2)]
-    slot = types.SimpleNamespace(params=torch.zeros(n, device="cuda", dtype=torch.bfloat16))
+    bufs = [StreamedStep(STREAM_PIECE, config, torch.device("cuda"), torch.bfloat16) for _ in range(STREAM_BUFFERS)]
     module = torch.nn.Linear(n, 1, bias=False, device="meta")  # a slot of n parameters
     block = Slot(FlatLayout(module), module, torch.device("cuda"), torch.bfloat16)
     h2d, d2h = torch.cuda.Stream(), torch.cuda.Stream()
@@ -153,7 +149,7 @@ def main() -> None:
     busy = {"gemm", "adamw", "d2h"}
     for name, kernels in (("kernels on the copy stream", None), ("kernels on a land stream", land)):
         def fn(kernels=kernels):
-            device_update(opt, grad, bufs, slot, h2d, d2h, kernels)
+            device_update(opt, grad, bufs, block, h2d, d2h, kernels)
 
         rate(f"update alone, {name}", fn, update_bytes)
         rate(f"update + gemm, {name}", fn, update_bytes, {"gemm"})

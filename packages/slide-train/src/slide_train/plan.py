@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from slide_scheduler.engine import STREAM_BUFFERS, STREAM_PIECE
+from slide_scheduler import engine
 
 GIB = 2**30
 MARGIN = 1.0 * GIB  # allocator fragmentation, cuBLAS workspaces, small tensors
@@ -70,7 +70,9 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
         activations += (num_blocks + 1) * micro_batches * act_one
     # The device-update buffers (fp32 master, m, v, gradient + the bf16 gradient as it lands) when updates are
     # streamed through the device: clipped blocks, and sliding edges (counted below once residency is known).
-    buffers = STREAM_BUFFERS * min(STREAM_PIECE, max(block_numel, edge_numel)) * 18 if device_updates else 0
+    # (read when planning, so a caller that changes the engine's count changes the plan's too)
+    buffers = engine.STREAM_BUFFERS * min(engine.STREAM_PIECE, max(block_numel, edge_numel)) * 18 \
+        if device_updates else 0
     streamed = buffers if clip else 0
     fixed = edges + slots + activations + streamed + LOSS_CHUNK + MARGIN
     per_edges, per_block = 12 * edge_numel, 16 * block_numel  # fp32 master + m + v (+ params, grads)
