@@ -109,13 +109,13 @@ def alpaca_prompt(instruction: str, input: str) -> str:
     )
 
 
-def _trained_spans(tokenizer, text: str, spans: list[tuple[int, int]], cuts: list[int]):
+def _trained_spans(tokenizer, text: str, spans: list[tuple[int, int]]):
     """`text` tokenized, with labels on the tokens inside `spans` (character ranges) and IGNORE elsewhere.
 
     A fast tokenizer encodes the text once and its offsets place each token: one that touches a span is
     trained. Tokenizing the pieces apart would give each a start of text, where SentencePiece-style tokenizers
     (a Metaspace prefix) add a token the whole text does not have. A slow tokenizer (no offsets) encodes the
-    pieces between `cuts` apart instead, so no token straddles a boundary."""
+    pieces between span boundaries apart instead, so no token straddles one."""
     if getattr(tokenizer, "is_fast", False):
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
@@ -123,6 +123,7 @@ def _trained_spans(tokenizer, text: str, spans: list[tuple[int, int]], cuts: lis
         trained = [any(s < b and e > a if e > s else a < s <= b for a, b in spans) for s, e in enc["offset_mapping"]]
         return ids, [t if keep else IGNORE for t, keep in zip(ids, trained)]
     ids, labels = [], []
+    cuts = sorted({0, len(text), *(x for span in spans for x in span)})
     for a, b in zip(cuts, cuts[1:]):
         piece = _encode(tokenizer, text[a:b])
         ids += piece
@@ -136,7 +137,7 @@ def _alpaca_example(row: dict, where: str, tokenizer) -> tuple[list[int], list[i
     output = get_key(row, "output", where)
     prompt = alpaca_prompt(instruction, input)
     text = prompt + output
-    ids, labels = _trained_spans(tokenizer, text, [(len(prompt), len(text))], [0, len(prompt), len(text)])
+    ids, labels = _trained_spans(tokenizer, text, [(len(prompt), len(text))])
     bos, eos = _bos(tokenizer), _eos(tokenizer)
     return bos + ids + eos, [IGNORE] * len(bos) + labels + eos
 
@@ -165,21 +166,20 @@ def _chat_example(row: dict, where: str, tokenizer) -> tuple[list[int], list[int
         get_key(m, "role", f"{where} messages[{j}]")
         get_key(m, "content", f"{where} messages[{j}]")
     full = _render(tokenizer, messages, False, where)
-    cuts, spans = [0], []
+    spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or i == 0:  # an opening assistant turn answers nothing: context, untrained
             continue
         start = _render(tokenizer, messages[:i], True, where)
         end = _render(tokenizer, messages[: i + 1], False, where)
-        if not (full.startswith(start) and full.startswith(end) and cuts[-1] <= len(start) <= len(end)):
+        if not (full.startswith(start) and full.startswith(end)
+                and (spans[-1][1] if spans else 0) <= len(start) <= len(end)):
             raise DataError(
                 f"{where}: cannot find assistant turn {i} in the chat template's output: the template "
                 "does not render the conversation turn by turn (a prefix renders differently from the whole)"
             )
-        cuts += [len(start), len(end)]
         spans.append((len(start), len(end)))
-    cuts.append(len(full))
-    return _trained_spans(tokenizer, full, spans, cuts)
+    return _trained_spans(tokenizer, full, spans)
 
 
 def _tokens_examples(out: ExampleSet, rows: list[tuple[str, dict]], tokenizer, seq_len: int,

@@ -67,9 +67,11 @@ class Loader:
         is packed to count it (about 3 s per million examples on two cores)."""
         whole = int(epochs)
         if self.shuffle and self.pack and not all(ex.splittable for ex in self.examples):
-            counts = [len(self.rows(e) if e == self._rows_epoch else self._pack(e)) for e in range(whole + 1)]
+            # (the loader's own epoch through the cache it reads from next, so it is packed once)
+            counts = [len(self.rows(e) if e in (self._rows_epoch, self.epoch) else self._pack(e))
+                      for e in range(whole + 1)]
         else:
-            counts = [len(self.rows(self.epoch))] * (whole + 1)
+            counts = [self.rows_per_epoch] * (whole + 1)
         # (rounded first: 0.6 * 10 is 6.000000000000001 in floats, which would take a row more)
         return sum(counts[:whole]) + math.ceil(round((epochs - whole) * counts[whole], 6))
 
