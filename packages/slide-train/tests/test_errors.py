@@ -129,10 +129,12 @@ def test_a_resume_with_another_model_of_the_same_shapes_says_whose_weights_train
             "--grad_accum=1", "--engine.device=cpu", f"--output_dir={tmp_path / 'run'}", "--checkpoint.every=1",
             "--export=false", "--steps=2"]
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
     first = Trainer(load_config(None, [*base, "--model=m"]), progress=False)
     first.fit()
     saved = {k: v.clone() for k, v in first.engine.named_masters()["block.0"].items()}
-    for model, warned in (("m", False), ("./m/", False), (str(tmp_path / "m"), False), ("other", True)):
+    for model, warned in (("m", False), ("./m/", False), (str(tmp_path / "m"), False), ("~/m", False),
+                          ("other", True)):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             resumed = Trainer(load_config(None, [*base, f"--model={model}", "--resume=auto"]), progress=False)
