@@ -15,8 +15,8 @@
 #                                      # smaller host AdamW block; the optimizer beside a busy thread (one tarball)
 #   bash benchmarks/run_gpu.sh land    # memory, scheduler and train GPU tests; lane_probe.py; B3 (peer); B8 clipped
 #   bash benchmarks/run_gpu.sh buffers # clipped B3 and B8, each with 2 and 3 device-update buffers
-#   bash benchmarks/run_gpu.sh ship    # memory, scheduler and train GPU tests; clipped B3 (peer) and B8, each with
-#                                      # and without bf16 shipping of host-updated parameters (one tarball)
+#   bash benchmarks/run_gpu.sh balance # clipped B3 with 3 device-update buffers, device share 0.4, both; clipped
+#                                      # B8 with 3 buffers, and 3 buffers at share 0.55 (one tarball)
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -118,14 +118,13 @@ buffers)  # each with its 2-buffer baseline in the same call (no peer: it is the
   bench $b8 --tag B8
   bench $b8 --stream-buffers 3 --tag B8-buffers3
   ;;
-ship)
-  gpu_tests slide-memory slide-scheduler slide-train
-  cat "$out"/gpu-tests-*.log > "$out/gpu-tests.log"; rm -f "$out"/gpu-tests-slide-*.log
-  bench $b3 --peer plain --tag B3
-  bench $b3 --peer none --ship-buffers 0 --tag B3-noship
-  bench $b8 --tag B8
-  bench $b8 --ship-buffers 0 --tag B8-noship
-  (cd "$out" && tar czf ship.tgz --remove-files -- *)  # the machine returns at most 8 files
+balance)  # the 2-buffer, share-0.5 baselines are the ship call's noship runs (same engine, 2026-11-30)
+  bench $b3 --peer none --stream-buffers 3 --tag B3-buffers3
+  bench $b3 --peer none --device-share 0.4 --tag B3-share40
+  bench $b3 --peer none --stream-buffers 3 --device-share 0.4 --tag B3-buffers3-share40
+  bench $b8 --stream-buffers 3 --tag B8-buffers3
+  bench $b8 --stream-buffers 3 --device-share 0.55 --tag B8-buffers3-share55
+  (cd "$out" && tar czf balance.tgz --remove-files -- *)  # the machine returns at most 8 files
   ;;
 kernels)
   install_liger

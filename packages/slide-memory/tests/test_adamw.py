@@ -220,29 +220,3 @@ def test_a_step_split_into_params_then_moments_is_the_whole_step(states):
         assert split.exp_avg_sq.equal(ref_opt.state[ref]["exp_avg_sq"])
     with pytest.raises(ValueError, match="part"):
         split.step(grad, lr, part="half")
-
-
-@pytest.mark.parametrize("part", ["all", "params"])
-def test_a_step_can_also_leave_the_new_master_in_the_compute_dtype(monkeypatch, part):
-    """`narrow_into` receives the new master rounded to its dtype, block by block as the step goes (here blocks
-    of 64 elements per thread): what a device would get by narrowing the fp32 master, and the step itself is
-    unchanged. A moments part writes no master, so it takes none."""
-    import slide_memory.adamw as adamw
-
-    monkeypatch.setattr(adamw, "BLOCK_PER_THREAD", 64)
-    torch.manual_seed(0)
-    cfg = AdamWConfig(lr=1e-2, weight_decay=0.1)
-    master = torch.randn(3000)
-    plain = FlatAdamW(master.clone(), cfg, chunk=1024)
-    shipped = FlatAdamW(master.clone(), cfg, chunk=1024)
-    narrow = torch.zeros(3000, dtype=torch.bfloat16)
-    for _ in range(2):
-        grad = torch.randn(3000).bfloat16()
-        plain.step(grad, 1e-2, 0.5, part=part)
-        shipped.step(grad, 1e-2, 0.5, part=part, narrow_into=narrow)
-        assert shipped.master.equal(plain.master) and shipped.exp_avg.equal(plain.exp_avg)
-        assert narrow.equal(plain.master.bfloat16())
-    with pytest.raises(ValueError, match="narrow_into"):
-        shipped.step(grad, 1e-2, part="moments", narrow_into=narrow)
-    with pytest.raises(ValueError, match="narrow_into"):
-        shipped.step(grad, 1e-2, narrow_into=narrow[:10])

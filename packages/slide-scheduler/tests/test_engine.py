@@ -259,8 +259,8 @@ def test_split_updates_give_the_whole_updates_result(monkeypatch, share, slow):
 
     def count_moments(engine):
         submit = engine.updater.submit
-        engine.updater.submit = lambda index, *a, part="all", **kw: (
-            moments.append(index) if part == "moments" else None, submit(index, *a, part=part, **kw))
+        engine.updater.submit = lambda index, *a, part="all": (moments.append(index) if part == "moments" else None,
+                                                               submit(index, *a, part=part))
 
     losses, got = run_engine(pipeline=True, window=2, clip=0.05, device_share=share,
                              delays={slow: 0.01 if slow == "updater" else 0.003}, patch=count_moments)
@@ -341,92 +341,6 @@ def test_a_landing_half_reused_before_it_is_narrowed_is_caught():
     _, got = run_engine(pipeline=True, window=2, clip=None, dtype="bf16", delays={"land": 0.004},
                         patch=unique_buffers)
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
-
-
-def count_shipped(loads: list):
-    """A patch: record each load that copies a shipped (compute-dtype) buffer in."""
-    def patch(engine):
-        shipped = engine._shipped
-
-        class Spy(dict):
-            def pop(self, unit, *default):
-                loads.append(unit)
-                return dict.pop(self, unit, *default)
-
-        engine._shipped = Spy(shipped)
-    return patch
-
-
-@pytest.mark.parametrize("window, share, resident", [(1, 0.0, 0), (2, 0.5, 0), (2, 0.0, 2)])
-@pytest.mark.parametrize("slow", ["h2d", "land", "updater"])
-def test_clipped_host_updates_ship_their_new_parameters_in_the_compute_dtype(monkeypatch, window, share, resident,
-                                                                              slow):
-    """With clipping and bf16 slots, a host-updated block's params part also writes its new parameters in bf16
-    into one of a few shared buffers, and its next load copies those in (no fp32 master, no narrowing on the
-    device). Whichever lane is slow, the result is bit for bit the synchronous engine's, which narrows fp32
-    masters on arrival; and after the first step every host-updated sliding block loads that way."""
-    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
-    ref_losses, ref = run_engine(pipeline=False, window=window, clip=0.05, dtype="bf16", device_share=share,
-                                 resident=resident)
-    loads: list[int] = []
-    losses, got = run_engine(pipeline=True, window=window, clip=0.05, dtype="bf16", device_share=share,
-                             resident=resident, delays={slow: 0.01 if slow == "updater" else 0.003},
-                             patch=count_shipped(loads))
-    assert losses == ref_losses
-    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
-    host_blocks = [b + 1 for b in range(max(resident - 1, 0), DEPTH) if share == 0.0 or b % 2 == 0]
-    assert sorted(loads) == sorted(host_blocks * 2)  # steps 2 and 3 (each pop is one load)
-
-
-def test_a_shipping_buffer_refilled_before_its_copy_left_is_caught(monkeypatch):
-    """The check above can fail: with one shipping buffer, let a params part write it without waiting for the
-    copy of the block before it to leave, slow the h2d lane down, and that block computes with another's
-    parameters."""
-    monkeypatch.setattr(engine_module, "SHIP_BUFFERS", 1)
-    _, ref = run_engine(pipeline=False, window=2, clip=0.05, dtype="bf16")
-
-    def no_wait(engine):
-        ship = engine._ship
-        engine._ship = lambda unit: (ship(unit)[0], DONE)
-
-    _, got = run_engine(pipeline=True, window=2, clip=0.05, dtype="bf16", delays={"h2d": 0.01}, patch=no_wait)
-    assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
-    _, got = run_engine(pipeline=True, window=2, clip=0.05, dtype="bf16", delays={"h2d": 0.01})
-    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
-
-
-def test_shipped_parameters_survive_syncs_evaluations_and_new_masters():
-    """A sync between steps (a checkpoint) and an evaluation each come between a params part and the load it
-    shipped for; a refresh brings masters changed from outside. The pipelined engine with one shipping buffer
-    and a slow updater still matches the synchronous one, and nothing waits forever."""
-    results = []
-    for pipeline in (False, True):
-        torch.manual_seed(0)
-        engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
-            device="cpu", window=2, activation_offload="cpu", max_grad_norm=0.05, pipeline=pipeline,
-            optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1), compute_dtype="bf16", device_update_share=0.0))
-        if pipeline:
-            engine.ship_ring = StagingRing(1, engine.ship_ring.buffers[0].numel(), engine.dtype)
-            engine.updater.delay = 0.005
-        losses = []
-        for k, step in enumerate(batches(seed=4, steps=5, micro=2)):
-            n = sum(int((b["targets"] != -100).sum()) for b in step)
-            losses.append(engine.step(step, lr=1e-2, normalizer=n).loss)
-            if k == 0:
-                engine.synchronize()
-            elif k == 1:
-                losses.append(engine.evaluate(step, normalizer=n))
-            elif k == 2:
-                engine.synchronize()
-                master = engine.units[2].master
-                master.mul_(0.5)
-                engine.refresh()
-        masters = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}
-        engine.close()
-        results.append((losses, masters))
-    (ref_losses, ref), (losses, got) = results
-    assert losses == ref_losses
-    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
 @pytest.mark.parametrize("share", [0.5, 1.0])
@@ -575,24 +489,19 @@ def test_a_failed_copy_on_a_worker_lane_surfaces_and_close_still_stops_threads()
         engine.step(step, lr=1e-2, normalizer=10)
 
 
-@pytest.mark.parametrize("pipeline, dtype", [(False, "auto"), (True, "auto"), (True, "bf16")])
-def test_a_failed_params_part_surfaces_and_its_moments_part_does_not_hide_it(pipeline, dtype):
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_a_failed_params_part_surfaces_and_its_moments_part_does_not_hide_it(pipeline):
     """A split update's params part that fails on the optimizer thread leaves the master as it was: the error
-    must reach the training thread, not be overwritten when the moments part later runs. (bf16: the params
-    parts after it wait for shipping buffers that the failed block's load never empties; close still ends.)"""
+    must reach the training thread, not be overwritten when the moments part later runs."""
     torch.manual_seed(0)
     engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=0.05,
-                                                                    pipeline=pipeline, device_update_share=0.0,
-                                                                    compute_dtype=dtype))
-    assert (engine.ship_ring is not None) == (dtype == "bf16")
-    if dtype == "bf16":
-        engine.ship_ring = StagingRing(1, engine.ship_ring.buffers[0].numel(), engine.dtype)
+                                                                    pipeline=pipeline, device_update_share=0.0))
     step_unit = engine.optimizer.step_unit
 
-    def fail_block_one_params(unit, grad, lr, grad_scale=1.0, before_chunk=None, part="all", narrow_into=None):
+    def fail_block_one_params(unit, grad, lr, grad_scale=1.0, before_chunk=None, part="all"):
         if unit == 2 and part == "params":
             raise ValueError("params part failed")
-        step_unit(unit, grad, lr, grad_scale, before_chunk, part, narrow_into)
+        step_unit(unit, grad, lr, grad_scale, before_chunk, part)
 
     engine.optimizer.step_unit = fail_block_one_params
     with pytest.raises(RuntimeError, match="optimizer worker failed") as failure:
@@ -680,33 +589,6 @@ def test_device_updates_on_cuda_track_host_updates():
         for unit, params in host.items():
             for name, t in params.items():
                 torch.testing.assert_close(device[unit][name], t, rtol=1e-5, atol=1e-6, msg=f"{unit}.{name}")
-
-
-@pytest.mark.gpu
-def test_cuda_shipped_parameters_are_the_device_narrowed_ones():
-    """On a GPU, clipped host updates ship bf16 parameters narrowed by the CPU; the synchronous engine narrows
-    the fp32 masters on the device. Both round to nearest even, so after several steps with a slow h2d lane
-    (and the first sliding blocks loading beside resident ones) losses and masters are bit for bit the same."""
-    if not torch.cuda.is_available():
-        pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
-    results = []
-    for pipeline in (False, True):
-        torch.manual_seed(0)
-        engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
-            device="cuda", compute_dtype="bf16", window=2, max_grad_norm=0.05, device_update_share=0.0,
-            pipeline=pipeline, resident=2, optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
-        assert (engine.ship_ring is not None) == pipeline
-        losses = []
-        for step in batches(seed=4, steps=4, micro=3):
-            if pipeline:  # queue a sleep on h2d ahead of each step's loads
-                engine.h2d.run(torch.cuda._sleep, 10_000_000)
-            losses.append(engine.step([{k: v.cuda() for k, v in b.items()} for b in step], lr=1e-2,
-                                      normalizer=10).loss)
-        results.append((losses, {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}))
-        engine.close()
-    (ref_losses, ref), (losses, got) = results
-    assert losses == ref_losses
-    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
 @pytest.mark.gpu

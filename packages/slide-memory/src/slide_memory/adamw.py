@@ -109,21 +109,15 @@ class FlatAdamW:
         return int(self.steps[0])
 
     def step(self, grad: torch.Tensor, lr: float, grad_scale: float = 1.0,
-             before_chunk: Callable[[int], None] | None = None, part: str = "all",
-             narrow_into: torch.Tensor | None = None) -> None:
+             before_chunk: Callable[[int], None] | None = None, part: str = "all") -> None:
         """One AdamW step from `grad` (flat, same length as the master), scaled first by `grad_scale`.
 
         `part`: "all"; or "params" then "moments", with the same gradient, scale and lr (see the module notes).
-        `before_chunk(k)` runs before chunk k (`ranges[k]`) is read: e.g. to wait until it has arrived.
-        `narrow_into` (flat, same length, e.g. bf16) also receives the new master in its dtype, each block while
-        it is still in cache: the copy a device computes with, made for a fraction of what a pass over the
-        master would cost."""
+        `before_chunk(k)` runs before chunk k (`ranges[k]`) is read: e.g. to wait until it has arrived."""
         if part not in PARTS:
             raise ValueError(f"part must be one of {PARTS}, got {part!r}")
         if part != "all" and self.master.device.type != "cpu":
             raise ValueError("split steps run on host masters (a device unit steps whole)")
-        if narrow_into is not None and (part == "moments" or narrow_into.numel() != self.master.numel()):
-            raise ValueError("narrow_into takes the new master: a step that writes it, into as many elements")
         block = self.block
         keep_params, keep_moments = part != "moments", part != "params"
         for k, ((a, b), step) in enumerate(zip(self.ranges, self.steps)):
@@ -143,8 +137,6 @@ class FlatAdamW:
                     m, v = self._wide[0, :n].copy_(m), self._wide[1, :n].copy_(v)
                 p = self.master[start:end] if keep_params else self._wide[2, :n]
                 _adamw_kernel(p, g, m, v, step, lr, self.config)
-                if narrow_into is not None:
-                    narrow_into[start:end].copy_(p)
                 if self.narrow and keep_moments:
                     self.exp_avg[start:end].copy_(m)
                     self.exp_avg_sq[start:end].copy_(v)
@@ -246,10 +238,9 @@ class HostAdamW:
                       for m, pin, cut in zip(masters, pinned, bounds)]
 
     def step_unit(self, unit: int, grad: torch.Tensor, lr: float, grad_scale: float = 1.0,
-                  before_chunk: Callable[[int], None] | None = None, part: str = "all",
-                  narrow_into: torch.Tensor | None = None) -> None:
+                  before_chunk: Callable[[int], None] | None = None, part: str = "all") -> None:
         """Update one unit's master from its gradient (any dtype), scaled by `grad_scale` (e.g. clipping)."""
-        self.units[unit].step(grad, lr, grad_scale, before_chunk, part, narrow_into)
+        self.units[unit].step(grad, lr, grad_scale, before_chunk, part)
 
     def state_tensors(self, unit: int) -> dict[str, torch.Tensor]:
         return self.units[unit].state_tensors()

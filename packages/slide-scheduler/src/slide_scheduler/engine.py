@@ -4,9 +4,8 @@ One optimizer step over a list of micro-batches (DESIGN.md section 3), as queued
 host-to-device copies, land: the kernels that turn landed bytes into slot contents, device-to-host) plus a host
 optimizer thread:
   forward   head, then block by block: each block is loaded into a slot ahead of its turn (while the previous
-            block computes: the fp32 master crosses PCIe on h2d and is narrowed to bf16 in the slot on land; with
-            clipping, a host update ships bf16 parameters instead) and runs every micro-batch there (layer-major);
-            each output boundary activation goes to the host (d2h lane)
+            block computes: the fp32 master crosses PCIe on h2d and is narrowed to bf16 in the slot on land) and runs
+            every micro-batch there (layer-major); each output boundary activation goes to the host (d2h lane)
   tail      loss and the gradient w.r.t. the last boundary activation, per micro-batch
   backward  block by block in reverse: load params + boundary activations ahead, recompute + backward per
             micro-batch (grads accumulate in the slot), gradient to a shared host ring chunk by chunk (d2h lane)
@@ -49,7 +48,7 @@ from slide_memory import (
 from slide_memory.adamw import CHUNK, PIECE_ALIGN
 
 from .activations import ActivationStore
-from .lanes import DONE, Lane, Later, Signal
+from .lanes import DONE, Lane, Signal
 from .stack import Batch, Stack
 from .timeline import Span, Timeline, summarize
 from .updater import HostUpdater
@@ -58,9 +57,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STREAM_PIECE = 1 << 23  # elements per device-update piece: each buffer ~150 MB on the device
 # Device-update buffers: a piece's copy in waits for the store of the piece that used its buffer last
 STREAM_BUFFERS = 2
-# Pinned compute-dtype buffers that clipped host updates write new parameters into for their loads: the host
-# optimizer may run this many blocks ahead of the loads (0: loads copy fp32 masters, narrowed on the device)
-SHIP_BUFFERS = 3
 
 
 @dataclass
@@ -225,7 +221,6 @@ class SlidingEngine:
         self.grad_ring = StagingRing(ring, block_layout.numel, self.dtype) if ring else None
         self.updater = HostUpdater(self.optimizer, inline=inline)
         self._setup_device_updates(block_layout.numel)
-        self._setup_shipping(block_layout.numel, sliding_blocks)
         self.edge_grad = (host_zeros(edge_layout.numel, self.dtype)
                           if not self.resident and 0 not in self.streamed else None)
         self.activations = ActivationStore(config.activation_offload, self.device, self.d2h, self.h2d, self.compute)
@@ -280,36 +275,6 @@ class SlidingEngine:
         # whose params part has been queued; submitted after the forward, last block first (the order in which
         # backward reuses the gradient buffers, each waiting for it: _send_grads).
         self._moments_due: dict[int, tuple] = {}
-
-    def _setup_shipping(self, block_numel: int, sliding_blocks: int) -> None:
-        """With clipping, the params part of a host-updated block also writes the new parameters in the compute
-        dtype into a pinned buffer (`FlatAdamW.step`'s `narrow_into`), and the block's next load copies that in:
-        2 bytes per parameter over PCIe in the forward instead of the fp32 master's 4, and no narrowing kernel on
-        the device. A few buffers serve every block: each params part first waits until the load of the
-        buffer's last block has copied it out. (Pipelined only: the synchronous engine finishes every update
-        before the loads that would free the buffers, and it is the reference this path is tested against.)"""
-        host_blocks = sliding_blocks - sum(1 for u in self.streamed if u)
-        ship = (SHIP_BUFFERS > 0 and self.config.pipeline and self.config.max_grad_norm and host_blocks > 0
-                and self.slots is not None and self.slots.slots[0].narrow)
-        self.ship_ring = StagingRing(min(SHIP_BUFFERS, host_blocks), block_numel, self.dtype) if ship else None
-        self._shipped: dict[int, torch.Tensor] = {}  # unit -> the buffer with its newest parameters, to load
-        self._shipped_out: dict[int, Later] = {}  # unit -> its buffer has been copied to the device
-
-    def _ship(self, unit: int) -> tuple[torch.Tensor | None, Signal]:
-        """The buffer unit's coming params part narrows into (None: none) and what it waits for first."""
-        if self.ship_ring is None or unit == 0:
-            return None, DONE
-        buffer, previous = self.ship_ring.take(unit)
-        before = self._shipped_out.get(previous, DONE)  # (given by that block's load, still to come)
-        self._shipped[unit], self._shipped_out[unit] = buffer, Later()
-        return buffer, before
-
-    def _unship(self) -> None:
-        """Loads from here on copy fp32 masters (after a checkpoint's sync, or new masters from outside): let
-        every params part waiting for a buffer go on; what it writes there is not read."""
-        self._shipped.clear()
-        for later in self._shipped_out.values():
-            later.give(DONE)  # (a buffer already copied out keeps its copy's signal)
 
     def _update_on_device(self, unit: int, slot: Slot | None, chunks: list[int] | None = None) -> None:
         """Queue unit's pending update on the device (only optimizer `chunks` of it, if given), writing the new
@@ -386,7 +351,6 @@ class SlidingEngine:
 
     def synchronize(self) -> None:
         """Wait for every queued update: afterwards the host fp32 masters are the model."""
-        self._unship()
         self._flush_device_updates()
         self.updater.wait_all()
         for u, opt in self.device_optimizers.items():  # resident masters live on the device
@@ -394,7 +358,6 @@ class SlidingEngine:
 
     def refresh(self) -> None:
         """After host masters were changed from outside (a checkpoint load): rebuild every copy of them."""
-        self._unship()
         self._flush_device_updates()
         self.updater.wait_all()
         for u, opt in self.device_optimizers.items():
@@ -444,10 +407,7 @@ class SlidingEngine:
         self.h2d.wait(self._written.get(unit, DONE))
         block = unit - 1 if unit else None
         master, label = self.units[unit].master, f"params {'edges' if unit == 0 else block}"
-        if unit in self._shipped:  # its params part left them in the compute dtype
-            self.h2d.run(slot.params.copy_, self._shipped.pop(unit), True, label=label)
-            self._shipped_out[unit].give(self.h2d.record())
-        elif not slot.narrow:
+        if not slot.narrow:
             self.h2d.run(slot.params.copy_, master, True, label=label)
         else:  # copied in on h2d, narrowed on the land lane, piece by piece through the landing zone's halves
             narrowed: dict[int, Signal] = {}  # landing buffer -> its last narrowing
@@ -606,9 +566,7 @@ class SlidingEngine:
                     chunks = [k for k in chunks if k not in self._edge_tail]
                 self._pending[u] = (host_grads[u], arrived[u][-1], lr, scale, list(chunks), split)
             elif u == 0 or clip:  # without clipping, sliding blocks were submitted during backward
-                narrow_into, before = self._ship(u) if clip else (None, DONE)
-                self.updater.submit(u, host_grads[u], arrived[u], lr, scale, part="params" if split else "all",
-                                    narrow_into=narrow_into, before=before)
+                self.updater.submit(u, host_grads[u], arrived[u], lr, scale, part="params" if split else "all")
                 if split:
                     self._moments_due[u] = (host_grads[u], arrived[u], lr, scale)
         if not self.resident:

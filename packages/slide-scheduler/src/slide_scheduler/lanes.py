@@ -67,24 +67,6 @@ class HostSignal(Signal):
             raise RuntimeError("the host optimizer worker failed") from self.error
 
 
-class Later(Signal):
-    """A signal that another thread gives later (e.g. for a copy not queued yet): waiting blocks until it is
-    given, then waits for it. Given once: later gives are ignored."""
-
-    def __init__(self):
-        self._given = threading.Event()
-        self._signal: Signal = DONE
-
-    def give(self, signal: Signal) -> None:
-        if not self._given.is_set():
-            self._signal = signal
-            self._given.set()
-
-    def wait_host(self) -> None:
-        self._given.wait()
-        self._signal.wait_host()
-
-
 class Lane:
     """An ordered queue of device work. `run(fn)` queues fn; `record()` is a signal for everything queued so
     far; `wait(signal)` makes everything queued later wait for it."""

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .lanes import DONE, HostSignal, Signal
+from .lanes import HostSignal, Signal
 
 
 class HostUpdater:
@@ -32,20 +32,17 @@ class HostUpdater:
             self._thread.start()
 
     def submit(self, index: int, grad: torch.Tensor, arrived: list[Signal], lr: float, grad_scale: float,
-               part: str = "all", narrow_into: torch.Tensor | None = None, before: Signal = DONE) -> None:
+               part: str = "all") -> None:
         """Update unit `index` from the host tensor `grad`; `arrived[k]` holds once the unit's optimizer chunk k
         is in it, and each chunk waits only for its own. `part` "params" leaves `done` clear until the unit's
-        "moments" part (a later submit, nothing else in between may need the unit's states) is done.
-        `narrow_into` also receives the new master (`FlatAdamW.step`), once `before` holds (its last reader is
-        done with it)."""
+        "moments" part (a later submit, nothing else in between may need the unit's states) is done."""
         if part != "moments":
             self.params[index].clear()
         self.done[index].clear()
-        job = (index, grad, arrived, lr, grad_scale, part, narrow_into, before)
         if self._queue is None:
-            self._apply(*job)
+            self._apply(index, grad, arrived, lr, grad_scale, part)
         else:
-            self._queue.put(job)
+            self._queue.put((index, grad, arrived, lr, grad_scale, part))
 
     def wait(self, index: int, params_only: bool = False) -> None:
         """Until unit `index`'s last submitted update is done (`params_only`: its master is)."""
@@ -63,18 +60,17 @@ class HostUpdater:
             self._apply(*item)
 
     def _apply(self, index: int, grad: torch.Tensor, arrived: list[Signal], lr: float, grad_scale: float,
-               part: str, narrow_into: torch.Tensor | None, before: Signal) -> None:
+               part: str) -> None:
         if part == "moments" and self.params[index].error is not None:  # its params part failed: keep the error
             self.done[index].set(error=self.params[index].error)
             return
         try:
             arrived[0].wait_host()
-            before.wait_host()
             if self.delay:
                 time.sleep(self.delay)
             start = time.perf_counter()
             self.optimizer.step_unit(index, grad, lr, grad_scale, before_chunk=lambda k: arrived[k].wait_host(),
-                                     part=part, narrow_into=narrow_into)
+                                     part=part)
             name = index - 1 if index else "edges"
             self.spans.append((f"{'moments' if part == 'moments' else 'update'} {name}", start, time.perf_counter()))
             self.params[index].set()

@@ -107,13 +107,10 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
         held = min(int(sliding * device_share), int(max(0.0, room) // (bf16 * block_numel)))
         device += held * bf16 * block_numel
     grads = bf16 * (edges_on_host * edge_numel + ((sliding - held) if clip else min(3, sliding)) * block_numel)
-    # Clipped host-updated blocks ship their new parameters in the compute dtype through a few pinned buffers.
-    host_blocks = sliding - (int(sliding * device_share) if clip and device_updates else 0)
-    shipping = min(engine.SHIP_BUFFERS, host_blocks) * bf16 * block_numel if clip and cuda and bf16 < 4 else 0
     acts_host = (num_blocks + 1) * micro_batches * act_one * offload_activations
     on_device = (edge_numel if resident else 0) + max(resident - 1, 0) * block_numel  # AdamW states there
     states_host = total * 4 + (total - on_device) * state_bytes  # fp32 masters + the AdamW states kept here
-    host = states_host + grads + shipping + acts_host
+    host = states_host + grads + acts_host
     lines = [
         f"plan: {resident} of {num_blocks + 1} units resident on the device "
         f"(edges{' + blocks 0..' + str(resident - 2) if resident > 1 else ''}"
@@ -127,7 +124,6 @@ def make_plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int
         f"  host ~{host / GIB:.1f} GiB: fp32 masters + AdamW states "
         f"{states_host / GIB:.1f}, "
         f"gradient staging {grads / GIB:.1f}{' (held for exact clipping)' if clip and sliding else ''}"
-        + (f", parameter staging {shipping / GIB:.1f}" if shipping else "")
         + (f", boundary activations {acts_host / GIB:.1f}" if offload_activations else ""),
     ]
     return Plan(budget, fixed, resident, device, host, lines, held, device_is_host=not cuda,
