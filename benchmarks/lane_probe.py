@@ -121,10 +121,39 @@ def bare_copies(opt: FlatAdamW, grad: torch.Tensor, bufs: list[StreamedStep], h2
     h2d.synchronize()
 
 
+def carveout_cases(a, out, opt, grad, bufs, block, h2d, d2h, land, busy, rate) -> None:
+    """The forward's GEMMs leaving SMs free for the land lane's kernels: the GEMM's own time (does the carveout
+    apply, and what does it cost) and the device update in the full mix, per carveout."""
+    n = a.numel
+    x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16)
+    out["gemm_ms"] = {}
+    def gemms():
+        for _ in range(20):
+            torch.matmul(x, w)
+        torch.cuda.synchronize()
+
+    for backend in ("cublas", "cublaslt"):  # which BLAS path torch's matmul takes (the carveout may apply to one)
+        torch.backends.cuda.preferred_blas_library(backend)
+        for carveout in (int(c) for c in a.carveouts.split(",")):
+            torch._C._set_sm_carveout_experimental(carveout or None)
+            seconds = timed(gemms, runs=3)
+            out["gemm_ms"][f"{backend} {carveout}"] = round(seconds / 20 * 1e3, 3)
+            print(f"gemm 8192x4096x14336, {backend}, carveout {carveout}: {seconds / 20 * 1e3:.3f} ms", flush=True)
+            rate(f"update + gemm + adamw + d2h, {backend}, carveout {carveout}",
+                 lambda: device_update(opt, grad, bufs, block, h2d, d2h, land), 14 * n, busy)
+    torch._C._set_sm_carveout_experimental(None)
+    torch.backends.cuda.preferred_blas_library("cublas")
+    common.write_result(out, a.out, f"lane-probe-carveout-{out['commit'][:7]}.json")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--numel", type=int, default=218_112_000, help="parameters of the block (Llama-3.1-8B's)")
     p.add_argument("--out", default=None)
+    p.add_argument("--carveouts", default="",
+                   help="e.g. 0,8,16: only time the GEMM and the update and load in the full mix with the forward's "
+                        "GEMMs leaving that many SMs free (torch._C._set_sm_carveout_experimental)")
     a = p.parse_args()
     n = a.numel
     config = AdamWConfig(lr=1e-5)
@@ -145,8 +174,11 @@ def main() -> None:
         print(f"{name:40s} {nbytes / seconds / GB:6.1f} GB/s  ({seconds * 1e3:.1f} ms)", flush=True)
 
     land = torch.cuda.Stream(priority=-1)
-    rate("bare copies", lambda: bare_copies(opt, grad, bufs, h2d), update_bytes)
     busy = {"gemm", "adamw", "d2h"}
+    if a.carveouts:
+        carveout_cases(a, out, opt, grad, bufs, block, h2d, d2h, land, busy, rate)
+        return
+    rate("bare copies", lambda: bare_copies(opt, grad, bufs, h2d), update_bytes)
     for name, kernels in (("kernels on the copy stream", None), ("kernels on a land stream", land)):
         def fn(kernels=kernels):
             device_update(opt, grad, bufs, block, h2d, d2h, kernels)

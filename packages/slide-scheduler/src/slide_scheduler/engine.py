@@ -57,6 +57,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STREAM_PIECE = 1 << 23  # elements per device-update piece: each buffer ~150 MB on the device
 # Device-update buffers: a piece's copy in waits for the store of the piece that used its buffer last
 STREAM_BUFFERS = 2
+# SMs the forward's cuBLAS GEMMs leave free while device updates stream (0: none), so the land lane's kernels
+# start at once instead of waiting for a GEMM to give SMs back (torch's experimental carveout)
+FORWARD_SM_CARVEOUT = 0
 
 
 @dataclass
@@ -619,6 +622,16 @@ class SlidingEngine:
     @torch.no_grad()
     def _forward(self, batches: list[Batch], keep: bool = True):
         """Head and blocks, layer-major: each block visits a slot once and sees every micro-batch there."""
+        carveout = FORWARD_SM_CARVEOUT if self._pending and self.device.type == "cuda" else 0
+        if not carveout:
+            return self._forward_blocks(batches, keep)
+        torch._C._set_sm_carveout_experimental(carveout)
+        try:
+            return self._forward_blocks(batches, keep)
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+
+    def _forward_blocks(self, batches: list[Batch], keep: bool):
         n, acts = self.num_blocks, self.activations
         self._load_edges()
         hidden, contexts = [], []
