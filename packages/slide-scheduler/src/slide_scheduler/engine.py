@@ -57,8 +57,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STREAM_PIECE = 1 << 23  # elements per device-update piece: each buffer ~150 MB on the device
 # Device-update buffers: a piece's copy in waits for the store of the piece that used its buffer last
 STREAM_BUFFERS = 2
-# SMs the forward's cuBLAS GEMMs leave free while device updates stream (0: none), so the land lane's kernels
-# start at once instead of waiting for a GEMM to give SMs back (torch's experimental carveout)
+# SMs the forward's GEMMs leave free while device updates stream (0: none), so the land lane's kernels start at
+# once instead of waiting for a GEMM to give SMs back. torch's experimental carveout, which only cuBLASLt obeys
+# (torch.backends.cuda.preferred_blas_library("cublaslt")). Off: on the H200 it sped the device update in the
+# mix 29 -> 36-41 GB/s, but the engine's gain was within run-to-run noise (benchmarks/results/engine.md).
 FORWARD_SM_CARVEOUT = 0
 
 
@@ -622,14 +624,14 @@ class SlidingEngine:
     @torch.no_grad()
     def _forward(self, batches: list[Batch], keep: bool = True):
         """Head and blocks, layer-major: each block visits a slot once and sees every micro-batch there."""
-        carveout = FORWARD_SM_CARVEOUT if self._pending and self.device.type == "cuda" else 0
-        if not carveout:
+        carve = getattr(torch._C, "_set_sm_carveout_experimental", None)  # (not in every torch build)
+        if not (FORWARD_SM_CARVEOUT and carve and self._pending and self.device.type == "cuda"):
             return self._forward_blocks(batches, keep)
-        torch._C._set_sm_carveout_experimental(carveout)
+        carve(FORWARD_SM_CARVEOUT)
         try:
             return self._forward_blocks(batches, keep)
         finally:
-            torch._C._set_sm_carveout_experimental(None)
+            carve(None)
 
     def _forward_blocks(self, batches: list[Batch], keep: bool):
         n, acts = self.num_blocks, self.activations
