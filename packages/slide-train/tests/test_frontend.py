@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -85,3 +86,28 @@ def test_data_refuses_a_count_below_one(n, capsys):
         main(["data", "-n", n])
     assert exit_info.value.code == 2
     assert f"expected a whole number of at least 1, got '{n}'" in capsys.readouterr().err
+
+
+def test_step_time_and_throughput_count_the_whole_step(tmp_path, monkeypatch):
+    """metrics' step_s, tokens_per_s and tflops count the trainer's whole step, the data it prepares included,
+    not only the engine's step: a data loader that takes 50 ms per micro-batch shows in them (and in
+    outside_engine_s), and the engine's own time is reported apart."""
+    trainer = Trainer(load_config(None, ["--seq_len=32", "--micro_batch_size=2", "--grad_accum=2", "--export=false",
+                                         f"--output_dir={tmp_path / 'run'}", "--steps=3"]), progress=False)
+    loader = trainer.data.train
+    next_micro_batch = loader.next_micro_batch
+
+    def slow():
+        time.sleep(0.05)
+        return next_micro_batch()
+
+    monkeypatch.setattr(loader, "next_micro_batch", slow)
+    for _ in range(2):
+        start = time.perf_counter()
+        record = trainer.step()
+        wall = time.perf_counter() - start
+    trainer.close()
+    assert record["engine_step_s"] + 0.1 <= record["step_s"] <= wall
+    assert record["outside_engine_s"] == pytest.approx(record["step_s"] - record["engine_step_s"])
+    assert record["tokens_per_s"] == pytest.approx(record["tokens"] / record["step_s"])
+    assert record["tflops"] == pytest.approx(6 * trainer.num_params * record["tokens"] / record["step_s"] / 1e12)

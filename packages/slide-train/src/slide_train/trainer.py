@@ -334,6 +334,7 @@ class Trainer:
 
     def step(self) -> dict:
         cfg = self.cfg
+        start = time.perf_counter()  # throughput counts the whole step: data, engine and bookkeeping
         batches = [self.data.train.next_micro_batch() for _ in range(cfg.grad_accum)]
         micro = [prepare(b) for b in batches]
         targets = sum(int((m["targets"] != -100).sum()) for m in micro)
@@ -349,6 +350,7 @@ class Trainer:
                 f"before non-finite weights reach a checkpoint ({kept}). Lower optimizer.lr (now "
                 f"{cfg.optimizer.lr}), keep max_grad_norm set, or check the data")
         self.step_index += 1
+        seconds = time.perf_counter() - start  # (before writing a profile: diagnostics, not training)
         if cfg.profile and self.step_index == min(3, self.total_steps):
             self._write_profile(stats)
         record = {
@@ -358,10 +360,14 @@ class Trainer:
             "grad_norm": stats.grad_norm,
             "tokens": tokens,
             "target_tokens": targets,
-            "step_s": stats.seconds,
-            "tokens_per_s": tokens / stats.seconds,
+            "step_s": seconds,
+            "tokens_per_s": tokens / seconds,
             # Model FLOPs only (6 per parameter per token), as peers and papers count them: no recompute.
-            "tflops": 6 * self.num_params * tokens / stats.seconds / 1e12,
+            "tflops": 6 * self.num_params * tokens / seconds / 1e12,
+            # The engine's own step, and the rest of the step (the GPU idles then): preparing the data,
+            # reading the step's timeline.
+            "engine_step_s": stats.seconds,
+            "outside_engine_s": seconds - stats.seconds,
             "gpu_peak_gib": gpu_peak_gib(self.engine.device),
             "host_rss_gib": host_rss_gib(),
             "epoch": self.data.train.epoch,
