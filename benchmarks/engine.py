@@ -157,8 +157,8 @@ def run_slide(args) -> dict:
     step_s = statistics.median(r["step_s"] for r in timed)
     tokens = statistics.median(r["tokens"] for r in timed)
     timeline = {k: statistics.median(r[k] for r in timed if k in r)
-                for k in ("gpu_busy_s", "exposed_s", "copy_busy_s", "land_busy_s", "update_busy_s",
-                          "wait_update_s", "engine_step_s", "outside_engine_s")}
+                for k in ("gpu_busy_s", "exposed_s", "exposed_update_s", "exposed_transfer_s", "copy_busy_s",
+                          "land_busy_s", "update_busy_s", "wait_update_s", "engine_step_s", "outside_engine_s")}
     memory = [{k: r.get(k) for k in ("allocated_bytes_at_start", "alloc_retries", "cuda_mallocs")} for r in records]
     cpu = {k: statistics.median(r[k] for r in timed)
            for k in ("trainer_step_s", "training_cpu_s", "optimizer_cpu_s", "other_cpu_s", "busiest_other_cpu_s",

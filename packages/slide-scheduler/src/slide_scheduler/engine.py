@@ -470,9 +470,13 @@ class SlidingEngine:
         return len(self.slots) if self.slots else 1
 
     def _wait_for_update(self, unit: int, params_only: bool = False) -> None:
+        """Block until unit's host update (its params part) is done; the time goes on the timeline's `waits`
+        lane, where the GPU running out of work counts as exposed CPU-update time."""
         start = time.perf_counter()
         self.updater.wait(unit, params_only)
-        self._wait_update_s += time.perf_counter() - start
+        end = time.perf_counter()
+        self._wait_update_s += end - start
+        self.timeline.add_host("waits", f"waiting for update {unit - 1 if unit else 'edges'}", start, end)
 
     # -- one optimizer step -------------------------------------------------------------------------------------
 

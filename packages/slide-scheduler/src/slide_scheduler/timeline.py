@@ -1,8 +1,8 @@
 """Per-step timeline: when each lane was busy, so a step's time splits into GPU compute and exposed waits.
 
 Spans on a CUDA lane are event pairs read after the step's final synchronization; spans on a host thread (CPU
-lanes, the optimizer worker) are `perf_counter` pairs. All are placed relative to the step's start. The same
-spans give the step's summary figures, a Chrome / Perfetto trace and a PNG.
+lanes, the optimizer worker, the engine's thread blocked on it: `waits`) are `perf_counter` pairs. All are placed
+relative to the step's start. The same spans give the step's summary figures, a Chrome / Perfetto trace and a PNG.
 """
 
 from __future__ import annotations
@@ -68,25 +68,69 @@ class Timeline:
 
 
 def summarize(spans: list[Span], wall: float) -> dict[str, float]:
-    """GPU busy time (union of compute spans) and what is left of the step: exposed time. Also the busy time of
-    the copy lanes together, of the land lane (its kernels; before it existed they ran inside h2d spans) and of
-    the host optimizer."""
-    busy = _union([(s.start, s.end) for s in spans if s.lane == "compute"])
-    copies = _union([(s.start, s.end) for s in spans if s.lane in ("h2d", "d2h")])
-    land = _union([(s.start, s.end) for s in spans if s.lane == "land"])
-    update = _union([(s.start, s.end) for s in spans if s.lane == "optimizer"])
-    return {"gpu_busy_s": busy, "exposed_s": max(0.0, wall - busy), "copy_busy_s": copies, "land_busy_s": land,
-            "update_busy_s": update}
+    """GPU busy time (union of compute spans) and what is left of the step: exposed time, split by what it was
+    spent on. Exposed CPU-update time is the part during which the engine's thread was blocked on the host
+    optimizer (spans of the `waits` lane): it could not queue the work the GPU ran out of. The rest is exposed
+    transfer time: compute waiting on the copy and land lanes (streamed device updates included), and launches.
+    Also the busy time of the copy lanes together, of the land lane (its kernels; before it existed they ran
+    inside h2d spans) and of the host optimizer."""
+    busy = _merged([(s.start, s.end) for s in spans if s.lane == "compute"])
+    idle = _between(busy, 0.0, wall)
+    waits = _merged([(s.start, s.end) for s in spans if s.lane == "waits"])
+    exposed_update = _measure(_intersect(idle, waits))
+    exposed = max(0.0, wall - _measure(busy))
+    return {"gpu_busy_s": _measure(busy), "exposed_s": exposed, "exposed_update_s": exposed_update,
+            "exposed_transfer_s": max(0.0, exposed - exposed_update),
+            "copy_busy_s": _union([(s.start, s.end) for s in spans if s.lane in ("h2d", "d2h")]),
+            "land_busy_s": _union([(s.start, s.end) for s in spans if s.lane == "land"]),
+            "update_busy_s": _union([(s.start, s.end) for s in spans if s.lane == "optimizer"])}
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of intervals as sorted, disjoint intervals."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _between(merged: list[tuple[float, float]], start: float, end: float) -> list[tuple[float, float]]:
+    """What `merged` leaves of [start, end)."""
+    out, at = [], start
+    for a, b in merged:
+        if a > at:
+            out.append((at, min(a, end)))
+        at = max(at, b)
+        if at >= end:
+            break
+    if at < end:
+        out.append((at, end))
+    return [(a, b) for a, b in out if b > a]
+
+
+def _intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intersection of two sorted, disjoint interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if a < b:
+            out.append((a, b))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _measure(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
+    return _measure(_merged(intervals))
 
 
 def write_trace(spans: list[Span], path) -> None:
@@ -106,10 +150,11 @@ def plot(spans: list[Span], path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    order = ["compute", "h2d", "land", "d2h", "optimizer"]
+    order = ["compute", "h2d", "land", "d2h", "optimizer", "waits"]
     lanes = [lane for lane in order if any(s.lane == lane for s in spans)]
     colors = {"forward": "tab:blue", "backward": "tab:orange", "tail": "tab:green", "head": "tab:purple",
-              "params": "tab:gray", "acts": "tab:olive", "grads": "tab:red", "update": "tab:brown"}
+              "params": "tab:gray", "acts": "tab:olive", "grads": "tab:red", "update": "tab:brown",
+              "waiting": "tab:pink"}
     fig, ax = plt.subplots(figsize=(12, 0.6 + 0.5 * len(lanes)))
     for row, lane in enumerate(lanes):
         for s in spans:
