@@ -52,10 +52,11 @@ def test_a_wait_counts_only_where_the_gpu_had_nothing_to_do():
     assert (got["exposed_update_s"], got["exposed_transfer_s"]) == (1.5, 2.5)
 
 
-def timeline_of(slow: str) -> dict[str, float]:
+def timeline_of(slow: str, pipeline: bool = True) -> dict[str, float]:
     torch.manual_seed(0)
     engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
-        device="cpu", window=2, max_grad_norm=0.05, device_update_share=0.0, optimizer=AdamWConfig(lr=1e-2)))
+        device="cpu", window=2, max_grad_norm=0.05, device_update_share=0.0, optimizer=AdamWConfig(lr=1e-2),
+        pipeline=pipeline))
     getattr(engine, slow).delay = 0.02
     for step in batches(seed=4, steps=2, micro=2):
         stats = engine.step(step, lr=1e-2, normalizer=10)
@@ -65,9 +66,13 @@ def timeline_of(slow: str) -> dict[str, float]:
 
 def test_exposed_time_is_split_between_host_updates_and_transfers():
     """A slow host optimizer (clipped updates run under the next forward) shows as exposed CPU-update time; a
-    slow host-to-device lane as exposed transfer time. The two parts add up to the exposed time."""
+    slow host-to-device lane as exposed transfer time; in the synchronous schedule, updates run inline on the
+    engine's thread, and all of their time is exposed CPU-update time. The two parts add up to the exposed
+    time."""
     update_bound, copy_bound = timeline_of("updater"), timeline_of("h2d")
-    for t in (update_bound, copy_bound):
+    inline = timeline_of("d2h", pipeline=False)  # (the updater's test delay is not update work)
+    assert inline["exposed_update_s"] == pytest.approx(inline["update_busy_s"]) and inline["update_busy_s"] > 0
+    for t in (update_bound, copy_bound, inline):
         assert t["exposed_update_s"] + t["exposed_transfer_s"] == pytest.approx(t["exposed_s"])
     assert update_bound["exposed_update_s"] > 0.05 and update_bound["exposed_update_s"] > update_bound[
         "exposed_transfer_s"]

@@ -470,13 +470,14 @@ class SlidingEngine:
         return len(self.slots) if self.slots else 1
 
     def _wait_for_update(self, unit: int, params_only: bool = False) -> None:
-        """Block until unit's host update (its params part) is done; the time goes on the timeline's `waits`
-        lane, where the GPU running out of work counts as exposed CPU-update time."""
+        """Block until unit's last host update is done (`params_only`: its params part); the time goes on the
+        timeline's `waits` lane, where the GPU running out of work counts as exposed CPU-update time."""
         start = time.perf_counter()
         self.updater.wait(unit, params_only)
         end = time.perf_counter()
         self._wait_update_s += end - start
-        self.timeline.add_host("waits", f"waiting for update {unit - 1 if unit else 'edges'}", start, end)
+        if end - start > 1e-4:  # (most loads find their update done)
+            self.timeline.add_host("waits", f"waiting for update {unit - 1 if unit else 'edges'}", start, end)
 
     # -- one optimizer step -------------------------------------------------------------------------------------
 
@@ -599,6 +600,8 @@ class SlidingEngine:
         for label, start, end in seen:
             if end >= origin:
                 spans.append(Span("optimizer", label, start - origin, end - origin))
+                if not self.config.pipeline:  # inline updates: the engine's thread itself was busy with them
+                    spans.append(Span("waits", label, start - origin, end - origin))
         del self.updater.spans[: len(seen)]
         return spans
 
@@ -631,11 +634,12 @@ class SlidingEngine:
         carve = getattr(torch._C, "_set_sm_carveout_experimental", None)  # (not in every torch build)
         if not (FORWARD_SM_CARVEOUT and carve and self._pending and self.device.type == "cuda"):
             return self._forward_blocks(batches, keep)
+        before = torch._C._get_sm_carveout_experimental()
         carve(FORWARD_SM_CARVEOUT)
         try:
             return self._forward_blocks(batches, keep)
         finally:
-            carve(None)
+            carve(before)
 
     def _forward_blocks(self, batches: list[Batch], keep: bool):
         n, acts = self.num_blocks, self.activations
@@ -681,7 +685,7 @@ class SlidingEngine:
                 return
             if k not in staged:
                 staged[k] = self._stage(k, None, 0)
-            ahead += k not in self.resident_slots
+                ahead += k not in self.resident_slots
 
     def close(self) -> None:
         """Finish pending updates and stop the worker threads (they stop even when an update failed)."""

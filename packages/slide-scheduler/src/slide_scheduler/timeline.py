@@ -69,16 +69,16 @@ class Timeline:
 
 def summarize(spans: list[Span], wall: float) -> dict[str, float]:
     """GPU busy time (union of compute spans) and what is left of the step: exposed time, split by what it was
-    spent on. Exposed CPU-update time is the part during which the engine's thread was blocked on the host
-    optimizer (spans of the `waits` lane): it could not queue the work the GPU ran out of. The rest is exposed
-    transfer time: compute waiting on the copy and land lanes (streamed device updates included), and launches.
-    Also the busy time of the copy lanes together, of the land lane (its kernels; before it existed they ran
-    inside h2d spans) and of the host optimizer."""
+    spent on. Exposed CPU-update time is the GPU's idle time while the engine's thread was blocked on the host
+    optimizer (spans of the `waits` lane), so it could not queue more work; it counts whole even where a transfer
+    was also late. The rest is exposed transfer time: compute waiting on the copy and land lanes (streamed device
+    updates included), and launches. Also the busy time of the copy lanes together, of the land lane (its
+    kernels; before it existed they ran inside h2d spans) and of the host optimizer."""
     busy = _merged([(s.start, s.end) for s in spans if s.lane == "compute"])
     idle = _between(busy, 0.0, wall)
     waits = _merged([(s.start, s.end) for s in spans if s.lane == "waits"])
     exposed_update = _measure(_intersect(idle, waits))
-    exposed = max(0.0, wall - _measure(busy))
+    exposed = _measure(idle)
     return {"gpu_busy_s": _measure(busy), "exposed_s": exposed, "exposed_update_s": exposed_update,
             "exposed_transfer_s": max(0.0, exposed - exposed_update),
             "copy_busy_s": _union([(s.start, s.end) for s in spans if s.lane in ("h2d", "d2h")]),
