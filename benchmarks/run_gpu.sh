@@ -17,6 +17,8 @@
 #   bash benchmarks/run_gpu.sh buffers # clipped B3 and B8, each with 2 and 3 device-update buffers
 #   bash benchmarks/run_gpu.sh carveout # scheduler GPU tests; lane_probe.py with the GEMMs leaving SMs free; B3
 #                                      # (peer) with and without that in the forward; B8 likewise (one tarball)
+#   bash benchmarks/run_gpu.sh verify  # memory, scheduler and train GPU tests; clipped B3 (peer) twice and clipped B8
+#                                      # twice, each in a process of its own (runs vary by up to 5%)
 #   bash benchmarks/run_gpu.sh balance # clipped B3 with 3 device-update buffers, device share 0.4, both; clipped
 #                                      # B8 with 3 buffers, and 3 buffers at share 0.55 (one tarball)
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
@@ -128,6 +130,15 @@ carveout)
   bench $b3 --peer none --carveout 12 --blas cublaslt --tag B3-carve12-lt
   bench $b8 --tag B8
   bench $b8 --carveout 12 --blas cublaslt --tag B8-carve12-lt
+  ;;
+verify)
+  gpu_tests slide-memory slide-scheduler slide-train
+  cat "$out"/gpu-tests-*.log > "$out/gpu-tests.log"; rm -f "$out"/gpu-tests-slide-*.log
+  bench $b3 --peer plain --tag B3
+  bench $b3 --peer none --tag B3-again
+  bench $b8 --tag B8
+  bench $b8 --tag B8-again
+  (cd "$out" && tar czf verify.tgz --remove-files -- *)  # the machine returns at most 8 files
   ;;
 balance)  # the 2-buffer, share-0.5 baselines are the ship call's noship runs (same engine, 2026-11-30)
   bench $b3 --peer none --stream-buffers 3 --tag B3-buffers3
