@@ -126,7 +126,7 @@ def _intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> li
 
 
 def _measure(intervals: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in intervals)
+    return sum((b - a for a, b in intervals), 0.0)
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
