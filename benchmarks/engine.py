@@ -130,12 +130,6 @@ def run_slide(args) -> dict:
         import slide_scheduler.engine
 
         slide_scheduler.engine.STREAM_BUFFERS = args.stream_buffers
-    if args.blas:
-        torch.backends.cuda.preferred_blas_library(args.blas)
-    if args.carveout:
-        import slide_scheduler.engine
-
-        slide_scheduler.engine.FORWARD_SM_CARVEOUT = args.carveout
     if args.host_block:
         from slide_memory import adamw
 
@@ -174,8 +168,6 @@ def run_slide(args) -> dict:
     share += f", {args.threads} torch threads" if args.threads else ""
     share += f", host block {args.host_block}/thread" if args.host_block else ""
     share += f", {args.stream_buffers} device-update buffers" if args.stream_buffers else ""
-    share += f", forward SM carveout {args.carveout}" if args.carveout else ""
-    share += f", {args.blas}" if args.blas else ""
     return {"system": f"slide ({'pipelined' if args.pipeline else 'synchronous'} engine, clip {args.clip}{share})",
             "cap_gib": args.cap,
             "setup_s": setup_s, "step_s": step_s, "plan": trainer.memory_plan.text(),
@@ -216,10 +208,6 @@ def main() -> None:
                    help="slide_memory.adamw.BLOCK_PER_THREAD (host AdamW elements per thread per call; 0: default)")
     p.add_argument("--stream-buffers", type=int, default=0,
                    help="slide_scheduler.engine.STREAM_BUFFERS, device-update buffers (0: the default)")
-    p.add_argument("--carveout", type=int, default=0,
-                   help="slide_scheduler.engine.FORWARD_SM_CARVEOUT, SMs the forward's GEMMs leave free (0: none)")
-    p.add_argument("--blas", choices=["cublas", "cublaslt"], default=None,
-                   help="torch.backends.cuda.preferred_blas_library for the whole run (default: torch's)")
     p.add_argument("--lr", type=float, default=1e-5,
                    help="both systems (runs before 2026-11-29 13:00 trained ours at the config default 1e-3)")
     p.add_argument("--tag", default="")

@@ -57,11 +57,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STREAM_PIECE = 1 << 23  # elements per device-update piece: each buffer ~150 MB on the device
 # Device-update buffers: a piece's copy in waits for the store of the piece that used its buffer last
 STREAM_BUFFERS = 2
-# SMs the forward's GEMMs leave free while device updates stream (0: none), so the land lane's kernels start at
-# once instead of waiting for a GEMM to give SMs back. torch's experimental carveout, which only cuBLASLt obeys
-# (torch.backends.cuda.preferred_blas_library("cublaslt")). Off: on the H200 it sped the device update in the
-# mix 29 -> 36-41 GB/s, but the engine's gain was within run-to-run noise (benchmarks/results/engine.md).
-FORWARD_SM_CARVEOUT = 0
 
 
 @dataclass
@@ -631,17 +626,6 @@ class SlidingEngine:
     @torch.no_grad()
     def _forward(self, batches: list[Batch], keep: bool = True):
         """Head and blocks, layer-major: each block visits a slot once and sees every micro-batch there."""
-        carve = getattr(torch._C, "_set_sm_carveout_experimental", None)  # (not in every torch build)
-        if not (FORWARD_SM_CARVEOUT and carve and self._pending and self.device.type == "cuda"):
-            return self._forward_blocks(batches, keep)
-        before = torch._C._get_sm_carveout_experimental()
-        carve(FORWARD_SM_CARVEOUT)
-        try:
-            return self._forward_blocks(batches, keep)
-        finally:
-            carve(before)
-
-    def _forward_blocks(self, batches: list[Batch], keep: bool):
         n, acts = self.num_blocks, self.activations
         self._load_edges()
         hidden, contexts = [], []
