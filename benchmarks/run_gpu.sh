@@ -21,6 +21,8 @@
 #                                      # twice, each in a process of its own (runs vary by up to 5%)
 #   bash benchmarks/run_gpu.sh balance # clipped B3 with 3 device-update buffers, device share 0.4, both; clipped
 #                                      # B8 with 3 buffers, and 3 buffers at share 0.55 (one tarball)
+#   bash benchmarks/run_gpu.sh window  # memory, scheduler and train GPU tests; clipped B3 (peer) with 2 and 3 slots,
+#                                      # twice each, alternating; clipped B8 with 2 and 3 slots (tarred run by run)
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -134,6 +136,17 @@ verify)
   bench $b8 --tag B8
   bench $b8 --tag B8-again
   (cd "$out" && tar czf verify.tgz --remove-files -- *)  # the machine returns at most 8 files
+  ;;
+window)  # each run's files go into one tarball as soon as it ends, so a call cut short still returns them
+  keep() { (cd "$out" && find . -maxdepth 1 -type f ! -name window.tar -printf '%P\0' |
+    xargs -0r tar rf window.tar --remove-files); }
+  gpu_tests slide-memory slide-scheduler slide-train; keep
+  bench $b3 --peer plain --tag B3; keep
+  bench $b3 --peer none --window 3 --tag B3-w3; keep
+  bench $b3 --peer none --tag B3-again; keep
+  bench $b3 --peer none --window 3 --tag B3-w3-again; keep
+  bench $b8 --tag B8; keep
+  bench $b8 --window 3 --tag B8-w3; keep
   ;;
 balance)  # the 2-buffer, share-0.5 baselines are the ship call's noship runs (same engine, 2026-11-30)
   bench $b3 --peer none --stream-buffers 3 --tag B3-buffers3
