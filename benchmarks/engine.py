@@ -106,7 +106,7 @@ def run_slide(args) -> dict:
 
     overrides = [f"--model={args.model}", f"--seq_len={args.seq}", f"--micro_batch_size={args.micro}",
                  f"--grad_accum={args.accum}", f"--steps={args.warmup + args.steps}", f"--engine.device={args.device}",
-                 f"--engine.window={args.window}", "--export=false", "--data.pack=true",
+                 f"--engine.window={args.window or 'null'}", "--export=false", "--data.pack=true",
                  f"--output_dir={args.run_dir}", "--overwrite=true", "--checkpoint.keep=0",  # fresh, no checkpoint
                  "--profile=true",
                  f"--engine.pipeline={str(bool(args.pipeline)).lower()}", f"--optimizer.lr={args.lr}"]
@@ -171,6 +171,7 @@ def run_slide(args) -> dict:
     return {"system": f"slide ({'pipelined' if args.pipeline else 'synchronous'} engine, clip {args.clip}{share})",
             "cap_gib": args.cap,
             "setup_s": setup_s, "step_s": step_s, "plan": trainer.memory_plan.text(),
+            "window": trainer.memory_plan.window,
             # exposed: in the engine's step, GPU idle waiting for transfers and updates; outside: the rest of the
             # trainer's step (the GPU idles then too)
             "exposed_fraction": timeline["exposed_s"] / step_s,
@@ -192,7 +193,7 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--window", type=int, default=2)
+    p.add_argument("--window", type=int, default=None, help="engine.window (default: the planner's choice)")
     p.add_argument("--cap", type=float, default=24.0)
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself (with --peer none)")
     p.add_argument("--peer", choices=["plain", "none"], default="plain")

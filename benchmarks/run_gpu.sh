@@ -23,6 +23,8 @@
 #                                      # B8 with 3 buffers, and 3 buffers at share 0.55 (one tarball)
 #   bash benchmarks/run_gpu.sh window  # memory, scheduler and train GPU tests; clipped B3 (peer) with 2 and 3 slots,
 #                                      # twice each, alternating; clipped B8 with 2 and 3 slots (tarred run by run)
+#   bash benchmarks/run_gpu.sh share   # scheduler and train GPU tests; clipped B3 (peer); clipped B8 with device
+#                                      # share 0.5, 0.5625 and 0.625; B3 without clipping (tarred run by run)
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -147,6 +149,16 @@ window)  # each run's files go into one tarball as soon as it ends, so a call cu
   bench $b3 --peer none --window 3 --tag B3-w3-again; keep
   bench $b8 --tag B8; keep
   bench $b8 --window 3 --tag B8-w3; keep
+  ;;
+share)
+  keep() { (cd "$out" && find . -maxdepth 1 -type f ! -name share.tar -printf '%P\0' |
+    xargs -0r tar rf share.tar --remove-files); }
+  gpu_tests slide-scheduler slide-train; keep
+  bench $b3 --peer plain --tag B3; keep
+  bench $b8 --tag B8; keep
+  bench $b8 --device-share 0.5625 --tag B8-share56; keep
+  bench $b8 --device-share 0.625 --tag B8-share62; keep
+  bench $b3 --peer none --clip none --tag B3-noclip; keep
   ;;
 balance)  # the 2-buffer, share-0.5 baselines are the ship call's noship runs (same engine, 2026-11-30)
   bench $b3 --peer none --stream-buffers 3 --tag B3-buffers3

@@ -197,6 +197,23 @@ def test_forward_keeps_every_slot_loading_a_block_ahead(resident, order):
     assert events[: events.index("tail")] == ["head", *order]
 
 
+def test_forward_runs_ready_blocks_while_a_host_update_is_still_running():
+    """The thread that queues the forward stages a block whose host update is still running only when nothing
+    else is left to queue: resident block 0 runs while sliding block 1's clipped update is still on the host.
+    (It used to wait for that update while staging block 1, before block 0's forward.)"""
+    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+        device="cpu", window=2, resident=2, max_grad_norm=0.05, device_update_share=0.0))
+    engine.updater.delay = 0.2  # each host update sleeps first: step 2 begins with all three still to do
+    first, second = batches(seed=2, steps=2, micro=2)
+    engine.step(first, lr=1e-3, normalizer=10)
+    spans = engine.step(second, lr=1e-3, normalizer=10).spans
+    engine.close()
+    forward = {s.label: s for s in spans if s.lane == "compute"}
+    update = {s.label: s for s in spans if s.lane == "optimizer"}
+    assert forward["forward 0"].end < update["update 1"].end < forward["forward 1"].start
+    assert forward["forward 1"].end < update["update 2"].end < forward["forward 2"].start
+
+
 def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None,
                resident: int = 0, dtype: str = "auto", device_share: float = 0.0, tied: bool = True,
                held: int = 0, split: bool = True):

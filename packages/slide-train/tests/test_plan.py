@@ -27,6 +27,25 @@ def test_cpu_runs_keep_nothing_resident_unless_asked():
     assert make_plan(budget_bytes=None, **{**SHAPE, "cuda": False, "resident": 3}).resident == 3
 
 
+def test_auto_window_takes_a_third_slot_only_where_it_costs_nothing_else():
+    """engine.window null: the clipped 3B run under a 24 GiB cap has room for a third slot beside the same
+    resident blocks; the clipped 8B run under 16 GiB would pay for it with gradients held on the device, and a
+    CPU run or one with every block resident keeps two."""
+    clipped = {**SHAPE, "window": None, "device_updates": True}
+    budget = 0.92 * 24 * GIB
+    auto, two = make_plan(budget_bytes=budget, **clipped), make_plan(budget_bytes=budget, **{**clipped, "window": 2})
+    assert auto.window == 3 and (auto.resident, auto.held) == (two.resident, two.held) and auto.resident > 1
+    assert auto.device_total <= budget and "through 3 slots" in auto.text()
+    b8 = {**clipped, "edge_numel": 1_050_677_248, "block_numel": 218_112_000, "num_blocks": 32, "hidden": 4096,
+          "intermediate": 14336, "tokens_per_micro": 4096, "micro_batches": 8}
+    budget = 0.92 * 16 * GIB
+    assert make_plan(budget_bytes=budget, **{**b8, "window": 3}).held < make_plan(
+        budget_bytes=budget, **{**b8, "window": 2}).held
+    assert make_plan(budget_bytes=budget, **b8).window == 2
+    assert make_plan(budget_bytes=None, **{**clipped, "cuda": False}).window == 2
+    assert make_plan(budget_bytes=1000 * GIB, **clipped).window == 2  # nothing slides
+
+
 def test_a_budget_too_small_says_what_would_fit():
     """The refusal names a micro-batch that fits: planned with it, the run fits; a tenth more does not."""
     plan = make_plan(budget_bytes=2 * GIB, **SHAPE)

@@ -644,7 +644,8 @@ class SlidingEngine:
         for i in range(n):
             if self._update_edges_tail():
                 tail_ready = self._landed()
-            slot, _ = staged.pop(i)
+            # Not staged yet when its host update was still running: nothing else can be queued before it now.
+            slot, _ = staged.pop(i) if i in staged else self._stage(i, None, 0)
             self.compute.wait(slot.ready)
             with self.timeline.span("compute", f"forward {i}", self.compute.stream):
                 hidden = [slot.module(h, ctx) for h, ctx in zip(hidden, contexts)]
@@ -662,14 +663,26 @@ class SlidingEngine:
 
     def _prefetch(self, staged: dict[int, tuple], first: int) -> None:
         """Stage forward blocks from `first` on until every slot holds one not yet run. Resident blocks need no
-        slot and are staged on the way, so the first sliding blocks load while the resident ones compute."""
+        slot and are staged on the way, so the first sliding blocks load while the resident ones compute.
+
+        Staging stops at a block whose host update is still running: queuing its load would block this thread
+        until the update is done, and with it the forward of blocks that are ready to run (resident ones, or
+        the one loaded a slot ahead). Such a block is staged at its own turn, or by a later call."""
         ahead = sum(k not in self.resident_slots for k in staged)
         for k in range(first, self.num_blocks):
             if ahead >= self.window:
                 return
             if k not in staged:
+                if not self._updated(k):
+                    return
                 staged[k] = self._stage(k, None, 0)
                 ahead += k not in self.resident_slots
+
+    def _updated(self, block: int) -> bool:
+        """Whether the host is done with what loading `block` waits for: its update's params part, or, for a
+        pending device update, its last moments part (resident blocks update on the compute lane)."""
+        unit = block + 1
+        return block in self.resident_slots or self.updater.ready(unit, params_only=unit not in self._pending)
 
     def close(self) -> None:
         """Finish pending updates and stop the worker threads (they stop even when an update failed)."""

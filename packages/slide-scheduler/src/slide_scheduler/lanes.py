@@ -61,6 +61,9 @@ class HostSignal(Signal):
         self.error = error
         self._event.set()
 
+    def is_set(self) -> bool:  # (a failed update is set too: its wait raises)
+        return self._event.is_set()
+
     def wait_host(self) -> None:
         self._event.wait()
         if self.error is not None:

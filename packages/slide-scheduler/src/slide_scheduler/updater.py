@@ -48,6 +48,10 @@ class HostUpdater:
         """Until unit `index`'s last submitted update is done (`params_only`: its master is)."""
         (self.params if params_only else self.done)[index].wait_host()
 
+    def ready(self, index: int, params_only: bool = False) -> bool:
+        """Whether `wait(index, params_only)` would return at once."""
+        return (self.params if params_only else self.done)[index].is_set()
+
     def wait_all(self) -> None:
         for signal in self.done:
             signal.wait_host()

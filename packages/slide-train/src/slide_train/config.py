@@ -48,7 +48,9 @@ class EngineSection:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     compute_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
     gpu_memory_limit_gb: float | None = None  # cap this process's GPU memory (e.g. 24 to act as a 24 GB card)
-    window: int = 2  # GPU slots for sliding blocks
+    # GPU slots for sliding blocks. null: 3 on a GPU where the budget has room for the third at no cost to
+    # resident blocks or held gradients, else 2
+    window: int | None = None
     resident: int | None = None  # units kept on the GPU with their optimizer (null: as many as the budget allows)
     activation_offload: str = "cpu"  # none | cpu
     optimizer_offload: OptimizerOffloadConfig = field(default_factory=OptimizerOffloadConfig)
@@ -191,7 +193,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got {value!r}")
     positive = ["seq_len", "micro_batch_size", "grad_accum", "steps", "engine.window"]
     for key in positive:
-        if get_key(cfg, key) < 1:
+        if get_key(cfg, key) is not None and get_key(cfg, key) < 1:
             raise ConfigError(f"{key} must be at least 1, got {get_key(cfg, key)}")
     not_negative = ["checkpoint.every", "checkpoint.keep", "schedule.warmup_steps", "eval_every",
                     "optimizer.weight_decay"]

@@ -84,7 +84,7 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
     """
     e, opt = cfg.engine, cfg.optimizer
     engine_cfg = EngineConfig(
-        device=e.device, compute_dtype=e.compute_dtype, window=e.window, activation_offload=e.activation_offload,
+        device=e.device, compute_dtype=e.compute_dtype, activation_offload=e.activation_offload,
         max_grad_norm=cfg.max_grad_norm, pipeline=e.pipeline, states_dtype=e.states_dtype,
         device_update_share=e.device_update_share, split_update=e.split_update,
         optimizer=AdamWConfig(**dataclasses.asdict(opt)),  # same fields; the front end has its own defaults
@@ -121,10 +121,10 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         compute_bytes=4 if e.compute_dtype == "fp32" or not cuda else 2)
     if budget is not None:
         check_plan(plan, "engine.gpu_memory_limit_gb" if e.gpu_memory_limit_gb else "the GPU's memory",
-                   cfg.micro_batch_size, cfg.seq_len, e.window)
+                   cfg.micro_batch_size, cfg.seq_len, plan.window)
     if assume_gpu_gib is None:
         check_host(plan, host_memory())
-    engine_cfg.resident, engine_cfg.held_grads = plan.resident, plan.held
+    engine_cfg.resident, engine_cfg.held_grads, engine_cfg.window = plan.resident, plan.held, plan.window
     return plan, engine_cfg, stack
 
 
