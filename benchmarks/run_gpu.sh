@@ -25,6 +25,9 @@
 #                                      # twice each, alternating; clipped B8 with 2 and 3 slots (tarred run by run)
 #   bash benchmarks/run_gpu.sh share   # scheduler and train GPU tests; clipped B3 (peer); clipped B8 with device
 #                                      # share 0.5, 0.5625 and 0.625; B3 without clipping (tarred run by run)
+#   bash benchmarks/run_gpu.sh compare # scheduler GPU tests; clipped B3 (peer) and B8, each with this checkout's
+#                                      # slide-scheduler and with a base one (carry .cmp: `git archive BASE
+#                                      # packages/slide-scheduler/src | tar x -C .cmp`), alternating, B3 twice
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -159,6 +162,18 @@ share)
   bench $b8 --device-share 0.5625 --tag B8-share56; keep
   bench $b8 --device-share 0.625 --tag B8-share62; keep
   bench $b3 --peer none --clip none --tag B3-noclip; keep
+  ;;
+compare)  # the base engine goes first on PYTHONPATH; the rest of the stack is this checkout's
+  keep() { (cd "$out" && find . -maxdepth 1 -type f ! -name compare.tar -printf '%P\0' |
+    xargs -0r tar rf compare.tar --remove-files); }
+  base() { PYTHONPATH="$root/.cmp/packages/slide-scheduler/src:$PYTHONPATH" bench "$@"; }
+  gpu_tests slide-scheduler; keep
+  bench $b3 --peer plain --tag B3; keep
+  base $b3 --peer none --tag B3-base; keep
+  bench $b8 --tag B8; keep
+  base $b8 --tag B8-base; keep
+  bench $b3 --peer none --tag B3-again; keep
+  base $b3 --peer none --tag B3-base-again; keep
   ;;
 balance)  # the 2-buffer, share-0.5 baselines are the ship call's noship runs (same engine, 2026-11-30)
   bench $b3 --peer none --stream-buffers 3 --tag B3-buffers3

@@ -642,10 +642,11 @@ class SlidingEngine:
         self._prefetch(staged, 0)
         tail_ready = None  # the edges' tail-only part, deferred by clipping, is queued a chunk per block
         for i in range(n):
+            # Not staged yet when its host update was still running: nothing else can be queued before it now,
+            # not even the chunk of the edges' update below, which the tail alone waits for.
+            slot, _ = staged.pop(i) if i in staged else self._stage(i, None, 0)
             if self._update_edges_tail():
                 tail_ready = self._landed()
-            # Not staged yet when its host update was still running: nothing else can be queued before it now.
-            slot, _ = staged.pop(i) if i in staged else self._stage(i, None, 0)
             self.compute.wait(slot.ready)
             with self.timeline.span("compute", f"forward {i}", self.compute.stream):
                 hidden = [slot.module(h, ctx) for h, ctx in zip(hidden, contexts)]
