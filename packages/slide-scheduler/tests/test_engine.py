@@ -265,7 +265,7 @@ def test_a_missing_wait_is_caught_by_the_delay_tests():
 
 
 @pytest.mark.parametrize("share", [0.0, 0.5])
-@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "updater"])
+@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "store", "updater"])
 def test_split_updates_give_the_whole_updates_result(monkeypatch, share, slow):
     """Clipped updates split into a params part (before the next forward's load) and a moments part (after
     that forward): the same kernel on the same inputs, so bit for bit whole updates' result, whichever worker
@@ -361,11 +361,11 @@ def test_a_landing_half_reused_before_it_is_narrowed_is_caught():
 
 
 @pytest.mark.parametrize("share", [0.5, 1.0])
-@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "updater"])
+@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "store", "updater"])
 @pytest.mark.parametrize("resident", [0, 2])
 def test_clipped_updates_streamed_through_the_device_equal_host_updates(monkeypatch, share, slow, resident):
     """With clipping, a share of the sliding blocks updates on the device as the next forward loads them
-    (master, states and gradient streamed in pieces, stored back on the d2h lane). Same AdamW arithmetic, so
+    (master, states and gradient streamed in pieces, stored back on the store lane). Same AdamW arithmetic, so
     the result is bit for bit the host optimizer's, whichever worker is slow."""
     monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)  # many pieces per block, two buffers taking turns
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05)
@@ -376,7 +376,7 @@ def test_clipped_updates_streamed_through_the_device_equal_host_updates(monkeypa
 
 
 @pytest.mark.parametrize("buffers", [1, 3])
-@pytest.mark.parametrize("slow", ["h2d", "land", "d2h"])
+@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "store"])
 def test_streamed_updates_take_any_number_of_device_buffers(monkeypatch, buffers, slow):
     """With one device-update buffer every piece's copy waits for the last piece's store; with three, for the
     store three pieces back. Either way the result is the synchronous engine's, bit for bit."""
@@ -394,7 +394,7 @@ def assert_buffers(engine, count):
 
 
 @pytest.mark.parametrize("share, held", [(0.5, 1), (1.0, 2), (1.0, DEPTH)])
-@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "updater"])
+@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "store", "updater"])
 def test_gradients_held_on_the_device_for_device_updates_give_the_same_result(monkeypatch, share, held, slow):
     """With clipping, blocks updated on the device may keep their gradient there until the next forward runs
     the update: a device copy instead of the host ring, fewer ring buffers, the same result bit for bit."""
@@ -442,7 +442,7 @@ def expect_streamed(share, resident, clip=True):
     return check
 
 
-@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "updater"])
+@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "store", "updater"])
 def test_sliding_edges_update_on_the_device_without_clipping_too(monkeypatch, slow):
     monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=None)
@@ -453,7 +453,7 @@ def test_sliding_edges_update_on_the_device_without_clipping_too(monkeypatch, sl
 
 
 def test_a_device_update_still_on_its_way_home_is_waited_for(monkeypatch):
-    """Drop the wait for a device update's store before the block's backward load, slow the d2h lane down,
+    """Drop the wait for a device update's store before the block's backward load, slow the store lane down,
     and the backward reads a stale master: the delay test above would see it."""
     monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
     _, ref = run_engine(pipeline=False, window=2, clip=0.05)
@@ -468,7 +468,7 @@ def test_a_device_update_still_on_its_way_home_is_waited_for(monkeypatch):
         # waiting for a free buffer would order the backward loads after every store: keep the edges whole here.
         engine._edge_tail = []
 
-    _, got = run_engine(pipeline=True, window=2, clip=0.05, device_share=1.0, delays={"d2h": 0.01}, patch=forget)
+    _, got = run_engine(pipeline=True, window=2, clip=0.05, device_share=1.0, delays={"store": 0.01}, patch=forget)
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
@@ -567,7 +567,7 @@ def test_evaluate_between_steps_applies_pending_device_updates_once(monkeypatch)
         engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
             device="cpu", window=2, max_grad_norm=0.05, device_update_share=share,
             optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
-        engine.d2h.delay = 0.002
+        engine.d2h.delay = engine.store.delay = 0.002
         losses = []
         probe = batches(seed=9, steps=1, micro=2)[0]
         for step in batches(seed=4, steps=3, micro=3):
@@ -616,7 +616,7 @@ def test_cuda_land_lane_runs_its_kernels_ahead_of_compute():
         pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
     engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cuda", window=2))
     assert engine.land.stream.priority < engine.compute.stream.priority
-    assert len({lane.stream for lane in engine.lanes}) == 4
+    assert len({lane.stream for lane in engine.lanes}) == len(engine.lanes) == 5
     engine.close()
 
 
@@ -650,7 +650,7 @@ def test_cuda_landing_buffers_wait_for_the_backward_that_reads_them(monkeypatch)
 
 
 def test_a_failed_device_update_stops_the_lane_that_would_store_it(monkeypatch):
-    """A piece whose step fails on the land lane must not be stored back into the host master by the d2h lane
+    """A piece whose step fails on the land lane must not be stored back into the host master by the store lane
     (which only waits for it): the failure stops that lane too and surfaces in the training thread."""
     monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
     engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=0.05,
@@ -667,11 +667,11 @@ def test_a_failed_device_update_stops_the_lane_that_would_store_it(monkeypatch):
     engine.updater.close()
     for lane in engine.lanes:
         lane.close()  # lets each lane finish (or skip) what it had queued
-    assert isinstance(engine.land.error, RuntimeError) and engine.d2h.error is not None
+    assert isinstance(engine.land.error, RuntimeError) and engine.store.error is not None
 
 
 @pytest.mark.parametrize("clip", [0.05, None])
-@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "updater"])
+@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "store", "updater"])
 def test_the_edges_tail_only_part_updates_apart_with_the_same_result(monkeypatch, clip, slow):
     """Untied edges updated on the device split into what the head reads (embedding) and what only the tail
     reads (final norm, output projection). Without clipping the tail part updates during backward, with

@@ -1,8 +1,8 @@
 """The layer-sliding engine: trains a `Stack` whose blocks live on the host and visit the device in slots.
 
-One optimizer step over a list of micro-batches (DESIGN.md section 3), as queued work on four lanes (compute,
-host-to-device copies, land: the kernels that turn landed bytes into slot contents, device-to-host) plus a host
-optimizer thread:
+One optimizer step over a list of micro-batches (DESIGN.md section 3), as queued work on five lanes (compute,
+host-to-device copies, land: the kernels that turn landed bytes into slot contents, device-to-host, store: device
+updates' results going home) plus a host optimizer thread:
   forward   head, then block by block: each block is loaded into a slot ahead of its turn (while the previous
             block computes: the fp32 master crosses PCIe on h2d and is narrowed to bf16 in the slot on land) and runs
             every micro-batch there (layer-major); each output boundary activation goes to the host (d2h lane)
@@ -145,7 +145,11 @@ class SlidingEngine:
         # 20 GB/s with its kernels on the copy stream, 45 GB/s alone). Higher priority: its kernels go first
         # when SMs free up.
         self.land = Lane("land", self.device, inline=inline, priority=-1)
-        self.lanes = (self.compute, self.h2d, self.land, self.d2h)
+        # Device updates' results go home on a lane of their own: on d2h their copies queued behind the
+        # forward's boundary activations, each waiting for a block's forward to end, and held both device-update
+        # buffers meanwhile (GPU runs of 2026-12-01: 15-30 ms per block on two machines of three).
+        self.store = Lane("store", self.device, inline=inline)
+        self.lanes = (self.compute, self.h2d, self.land, self.d2h, self.store)
         self.timeline = Timeline(self.device)
         for lane in self.lanes:
             lane.timeline = self.timeline
@@ -299,14 +303,14 @@ class SlidingEngine:
                 self.h2d.run(buf.load, opt, start, end, grad, label=f"update {name}")
                 self.land.wait(self.h2d.record())
                 self.land.run(_step_piece, buf, start, end, grad, count, lr, scale, slot, label=f"update {name}")
-                self.d2h.wait(self.land.record())
-                self.d2h.run(buf.store, opt, start, end, not split, label=f"store {name}")
-                buf.free = self.d2h.record()
+                self.store.wait(self.land.record())
+                self.store.run(buf.store, opt, start, end, not split, label=f"store {name}")
+                buf.free = self.store.record()
             step += 1  # host bookkeeping of the chunk's AdamW step count (in place: the chunk's state)
         if split:  # m and v stay as they were: the host steps them once they have been read (and, so that a failed
             # device step stops the host's part too, once the steps are done)
             self._moments_due[unit] = (grad, [self._landed()] * len(opt.ranges), lr, scale)
-        self._written[unit] = self.d2h.record()
+        self._written[unit] = self.store.record()
         if slot is not None:
             slot.unit = unit - 1 if unit else None
 
@@ -514,8 +518,7 @@ class SlidingEngine:
         host_grads: dict[int, torch.Tensor] = {}
         staged = {n - 1: self._stage(n - 1, n - 1, m)}
         for i in reversed(range(n)):
-            # A chunk of the edges' tail-only update per block, queued ahead of this block's gradient copy-out:
-            # its stores wait only for loads queued earlier, not the other way round.
+            # A chunk of the edges' tail-only update per block: backward's loads leave the lanes room for it.
             self._update_edges_tail()
             slot, acts = staged.pop(i)
             self.compute.wait(slot.ready)

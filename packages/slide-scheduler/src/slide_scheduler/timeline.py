@@ -72,8 +72,8 @@ def summarize(spans: list[Span], wall: float) -> dict[str, float]:
     spent on. Exposed CPU-update time is the GPU's idle time while the engine's thread was blocked on the host
     optimizer (spans of the `waits` lane), so it could not queue more work; it counts whole even where a transfer
     was also late. The rest is exposed transfer time: compute waiting on the copy and land lanes (streamed device
-    updates included), and launches. Also the busy time of the copy lanes together, of the land lane (its
-    kernels; before it existed they ran inside h2d spans) and of the host optimizer."""
+    updates included), and launches. Also the busy time of the copy lanes (h2d, d2h, store) together, of the land
+    lane (its kernels; before it existed they ran inside h2d spans) and of the host optimizer."""
     busy = _merged([(s.start, s.end) for s in spans if s.lane == "compute"])
     idle = _between(busy, 0.0, wall)
     waits = _merged([(s.start, s.end) for s in spans if s.lane == "waits"])
@@ -81,7 +81,7 @@ def summarize(spans: list[Span], wall: float) -> dict[str, float]:
     exposed = _measure(idle)
     return {"gpu_busy_s": _measure(busy), "exposed_s": exposed, "exposed_update_s": exposed_update,
             "exposed_transfer_s": max(0.0, exposed - exposed_update),
-            "copy_busy_s": _union([(s.start, s.end) for s in spans if s.lane in ("h2d", "d2h")]),
+            "copy_busy_s": _union([(s.start, s.end) for s in spans if s.lane in ("h2d", "d2h", "store")]),
             "land_busy_s": _union([(s.start, s.end) for s in spans if s.lane == "land"]),
             "update_busy_s": _union([(s.start, s.end) for s in spans if s.lane == "optimizer"])}
 
@@ -150,11 +150,11 @@ def plot(spans: list[Span], path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    order = ["compute", "h2d", "land", "d2h", "optimizer", "waits"]
+    order = ["compute", "h2d", "land", "d2h", "store", "optimizer", "waits"]
     lanes = [lane for lane in order if any(s.lane == lane for s in spans)]
     colors = {"forward": "tab:blue", "backward": "tab:orange", "tail": "tab:green", "head": "tab:purple",
               "params": "tab:gray", "acts": "tab:olive", "grads": "tab:red", "update": "tab:brown",
-              "waiting": "tab:pink"}
+              "waiting": "tab:pink", "store": "tab:brown"}
     fig, ax = plt.subplots(figsize=(12, 0.6 + 0.5 * len(lanes)))
     for row, lane in enumerate(lanes):
         for s in spans:
