@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import warnings
 
 import pytest
@@ -232,6 +233,37 @@ def test_a_full_disk_skips_a_periodic_checkpoint_refuses_the_last_and_leaves_not
     with pytest.raises(ckpt.DiskFullError, match="step-2 needs"):
         again.fit()
     again.close()
+
+
+def test_a_process_killed_while_a_rewritten_checkpoint_replaces_the_old_keeps_a_whole_one(tmp_path, monkeypatch):
+    """A step written again replaces the old copy only once the new one is in place: a process killed while the
+    old copy is being deleted leaves `step-<N>` whole (it had deleted the old copy first, and a kill then left
+    a damaged one). The next write of that step clears what was left aside."""
+    import shutil
+
+    import slide_train.checkpoint as ckpt
+
+    trainer = Trainer(load_config(None, ["--seq_len=32", "--micro_batch_size=2", "--grad_accum=1", "--export=false",
+                                         f"--output_dir={tmp_path / 'run'}"]), progress=False)
+    trainer.step()
+    root = tmp_path / "checkpoints"
+    ckpt.save_checkpoint(root, 1, trainer.engine, {"copy": 1})
+    rmtree = shutil.rmtree
+
+    def killed(path, *args, **kwargs):  # deletes one file of the tree, then the process is gone
+        next(p for p in sorted(pathlib.Path(path).iterdir()) if p.is_file()).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(root, 1, trainer.engine, {"copy": 2})
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    ckpt.verify(root / "step-1")
+    assert json.loads((root / "step-1" / "trainer.json").read_text()) == {"copy": 2}
+    assert ckpt.find_resumable(root) == root / "step-1"
+    ckpt.save_checkpoint(root, 1, trainer.engine, {"copy": 3})
+    assert sorted(p.name for p in root.iterdir()) == ["step-1"]
+    trainer.close()
 
 
 def test_an_export_that_does_not_fit_says_so_and_leaves_nothing(tmp_path, monkeypatch):

@@ -3,7 +3,8 @@
 Layout of `RUN_DIR/checkpoints/step-<N>/`: one safetensors file per unit (`edges`, `block-000`, ...) holding its
 master and optimizer state, `trainer.json` (step, data position, config), `rng.safetensors`, and
 `manifest.json` with the size and SHA-256 of every other file. A checkpoint is written under a temporary name,
-fsynced and renamed, so a crash never leaves a half-written `step-<N>`; the manifest catches later damage.
+fsynced and renamed, so a crash never leaves a half-written `step-<N>` (one written again replaces the old copy
+the same way); the manifest catches later damage.
 Nothing here is pickled.
 """
 
@@ -98,10 +99,17 @@ def _write(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int
     (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=2))
     for p in [*files, tmp / MANIFEST]:
         _fsync(p)
+    # A step written again (a stop right after a periodic checkpoint, a redone step) sets the old copy aside and
+    # deletes it only once the new one is in place: deleting first left no whole copy for a process killed then.
+    replaced = root / f".step-{step}.replaced"
+    if replaced.exists():  # left by a process that died while deleting it
+        shutil.rmtree(replaced)
     if final.exists():
-        shutil.rmtree(final)
+        final.rename(replaced)
     tmp.rename(final)
     _fsync(root)
+    if replaced.exists():
+        shutil.rmtree(replaced)
     return final
 
 
