@@ -146,11 +146,11 @@ window)  # each run's files go into one tarball as soon as it ends, so a call cu
   keep() { (cd "$out" && find . -maxdepth 1 -type f ! -name window.tar -printf '%P\0' |
     xargs -0r tar rf window.tar --remove-files); }
   gpu_tests slide-memory slide-scheduler slide-train; keep
-  bench $b3 --peer plain --tag B3; keep
+  bench $b3 --peer plain --window 2 --tag B3; keep
   bench $b3 --peer none --window 3 --tag B3-w3; keep
-  bench $b3 --peer none --tag B3-again; keep
+  bench $b3 --peer none --window 2 --tag B3-again; keep
   bench $b3 --peer none --window 3 --tag B3-w3-again; keep
-  bench $b8 --tag B8; keep
+  bench $b8 --window 2 --tag B8; keep
   bench $b8 --window 3 --tag B8-w3; keep
   ;;
 share)

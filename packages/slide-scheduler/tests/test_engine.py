@@ -264,12 +264,13 @@ def test_a_missing_wait_is_caught_by_the_delay_tests():
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
-@pytest.mark.parametrize("share", [0.0, 0.5])
-@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "store", "updater"])
+@pytest.mark.parametrize("share, slow", [(0.0, lane) for lane in ("h2d", "land", "d2h", "updater")]
+                         + [(0.5, lane) for lane in ("h2d", "land", "d2h", "store", "updater")])
 def test_split_updates_give_the_whole_updates_result(monkeypatch, share, slow):
     """Clipped updates split into a params part (before the next forward's load) and a moments part (after
     that forward): the same kernel on the same inputs, so bit for bit whole updates' result, whichever worker
-    is slow. Host and device-updated blocks, and host-updated edges (share 0), take the split path."""
+    is slow. Host and device-updated blocks, and host-updated edges (share 0: nothing for the store lane),
+    take the split path."""
     monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05, device_share=share, split=False)
     moments = []
@@ -385,6 +386,21 @@ def test_streamed_updates_take_any_number_of_device_buffers(monkeypatch, buffers
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05)
     losses, got = run_engine(pipeline=True, window=2, clip=0.05, device_share=1.0, delays={slow: 0.003},
                              patch=lambda engine: assert_buffers(engine, buffers))
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+
+@pytest.mark.parametrize("share, held, resident", [(0.5, 0, 0), (0.5, 1, 2), (1.0, 2, 0), (1.0, 0, 2)])
+@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "store", "updater"])
+def test_three_slots_with_device_updates_and_held_gradients_give_the_synchronous_result(
+        monkeypatch, share, held, resident, slow):
+    """The planner's choice for clipped runs with room to spare: 3 slots, with blocks updated on the device (some
+    keeping their gradient there) beside resident and host-updated ones; bit for bit the synchronous engine."""
+    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    ref_losses, ref = run_engine(pipeline=False, window=3, clip=0.05, device_share=share, held=held,
+                                 resident=resident)
+    losses, got = run_engine(pipeline=True, window=3, clip=0.05, device_share=share, held=held,
+                             resident=resident, delays={slow: 0.003})
     assert losses == ref_losses
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 

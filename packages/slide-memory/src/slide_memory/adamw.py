@@ -165,7 +165,7 @@ class StreamedStep:
     device (`step`, which widens the gradient first: the same formula the host runs, so the two paths agree to
     the last bits on the same hardware) and copied back (`store`: master, m and v; or the master alone when the
     host steps the moments). Where each runs and what it waits for is the caller's business: the engine puts
-    loads on its host-to-device stream, steps on a stream of their own and stores on its device-to-host stream.
+    loads on its host-to-device stream, steps and stores on two streams of their own.
     """
 
     def __init__(self, numel: int, config: AdamWConfig, device: torch.device, grad_dtype: torch.dtype):

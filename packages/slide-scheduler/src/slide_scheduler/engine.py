@@ -147,7 +147,7 @@ class SlidingEngine:
         self.land = Lane("land", self.device, inline=inline, priority=-1)
         # Device updates' results go home on a lane of their own: on d2h their copies queued behind the
         # forward's boundary activations, each waiting for a block's forward to end, and held both device-update
-        # buffers meanwhile (GPU runs of 2026-12-01: 15-30 ms per block on two machines of three).
+        # buffers meanwhile (GPU runs of 2026-12-01: 15-67 ms per block on two machines of three).
         self.store = Lane("store", self.device, inline=inline)
         self.lanes = (self.compute, self.h2d, self.land, self.d2h, self.store)
         self.timeline = Timeline(self.device)

@@ -1,5 +1,5 @@
-"""Lanes: the places work is queued (compute, host-to-device, land, device-to-host) and the signals that order
-them.
+"""Lanes: the places work is queued (compute, host-to-device, land, device-to-host, store) and the signals that
+order them.
 
 On CUDA a lane is a stream and a signal is an event: queuing never blocks the Python thread, and the GPU runs
 copies and compute side by side. On the CPU every other lane is a single worker thread and a signal is a future, so
