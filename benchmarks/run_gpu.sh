@@ -26,8 +26,9 @@
 #   bash benchmarks/run_gpu.sh share   # scheduler and train GPU tests; clipped B3 (peer); clipped B8 with device
 #                                      # share 0.5, 0.5625 and 0.625; B3 without clipping (tarred run by run)
 #   bash benchmarks/run_gpu.sh compare # scheduler GPU tests; clipped B3 (peer) and B8, each with this checkout's
-#                                      # slide-scheduler and with a base one (carry .cmp: `git archive BASE
-#                                      # packages/slide-scheduler/src | tar x -C .cmp`), alternating, B3 twice
+#                                      # slide-scheduler and with a base one, alternating, B3 twice. Before:
+#                                      # `mkdir -p .cmp && git archive BASE packages/slide-scheduler/src | tar x -C
+#                                      # .cmp` (.cmp is git-ignored), and carry .cmp in the call
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
