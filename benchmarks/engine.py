@@ -106,7 +106,8 @@ def run_slide(args) -> dict:
 
     overrides = [f"--model={args.model}", f"--seq_len={args.seq}", f"--micro_batch_size={args.micro}",
                  f"--grad_accum={args.accum}", f"--steps={args.warmup + args.steps}", f"--engine.device={args.device}",
-                 f"--engine.window={args.window or 'null'}", "--export=false", "--data.pack=true",
+                 f"--engine.window={'null' if args.window is None else args.window}", "--export=false",
+                 "--data.pack=true",
                  f"--output_dir={args.run_dir}", "--overwrite=true", "--checkpoint.keep=0",  # fresh, no checkpoint
                  "--profile=true",
                  f"--engine.pipeline={str(bool(args.pipeline)).lower()}", f"--optimizer.lr={args.lr}"]

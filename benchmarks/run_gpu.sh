@@ -39,6 +39,9 @@ export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/slide-gpu}
 mkdir -p "$out"
 bench() { python3 "$root/benchmarks/engine.py" --out "$out" --steps 3 --warmup 2 "$@" 2>&1 | tail -2; }
+keep() {  # keep TARBALL: move what the last run wrote under $out into TARBALL, so a call cut short returns it
+  (cd "$out" && find . -maxdepth 1 -type f ! -name "$1" -printf '%P\0' | xargs -0r tar rf "$1" --remove-files)
+}
 gpu_tests() {  # gpu_tests [pytest options --] package...: each package's GPU-marked tests, a log each
   local opts=()
   if [ "${2:-}" = "--" ]; then opts=("$1"); shift 2; fi
@@ -143,38 +146,32 @@ verify)
   bench $b8 --tag B8-again
   (cd "$out" && tar czf verify.tgz --remove-files -- *)  # the machine returns at most 8 files
   ;;
-window)  # each run's files go into one tarball as soon as it ends, so a call cut short still returns them
-  keep() { (cd "$out" && find . -maxdepth 1 -type f ! -name window.tar -printf '%P\0' |
-    xargs -0r tar rf window.tar --remove-files); }
-  gpu_tests slide-memory slide-scheduler slide-train; keep
-  bench $b3 --peer plain --window 2 --tag B3; keep
-  bench $b3 --peer none --window 3 --tag B3-w3; keep
-  bench $b3 --peer none --window 2 --tag B3-again; keep
-  bench $b3 --peer none --window 3 --tag B3-w3-again; keep
-  bench $b8 --window 2 --tag B8; keep
-  bench $b8 --window 3 --tag B8-w3; keep
+window)  # (this mode and the next two tar each run's files as soon as it ends)
+  gpu_tests slide-memory slide-scheduler slide-train; keep window.tar
+  bench $b3 --peer plain --window 2 --tag B3; keep window.tar
+  bench $b3 --peer none --window 3 --tag B3-w3; keep window.tar
+  bench $b3 --peer none --window 2 --tag B3-again; keep window.tar
+  bench $b3 --peer none --window 3 --tag B3-w3-again; keep window.tar
+  bench $b8 --window 2 --tag B8; keep window.tar
+  bench $b8 --window 3 --tag B8-w3; keep window.tar
   ;;
 share)
-  keep() { (cd "$out" && find . -maxdepth 1 -type f ! -name share.tar -printf '%P\0' |
-    xargs -0r tar rf share.tar --remove-files); }
-  gpu_tests slide-scheduler slide-train; keep
-  bench $b3 --peer plain --tag B3; keep
-  bench $b8 --tag B8; keep
-  bench $b8 --device-share 0.5625 --tag B8-share56; keep
-  bench $b8 --device-share 0.625 --tag B8-share62; keep
-  bench $b3 --peer none --clip none --tag B3-noclip; keep
+  gpu_tests slide-scheduler slide-train; keep share.tar
+  bench $b3 --peer plain --tag B3; keep share.tar
+  bench $b8 --tag B8; keep share.tar
+  bench $b8 --device-share 0.5625 --tag B8-share56; keep share.tar
+  bench $b8 --device-share 0.625 --tag B8-share62; keep share.tar
+  bench $b3 --peer none --clip none --tag B3-noclip; keep share.tar
   ;;
 compare)  # the base engine goes first on PYTHONPATH; the rest of the stack is this checkout's
-  keep() { (cd "$out" && find . -maxdepth 1 -type f ! -name compare.tar -printf '%P\0' |
-    xargs -0r tar rf compare.tar --remove-files); }
   base() { PYTHONPATH="$root/.cmp/packages/slide-scheduler/src:$PYTHONPATH" bench "$@"; }
-  gpu_tests slide-scheduler; keep
-  bench $b3 --peer plain --tag B3; keep
-  base $b3 --peer none --tag B3-base; keep
-  bench $b8 --tag B8; keep
-  base $b8 --tag B8-base; keep
-  bench $b3 --peer none --tag B3-again; keep
-  base $b3 --peer none --tag B3-base-again; keep
+  gpu_tests slide-scheduler; keep compare.tar
+  bench $b3 --peer plain --tag B3; keep compare.tar
+  base $b3 --peer none --tag B3-base; keep compare.tar
+  bench $b8 --tag B8; keep compare.tar
+  base $b8 --tag B8-base; keep compare.tar
+  bench $b3 --peer none --tag B3-again; keep compare.tar
+  base $b3 --peer none --tag B3-base-again; keep compare.tar
   ;;
 balance)  # the 2-buffer, share-0.5 baselines are the ship call's noship runs (same engine, 2026-11-30)
   bench $b3 --peer none --stream-buffers 3 --tag B3-buffers3

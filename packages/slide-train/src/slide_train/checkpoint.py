@@ -101,15 +101,15 @@ def _write(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int
         _fsync(p)
     # A step written again (a stop right after a periodic checkpoint, a redone step) sets the old copy aside and
     # deletes it only once the new one is in place: deleting first left no whole copy for a process killed then.
-    replaced = root / f".step-{step}.replaced"
-    if replaced.exists():  # left by a process that died while deleting it
-        shutil.rmtree(replaced)
+    aside = root / f".step-{step}.replaced"
+    if aside.exists():  # left by a process that died while deleting it
+        shutil.rmtree(aside)
     if final.exists():
-        final.rename(replaced)
+        final.rename(aside)
     tmp.rename(final)
     _fsync(root)
-    if replaced.exists():
-        shutil.rmtree(replaced)
+    if aside.exists():
+        shutil.rmtree(aside)
     return final
 
 

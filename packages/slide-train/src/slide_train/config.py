@@ -193,8 +193,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got {value!r}")
     positive = ["seq_len", "micro_batch_size", "grad_accum", "steps", "engine.window"]
     for key in positive:
-        if get_key(cfg, key) is not None and get_key(cfg, key) < 1:
-            raise ConfigError(f"{key} must be at least 1, got {get_key(cfg, key)}")
+        value = get_key(cfg, key)
+        if value is not None and value < 1:  # (None: engine.window left to the planner)
+            raise ConfigError(f"{key} must be at least 1, got {value}")
     not_negative = ["checkpoint.every", "checkpoint.keep", "schedule.warmup_steps", "eval_every",
                     "optimizer.weight_decay"]
     for key in not_negative:

@@ -37,6 +37,11 @@ class Plan:
     def num_params(self) -> int:
         return sum(self.unit_numels)
 
+    @property
+    def sliding(self) -> int:
+        """Blocks that visit the device through the slots (the rest are resident)."""
+        return len(self.unit_numels) - 1 - max(self.resident - 1, 0)
+
     def text(self) -> str:
         return "\n".join(self.lines)
 
@@ -64,7 +69,7 @@ def make_plan(*, window: int | None, **kwargs) -> Plan:
     if window is not None:
         return _plan(window=window, **kwargs)
     two = _plan(window=2, **kwargs)
-    if not kwargs["cuda"] or two.resident - 1 >= kwargs["num_blocks"]:  # (nothing slides: no slots at all)
+    if two.device_is_host or not two.sliding:  # (nothing slides: no slots at all)
         return two
     three = _plan(window=3, **kwargs)
     free = (three.resident, three.held) == (two.resident, two.held) and three.device_total <= three.budget
