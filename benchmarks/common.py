@@ -12,8 +12,11 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# Run from a plain checkout (the device machine has no installed packages): import the sources.
-sys.path[:0] = [str(p / "src") for p in sorted((ROOT / "packages").iterdir()) if (p / "src").is_dir()]
+# Run from a plain checkout (the device machine has no installed packages): import the sources, ahead of any
+# installed copy but behind PYTHONPATH, so a run can put another version of one package first (run_gpu.sh compare).
+_given = sum(1 for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry)
+sys.path[1 + _given:1 + _given] = [str(p / "src") for p in sorted((ROOT / "packages").iterdir())
+                                   if (p / "src").is_dir()]
 
 
 def git_commit() -> str:

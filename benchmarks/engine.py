@@ -186,6 +186,14 @@ def run_slide(args) -> dict:
             "num_params": trainer.num_params}
 
 
+def scheduler_src() -> str:
+    """Where slide_scheduler was imported from, relative to the checkout (run_gpu.sh compare swaps it)."""
+    import slide_scheduler
+
+    path = pathlib.Path(slide_scheduler.__file__).resolve().parents[1]
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama-3.2-1b")
@@ -236,7 +244,7 @@ def main() -> None:
                    "tokens_per_step": args.seq * args.micro * args.accum, "steps_timed": args.steps,
                    "warmup": args.warmup, "window": args.window, "cap_gib": args.cap, "max_grad_norm": args.clip,
                    "device_update_share": args.device_share, "split_update": bool(args.split), "lr": args.lr,
-                   "alloc_conf": alloc_conf(args.device)},
+                   "alloc_conf": alloc_conf(args.device), "scheduler_src": scheduler_src()},
         "results": results,
     }
     out = pathlib.Path(args.out)
