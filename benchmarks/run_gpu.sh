@@ -30,6 +30,8 @@
 #                                      # B1 (peer). Before:
 #                                      # `mkdir -p .cmp && git archive BASE packages/slide-scheduler/src | tar x -C
 #                                      # .cmp` (.cmp is git-ignored), and carry .cmp in the call
+#   bash benchmarks/run_gpu.sh sweep   # clipped B3 (peer) and B8 at device share 0.5, 0.5625 and 0.625 (B8's
+#                                      # 0.625 before its 0.5625, B3's last)
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -175,6 +177,14 @@ compare)  # the base engine goes first on PYTHONPATH (each JSON's config.schedul
   bench --model llama-3.2-1b --seq 2048 --micro 4 --accum 1 --cap 24 --peer plain --tag B1; keep compare.tar
   bench $b3 --peer none --tag B3-again; keep compare.tar
   base $b3 --peer none --tag B3-base-again; keep compare.tar
+  ;;
+sweep)  # device update share with the store lane: clipped B3 (peer) and B8, alternating shares (tarred run by run)
+  bench $b3 --peer plain --tag B3; keep sweep.tar
+  bench $b8 --tag B8; keep sweep.tar
+  bench $b8 --device-share 0.625 --tag B8-share62; keep sweep.tar
+  bench $b3 --peer none --device-share 0.5625 --tag B3-share56; keep sweep.tar
+  bench $b8 --device-share 0.5625 --tag B8-share56; keep sweep.tar
+  bench $b3 --peer none --device-share 0.625 --tag B3-share62; keep sweep.tar
   ;;
 balance)  # the 2-buffer, share-0.5 baselines are the ship call's noship runs (same engine, 2026-11-30)
   bench $b3 --peer none --stream-buffers 3 --tag B3-buffers3
