@@ -57,6 +57,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STREAM_PIECE = 1 << 23  # elements per device-update piece: each buffer ~150 MB on the device
 # Device-update buffers: a piece's copy in waits for the store of the piece that used its buffer last
 STREAM_BUFFERS = 2
+# Clipped sliding blocks updated on the device when the share is left to the engine (9 of every 16). Against
+# 0.5, clipped B8 ran 2.6% and 2.8% faster on two GPU machines (same-call pairs), B3 0.8% on one; 0.625 gained
+# on one machine and lost on the other (benchmarks/results/engine.md, 2026-12-01).
+DEVICE_UPDATE_SHARE = 0.5625
 
 
 @dataclass
@@ -74,7 +78,8 @@ class EngineConfig:
     states_dtype: str = "fp32"  # fp32 | bf16: AdamW m and v of host units stored in bf16 (half the host memory)
     # With clipping, the share of sliding blocks whose update runs on the device while the next forward loads
     # them (master and states streamed over PCIe) rather than on the host optimizer thread; when above 0,
-    # sliding edges update that way too (clipping or not). None: 0.5 on CUDA with fp32 states, else 0.
+    # sliding edges update that way too (clipping or not). None: DEVICE_UPDATE_SHARE on CUDA with fp32 states,
+    # else 0.
     device_update_share: float | None = None
     # With clipping, how many of those device-updated blocks keep their gradient on the device until the update
     # (2 bytes per parameter of device memory each; no host copy and no PCIe round trip). slide-train sizes it.
@@ -94,10 +99,11 @@ class EngineConfig:
         return dev
 
     def resolve_device_update_share(self, cuda: bool) -> float:
-        """`device_update_share`, None resolved: 0.5 on CUDA with fp32 states (they stream as they are), else 0."""
+        """`device_update_share`, None resolved: DEVICE_UPDATE_SHARE on CUDA with fp32 states (they stream as they
+        are), else 0."""
         if self.device_update_share is not None:
             return self.device_update_share
-        return 0.5 if cuda and self.states_dtype == "fp32" else 0.0
+        return DEVICE_UPDATE_SHARE if cuda and self.states_dtype == "fp32" else 0.0
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.compute_dtype == "auto":

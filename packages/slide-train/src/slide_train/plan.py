@@ -79,7 +79,7 @@ def make_plan(*, window: int | None, **kwargs) -> Plan:
 def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, intermediate: int,
           tokens_per_micro: int, micro_batches: int, window: int, offload_activations: bool,
           budget_bytes: float | None, resident: int | None, cuda: bool, state_bytes: int = 8,
-          clip: bool = True, device_updates: bool = False, device_share: float = 0.5,
+          clip: bool = True, device_updates: bool = False, device_share: float = engine.DEVICE_UPDATE_SHARE,
           compute_bytes: int = 2) -> Plan:
     bf16 = compute_bytes  # parameters, gradients and activations in the compute dtype (bf16 on a GPU by default)
     device_updates = device_updates and cuda  # streamed updates need a device
