@@ -429,6 +429,44 @@ def test_gradients_held_on_the_device_for_device_updates_give_the_same_result(mo
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
+@pytest.mark.parametrize("paced", [True, False])
+@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "store"])
+def test_held_gradients_split_updates_with_the_moments_on_the_device(monkeypatch, paced, slow):
+    """A clipped block whose gradient is held on the device splits its update too: the next forward's load
+    sends only the new master home, and the device steps m and v in the following backward, one block per
+    backward block (`paced`) or, at the latest, just before backward replaces that gradient. Masters and AdamW
+    states after the run (the last step's moments are run by the final synchronize) equal the host
+    optimizer's, bit for bit, and the host optimizer runs no moments part for those blocks."""
+    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+
+    def run(share, held, delays=None):
+        torch.manual_seed(0)
+        engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+            device="cpu", window=2, max_grad_norm=0.05, device_update_share=share, held_grads=held,
+            optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
+        if not paced:  # only the wait in _send_grads runs them
+            moments = engine._moments_on_device
+            engine._moments_on_device = lambda unit=None: moments(unit) if unit is not None else None
+        for name, seconds in (delays or {}).items():
+            getattr(engine, name).delay = seconds
+        labels = set()
+        for step in batches(seed=4, steps=3, micro=3):
+            stats = engine.step(step, lr=1e-2, normalizer=10)
+            labels |= {(s.lane, s.label) for s in stats.spans}
+        masters = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}
+        states = [engine.optimizer_state(u) for u in range(len(engine.units))]
+        engine.close()
+        return masters, states, labels
+
+    ref, ref_states, _ = run(0.0, 0)
+    got, states, labels = run(1.0, DEPTH, {slow: 0.003})
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+    for mine, theirs in zip(states, ref_states):
+        assert mine.keys() == theirs.keys() and all(mine[k].equal(theirs[k]) for k in theirs)
+    assert {("land", f"moments {b}") for b in range(DEPTH)} <= labels
+    assert not any(lane == "optimizer" and label.startswith("moments") for lane, label in labels)
+
+
 def test_a_held_gradient_is_what_the_device_update_reads(monkeypatch):
     """The check above can fail: a held gradient zeroed before the next forward's update reads it changes
     the result."""
