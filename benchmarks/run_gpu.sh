@@ -25,9 +25,9 @@
 #                                      # twice each, alternating; clipped B8 with 2 and 3 slots (tarred run by run)
 #   bash benchmarks/run_gpu.sh share   # scheduler and train GPU tests; clipped B3 (peer); clipped B8 with device
 #                                      # share 0.5, 0.5625 and 0.625; B3 without clipping (tarred run by run)
-#   bash benchmarks/run_gpu.sh compare # memory and train GPU tests; clipped B3 (peer) and B8, each with this
-#                                      # checkout's slide-scheduler and with a base one, alternating, B3 twice;
-#                                      # B1 (peer). Before:
+#   bash benchmarks/run_gpu.sh compare # memory, scheduler and train GPU tests; clipped B3 (peer) and B8, each
+#                                      # with this checkout's slide-scheduler and with a base one, alternating,
+#                                      # B3 twice (about 9 minutes). Before:
 #                                      # `mkdir -p .cmp && git archive BASE packages/slide-scheduler/src | tar x -C
 #                                      # .cmp` (.cmp is git-ignored), and carry .cmp in the call
 #   bash benchmarks/run_gpu.sh sweep   # clipped B3 (peer) and B8 at device share 0.5, 0.5625 and 0.625 (B8's
@@ -169,12 +169,11 @@ share)
 compare)  # the base engine goes first on PYTHONPATH (each JSON's config.scheduler_src says which one ran); the
   # rest of the stack is this checkout's
   base() { PYTHONPATH="$root/.cmp/packages/slide-scheduler/src:$PYTHONPATH" bench "$@"; }
-  gpu_tests slide-memory slide-train; keep compare.tar
+  gpu_tests slide-memory slide-scheduler slide-train; keep compare.tar
   bench $b3 --peer plain --tag B3; keep compare.tar
   base $b3 --peer none --tag B3-base; keep compare.tar
   bench $b8 --tag B8; keep compare.tar
   base $b8 --tag B8-base; keep compare.tar
-  bench --model llama-3.2-1b --seq 2048 --micro 4 --accum 1 --cap 24 --peer plain --tag B1; keep compare.tar
   bench $b3 --peer none --tag B3-again; keep compare.tar
   base $b3 --peer none --tag B3-base-again; keep compare.tar
   ;;
