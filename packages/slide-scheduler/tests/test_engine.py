@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -465,6 +466,50 @@ def test_held_gradients_split_updates_with_the_moments_on_the_device(monkeypatch
         assert mine.keys() == theirs.keys() and all(mine[k].equal(theirs[k]) for k in theirs)
     assert {("land", f"moments {b}") for b in range(DEPTH)} <= labels
     assert not any(lane == "optimizer" and label.startswith("moments") for lane, label in labels)
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+@pytest.mark.parametrize("share, held, resident", [(0.0, 0, 0), (0.0, 0, 2), (1.0, 2, 0)])
+def test_a_clipped_step_with_a_non_finite_norm_changes_nothing(monkeypatch, pipeline, share, held, resident):
+    """With clipping every update waits for the global norm, so a step whose gradients overflowed (a NaN loss
+    here) is seen before it changes anything: it reports the non-finite norm and leaves masters and AdamW states
+    as they were, and the next step is the one a run without the bad step would have taken."""
+    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    steps = list(batches(seed=4, steps=2, micro=3))
+
+    def make():
+        torch.manual_seed(0)
+        return SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+            device="cpu", window=2, max_grad_norm=0.05, pipeline=pipeline, resident=resident,
+            device_update_share=share, held_grads=held, optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
+
+    def state(engine):
+        masters = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}
+        return masters, [engine.optimizer_state(u) for u in range(len(engine.units))]
+
+    def same(a, b):
+        (ma, sa), (mb, sb) = a, b
+        return all(ma[u][n].equal(t) for u, params in mb.items() for n, t in params.items()) and all(
+            x.keys() == y.keys() and all(x[k].equal(y[k]) for k in y) for x, y in zip(sa, sb))
+
+    ref = make()
+    for step in steps:
+        ref.step(step, lr=1e-2, normalizer=10)
+    expected = state(ref)
+    ref.close()
+
+    engine = make()
+    engine.step(steps[0], lr=1e-2, normalizer=10)
+    before = state(engine)
+    tail = engine.edges.tail
+    engine.edges.tail = lambda h, batch, normalizer: tail(h, batch, normalizer) * float("nan")
+    stats = engine.step(steps[1], lr=1e-2, normalizer=10)
+    assert not math.isfinite(stats.grad_norm)
+    assert same(state(engine), before)
+    engine.edges.tail = tail
+    engine.step(steps[1], lr=1e-2, normalizer=10)
+    assert same(state(engine), expected)
+    engine.close()
 
 
 def test_a_held_gradient_is_what_the_device_update_reads(monkeypatch):

@@ -605,8 +605,28 @@ class SlidingEngine:
         # The one read of the step: loss and the per-unit squared norms (the clip needs the global norm).
         loss_value, *sq = self._readout.tolist()
         grad_norm = math.sqrt(sum(sq))
-        scale = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
-        with span("compute", "update resident", stream):
+        # A clipped step has changed no weight yet: with a non-finite norm it leaves every weight and AdamW state
+        # as it was (without clipping, sliding blocks were updated during backward already).
+        if not clip or math.isfinite(grad_norm):
+            self._queue_updates(host_grads, arrived, lr, min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0)
+        if not self.config.pipeline:
+            self.synchronize()
+        for lane in self.lanes:  # the spans of every lane are complete (and a failed copy raises here)
+            lane.record().wait_host()
+        clock.lap("update")
+        spans = self._spans(clock.start)
+        timeline = summarize(spans, clock.total)
+        timeline["wait_update_s"] = self._wait_update_s
+        timeline.update(memory)
+        return StepStats(loss=loss_value, grad_norm=grad_norm, seconds=clock.total, phases=clock.laps,
+                         timeline=timeline, spans=spans)
+
+    def _queue_updates(self, host_grads: dict[int, torch.Tensor], arrived: dict[int, list[Signal]], lr: float,
+                       scale: float) -> None:
+        """Queue the step's updates once the gradients are final (scaled by `scale`): resident units' now on
+        the compute lane, the others on the optimizer thread or at their next load."""
+        clip = self.config.max_grad_norm
+        with self.timeline.span("compute", "update resident", self.compute.stream):
             for u, opt in self.device_optimizers.items():
                 slot = self.edge_slot if u == 0 else self.resident_slots[u - 1]
                 opt.step(slot.grads, lr, scale)
@@ -626,17 +646,6 @@ class SlidingEngine:
                     self._moments_due[u] = (host_grads[u], arrived[u], lr, scale)
         if not self.resident:
             self._edges_loaded = None
-        if not self.config.pipeline:
-            self.synchronize()
-        for lane in self.lanes:  # the spans of every lane are complete (and a failed copy raises here)
-            lane.record().wait_host()
-        clock.lap("update")
-        spans = self._spans(clock.start)
-        timeline = summarize(spans, clock.total)
-        timeline["wait_update_s"] = self._wait_update_s
-        timeline.update(memory)
-        return StepStats(loss=loss_value, grad_norm=grad_norm, seconds=clock.total, phases=clock.laps,
-                         timeline=timeline, spans=spans)
 
     def _spans(self, origin: float):
         """This step's spans, plus the optimizer thread's updates that ran during it (host times)."""
