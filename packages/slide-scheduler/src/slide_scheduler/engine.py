@@ -288,8 +288,8 @@ class SlidingEngine:
         # backward reuses the gradient buffers, each waiting for it: _send_grads).
         self._moments_due: dict[int, tuple] = {}
         # The same for a block whose gradient is held on the device: its moments part runs there, during the
-        # next backward (one block per backward block, and at the latest before its held gradient is replaced).
-        # unit -> (held grad, lr, scale, [(optimizer chunk, its step count before the update)])
+        # next backward, a few blocks before backward replaces that gradient (_pace_moments; _send_grads runs it
+        # at the latest). unit -> (held grad, lr, scale, [(optimizer chunk, its step count before the update)])
         self._device_moments_due: dict[int, tuple] = {}
         self._grad_read: dict[int, Signal] = {}  # held unit -> the last read of its held gradient
 
@@ -309,12 +309,11 @@ class SlidingEngine:
         for k in chunks:
             step = opt.steps[k]
             counts.append((k, int(step)))
-            self._stream_chunk(opt, k, grad, int(step), lr, scale, slot, name, moments=not split)
+            self._stream_chunk(opt, k, grad, int(step), lr, scale, slot, name, "params" if split else "all")
             step += 1  # host bookkeeping of the chunk's AdamW step count (in place: the chunk's state)
         if split and unit in self.held_grads:  # the device steps m and v later, from the gradient it holds
-            due = self._device_moments_due.setdefault(unit, (grad, lr, scale, []))
-            due[3].extend(counts)
-            self._grad_read[unit] = self.land.record()
+            assert unit not in self._device_moments_due, "a held block's last moments part has not run"
+            self._device_moments_due[unit] = (grad, lr, scale, counts)
         elif split:  # m and v stay as they were: the host steps them once they have been read (and, so that a
             # failed device step stops the host's part too, once the steps are done)
             self._moments_due[unit] = (grad, [self._landed()] * len(opt.ranges), lr, scale)
@@ -323,12 +322,13 @@ class SlidingEngine:
             slot.unit = unit - 1 if unit else None
 
     def _stream_chunk(self, opt: FlatAdamW, k: int, grad: torch.Tensor, count: int, lr: float, scale: float,
-                      slot: Slot | None, name, moments: bool = True, master: bool = True) -> None:
+                      slot: Slot | None, name, part: str = "all") -> None:
         """Queue one optimizer chunk's device update piece by piece through the device-update buffers: copies in
-        on h2d, AdamW (and the new parameters into `slot`) on land, results home on the store lane. `moments`
-        False sends only the master home (a split update's params part); `master` False is its moments part."""
+        on h2d, AdamW (and the new parameters into `slot`) on land, results home on the store lane. `part` as in
+        `FlatAdamW.step`: "params" sends only the master home; "moments" neither loads nor sends the master."""
         a, b = opt.ranges[k]
-        label = f"{'update' if master else 'moments'} {name}"
+        master, moments = part != "moments", part != "params"
+        label = f"{'moments' if part == 'moments' else 'update'} {name}"
         for start in range(a, b, self.stream_buffers[0].numel):
             end = min(start + self.stream_buffers[0].numel, b)
             buf = self.stream_buffers[self._next_buffer]
@@ -341,19 +341,23 @@ class SlidingEngine:
             self.store.run(buf.store, opt, start, end, moments, master, label=f"store {name}")
             buf.free = self.store.record()
 
-    def _moments_on_device(self, unit: int | None = None) -> None:
-        """Queue the device moments part of a held-gradient block's split update (`unit`, or the due one that
-        backward reaches first): m and v in, AdamW on the gradient the device holds, m and v home."""
-        if unit is None:
-            if not self._device_moments_due:
-                return
-            unit = max(self._device_moments_due)
+    def _moments_on_device(self, unit: int) -> None:
+        """Queue the device moments part of a held-gradient block's split update: m and v in, AdamW on the
+        gradient the device holds, m and v home."""
         grad, lr, scale, counts = self._device_moments_due.pop(unit)
         opt = self.optimizer.units[unit]
-        for k, count in counts:  # each chunk as its params part stepped it (the same count)
-            self._stream_chunk(opt, k, grad, count, lr, scale, None, unit - 1, master=False)
+        for k, count in counts:  # the params part's very update (m and v do not depend on the count)
+            self._stream_chunk(opt, k, grad, count, lr, scale, None, unit - 1, "moments")
         self._grad_read[unit] = self.land.record()
         self._written[unit] = self.store.record()
+
+    def _pace_moments(self, block: int) -> None:
+        """At backward block `block`: queue the due device moments parts of held blocks that backward reaches
+        within a window + 2 blocks, so they spread over the backward and are done before their gradient is
+        replaced, ahead of the block's own load."""
+        for unit in sorted(self._device_moments_due, reverse=True):
+            if unit - 1 >= block - self.window - 2:
+                self._moments_on_device(unit)
 
     def _copy_out(self, unit: int, buffer: torch.Tensor, grads: torch.Tensor, label: str) -> list[Signal]:
         """Queue a gradient's copy to the host in the chunks the host optimizer steps, with a signal per chunk:
@@ -564,10 +568,10 @@ class SlidingEngine:
         host_grads: dict[int, torch.Tensor] = {}
         staged = {n - 1: self._stage(n - 1, n - 1, m)}
         for i in reversed(range(n)):
-            # A chunk of the edges' tail-only update per block, and one held-gradient block's moments part:
-            # backward's loads leave the lanes room for them.
+            # A chunk of the edges' tail-only update per block, and the held-gradient blocks' moments parts
+            # backward is about to need: backward's loads leave the lanes room for them.
             self._update_edges_tail()
-            self._moments_on_device()
+            self._pace_moments(i)
             slot, acts = staged.pop(i)
             self.compute.wait(slot.ready)
             self.compute.wait(slot.drained)  # the slot's last gradient has left before it is zeroed
