@@ -409,6 +409,19 @@ def test_three_slots_with_device_updates_and_held_gradients_give_the_synchronous
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
+def masters_and_states(engine):
+    """Copies of every unit's fp32 master and AdamW state (after pending updates)."""
+    masters = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}
+    return masters, [engine.optimizer_state(u) for u in range(len(engine.units))]
+
+
+def same_state(a, b) -> bool:
+    """Whether two `masters_and_states` are equal, bit for bit."""
+    (ma, sa), (mb, sb) = a, b
+    return all(ma[u][n].equal(t) for u, params in mb.items() for n, t in params.items()) and all(
+        x.keys() == y.keys() and all(x[k].equal(y[k]) for k in y) for x, y in zip(sa, sb))
+
+
 def assert_buffers(engine, count):
     assert len(engine.stream_buffers) == count
 
@@ -460,16 +473,13 @@ def test_held_gradients_split_updates_with_the_moments_on_the_device(monkeypatch
                 engine.evaluate(step, normalizer=10)
             stats = engine.step(step, lr=1e-2, normalizer=10)
             labels |= {(s.lane, s.label) for s in stats.spans}
-        masters = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}
-        states = [engine.optimizer_state(u) for u in range(len(engine.units))]
+        state = masters_and_states(engine)
         engine.close()
-        return masters, states, labels
+        return state, labels
 
-    ref, ref_states, _ = run(0.0, 0)
-    got, states, labels = run(1.0, DEPTH, {slow: 0.003})
-    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
-    for mine, theirs in zip(states, ref_states):
-        assert mine.keys() == theirs.keys() and all(mine[k].equal(theirs[k]) for k in theirs)
+    ref, _ = run(0.0, 0)
+    got, labels = run(1.0, DEPTH, {slow: 0.003})
+    assert same_state(got, ref)
     assert {("land", f"moments {b}") for b in range(DEPTH)} <= labels
     assert not any(lane == "optimizer" and label.startswith("moments") for lane, label in labels)
 
@@ -489,32 +499,23 @@ def test_a_clipped_step_with_a_non_finite_norm_changes_nothing(monkeypatch, pipe
             device="cpu", window=2, max_grad_norm=0.05, pipeline=pipeline, resident=resident,
             device_update_share=share, held_grads=held, optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
 
-    def state(engine):
-        masters = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}
-        return masters, [engine.optimizer_state(u) for u in range(len(engine.units))]
-
-    def same(a, b):
-        (ma, sa), (mb, sb) = a, b
-        return all(ma[u][n].equal(t) for u, params in mb.items() for n, t in params.items()) and all(
-            x.keys() == y.keys() and all(x[k].equal(y[k]) for k in y) for x, y in zip(sa, sb))
-
     ref = make()
     for step in steps:
         ref.step(step, lr=1e-2, normalizer=10)
-    expected = state(ref)
+    expected = masters_and_states(ref)
     ref.close()
 
     engine = make()
     engine.step(steps[0], lr=1e-2, normalizer=10)
-    before = state(engine)
+    before = masters_and_states(engine)
     tail = engine.edges.tail
     engine.edges.tail = lambda h, batch, normalizer: tail(h, batch, normalizer) * float("nan")
     stats = engine.step(steps[1], lr=1e-2, normalizer=10)
     assert not math.isfinite(stats.grad_norm)
-    assert same(state(engine), before)
+    assert same_state(masters_and_states(engine), before)
     engine.edges.tail = tail
     engine.step(steps[1], lr=1e-2, normalizer=10)
-    assert same(state(engine), expected)
+    assert same_state(masters_and_states(engine), expected)
     engine.close()
 
 

@@ -228,8 +228,7 @@ class SlidingEngine:
             raise ValueError(f"held_grads must be >= 0, got {config.held_grads}")
         held = sorted(u for u in self.streamed if u)[: config.held_grads]
         self.held_grads = {u: torch.zeros(block_layout.numel, dtype=self.dtype, device=self.device) for u in held}
-        sliding_blocks = self.num_blocks - max(self.resident - 1, 0)
-        ring = sliding_blocks - len(held) if config.max_grad_norm else min(3, sliding_blocks)
+        ring = sliding - len(held) if config.max_grad_norm else min(3, sliding)
         self.grad_ring = StagingRing(ring, block_layout.numel, self.dtype) if ring else None
         self.updater = HostUpdater(self.optimizer, inline=inline)
         self._setup_device_updates(block_layout.numel)
@@ -308,8 +307,9 @@ class SlidingEngine:
         counts = []
         for k in chunks:
             step = opt.steps[k]
-            counts.append((k, int(step)))
-            self._stream_chunk(opt, k, grad, int(step), lr, scale, slot, name, "params" if split else "all")
+            count = int(step)
+            counts.append((k, count))
+            self._stream_chunk(opt, k, grad, count, lr, scale, slot, name, "params" if split else "all")
             step += 1  # host bookkeeping of the chunk's AdamW step count (in place: the chunk's state)
         if split and unit in self.held_grads:  # the device steps m and v later, from the gradient it holds
             assert unit not in self._device_moments_due, "a held block's last moments part has not run"
