@@ -178,6 +178,9 @@ def run_slide(args) -> dict:
             "exposed_fraction": timeline["exposed_s"] / step_s,
             "outside_engine_fraction": timeline.get("outside_engine_s", 0.0) / step_s,
             "timeline_s": timeline, "memory_per_step": memory,
+            # every step, warm-up included (a machine whose host stalls shows it in one step, not in the median)
+            "step_s_each": [round(r["step_s"], 3) for r in records],
+            "exposed_s_each": [round(r["exposed_s"], 3) for r in records if "exposed_s" in r],
             "torch_threads": torch.get_num_threads(), "cpu_per_step_s": cpu,
             "tokens_per_s": tokens / step_s, "tflops": 6 * trainer.num_params * tokens / step_s / 1e12,
             "gpu_peak_gib": max(r["gpu_peak_gib"] for r in records),

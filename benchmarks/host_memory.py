@@ -11,6 +11,11 @@ engines stream them to the device. This measures, on the lent machine, what thos
   pcie        pinned host -> device and device -> host, 1 GiB each, alone and both ways at once
   shared      the AdamW params part while both PCIe directions stream without pause (each side's rate over the
               same window), on all threads and, as a control, on one thread fewer
+  handoff     (`--handoff`) the params part's new master on its way to the device, per block: written to the
+              master, then copied (the engine today: the next block's update beside this one's copy); copied
+              chunk by chunk right after each is written (the read may find it in the 300 MiB shared cache);
+              written only to a small pinned staging ring that is copied from (the master itself left for the
+              moments part to write, which a whole-step kernel can do in the backward)
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 from common import timed
 
 from slide_memory import AdamWConfig, FlatAdamW, host_empty
+from slide_memory.adamw import _adamw_kernel, host_block
 
 GB = 1e9
 
@@ -71,11 +77,86 @@ class Streaming:
         return seconds, (self.moved - moved) / seconds
 
 
+def params_part(opt: FlatAdamW, grad: torch.Tensor, start: int, end: int, out: torch.Tensor, scale: float) -> None:
+    """The split update's params part over [start, end) in cache-sized blocks, its new master written to `out`
+    (a view of the master itself, or a staging buffer: then the master is only read)."""
+    block = host_block(end - start)
+    step = torch.ones(())
+    for a in range(start, end, block):
+        b = min(a + block, end)
+        n = b - a
+        g = opt.scratch[:n].copy_(grad[a:b]).mul_(scale)
+        m, v = opt._wide[0, :n].copy_(opt.exp_avg[a:b]), opt._wide[1, :n].copy_(opt.exp_avg_sq[a:b])
+        p = out[a - start:b - start]
+        if p.data_ptr() != opt.master[a:b].data_ptr():
+            p.copy_(opt.master[a:b])
+        _adamw_kernel(p, g, m, v, step, 1e-5, opt.config)
+
+
+def handoff(n: int, blocks: int, chunk: int) -> dict:
+    """Seconds per block of `n` parameters for the params part and its master's copy to the device, three ways
+    (module notes), `blocks` blocks in a row over two units (each one's copy beside the other's update)."""
+    # pinned masters and pageable states, as the engine keeps a host-updated block
+    units = [FlatAdamW(host_empty(n, torch.float32).normal_(0, 0.02), AdamWConfig(lr=1e-5), pinned_states=False)
+             for _ in range(2)]
+    grad = (torch.randn(n) * 1e-3).to(torch.bfloat16)
+    device = torch.empty(n, dtype=torch.float32, device="cuda")
+    stream = torch.cuda.Stream()
+    ring = [host_empty(chunk, torch.float32) for _ in range(4)]
+    ring_free = [None] * len(ring)
+
+    def copy(src: torch.Tensor, start: int) -> torch.cuda.Event:
+        with torch.cuda.stream(stream):
+            device[start:start + src.numel()].copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    def after():  # the engine now: the whole part, then the master's copy (overlapping the next block's part)
+        for k in range(blocks):
+            opt = units[k % 2]
+            params_part(opt, grad, 0, n, opt.master, 0.5)
+            copy(opt.master, 0)
+        torch.cuda.synchronize()
+
+    def chunked(staged: bool):
+        r = 0
+        for k in range(blocks):
+            opt = units[k % 2]
+            for a in range(0, n, chunk):
+                b = min(a + chunk, n)
+                if staged:
+                    if ring_free[r] is not None:
+                        ring_free[r].synchronize()
+                    out = ring[r][: b - a]
+                    params_part(opt, grad, a, b, out, 0.5)
+                    ring_free[r] = copy(out, a)
+                    r = (r + 1) % len(ring)
+                else:
+                    params_part(opt, grad, a, b, opt.master[a:b], 0.5)
+                    copy(opt.master[a:b], a)
+        torch.cuda.synchronize()
+
+    result = {"numel": n, "blocks": blocks, "chunk": chunk, "ring": len(ring)}
+    for name, fn in (("alone", lambda: [params_part(units[k % 2], grad, 0, n, units[k % 2].master, 0.5)
+                                        for k in range(blocks)]),
+                     ("after", after), ("chunked", lambda: chunked(False)), ("staged", lambda: chunked(True))):
+        s = timed(fn, runs=3) / blocks
+        result[name] = {"s_per_block": round(s, 4), "gparams_per_s": round(n / s / 1e9, 3)}
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--numel", type=int, default=256 << 20)
+    p.add_argument("--handoff", action="store_true", help="only the handoff measurement (module notes)")
     a = p.parse_args()
+    if a.handoff:  # an 8B block's parameters, 4 M-element (16 MB) chunks
+        out = {**common.header("host_memory_handoff"), "threads": torch.get_num_threads(),
+               **handoff(218_112_000, 6, 4 << 20)}
+        common.write_result(out, a.out, f"host-handoff-{out['commit'][:7]}.json")
+        return
     n = a.numel
     out = {**common.header("host_memory"), "threads": torch.get_num_threads(), "numel": n}
 

@@ -32,6 +32,9 @@
 #                                      # .cmp` (.cmp is git-ignored), and carry .cmp in the call
 #   bash benchmarks/run_gpu.sh sweep   # clipped B3 (peer) and B8 at device share 0.5, 0.5625 and 0.625 (B8's
 #                                      # 0.625 before its 0.5625, B3's last)
+#   bash benchmarks/run_gpu.sh handoff # the params part's handoff to the device three ways (host_memory.py
+#                                      # --handoff), the host's memory settings; clipped B8 with this checkout's
+#                                      # slide-scheduler and a base one (.cmp, as for compare), twice, alternating
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -42,6 +45,9 @@ export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/slide-gpu}
 mkdir -p "$out"
 bench() { python3 "$root/benchmarks/engine.py" --out "$out" --steps 3 --warmup 2 "$@" 2>&1 | tail -2; }
+# A run on the base engine (compare, handoff): .cmp's slide-scheduler goes first on PYTHONPATH (each JSON's
+# config.scheduler_src says which one ran); the rest of the stack is this checkout's
+base() { PYTHONPATH="$root/.cmp/packages/slide-scheduler/src:$PYTHONPATH" bench "$@"; }
 keep() {  # keep TARBALL: move what the last run wrote under $out into TARBALL, so a call cut short returns it
   (cd "$out" && find . -maxdepth 1 -type f ! -name "$1" -printf '%P\0' | xargs -0r tar rf "$1" --remove-files)
 }
@@ -166,9 +172,16 @@ share)
   bench $b8 --device-share 0.625 --tag B8-share62; keep share.tar
   bench $b3 --peer none --clip none --tag B3-noclip; keep share.tar
   ;;
-compare)  # the base engine goes first on PYTHONPATH (each JSON's config.scheduler_src says which one ran); the
-  # rest of the stack is this checkout's
-  base() { PYTHONPATH="$root/.cmp/packages/slide-scheduler/src:$PYTHONPATH" bench "$@"; }
+handoff)
+  python3 "$root/benchmarks/host_memory.py" --handoff --out "$out" 2>&1 | tail -30
+  { free -g; grep . /sys/kernel/mm/transparent_hugepage/{enabled,defrag} /proc/sys/vm/{swappiness,overcommit_memory}
+  } > "$out/host-mm.txt" 2>&1; keep handoff.tar
+  bench $b8 --tag B8; keep handoff.tar
+  base $b8 --tag B8-base; keep handoff.tar
+  bench $b8 --tag B8-r2; keep handoff.tar
+  base $b8 --tag B8-base-r2; keep handoff.tar
+  ;;
+compare)
   gpu_tests slide-memory slide-scheduler slide-train; keep compare.tar
   bench $b3 --peer plain --tag B3; keep compare.tar
   base $b3 --peer none --tag B3-base; keep compare.tar
