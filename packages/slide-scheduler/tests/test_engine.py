@@ -446,44 +446,6 @@ def test_gradients_held_on_the_device_for_device_updates_give_the_same_result(mo
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
-@pytest.mark.parametrize("window, evaluate", [(2, False), (3, True)])
-@pytest.mark.parametrize("paced", [True, False])
-@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "store"])
-def test_held_gradients_split_updates_with_the_moments_on_the_device(monkeypatch, paced, slow, window, evaluate):
-    """A clipped block whose gradient is held on the device splits its update too: the next forward's load
-    sends only the new master home, and the device steps m and v in the following backward, a few blocks
-    before backward reaches it (`paced`) or, at the latest, just before backward replaces that gradient; an
-    evaluation between steps runs the pending updates, and the next backward still steps their moments once.
-    Masters and AdamW states after the run (the last step's moments are run by the final synchronize) equal
-    the host optimizer's, bit for bit, and the host optimizer runs no moments part for those blocks."""
-    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
-
-    def run(share, held, delays=None):
-        torch.manual_seed(0)
-        engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
-            device="cpu", window=window, max_grad_norm=0.05, device_update_share=share, held_grads=held,
-            optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
-        if not paced:  # only the wait in _send_grads runs them
-            engine._pace_moments = lambda block: None
-        for name, seconds in (delays or {}).items():
-            getattr(engine, name).delay = seconds
-        labels = set()
-        for step in batches(seed=4, steps=3, micro=3):
-            if evaluate:
-                engine.evaluate(step, normalizer=10)
-            stats = engine.step(step, lr=1e-2, normalizer=10)
-            labels |= {(s.lane, s.label) for s in stats.spans}
-        state = masters_and_states(engine)
-        engine.close()
-        return state, labels
-
-    ref, _ = run(0.0, 0)
-    got, labels = run(1.0, DEPTH, {slow: 0.003})
-    assert same_state(got, ref)
-    assert {("land", f"moments {b}") for b in range(DEPTH)} <= labels
-    assert not any(lane == "optimizer" and label.startswith("moments") for lane, label in labels)
-
-
 @pytest.mark.parametrize("pipeline", [True, False])
 @pytest.mark.parametrize("share, held, resident", [(0.0, 0, 0), (0.0, 0, 2), (1.0, 2, 0)])
 def test_a_clipped_step_with_a_non_finite_norm_changes_nothing(monkeypatch, pipeline, share, held, resident):

@@ -163,11 +163,9 @@ class StreamedStep:
 
     For each piece: master, m, v (and the gradient) are copied in (`load`), stepped by torch's AdamW on the
     device (`step`, which widens the gradient first: the same formula the host runs, so the two paths agree to
-    the last bits on the same hardware) and copied back (`store`: master, m and v; or only the master, or only m
-    and v, for the two parts of a split step). A moments part may leave the master out of its load too: AdamW's
-    m and v do not depend on it, so the step's new master lands in the buffer and is dropped. Where each runs and
-    what it waits for is the caller's business: the engine puts loads on its host-to-device stream, steps and
-    stores on two streams of their own.
+    the last bits on the same hardware) and copied back (`store`: master, m and v; or the master alone when the
+    host steps the moments). Where each runs and what it waits for is the caller's business: the engine puts
+    loads on its host-to-device stream, steps and stores on two streams of their own.
     """
 
     def __init__(self, numel: int, config: AdamWConfig, device: torch.device, grad_dtype: torch.dtype):
@@ -182,17 +180,14 @@ class StreamedStep:
         self.step_t = torch.zeros((), device=device)
         self.config = config
 
-    def load(self, opt: FlatAdamW, start: int, end: int, grad: torch.Tensor, master: bool = True) -> None:
-        """Copy [start, end) of `opt`'s master (unless `master` is False) and states in, and of `grad` unless it
-        is on this device already (`end - start <= numel`): copies only, so a copy stream is never held up behind
-        a kernel."""
+    def load(self, opt: FlatAdamW, start: int, end: int, grad: torch.Tensor) -> None:
+        """Copy [start, end) of `opt`'s master and states in, and of `grad` unless it is on this device already
+        (`end - start <= numel`): copies only, so a copy stream is never held up behind a kernel."""
         if opt.narrow:
             raise ValueError("streamed steps need fp32 AdamW states")
         n = end - start
-        for wanted, dst, src in ((master, self.param, opt.master), (True, self.exp_avg, opt.exp_avg),
-                                 (True, self.exp_avg_sq, opt.exp_avg_sq)):
-            if wanted:
-                dst[:n].copy_(src[start:end], non_blocking=True)
+        for dst, src in ((self.param, opt.master), (self.exp_avg, opt.exp_avg), (self.exp_avg_sq, opt.exp_avg_sq)):
+            dst[:n].copy_(src[start:end], non_blocking=True)
         if grad.device != self.grad.device:  # lands as it is; `step` widens it, as the host path does
             self.grad_in[:n].copy_(grad[start:end], non_blocking=True)
 
@@ -209,14 +204,13 @@ class StreamedStep:
         _adamw_kernel(self.param[:n], grad_piece, self.exp_avg[:n], self.exp_avg_sq[:n], self.step_t, lr,
                       self.config)
 
-    def store(self, opt: FlatAdamW, start: int, end: int, moments: bool = True, master: bool = True) -> None:
-        """Copy the stepped master (unless `master` is False) and m and v (unless `moments` is False: a later
-        moments part steps them) back to [start, end) of `opt`."""
+    def store(self, opt: FlatAdamW, start: int, end: int, moments: bool = True) -> None:
+        """Copy the stepped master (and m and v, unless the host will step them: `FlatAdamW.step` part
+        "moments") back to [start, end) of `opt`."""
         n = end - start
-        for wanted, dst, src in ((master, opt.master, self.param), (moments, opt.exp_avg, self.exp_avg),
-                                 (moments, opt.exp_avg_sq, self.exp_avg_sq)):
-            if wanted:
-                dst[start:end].copy_(src[:n], non_blocking=True)
+        pairs = ((opt.master, self.param), (opt.exp_avg, self.exp_avg), (opt.exp_avg_sq, self.exp_avg_sq))
+        for dst, src in pairs if moments else pairs[:1]:
+            dst[start:end].copy_(src[:n], non_blocking=True)
 
 
 class HostAdamW:

@@ -20,8 +20,7 @@ clipping they start during backward, as soon as each chunk of a block's gradient
 squared norms are reduced on the device, so the clip needs one small read at the end of backward. Clipped
 updates are split (`split_update`): the next forward waits only for new masters, and the AdamW moments of
 sliding blocks are stepped on the host after the forward, before the next backward reuses their gradient
-buffers (or, for a block whose gradient is held on the device, on the device during that backward); so
-device-updated blocks send back only their master in the forward (4 bytes per parameter instead of 12).
+buffers; device-updated blocks then send back only their master (4 bytes per parameter instead of 12).
 
 `pipeline=False` runs the very same schedule with every lane inline and the optimizer on the calling thread:
 the synchronous engine, kept as the reference the pipelined one is tested against.
@@ -88,8 +87,7 @@ class EngineConfig:
     # With clipping, sliding blocks' updates write the new masters first and the AdamW moments after the next
     # forward (a host unit's two parts run the same kernel on the same inputs: bit for bit a whole update; a
     # device-updated block's moments come from the host's kernel, its master from the device's, which agree to
-    # rounding as the two paths do anyway; a block whose gradient is held on the device steps both parts
-    # there, its moments during the next backward); False: whole updates in the forward.
+    # rounding as the two paths do anyway); False: whole updates in the forward.
     split_update: bool = True
 
     def resolve_device(self) -> torch.device:
@@ -286,11 +284,6 @@ class SlidingEngine:
         # whose params part has been queued; submitted after the forward, last block first (the order in which
         # backward reuses the gradient buffers, each waiting for it: _send_grads).
         self._moments_due: dict[int, tuple] = {}
-        # The same for a block whose gradient is held on the device: its moments part runs there, during the
-        # next backward, a few blocks before backward replaces that gradient (_pace_moments; _send_grads runs it
-        # at the latest). unit -> (held grad, lr, scale, [(optimizer chunk, its step count before the update)])
-        self._device_moments_due: dict[int, tuple] = {}
-        self._grad_read: dict[int, Signal] = {}  # held unit -> the last read of its held gradient
 
     def _update_on_device(self, unit: int, slot: Slot | None, chunks: list[int] | None = None) -> None:
         """Queue unit's pending update on the device (only optimizer `chunks` of it, if given), writing the new
@@ -304,60 +297,27 @@ class SlidingEngine:
         self._wait_for_update(unit)  # the host's moments part of its last update is done with m and v
         self.h2d.wait(arrived)
         self.h2d.wait(self._written.get(unit, DONE))
-        counts = []
         for k in chunks:
-            step = opt.steps[k]
+            (a, b), step = opt.ranges[k], opt.steps[k]
             count = int(step)
-            counts.append((k, count))
-            self._stream_chunk(opt, k, grad, count, lr, scale, slot, name, "params" if split else "all")
+            for start in range(a, b, self.stream_buffers[0].numel):
+                end = min(start + self.stream_buffers[0].numel, b)
+                buf = self.stream_buffers[self._next_buffer]
+                self._next_buffer = (self._next_buffer + 1) % len(self.stream_buffers)
+                self.h2d.wait(buf.free)
+                self.h2d.run(buf.load, opt, start, end, grad, label=f"update {name}")
+                self.land.wait(self.h2d.record())
+                self.land.run(_step_piece, buf, start, end, grad, count, lr, scale, slot, label=f"update {name}")
+                self.store.wait(self.land.record())
+                self.store.run(buf.store, opt, start, end, not split, label=f"store {name}")
+                buf.free = self.store.record()
             step += 1  # host bookkeeping of the chunk's AdamW step count (in place: the chunk's state)
-        if split and unit in self.held_grads:  # the device steps m and v later, from the gradient it holds
-            assert unit not in self._device_moments_due, "a held block's last moments part has not run"
-            self._device_moments_due[unit] = (grad, lr, scale, counts)
-        elif split:  # m and v stay as they were: the host steps them once they have been read (and, so that a
-            # failed device step stops the host's part too, once the steps are done)
+        if split:  # m and v stay as they were: the host steps them once they have been read (and, so that a failed
+            # device step stops the host's part too, once the steps are done)
             self._moments_due[unit] = (grad, [self._landed()] * len(opt.ranges), lr, scale)
         self._written[unit] = self.store.record()
         if slot is not None:
             slot.unit = unit - 1 if unit else None
-
-    def _stream_chunk(self, opt: FlatAdamW, k: int, grad: torch.Tensor, count: int, lr: float, scale: float,
-                      slot: Slot | None, name, part: str = "all") -> None:
-        """Queue one optimizer chunk's device update piece by piece through the device-update buffers: copies in
-        on h2d, AdamW (and the new parameters into `slot`) on land, results home on the store lane. `part` as in
-        `FlatAdamW.step`: "params" sends only the master home; "moments" neither loads nor sends the master."""
-        a, b = opt.ranges[k]
-        master, moments = part != "moments", part != "params"
-        label = f"{'moments' if part == 'moments' else 'update'} {name}"
-        for start in range(a, b, self.stream_buffers[0].numel):
-            end = min(start + self.stream_buffers[0].numel, b)
-            buf = self.stream_buffers[self._next_buffer]
-            self._next_buffer = (self._next_buffer + 1) % len(self.stream_buffers)
-            self.h2d.wait(buf.free)
-            self.h2d.run(buf.load, opt, start, end, grad, master, label=label)
-            self.land.wait(self.h2d.record())
-            self.land.run(_step_piece, buf, start, end, grad, count, lr, scale, slot, label=label)
-            self.store.wait(self.land.record())
-            self.store.run(buf.store, opt, start, end, moments, master, label=f"store {name}")
-            buf.free = self.store.record()
-
-    def _moments_on_device(self, unit: int) -> None:
-        """Queue the device moments part of a held-gradient block's split update: m and v in, AdamW on the
-        gradient the device holds, m and v home."""
-        grad, lr, scale, counts = self._device_moments_due.pop(unit)
-        opt = self.optimizer.units[unit]
-        for k, count in counts:  # the params part's very update (m and v do not depend on the count)
-            self._stream_chunk(opt, k, grad, count, lr, scale, None, unit - 1, "moments")
-        self._grad_read[unit] = self.land.record()
-        self._written[unit] = self.store.record()
-
-    def _pace_moments(self, block: int) -> None:
-        """At backward block `block`: queue the due device moments parts of held blocks that backward reaches
-        within a window + 2 blocks, so they spread over the backward and are done before their gradient is
-        replaced, ahead of the block's own load."""
-        for unit in sorted(self._device_moments_due, reverse=True):
-            if unit - 1 >= block - self.window - 2:
-                self._moments_on_device(unit)
 
     def _copy_out(self, unit: int, buffer: torch.Tensor, grads: torch.Tensor, label: str) -> list[Signal]:
         """Queue a gradient's copy to the host in the chunks the host optimizer steps, with a signal per chunk:
@@ -375,9 +335,6 @@ class SlidingEngine:
         self.d2h.wait(slot.free)
         if unit in self.held_grads:  # kept on the device for its update: a device copy frees the slot
             buffer = self.held_grads[unit]
-            if unit in self._device_moments_due:  # the last update's moments part still needs the old gradient
-                self._moments_on_device(unit)
-            self.d2h.wait(self._grad_read.pop(unit, DONE))
             self.d2h.run(buffer.copy_, slot.grads, True, label=f"hold grads {block}")
             return buffer, [self.d2h.record()]
         buffer, previous = self.grad_ring.take(unit)
@@ -390,8 +347,6 @@ class SlidingEngine:
         host's moments parts are queued)."""
         for unit in list(self._pending):
             self._update_on_device(unit, None)
-        for unit in sorted(self._device_moments_due, reverse=True):
-            self._moments_on_device(unit)
         self._submit_moments()
         for signal in self._written.values():
             signal.wait_host()
@@ -568,10 +523,8 @@ class SlidingEngine:
         host_grads: dict[int, torch.Tensor] = {}
         staged = {n - 1: self._stage(n - 1, n - 1, m)}
         for i in reversed(range(n)):
-            # A chunk of the edges' tail-only update per block, and the held-gradient blocks' moments parts
-            # backward is about to need: backward's loads leave the lanes room for them.
+            # A chunk of the edges' tail-only update per block: backward's loads leave the lanes room for it.
             self._update_edges_tail()
-            self._pace_moments(i)
             slot, acts = staged.pop(i)
             self.compute.wait(slot.ready)
             self.compute.wait(slot.drained)  # the slot's last gradient has left before it is zeroed
@@ -636,9 +589,10 @@ class SlidingEngine:
                 opt.step(slot.grads, lr, scale)
                 slot.params.copy_(opt.master)
         for u in range(self.resident, len(self.units)):
-            # A clipped update splits, except the streamed edges' (their gradient is zeroed by the next tail): the
-            # moments are stepped on the host, or on the device for a block whose gradient is held there.
-            split = bool(clip) and self.config.split_update and not (u == 0 and u in self.streamed)
+            # A clipped update splits when its gradient is in a host buffer (not held on the device, nor the
+            # streamed edges' own on the device) for the host to step the moments from.
+            split = bool(clip) and self.config.split_update and u not in self.held_grads and \
+                not (u == 0 and u in self.streamed)
             if u in self.streamed:  # runs when the unit next loads
                 chunks = range(len(self.optimizer.units[u].ranges))
                 if u == 0 and not clip:  # the tail-only part is done already
