@@ -365,6 +365,23 @@ def test_a_landing_half_reused_before_it_is_narrowed_is_caught():
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
+@pytest.mark.parametrize("share", [0.0, 0.3, 0.5, 0.5625, 2 / 3, 1.0])
+@pytest.mark.parametrize("resident", [0, 3])
+def test_the_engine_updates_on_the_device_the_blocks_the_planner_counts(share, resident):
+    """The clipped engine updates int(sliding * share) sliding blocks on the device, the count the planner
+    sizes held gradients by (`device_updated`), no two of them more than one host block apart, and never the
+    first sliding block unless every block goes to the device."""
+    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+        device="cpu", window=2, max_grad_norm=1.0, device_update_share=share, resident=resident))
+    first = max(resident - 1, 0)  # resident = 1 + k keeps the edges and blocks 0..k-1
+    blocks = sorted(u - 1 - first for u in engine.streamed if u)
+    engine.close()
+    sliding = DEPTH - first
+    assert blocks == engine_module.device_updated(sliding, share) and len(blocks) == int(sliding * share)
+    assert all(b - a <= 2 for a, b in zip(blocks, blocks[1:])) or share < 0.5
+    assert (0 in blocks) == (share == 1.0)
+
+
 @pytest.mark.parametrize("share", [0.5, 1.0])
 @pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "store", "updater"])
 @pytest.mark.parametrize("resident", [0, 2])

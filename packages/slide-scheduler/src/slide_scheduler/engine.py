@@ -261,10 +261,9 @@ class SlidingEngine:
         if share and self.config.states_dtype != "fp32":
             raise ValueError("device updates stream fp32 AdamW states: use device_update_share=0 with bf16 states")
         first = max(self.resident - 1, 0)
-        # Spread evenly over the forward order (every other block at 0.5), host blocks first.
         streamed = set()
         if self.config.max_grad_norm:  # without clipping, block updates run during backward on the host
-            streamed = {1 + first + j for j in range(self.num_blocks - first) if int((j + 1) * share) > int(j * share)}
+            streamed = {1 + first + j for j in device_updated(self.num_blocks - first, share)}
         if share and not self.resident:
             streamed.add(0)
         return streamed
@@ -714,6 +713,13 @@ class SlidingEngine:
             for lane in self.lanes:
                 lane.close()
             self.activations.trim(0)
+
+
+def device_updated(sliding: int, share: float) -> list[int]:
+    """Which of `sliding` blocks (0 = the first to slide) a clipped step updates on the device at `share`:
+    int(sliding * share) of them, spread evenly over the forward order (every other block at 0.5), host blocks
+    first. The planner counts the same blocks."""
+    return [j for j in range(sliding) if int((j + 1) * share) > int(j * share)]
 
 
 def _tail_only_from(edges, layout: FlatLayout) -> int:

@@ -128,7 +128,7 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
     held = 0
     if clip and device_updates and budget_bytes is not None:
         room = budget - device - max(0.5 * GIB, HELD_HEADROOM * budget)
-        held = min(int(sliding * device_share), int(max(0.0, room) // (bf16 * block_numel)))
+        held = min(len(engine.device_updated(sliding, device_share)), int(max(0.0, room) // (bf16 * block_numel)))
         device += held * bf16 * block_numel
     grads = bf16 * (edges_on_host * edge_numel + ((sliding - held) if clip else min(3, sliding)) * block_numel)
     acts_host = (num_blocks + 1) * micro_batches * act_one * offload_activations
