@@ -35,6 +35,7 @@
 #   bash benchmarks/run_gpu.sh handoff # the params part's handoff to the device three ways (host_memory.py
 #                                      # --handoff), the host's memory settings; clipped B8 with this checkout's
 #                                      # slide-scheduler and a base one (.cmp, as for compare), twice, alternating
+#   bash benchmarks/run_gpu.sh tail    # train GPU tests; the tail on the tokens with a target only (tail.py)
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -171,6 +172,10 @@ share)
   bench $b8 --device-share 0.5625 --tag B8-share56; keep share.tar
   bench $b8 --device-share 0.625 --tag B8-share62; keep share.tar
   bench $b3 --peer none --clip none --tag B3-noclip; keep share.tar
+  ;;
+tail)
+  gpu_tests slide-train
+  python3 "$root/benchmarks/tail.py" --out "$out" 2>&1 | tail -30
   ;;
 handoff)
   python3 "$root/benchmarks/host_memory.py" --handoff --out "$out" 2>&1 | tail -30

@@ -7,14 +7,55 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from conftest import save_tiny_model, write_token_rows
+from torch import nn
 
 import slide_train.data.formats
+import slide_train.models.loss
 from slide_train.cli import main
 from slide_train.config import load_config
 from slide_train.data import DataConfig, build_data
+from slide_train.models.adapter import Edges
 from slide_train.trainer import Trainer, prepare
+
+
+def test_the_tail_runs_the_lm_head_only_on_tokens_with_a_target(monkeypatch):
+    """`prepare` lists the tokens that have a target (a prompt's carry none); the tail sends only those
+    through the final norm and the lm head, and gets the loss and gradients of plain cross-entropy over every
+    token's logits (float64)."""
+    torch.manual_seed(0)
+    hidden_size, vocab, seq = 16, 50, 12
+    edges = Edges(nn.Embedding(vocab, hidden_size), None, nn.RMSNorm(hidden_size),
+                  nn.Linear(hidden_size, vocab, bias=False), None).double()
+    ids = torch.randint(0, vocab, (2, seq))
+    labels = ids.clone()
+    labels[:, :5] = -100
+    labels[1, :9] = -100
+    batch = prepare({"input_ids": ids, "labels": labels, "position_ids": torch.arange(seq).expand(2, seq),
+                     "document_ids": torch.zeros(2, seq, dtype=torch.long)})
+    kept = (batch["targets"].reshape(-1) != -100).nonzero().flatten()
+    assert batch["loss_rows"].tolist() == kept.tolist() and 0 < len(kept) < 2 * seq
+    rows_seen = []
+    fused = slide_train.models.loss.linear_cross_entropy
+    monkeypatch.setattr(slide_train.models.loss, "linear_cross_entropy",
+                        lambda h, *args, **kwargs: rows_seen.append(h.shape[0]) or fused(h, *args, **kwargs))
+    hidden = torch.randn(2, seq, hidden_size, dtype=torch.float64, requires_grad=True)
+
+    def loss_and_grads(tail):
+        edges.zero_grad()
+        hidden.grad = None
+        loss = tail()
+        loss.backward()
+        return [loss.detach(), hidden.grad, edges.lm_head.weight.grad, edges.norm.weight.grad]
+
+    got = loss_and_grads(lambda: edges.tail(hidden, batch, normalizer=7.0))
+    assert rows_seen == [len(kept)]
+    want = loss_and_grads(lambda: F.cross_entropy(edges.lm_head(edges.norm(hidden)).reshape(-1, vocab),
+                                                  batch["targets"].reshape(-1), reduction="sum") / 7.0)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
 def test_packed_rows_give_the_unpacked_loss_through_the_engine(tmp_path):

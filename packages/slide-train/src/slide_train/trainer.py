@@ -34,6 +34,7 @@ from .export import MARKER as EXPORT_MARKER
 from .export import export_bytes, export_dtype, export_hf, is_earlier_export
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics
 from .models.build import BASE_MODEL_DIR, check_fits, load_model, save_model_files
+from .models.loss import loss_rows
 from .plan import Plan, check_host, host_memory, make_plan
 from .plan import check_fits as check_plan
 from .progress import bar
@@ -182,7 +183,8 @@ def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     targets = torch.full_like(labels, -100)
     same_doc = docs[:, 1:] == docs[:, :-1]
     targets[:, :-1] = torch.where(same_doc, labels[:, 1:], -100)
-    out = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "targets": targets}
+    out = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "targets": targets,
+           "loss_rows": loss_rows(targets)}
     # Rows holding one document and no padding need no explicit mask: plain causal attention is exact.
     if bool((docs != docs[:, :1]).any()):
         out["document_ids"] = docs

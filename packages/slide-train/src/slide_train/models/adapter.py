@@ -73,8 +73,11 @@ class Edges(nn.Module):
         return hidden, ctx
 
     def tail(self, hidden, batch, normalizer: float):
-        hidden = self.norm(hidden)
-        return causal_lm_loss(hidden, self.lm_head.weight, batch["targets"]) / normalizer
+        targets = batch["targets"]
+        if "loss_rows" in batch:  # only the tokens with a target go through the norm and the lm head
+            rows = batch["loss_rows"]
+            hidden, targets = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), targets.reshape(-1)[rows]
+        return causal_lm_loss(self.norm(hidden), self.lm_head.weight, targets) / normalizer
 
 
 def attention_mask(document_ids: torch.Tensor | None, window: int | None, seq: int, device) -> torch.Tensor | None:

@@ -15,3 +15,10 @@ def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     """Sum over tokens of cross-entropy(hidden @ weight.T, targets); targets of -100 are ignored."""
     return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
                                 reduction="sum")
+
+
+def loss_rows(targets: torch.Tensor) -> torch.Tensor:
+    """The flat indices of the tokens that have a target. Found on the host, where the batch is made: its
+    length is then known without reading anything back from the device, and the tail runs the lm head on those
+    rows only (a chat or instruction prompt, whose tokens carry no target, costs no logits)."""
+    return (targets.reshape(-1) != -100).nonzero().squeeze(1)
