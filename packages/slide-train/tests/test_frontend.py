@@ -56,6 +56,11 @@ def test_the_tail_runs_the_lm_head_only_on_tokens_with_a_target(monkeypatch):
                                                   batch["targets"].reshape(-1), reduction="sum") / 7.0)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    # Where nearly every token has a target (here all but each row's last), the tail takes them all as they are.
+    long = torch.randint(0, vocab, (2, 64))
+    assert "loss_rows" not in prepare({"input_ids": long, "labels": long,
+                                       "position_ids": torch.arange(64).expand(2, 64),
+                                       "document_ids": torch.zeros(2, 64, dtype=torch.long)})
 
 
 def test_packed_rows_give_the_unpacked_loss_through_the_engine(tmp_path):

@@ -183,8 +183,12 @@ def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     targets = torch.full_like(labels, -100)
     same_doc = docs[:, 1:] == docs[:, :-1]
     targets[:, :-1] = torch.where(same_doc, labels[:, 1:], -100)
-    out = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "targets": targets,
-           "loss_rows": loss_rows(targets)}
+    out = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "targets": targets}
+    # The tail gathers the tokens that have a target when at least 1/32 have none: the gather cost the 1B and 8B
+    # shapes' tail 1-2% where every token had one, and saved 39-44% where half had none (tail-d27397a.json).
+    rows = loss_rows(targets)
+    if rows.numel() <= targets.numel() * 31 // 32:
+        out["loss_rows"] = rows
     # Rows holding one document and no padding need no explicit mask: plain causal attention is exact.
     if bool((docs != docs[:, :1]).any()):
         out["document_ids"] = docs
