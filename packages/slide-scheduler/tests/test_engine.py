@@ -499,8 +499,8 @@ def test_a_clipped_step_with_a_non_finite_norm_changes_nothing(monkeypatch, pipe
 
 
 def test_a_held_gradient_is_what_the_device_update_reads(monkeypatch):
-    """The check above can fail: a held gradient zeroed before the next forward's update reads it changes
-    the result."""
+    """test_gradients_held_on_the_device_for_device_updates_give_the_same_result can fail: a held gradient
+    zeroed before the next forward's update reads it changes the result."""
     monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
     _, ref = run_engine(pipeline=False, window=2, clip=0.05, device_share=1.0, held=2)
 
