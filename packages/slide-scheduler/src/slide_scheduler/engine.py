@@ -656,12 +656,17 @@ class SlidingEngine:
                 acts.put(0, j, h, made)
         staged: dict[int, tuple] = {}
         self._prefetch(staged, 0)
-        tail_ready = None  # the edges' tail-only part, deferred by clipping, is queued a chunk per block
+        # The edges' tail-only part, deferred by clipping, is queued a chunk per block over the forward's last
+        # blocks, which the tail alone waits for. Early in a clipped forward every load waits on an update and
+        # the copy lane is the bottleneck: there a chunk held up the next device-updated block (12.5 ms each, 8B
+        # traces of 2026-12-01), while late in the forward the loads are ahead and the lane has idle room.
+        tail_from = n - (len(self._pending[0][4]) if 0 in self._pending else 0)
+        tail_ready = None
         for i in range(n):
             # Not staged yet when its host update was still running: nothing else can be queued before it now,
-            # not even the chunk of the edges' update below, which the tail alone waits for.
+            # not even the chunk of the edges' update below.
             slot, _ = staged.pop(i) if i in staged else self._stage(i, None, 0)
-            if self._update_edges_tail():
+            if i >= tail_from and self._update_edges_tail():
                 tail_ready = self._landed()
             self.compute.wait(slot.ready)
             with self.timeline.span("compute", f"forward {i}", self.compute.stream):
