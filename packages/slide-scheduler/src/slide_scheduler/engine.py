@@ -656,17 +656,12 @@ class SlidingEngine:
                 acts.put(0, j, h, made)
         staged: dict[int, tuple] = {}
         self._prefetch(staged, 0)
-        # The edges' tail-only part, deferred by clipping, is queued a chunk per block over the forward's last
-        # blocks, which the tail alone waits for. Early in a clipped forward every load waits on an update and
-        # the copy lane is the bottleneck: there a chunk held up the next device-updated block (12.5 ms each, 8B
-        # traces of 2026-12-01), while late in the forward the loads are ahead and the lane has idle room.
-        tail_from = n - (len(self._pending[0][4]) if 0 in self._pending else 0)
-        tail_ready = None
+        tail_ready = None  # the edges' tail-only part, deferred by clipping, is queued a chunk per block
         for i in range(n):
             # Not staged yet when its host update was still running: nothing else can be queued before it now,
-            # not even the chunk of the edges' update below.
+            # not even the chunk of the edges' update below, which the tail alone waits for.
             slot, _ = staged.pop(i) if i in staged else self._stage(i, None, 0)
-            if i >= tail_from and self._update_edges_tail():
+            if self._update_edges_tail():
                 tail_ready = self._landed()
             self.compute.wait(slot.ready)
             with self.timeline.span("compute", f"forward {i}", self.compute.stream):
