@@ -11,11 +11,10 @@ the tokens (the first half of the row, a prompt) without a target, each with and
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import common
 import torch
+from common import timed
 from torch import nn
 
 from slide_train.models.adapter import Edges
@@ -24,18 +23,10 @@ from slide_train.models.loss import loss_rows
 SHAPES = {"llama-3.2-1b": (2048, 128256), "llama-3.1-8b": (4096, 128256)}  # hidden size, vocabulary
 
 
-def time_tail(edges: Edges, hidden: torch.Tensor, batch: dict, runs: int = 10) -> float:
-    """Median seconds of the tail's forward and backward (after two untimed runs)."""
-    times = []
-    for i in range(runs + 2):
-        h = hidden.detach().requires_grad_()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        edges.tail(h, batch, normalizer=1000.0).backward()
-        torch.cuda.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def time_tail(edges: Edges, hidden: torch.Tensor, batch: dict) -> float:
+    """Median seconds of the tail's forward and backward."""
+    return timed(lambda: (edges.tail(hidden.detach().requires_grad_(), batch, normalizer=1000.0).backward(),
+                          torch.cuda.synchronize()), runs=10)
 
 
 def main() -> None:
