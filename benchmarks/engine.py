@@ -121,6 +121,8 @@ def run_slide(args) -> dict:
         overrides.append(f"--engine.gpu_memory_limit_gb={args.cap}")
     if not args.split:
         overrides.append("--engine.split_update=false")
+    if args.share_acts is not None:
+        overrides.append(f"--engine.grads_share_activations={str(bool(args.share_acts)).lower()}")
     if args.states != "fp32":
         overrides.append(f"--engine.states_dtype={args.states}")
     if args.device == "cuda":
@@ -169,6 +171,8 @@ def run_slide(args) -> dict:
     share += f", {args.threads} torch threads" if args.threads else ""
     share += f", host block {args.host_block}/thread" if args.host_block else ""
     share += f", {args.stream_buffers} device-update buffers" if args.stream_buffers else ""
+    pool = trainer.engine.pool
+    share += f", gradients sharing the activations' memory ({pool.nbytes / 2**30:.1f} GiB)" if pool else ""
     return {"system": f"slide ({'pipelined' if args.pipeline else 'synchronous'} engine, clip {args.clip}{share})",
             "cap_gib": args.cap,
             "setup_s": setup_s, "step_s": step_s, "plan": trainer.memory_plan.text(),
@@ -216,6 +220,9 @@ def main() -> None:
                    help="engine.device_update_share (clipped updates streamed through the GPU); default: auto")
     p.add_argument("--states", choices=["fp32", "bf16"], default="fp32", help="engine.states_dtype (AdamW m and v)")
     p.add_argument("--split", type=int, default=1, help="0: engine.split_update=false (whole clipped updates)")
+    p.add_argument("--share-acts", type=int, default=None,
+                   help="engine.grads_share_activations: 1 shares clipped host gradients' memory with the "
+                        "activations, 0 never (default: the planner's, on only when RAM would not hold the run)")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads before the engine (0: leave it)")
     p.add_argument("--host-block", type=int, default=0,
                    help="slide_memory.adamw.BLOCK_PER_THREAD (host AdamW elements per thread per call; 0: default)")
@@ -247,6 +254,7 @@ def main() -> None:
                    "tokens_per_step": args.seq * args.micro * args.accum, "steps_timed": args.steps,
                    "warmup": args.warmup, "window": args.window, "cap_gib": args.cap, "max_grad_norm": args.clip,
                    "device_update_share": args.device_share, "split_update": bool(args.split), "lr": args.lr,
+                   "grads_share_activations": args.share_acts,
                    "alloc_conf": alloc_conf(args.device), "scheduler_src": scheduler_src()},
         "results": results,
     }

@@ -36,6 +36,8 @@
 #                                      # --handoff), the host's memory settings; clipped B8 with this checkout's
 #                                      # slide-scheduler and a base one (.cmp, as for compare), twice, alternating
 #   bash benchmarks/run_gpu.sh tail    # train GPU tests; the tail on the tokens with a target only (tail.py)
+#   bash benchmarks/run_gpu.sh pool    # memory, scheduler and train GPU tests; clipped B8 with its held host
+#                                      # gradients sharing the activations' memory, without, and with again
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -210,6 +212,12 @@ balance)  # the 2-buffer, share-0.5 baselines are the ship call's noship runs (s
   bench $b8 --stream-buffers 3 --tag B8-buffers3
   bench $b8 --stream-buffers 3 --device-share 0.55 --tag B8-buffers3-share55
   (cd "$out" && tar czf balance.tgz --remove-files -- *)  # the machine returns at most 8 files
+  ;;
+pool)  # held gradients sharing the activations' memory: GPU tests; clipped B8 with it and without, alternating
+  gpu_tests slide-memory slide-scheduler slide-train; keep pool.tar
+  bench $b8 --share-acts 1 --tag B8-pool; keep pool.tar
+  bench $b8 --share-acts 0 --tag B8; keep pool.tar
+  bench $b8 --share-acts 1 --tag B8-pool-again; keep pool.tar
   ;;
 kernels)
   install_liger

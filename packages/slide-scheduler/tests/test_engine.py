@@ -217,20 +217,21 @@ def test_forward_runs_ready_blocks_while_a_host_update_is_still_running():
 
 def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None,
                resident: int = 0, dtype: str = "auto", device_share: float = 0.0, tied: bool = True,
-               held: int = 0, split: bool = True):
+               held: int = 0, split: bool = True, shared: bool = False, steps_data=None):
     torch.manual_seed(0)
     model = Model(tied=tied)
     engine = SlidingEngine(ToyStack(model), EngineConfig(device="cpu", window=window, activation_offload="cpu",
                                                          max_grad_norm=clip, pipeline=pipeline, resident=resident,
                                                          optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1),
                                                          compute_dtype=dtype, device_update_share=device_share,
-                                                         held_grads=held, split_update=split))
+                                                         held_grads=held, split_update=split,
+                                                         grads_share_activations=shared))
     for name, seconds in (delays or {}).items():
         getattr(engine, name).delay = seconds
     if patch:
         patch(engine)
     losses = []
-    for step in batches(seed=4, steps=steps, micro=3):
+    for step in steps_data or batches(seed=4, steps=steps, micro=3):
         n = sum(int((b["targets"] != -100).sum()) for b in step)
         losses.append(engine.step(step, lr=1e-2, normalizer=n).loss)
     masters = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}
@@ -424,6 +425,103 @@ def test_three_slots_with_device_updates_and_held_gradients_give_the_synchronous
                              resident=resident, delays={slow: 0.003})
     assert losses == ref_losses
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+
+def overlaps(engine) -> list[tuple[int, int]]:
+    """(block, boundary) pairs whose host gradient and saved activation share bytes, from the tensors themselves."""
+    def span(t):
+        return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+    pairs = set()
+    for block in engine.pool.blocks:
+        g0, g1 = span(engine.pool.gradient(block))
+        for (boundary, _), (saved, _) in engine.activations._saved.items():
+            a0, a1 = span(saved)
+            if a0 < g1 and g0 < a1:
+                pairs.add((block, boundary))
+    return sorted(pairs)
+
+
+@pytest.mark.parametrize("share, held, resident", [(0.0, 0, 0), (0.5, 1, 0), (0.5, 0, 2), (1.0, 2, 0)])
+@pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "store", "updater"])
+def test_gradients_sharing_the_activations_memory_give_the_synchronous_result(monkeypatch, share, held, resident,
+                                                                              slow):
+    """With clipping, host gradients may lie over boundary activations the backward has read and the next
+    forward has not written yet (`grads_share_activations`): bit for bit the synchronous engine with a gradient
+    buffer each (and split updates, where these update whole), whichever worker is slow. The memory is really
+    shared: some gradient lies over an activation, and only ever over a boundary above its block."""
+    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05, device_share=share, held=held,
+                                 resident=resident)
+    seen = []
+
+    def check(engine):
+        streamed = sorted(u for u in engine.streamed if u)
+        assert sorted(engine.held_grads) == streamed[len(streamed) - min(held, len(streamed)):]
+        assert engine.grad_ring is None and engine.pool.blocks == [
+            b for b in range(max(resident - 1, 0), DEPTH) if b + 1 not in engine.held_grads]
+        step = engine.step
+
+        def step_and_look(*args, **kwargs):
+            stats = step(*args, **kwargs)
+            seen.append(overlaps(engine))
+            return stats
+
+        engine.step = step_and_look
+
+    losses, got = run_engine(pipeline=True, window=2, clip=0.05, device_share=share, held=held, resident=resident,
+                             shared=True, delays={slow: 0.003}, patch=check)
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+    assert all(pairs for pairs in seen) and all(boundary > block for pairs in seen for block, boundary in pairs)
+
+
+def test_a_split_update_over_shared_memory_reads_activations_and_is_caught():
+    """The check above can fail: let pooled blocks' clipped updates split, and their moments parts, which run
+    after the next forward, read gradients that forward has written activations over."""
+    _, ref = run_engine(pipeline=False, window=2, clip=0.05)
+
+    def split_anyway(engine):
+        engine._splits = lambda unit: True
+
+    _, got = run_engine(pipeline=True, window=2, clip=0.05, shared=True, patch=split_anyway)
+    assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+
+def test_shared_memory_follows_steps_of_other_shapes():
+    """Fewer micro-batches re-lay the activations in the same allocation; longer ones take a new allocation
+    while the previous step's updates still read gradients in the old one: the same result either way."""
+    g = torch.Generator().manual_seed(5)
+
+    def step(micro, length):
+        return [{"ids": torch.randint(0, VOCAB, (3, length), generator=g),
+                 "targets": torch.randint(0, VOCAB, (3, length), generator=g)} for _ in range(micro)]
+
+    data = [step(3, 10), step(2, 10), step(3, 40), step(3, 40)]
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05, steps_data=data)
+    sizes = []
+
+    def record_allocations(engine):
+        fit = engine.pool.fit
+
+        def fit_and_record(micro_bytes):
+            new = fit(micro_bytes)
+            sizes.append((new, engine.pool.nbytes))
+            return new
+
+        engine.pool.fit = fit_and_record
+
+    losses, got = run_engine(pipeline=True, window=2, clip=0.05, shared=True, steps_data=data,
+                             delays={"updater": 0.003}, patch=record_allocations)
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+    assert [new for new, _ in sizes] == [True, False, True, False] and sizes[2][1] > sizes[0][1]
+
+
+def test_gradients_share_activations_needs_offloaded_activations():
+    with pytest.raises(ValueError, match="activation_offload=cpu"):
+        SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", activation_offload="none",
+                                                               max_grad_norm=1.0, grads_share_activations=True))
 
 
 def masters_and_states(engine):
@@ -691,6 +789,36 @@ def test_device_updates_on_cuda_track_host_updates():
         for unit, params in host.items():
             for name, t in params.items():
                 torch.testing.assert_close(device[unit][name], t, rtol=1e-5, atol=1e-6, msg=f"{unit}.{name}")
+
+
+@pytest.mark.gpu
+def test_gradients_sharing_the_activations_memory_on_cuda_give_the_same_result():
+    """On a GPU (CUDA streams, a pinned pool), with the host optimizer slowed down: host gradients over the
+    activations' memory give bit for bit the result of a buffer each when every update runs on the host, and
+    track it to a few ulps with device updates (two of them keeping their gradient on the device)."""
+    if not torch.cuda.is_available():
+        pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
+    results = {}
+    for share, shared in ((0.0, False), (0.0, True), (1.0, True)):
+        torch.manual_seed(0)
+        engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+            device="cuda", compute_dtype="fp32", window=2, max_grad_norm=0.05, device_update_share=share,
+            held_grads=2 if share else 0, grads_share_activations=shared,
+            optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
+        assert (engine.pool is not None) == shared and (engine.grad_ring is None) == shared
+        engine.updater.delay = 0.005
+        losses = [engine.step([{k: v.cuda() for k, v in b.items()} for b in step], lr=1e-2, normalizer=10).loss
+                  for step in batches(seed=4, steps=4, micro=3)]
+        results[share, shared] = losses, {k: {n: t.clone() for n, t in v.items()}
+                                          for k, v in engine.named_masters().items()}
+        engine.close()
+    (ref_losses, ref), (losses, got) = results[0.0, False], results[0.0, True]
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+    _, device = results[1.0, True]
+    for unit, params in ref.items():
+        for name, t in params.items():
+            torch.testing.assert_close(device[unit][name], t, rtol=1e-5, atol=1e-6, msg=f"{unit}.{name}")
 
 
 @pytest.mark.gpu

@@ -10,6 +10,7 @@ import transformers
 from conftest import save_tiny_model, write_token_rows
 
 from slide_train.config import load_config
+from slide_train.errors import ConfigError
 from slide_train.export import hf_tensors
 from slide_train.trainer import Trainer
 
@@ -101,6 +102,42 @@ def test_three_steps_match_plain_pytorch(tmp_path, family, window):
     assert [r["grad_norm"] for r in records] == pytest.approx(ref_norms, rel=1e-5)
     assert all(r["grad_norm"] > CLIP for r in records), "clipping must be active in this test"
     compare(trainer, ref_model, reference_run(model, rows, labels, torch.float64)[0])
+
+
+def test_gradients_sharing_the_activations_memory_match(tmp_path, monkeypatch):
+    """engine.grads_share_activations: clipped host gradients lie over boundary activations' memory, and the
+    result is still the plain loop's; the plan counts the pool the engine allocates. Left at null, it is on only
+    where the machine's RAM would not hold the run otherwise."""
+    from slide_train import trainer as trainer_module
+
+    model = save_tiny_model(tmp_path / "model", "llama")
+    rows, labels = make_rows(seed=5, n=STEPS * MICRO * ACCUM)
+    write_token_rows(tmp_path / "data.jsonl", rows, labels)
+    cfg = slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
+                       **{"engine.grads_share_activations": "true"})
+    trainer = Trainer(cfg, progress=False)
+    records = [trainer.step() for _ in range(STEPS)]
+    assert all(r["grad_norm"] > CLIP for r in records)
+    shared = trainer.memory_plan
+    assert shared.shared and trainer.engine.pool.nbytes == shared.pool and trainer.engine.grad_ring is None
+    ref_model, _, _ = reference_run(model, rows, labels)
+    compare(trainer, ref_model, reference_run(model, rows, labels, torch.float64)[0])
+
+    def plan_with(ram, **extra):
+        monkeypatch.setattr(trainer_module, "host_memory", lambda: ram)
+        cfg = slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl", **extra)
+        return trainer_module.plan_run(cfg, trainer_module.load_model(cfg.model, 0, need_tokenizer=False))[0]
+
+    separate = plan_with(1e15)
+    assert not separate.shared and separate.ram_needed > shared.ram_needed
+    between = (separate.ram_needed + shared.ram_needed) / 2 / 0.95
+    auto = plan_with(between)
+    assert auto.shared and "would not fit in this machine's RAM" in auto.text()
+    with pytest.raises(ConfigError, match="grads_share_activations=true"):
+        plan_with(shared.ram_needed / 0.96)
+    with pytest.raises(ConfigError, match="needs engine.activation_offload=cpu"):
+        slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
+                     **{"engine.grads_share_activations": "true", "engine.activation_offload": "none"})
 
 
 def test_activation_offload_and_no_clipping_match(tmp_path):

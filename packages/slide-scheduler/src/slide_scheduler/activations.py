@@ -2,7 +2,8 @@
 
 They are the only activations kept across a step (everything inside a block is recomputed). With the `cpu` tier
 each one is copied to a host buffer on the device-to-host lane as soon as it is produced, and copied back on the
-host-to-device lane ahead of its block in backward, so device memory does not grow with depth.
+host-to-device lane ahead of its block in backward, so device memory does not grow with depth. The host buffers
+are the store's own, or a `SharedPool`'s (memory the held gradients of clipping share with them).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from .lanes import DONE, Lane, Signal
 
 
 class ActivationStore:
-    def __init__(self, tier: str, device: torch.device, d2h: Lane, h2d: Lane, compute: Lane):
+    def __init__(self, tier: str, device: torch.device, d2h: Lane, h2d: Lane, compute: Lane, pool=None):
         if tier not in ("none", "cpu"):
             raise ValueError(f"activation tier must be 'none' (keep on device) or 'cpu', got {tier!r}")
         self.offload = tier == "cpu"  # on a CPU device this still copies, so CI exercises the same path
         self.device, self.d2h, self.h2d, self.compute = device, d2h, h2d, compute
+        self.pool = pool  # when set, the host buffers are its (`SharedPool.activation`)
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, Signal]] = {}
         self._landing: dict[tuple[object, int], torch.Tensor] = {}  # (owner, micro-batch) -> device buffer
         # Device tensors whose copy out is queued, held until `release`, so their memory goes back to the
@@ -33,10 +35,13 @@ class ActivationStore:
         if not self.offload:
             self._saved[boundary, micro] = (hidden, DONE)
             return
-        old = self._saved.get((boundary, micro))
-        buf = old[0] if old is not None and old[0].shape == hidden.shape and old[0].dtype == hidden.dtype else None
-        if buf is None:  # first step (or a new shape): kept and reused by every later step
-            buf = host_empty(hidden.numel(), hidden.dtype).view(hidden.shape)
+        if self.pool is not None:
+            buf = self.pool.activation(boundary, micro, hidden)
+        else:
+            old = self._saved.get((boundary, micro))
+            buf = old[0] if old is not None and old[0].shape == hidden.shape and old[0].dtype == hidden.dtype else None
+            if buf is None:  # first step (or a new shape): kept and reused by every later step
+                buf = host_empty(hidden.numel(), hidden.dtype).view(hidden.shape)
         self.d2h.wait(produced)
         self.d2h.run(buf.copy_, hidden, True, label=f"acts out {boundary}")
         copied = self.d2h.record()
@@ -55,10 +60,13 @@ class ActivationStore:
             self._leaving.clear()
 
     def trim(self, micro_batches: int) -> None:
-        """Let go of landing buffers for micro-batches beyond `micro_batches` (a step with fewer of them), and of
-        any device tensors a failed forward left unreleased."""
+        """Let go of landing buffers (and pool views) for micro-batches beyond `micro_batches` (a step with fewer
+        of them), and of any device tensors a failed forward left unreleased."""
         for key in [k for k in self._landing if k[1] >= micro_batches]:
             del self._landing[key]
+        if self.pool is not None:  # pool views left over would keep an allocation the pool has replaced alive
+            for key in [k for k in self._saved if k[1] >= micro_batches]:
+                del self._saved[key]
         self.release()
 
     def fetch(self, boundary: int, micro: int, owner: object) -> torch.Tensor:

@@ -20,7 +20,9 @@ clipping they start during backward, as soon as each chunk of a block's gradient
 squared norms are reduced on the device, so the clip needs one small read at the end of backward. Clipped
 updates are split (`split_update`): the next forward waits only for new masters, and the AdamW moments of
 sliding blocks are stepped on the host after the forward, before the next backward reuses their gradient
-buffers; device-updated blocks then send back only their master (4 bytes per parameter instead of 12).
+buffers; device-updated blocks then send back only their master (4 bytes per parameter instead of 12). Or the held
+host gradients share memory with the boundary activations (`grads_share_activations`, `pool.py`), and those
+blocks update whole instead.
 
 `pipeline=False` runs the very same schedule with every lane inline and the optimizer on the calling thread:
 the synchronous engine, kept as the reference the pipelined one is tested against.
@@ -49,6 +51,7 @@ from slide_memory.adamw import CHUNK, PIECE_ALIGN
 
 from .activations import ActivationStore
 from .lanes import DONE, Lane, Signal
+from .pool import SharedPool
 from .stack import Batch, Stack
 from .timeline import Span, Timeline, summarize
 from .updater import HostUpdater
@@ -89,6 +92,11 @@ class EngineConfig:
     # device-updated block's moments come from the host's kernel, its master from the device's, which agree to
     # rounding as the two paths do anyway); False: whole updates in the forward.
     split_update: bool = True
+    # With clipping and activations on the host, the held gradients of sliding blocks share host memory with the
+    # boundary activations (`pool.SharedPool`: the two are never live in the same place at once), which saves
+    # up to the activations' size; those blocks' clipped updates then run whole, and the gradients kept on the
+    # device (`held_grads`) are the last device-updated blocks' rather than the first.
+    grads_share_activations: bool = False
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -224,15 +232,23 @@ class SlidingEngine:
         # order: theirs are the updates the next forward needs first.
         if config.held_grads < 0:
             raise ValueError(f"held_grads must be >= 0, got {config.held_grads}")
-        held = sorted(u for u in self.streamed if u)[: config.held_grads]
+        shared = bool(config.grads_share_activations and config.max_grad_norm and sliding)
+        if shared and config.activation_offload != "cpu":
+            raise ValueError("grads_share_activations shares the host memory of offloaded activations: it needs "
+                             "activation_offload=cpu")
+        held = held_on_device(sorted(u for u in self.streamed if u), config.held_grads, shared)
         self.held_grads = {u: torch.zeros(block_layout.numel, dtype=self.dtype, device=self.device) for u in held}
-        ring = sliding - len(held) if config.max_grad_norm else min(3, sliding)
+        # Clipped host gradients: a place each in the pool shared with the activations, or a ring buffer each
+        pooled = [u - 1 for u in range(len(self.units) - sliding, len(self.units)) if u not in held] if shared else []
+        self.pool = SharedPool(pooled, block_layout.numel, self.dtype, self.num_blocks) if pooled else None
+        ring = 0 if self.pool else sliding - len(held) if config.max_grad_norm else min(3, sliding)
         self.grad_ring = StagingRing(ring, block_layout.numel, self.dtype) if ring else None
         self.updater = HostUpdater(self.optimizer, inline=inline)
         self._setup_device_updates(block_layout.numel)
         self.edge_grad = (host_zeros(edge_layout.numel, self.dtype)
                           if not self.resident and 0 not in self.streamed else None)
-        self.activations = ActivationStore(config.activation_offload, self.device, self.d2h, self.h2d, self.compute)
+        self.activations = ActivationStore(config.activation_offload, self.device, self.d2h, self.h2d, self.compute,
+                                           self.pool)
         # Backward fetches activations for at most window + 1 blocks at a time: that many sets of device buffers,
         # each free again once the backward that read it is done (window sets would do when every block slides,
         # since a slot's load already waits for that; resident blocks wait for no slot, so one more gives slack).
@@ -336,6 +352,10 @@ class SlidingEngine:
             buffer = self.held_grads[unit]
             self.d2h.run(buffer.copy_, slot.grads, True, label=f"hold grads {block}")
             return buffer, [self.d2h.record()]
+        if self.pool is not None:  # its own place, over boundaries the backward has read (see pool.py)
+            self._wait_for_update(unit)
+            buffer = self.pool.gradient(block)
+            return buffer, self._copy_out(unit, buffer, slot.grads, f"grads {block}")
         buffer, previous = self.grad_ring.take(unit)
         if previous is not None:  # the buffer's last gradient has been used by its update (both parts)
             self._wait_for_update(previous)
@@ -588,10 +608,7 @@ class SlidingEngine:
                 opt.step(slot.grads, lr, scale)
                 slot.params.copy_(opt.master)
         for u in range(self.resident, len(self.units)):
-            # A clipped update splits when its gradient is in a host buffer (not held on the device, nor the
-            # streamed edges' own on the device) for the host to step the moments from.
-            split = bool(clip) and self.config.split_update and u not in self.held_grads and \
-                not (u == 0 and u in self.streamed)
+            split = bool(clip) and self._splits(u)
             if u in self.streamed:  # runs when the unit next loads
                 chunks = range(len(self.optimizer.units[u].ranges))
                 if u == 0 and not clip:  # the tail-only part is done already
@@ -603,6 +620,13 @@ class SlidingEngine:
                     self._moments_due[u] = (host_grads[u], arrived[u], lr, scale)
         if not self.resident:
             self._edges_loaded = None
+
+    def _splits(self, unit: int) -> bool:
+        """Whether a clipped update of `unit` splits: when its gradient is in a host buffer the host can step the
+        moments from after the next forward (not held on the device, nor the streamed edges' own there, nor in
+        the pool, where that forward writes activations over it)."""
+        return self.config.split_update and unit not in self.held_grads and not (unit == 0 and unit in self.streamed) \
+            and not (self.pool is not None and unit - 1 in self.pool.blocks)
 
     def _spans(self, origin: float):
         """This step's spans, plus the optimizer thread's updates that ran during it (host times)."""
@@ -651,6 +675,8 @@ class SlidingEngine:
                 hidden.append(h)
                 contexts.append(ctx)
         if keep:
+            if self.pool is not None:  # (every boundary holds what the head made: the residual stream)
+                self.pool.fit([h.numel() * h.element_size() for h in hidden])
             made = self.compute.record()
             for j, h in enumerate(hidden):
                 acts.put(0, j, h, made)
@@ -720,6 +746,14 @@ def device_updated(sliding: int, share: float) -> list[int]:
     int(sliding * share) of them, spread evenly over the forward order (every other block at 0.5), host blocks
     first. The planner counts the same blocks."""
     return [j for j in range(sliding) if int((j + 1) * share) > int(j * share)]
+
+
+def held_on_device(device_updated_units: list[int], count: int, shared: bool) -> list[int]:
+    """Which device-updated units (forward order) keep their clipped gradient on the device: the first `count`,
+    whose updates the next forward needs first; or, when host gradients share the activations' memory, the last,
+    which lie over the fewest boundaries and would need the most room of their own there."""
+    count = min(count, len(device_updated_units))
+    return device_updated_units[len(device_updated_units) - count:] if shared else device_updated_units[:count]
 
 
 def _tail_only_from(edges, layout: FlatLayout) -> int:

@@ -63,6 +63,10 @@ class EngineSection:
     # With clipping, write new masters before the next forward and AdamW moments after it (same result); false:
     # whole updates before the forward (for comparison)
     split_update: bool = True
+    # With clipping, let the held host gradients share memory with the boundary activations (saves up to their
+    # size; those blocks' updates then run whole, about 1% slower). null: only when the run would not fit in
+    # the machine's RAM otherwise
+    grads_share_activations: bool | None = None
 
 
 @dataclass
@@ -209,6 +213,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"schedule.min_lr_ratio must be in [0, 1], got {cfg.schedule.min_lr_ratio}")
     if cfg.engine.resident is not None and cfg.engine.resident < 0:
         raise ConfigError(f"engine.resident must be 0 or more (or null for the planner), got {cfg.engine.resident}")
+    if cfg.engine.grads_share_activations and cfg.engine.activation_offload != "cpu":
+        raise ConfigError("engine.grads_share_activations=true shares the host memory of offloaded activations: "
+                          "it needs engine.activation_offload=cpu")
     share = cfg.engine.device_update_share
     if share is not None and not 0 <= share <= 1:
         raise ConfigError(f"engine.device_update_share must be in [0, 1] (or null for auto), got {share}")

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from slide_scheduler import engine
+from slide_scheduler.pool import pool_bytes
 
 GIB = 2**30
 MARGIN = 1.0 * GIB  # allocator fragmentation, cuBLAS workspaces, small tensors
@@ -27,6 +28,8 @@ class Plan:
     host_total: float
     lines: list[str]
     held: int = 0  # device-updated blocks whose gradient stays on the device until the update (clipping)
+    shared: bool = False  # held host gradients share the boundary activations' host memory (clipping)
+    pool: int = 0  # bytes of that shared memory
     device_is_host: bool = False  # a CPU run: the "device" buffers are host memory too
     activations: float = 0.0  # device bytes of activations, all proportional to the tokens per micro-batch
     tokens_per_micro: int = 0
@@ -80,7 +83,7 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
           tokens_per_micro: int, micro_batches: int, window: int, offload_activations: bool,
           budget_bytes: float | None, resident: int | None, cuda: bool, state_bytes: int = 8,
           clip: bool = True, device_updates: bool = False, device_share: float = engine.DEVICE_UPDATE_SHARE,
-          compute_bytes: int = 2) -> Plan:
+          compute_bytes: int = 2, shared: bool = False) -> Plan:
     bf16 = compute_bytes  # parameters, gradients and activations in the compute dtype (bf16 on a GPU by default)
     device_updates = device_updates and cuda  # streamed updates need a device
     edges = edge_numel * 2 * bf16
@@ -132,6 +135,14 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
         device += held * bf16 * block_numel
     grads = bf16 * (edges_on_host * edge_numel + ((sliding - held) if clip else min(3, sliding)) * block_numel)
     acts_host = (num_blocks + 1) * micro_batches * act_one * offload_activations
+    shared = shared and clip and offload_activations and sliding > 0
+    if shared:  # the engine's pool, counted as it lays it out: blocks whose clipped gradient waits on the host
+        first = num_blocks - sliding
+        on_gpu = engine.held_on_device(
+            [first + j for j in engine.device_updated(sliding, device_share)] if device_updates else [], held, True)
+        host_blocks = [b for b in range(first, num_blocks) if b not in on_gpu]
+        acts_host = pool_bytes(host_blocks, bf16 * block_numel, [act_one] * micro_batches, num_blocks)
+        grads = bf16 * edges_on_host * edge_numel
     on_device = (edge_numel if resident else 0) + max(resident - 1, 0) * block_numel  # AdamW states there
     states_host = total * 4 + (total - on_device) * state_bytes  # fp32 masters + the AdamW states kept here
     host = states_host + grads + acts_host
@@ -147,10 +158,13 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
            if held else ""),
         f"  host ~{host / GIB:.1f} GiB: fp32 masters + AdamW states "
         f"{states_host / GIB:.1f}, "
-        f"gradient staging {grads / GIB:.1f}{' (held for exact clipping)' if clip and sliding else ''}"
-        + (f", boundary activations {acts_host / GIB:.1f}" if offload_activations else ""),
+        + (f"gradient staging {grads / GIB:.1f}, held gradients sharing the boundary activations' memory "
+           f"{acts_host / GIB:.1f}" if shared else
+           f"gradient staging {grads / GIB:.1f}{' (held for exact clipping)' if clip and sliding else ''}"
+           + (f", boundary activations {acts_host / GIB:.1f}" if offload_activations else "")),
     ]
-    return Plan(budget, fixed, resident, device, host, lines, held, device_is_host=not cuda,
+    return Plan(budget, fixed, resident, device, host, lines, held, shared, acts_host if shared else 0,
+                device_is_host=not cuda,
                 activations=activations, tokens_per_micro=tokens_per_micro,
                 unit_numels=(edge_numel,) + (block_numel,) * num_blocks, window=window)
 
@@ -199,4 +213,5 @@ def check_host(plan: Plan, ram: float | None) -> None:
             f"this run needs ~{plan.ram_needed / GIB:.0f} GiB of host memory (fp32 masters, AdamW states, "
             f"gradient staging, boundary activations{on_cpu}); this machine has {ram / GIB:.0f} GiB. "
             "engine.states_dtype=bf16 saves 4 bytes per parameter, max_grad_norm=null saves the 2 bytes per "
-            "parameter that exact clipping holds, fewer tokens per step shrink the activations")
+            "parameter that exact clipping holds (engine.grads_share_activations=true most of them, where the "
+            "boundary activations are large), fewer tokens per step shrink the activations")

@@ -112,7 +112,7 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
                           f"edges and {stack.num_blocks} blocks): use at most {stack.num_blocks + 1}, or null for "
                           "the planner")
     hf = model.hf_config
-    plan = make_plan(
+    shape = dict(
         edge_numel=FlatLayout(stack.make_edges()).numel, block_numel=FlatLayout(stack.make_block()).numel,
         num_blocks=stack.num_blocks, hidden=hf.hidden_size, intermediate=hf.intermediate_size,
         tokens_per_micro=cfg.micro_batch_size * cfg.seq_len, micro_batches=cfg.grad_accum, window=e.window,
@@ -120,12 +120,21 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         cuda=cuda, state_bytes=2 * DTYPES[e.states_dtype].itemsize, clip=bool(cfg.max_grad_norm),
         device_updates=share > 0, device_share=share,
         compute_bytes=4 if e.compute_dtype == "fp32" or not cuda else 2)
+    plan = make_plan(**shape, shared=bool(e.grads_share_activations))
+    ram = host_memory() if assume_gpu_gib is None else None
+    if e.grads_share_activations is None and ram is not None and not plan.fits_host(ram):
+        shared = make_plan(**shape, shared=True)
+        if shared.shared:  # (clipping, offloaded activations, sliding blocks: else nothing to share)
+            plan = shared
+            plan.lines.append("  (held gradients share the activations' memory: without that the run would not "
+                              "fit in this machine's RAM)")
     if budget is not None:
         check_plan(plan, "engine.gpu_memory_limit_gb" if e.gpu_memory_limit_gb else "the GPU's memory",
                    cfg.micro_batch_size, cfg.seq_len, plan.window)
     if assume_gpu_gib is None:
-        check_host(plan, host_memory())
+        check_host(plan, ram)
     engine_cfg.resident, engine_cfg.held_grads, engine_cfg.window = plan.resident, plan.held, plan.window
+    engine_cfg.grads_share_activations = plan.shared
     return plan, engine_cfg, stack
 
 

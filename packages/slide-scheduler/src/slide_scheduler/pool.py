@@ -1,0 +1,89 @@
+"""One host allocation shared by the boundary activations and the gradients exact clipping holds.
+
+With clipping, every sliding block's gradient waits on the host for the global norm; the boundary activations
+(the hidden state entering each block) wait there for the backward. Their lifetimes interleave:
+- the backward reads boundary j (into block j's recompute) before it makes the gradient of any block below j;
+- the next forward writes boundary j only after block j-1's forward, and every block up to j-1 has loaded its
+  update by then: that load is the last read of the block's gradient, as long as the update runs whole (a split
+  update's moments part reads the gradient again after the forward, so pooled blocks update whole).
+So block i's gradient may lie over boundaries i+1 and up, never over 0..i. Boundaries are laid out from the
+bottom, gradients from the top down, highest block first; the pool is as large as the activations, or as large
+as the lowest gradient needs to stay clear of its own boundary and those below it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slide_memory import host_empty
+
+ALIGN = 4096  # every region starts on a page
+
+
+def _round(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def pool_layout(blocks: list[int], grad_bytes: int, boundary_bytes: int, boundaries: int) -> tuple[int, dict[int, int]]:
+    """(pool bytes, block -> offset of its gradient) with boundary j at [j, j + 1) * `boundary_bytes` and each
+    listed block's gradient (`grad_bytes`) clear of boundaries 0 to its own. Sizes already page-rounded."""
+    size = boundaries * boundary_bytes
+    order = sorted(blocks, reverse=True)
+    for k, block in enumerate(order, 1):  # the k-th gradient from the top ends its clearance at (block + 1)
+        size = max(size, k * grad_bytes + (block + 1) * boundary_bytes)
+    return size, {block: size - k * grad_bytes for k, block in enumerate(order, 1)}
+
+
+def _boundary(micro_bytes: list[int]) -> tuple[list[int], int]:
+    """Where each micro-batch's activation starts within a boundary, and the boundary's bytes."""
+    offsets, total = [], 0
+    for nbytes in micro_bytes:
+        offsets.append(total)
+        total += _round(nbytes)
+    return offsets, total
+
+
+def pool_bytes(blocks: list[int], grad_bytes: int, micro_bytes: list[int], boundaries: int) -> int:
+    """What a pool for these gradients and boundaries (of these micro-batch activations) takes; the planner's
+    count."""
+    return pool_layout(blocks, _round(grad_bytes), _boundary(micro_bytes)[1], boundaries)[0]
+
+
+class SharedPool:
+    """Host buffers for `blocks`' gradients (`grad_numel` elements of `dtype` each) and `boundaries` boundary
+    activations, carved from one allocation made at the first forward, when the activations' sizes are known.
+
+    A later step whose activations need more room gets a new allocation (`fit`); tensors taken from the old one
+    keep it alive until the updates still reading its gradients are done with them."""
+
+    def __init__(self, blocks: list[int], grad_numel: int, dtype: torch.dtype, boundaries: int):
+        self.blocks, self.grad_numel, self.dtype, self.boundaries = sorted(blocks), grad_numel, dtype, boundaries
+        self.grad_bytes = _round(grad_numel * dtype.itemsize)
+        self.boundary_bytes = 0
+        self.nbytes = 0
+        self._micro: list[int] = []  # offset of each micro-batch's activation within a boundary
+        self._buffer: torch.Tensor | None = None
+        self._offsets: dict[int, int] = {}
+
+    def fit(self, micro_bytes: list[int]) -> bool:
+        """Make room for boundaries of micro-batch activations of these sizes; True when that took a new
+        allocation (activations and gradients taken before live on in the old one). Within the room a boundary
+        has, micro-batches are laid out afresh: the gradients' places do not move."""
+        self._micro, total = _boundary(micro_bytes)
+        if self._buffer is not None and total <= self.boundary_bytes:
+            return False
+        self.boundary_bytes = total
+        self.nbytes, self._offsets = pool_layout(self.blocks, self.grad_bytes, total, self.boundaries)
+        self._buffer = host_empty(self.nbytes, torch.uint8)
+        return True
+
+    def activation(self, boundary: int, micro: int, like: torch.Tensor) -> torch.Tensor:
+        """The host buffer of `boundary`'s activation for micro-batch `micro`, shaped like `like`."""
+        start = boundary * self.boundary_bytes + self._micro[micro]
+        nbytes = like.numel() * like.element_size()
+        return self._buffer[start : start + nbytes].view(like.dtype).view(like.shape)
+
+    def gradient(self, block: int) -> torch.Tensor:
+        """`block`'s flat gradient buffer (only after `fit`)."""
+        start = self._offsets[block]
+        return self._buffer[start : start + self.grad_numel * self.dtype.itemsize].view(self.dtype)
