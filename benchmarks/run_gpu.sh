@@ -38,7 +38,7 @@
 #   bash benchmarks/run_gpu.sh tail    # train GPU tests; the tail on the tokens with a target only (tail.py)
 #   bash benchmarks/run_gpu.sh pool    # memory, scheduler and train GPU tests; clipped B8 with its held host
 #                                      # gradients sharing the activations' memory, without, and with again
-#   bash benchmarks/run_gpu.sh poolshare # clipped B8 with the pool at device share 0.5 and 0.4375; without it
+#   bash benchmarks/run_gpu.sh poolshare # clipped B8 with the pool at device share 0.625 and 0.5; without it
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -220,9 +220,9 @@ pool)  # held gradients sharing the activations' memory: GPU tests; clipped B8 w
   bench $b8 --share-acts 0 --tag B8; keep pool.tar
   bench $b8 --share-acts 1 --tag B8-pool-again; keep pool.tar
   ;;
-poolshare)  # the device share with the pool: clipped B8 at 0.5 and 0.4375 with it, then without it (0.5625)
+poolshare)  # the device share with the pool: clipped B8 at 0.625 and 0.5 with it, then without it (0.5625)
+  bench $b8 --share-acts 1 --device-share 0.625 --tag B8-pool-share62; keep poolshare.tar
   bench $b8 --share-acts 1 --device-share 0.5 --tag B8-pool-share50; keep poolshare.tar
-  bench $b8 --share-acts 1 --device-share 0.4375 --tag B8-pool-share44; keep poolshare.tar
   bench $b8 --share-acts 0 --tag B8; keep poolshare.tar
   ;;
 kernels)
