@@ -39,6 +39,7 @@
 #   bash benchmarks/run_gpu.sh pool    # memory, scheduler and train GPU tests; clipped B8 with its held host
 #                                      # gradients sharing the activations' memory, without, and with again
 #   bash benchmarks/run_gpu.sh poolshare # clipped B8 with the pool at device share 0.625 and 0.5; without it
+#   bash benchmarks/run_gpu.sh poolshare2 # clipped B8 with the pool at device share 0.4375, 0.5 and 0.375
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -224,6 +225,11 @@ poolshare)  # the device share with the pool: clipped B8 at 0.625 and 0.5 with i
   bench $b8 --share-acts 1 --device-share 0.625 --tag B8-pool-share62; keep poolshare.tar
   bench $b8 --share-acts 1 --device-share 0.5 --tag B8-pool-share50; keep poolshare.tar
   bench $b8 --share-acts 0 --tag B8; keep poolshare.tar
+  ;;
+poolshare2)  # clipped B8 with the pool at 0.4375, 0.5 and 0.375
+  bench $b8 --share-acts 1 --device-share 0.4375 --tag B8-pool-share44; keep poolshare2.tar
+  bench $b8 --share-acts 1 --device-share 0.5 --tag B8-pool-share50-again; keep poolshare2.tar
+  bench $b8 --share-acts 1 --device-share 0.375 --tag B8-pool-share38; keep poolshare2.tar
   ;;
 kernels)
   install_liger
