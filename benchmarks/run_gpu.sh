@@ -40,6 +40,7 @@
 #                                      # gradients sharing the activations' memory, without, and with again
 #   bash benchmarks/run_gpu.sh poolshare # clipped B8 with the pool at device share 0.625 and 0.5; without it
 #   bash benchmarks/run_gpu.sh poolshare2 # clipped B8 with the pool at device share 0.4375, 0.5 and 0.375
+#   bash benchmarks/run_gpu.sh poolfinal # clipped B8 with the pool at its default share and without, twice
 #   bash benchmarks/run_gpu.sh kernels # slide-kernels' GPU tests, the fused loss's pieces (lce_probe.py), then
 #                                      # benchmarks/kernels.py against eager, torch.compile and Liger-Kernel
 #                                      # (carry .whl-kernels: Liger's wheel)
@@ -230,6 +231,12 @@ poolshare2)  # clipped B8 with the pool at 0.4375, 0.5 and 0.375
   bench $b8 --share-acts 1 --device-share 0.4375 --tag B8-pool-share44; keep poolshare2.tar
   bench $b8 --share-acts 1 --device-share 0.5 --tag B8-pool-share50-again; keep poolshare2.tar
   bench $b8 --share-acts 1 --device-share 0.375 --tag B8-pool-share38; keep poolshare2.tar
+  ;;
+poolfinal)  # clipped B8 with the pool (its default share, 0.375) and without it, alternating, twice
+  bench $b8 --share-acts 1 --tag B8-pool; keep poolfinal.tar
+  bench $b8 --share-acts 0 --tag B8; keep poolfinal.tar
+  bench $b8 --share-acts 1 --tag B8-pool-again; keep poolfinal.tar
+  bench $b8 --share-acts 0 --tag B8-again; keep poolfinal.tar
   ;;
 kernels)
   install_liger

@@ -56,3 +56,17 @@ def test_views_are_where_the_layout_puts_them():
     assert pool.gradient(2).numel() == 1000 and pool.gradient(2).dtype == torch.bfloat16
     assert not pool.fit([4000, 4000]) and pool.activation(0, 1, like).data_ptr() - base == 4096
     assert pool.fit([20000])  # more than a boundary's room: a new allocation
+
+
+def test_the_device_share_left_to_the_engine_follows_the_pool():
+    """With the pool every clipped update runs whole, so fewer blocks update on the device by default."""
+    from slide_scheduler import EngineConfig
+    from slide_scheduler.engine import POOL_DEVICE_UPDATE_SHARE
+
+    assert EngineConfig().resolve_device_update_share(cuda=True) == DEVICE_UPDATE_SHARE
+    assert EngineConfig(grads_share_activations=True).resolve_device_update_share(cuda=True) == POOL_DEVICE_UPDATE_SHARE
+    assert EngineConfig(grads_share_activations=True, max_grad_norm=None).resolve_device_update_share(
+        cuda=True) == DEVICE_UPDATE_SHARE  # without clipping nothing is pooled
+    assert EngineConfig(grads_share_activations=True, device_update_share=0.5).resolve_device_update_share(
+        cuda=True) == 0.5
+    assert EngineConfig(grads_share_activations=True).resolve_device_update_share(cuda=False) == 0.0

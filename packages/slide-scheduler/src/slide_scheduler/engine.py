@@ -64,6 +64,11 @@ STREAM_BUFFERS = 2
 # 0.5, clipped B8 ran 2.6% and 2.8% faster on two GPU machines (same-call pairs), B3 0.8% on one; 0.625 gained
 # on one machine and lost on the other (benchmarks/results/engine.md, 2026-12-01).
 DEVICE_UPDATE_SHARE = 0.5625
+# The same when held host gradients share the activations' memory: every update then runs whole, and a
+# device-updated block whose gradient is on the host costs 26 bytes per parameter over PCIe instead of 18, so
+# fewer of them pay. Clipped B8 with the pool: 290.1, 299.2 TFLOP/s at 0.625, 0.5 (one machine), 302.2, 306.2,
+# 314.9 at 0.5, 0.4375, 0.375 (another; benchmarks/results/engine.md, 2026-12-01).
+POOL_DEVICE_UPDATE_SHARE = 0.375
 
 
 @dataclass
@@ -81,8 +86,8 @@ class EngineConfig:
     states_dtype: str = "fp32"  # fp32 | bf16: AdamW m and v of host units stored in bf16 (half the host memory)
     # With clipping, the share of sliding blocks whose update runs on the device while the next forward loads
     # them (master and states streamed over PCIe) rather than on the host optimizer thread; when above 0,
-    # sliding edges update that way too (clipping or not). None: DEVICE_UPDATE_SHARE on CUDA with fp32 states,
-    # else 0.
+    # sliding edges update that way too (clipping or not). None: DEVICE_UPDATE_SHARE on CUDA with fp32 states
+    # (POOL_DEVICE_UPDATE_SHARE with `grads_share_activations`), else 0.
     device_update_share: float | None = None
     # With clipping, how many of those device-updated blocks keep their gradient on the device until the update
     # (2 bytes per parameter of device memory each; no host copy and no PCIe round trip). slide-train sizes it.
@@ -107,11 +112,15 @@ class EngineConfig:
         return dev
 
     def resolve_device_update_share(self, cuda: bool) -> float:
-        """`device_update_share`, None resolved: DEVICE_UPDATE_SHARE on CUDA with fp32 states (they stream as they
-        are), else 0."""
+        """`device_update_share`, None resolved: on CUDA with fp32 states (they stream as they are)
+        DEVICE_UPDATE_SHARE, or POOL_DEVICE_UPDATE_SHARE when clipped gradients share the activations' memory;
+        else 0."""
         if self.device_update_share is not None:
             return self.device_update_share
-        return DEVICE_UPDATE_SHARE if cuda and self.states_dtype == "fp32" else 0.0
+        if not cuda or self.states_dtype != "fp32":
+            return 0.0
+        pooled = self.grads_share_activations and self.max_grad_norm and self.activation_offload == "cpu"
+        return POOL_DEVICE_UPDATE_SHARE if pooled else DEVICE_UPDATE_SHARE
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.compute_dtype == "auto":

@@ -158,8 +158,8 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
            if held else ""),
         f"  host ~{host / GIB:.1f} GiB: fp32 masters + AdamW states "
         f"{states_host / GIB:.1f}, "
-        + (f"gradient staging {grads / GIB:.1f}, held gradients sharing the boundary activations' memory "
-           f"{acts_host / GIB:.1f}" if shared else
+        + ((f"gradient staging {grads / GIB:.1f}, " if grads else "")
+           + f"held gradients sharing the boundary activations' memory {acts_host / GIB:.1f}" if shared else
            f"gradient staging {grads / GIB:.1f}{' (held for exact clipping)' if clip and sliding else ''}"
            + (f", boundary activations {acts_host / GIB:.1f}" if offload_activations else "")),
     ]

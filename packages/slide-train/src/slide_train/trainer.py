@@ -105,7 +105,6 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
             torch.cuda.set_per_process_memory_fraction(e.gpu_memory_limit_gb * 2**30 / total, device)
             budget = 0.92 * e.gpu_memory_limit_gb * 2**30  # the cap is hard: plan a little under it
     kernels = e.kernels == "on" or (e.kernels == "auto" and cuda)
-    share = engine_cfg.resolve_device_update_share(cuda)
     stack = model.stack(kernels=kernels)
     if e.resident is not None and e.resident > stack.num_blocks + 1:
         raise ConfigError(f"engine.resident={e.resident}, but this model has {stack.num_blocks + 1} units (the "
@@ -118,12 +117,17 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         tokens_per_micro=cfg.micro_batch_size * cfg.seq_len, micro_batches=cfg.grad_accum, window=e.window,
         offload_activations=e.activation_offload == "cpu", budget_bytes=budget, resident=e.resident,
         cuda=cuda, state_bytes=2 * DTYPES[e.states_dtype].itemsize, clip=bool(cfg.max_grad_norm),
-        device_updates=share > 0, device_share=share,
         compute_bytes=4 if e.compute_dtype == "fp32" or not cuda else 2)
-    plan = make_plan(**shape, shared=bool(e.grads_share_activations))
-    ram = host_memory() if assume_gpu_gib is None else None
+
+    def plan_for(shared: bool) -> Plan:  # (the device share left to the engine depends on the sharing)
+        engine_cfg.grads_share_activations = shared
+        share = engine_cfg.resolve_device_update_share(cuda)
+        return make_plan(**shape, shared=shared, device_updates=share > 0, device_share=share)
+
+    plan = plan_for(bool(e.grads_share_activations))
+    ram = host_memory()  # (`slide-train plan` shows what a run here would choose, and reports the fit itself)
     if e.grads_share_activations is None and ram is not None and not plan.fits_host(ram):
-        shared = make_plan(**shape, shared=True)
+        shared = plan_for(True)
         if shared.shared:  # (clipping, offloaded activations, sliding blocks: else nothing to share)
             plan = shared
             plan.lines.append("  (held gradients share the activations' memory: without that the run would not "
