@@ -29,6 +29,7 @@ from slide_scheduler.engine import DTYPES
 from . import checkpoint as ckpt
 from .config import TrainConfig, to_dict
 from .data import build_data
+from .data.formats import IGNORE
 from .errors import ConfigError, DiskFullError, TrainingError, size_text
 from .export import MARKER as EXPORT_MARKER
 from .export import export_bytes, export_dtype, export_hf, is_earlier_export
@@ -193,9 +194,9 @@ def _bytes_under(path: pathlib.Path) -> int:
 def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Loader micro-batch -> engine micro-batch: next-token targets, no target across a document boundary."""
     labels, docs = batch["labels"], batch["document_ids"]
-    targets = torch.full_like(labels, -100)
+    targets = torch.full_like(labels, IGNORE)
     same_doc = docs[:, 1:] == docs[:, :-1]
-    targets[:, :-1] = torch.where(same_doc, labels[:, 1:], -100)
+    targets[:, :-1] = torch.where(same_doc, labels[:, 1:], IGNORE)
     out = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "targets": targets}
     # The tail gathers the tokens that have a target when at least 1/32 have none: the gather cost the 1B and 8B
     # shapes' tail 1-2% where every token had one, and saved 39-44% where half had none (tail-d27397a.json).
@@ -356,7 +357,7 @@ class Trainer:
         start = time.perf_counter()  # throughput counts the step from its data to the engine's figures
         batches = [self.data.train.next_micro_batch() for _ in range(cfg.grad_accum)]
         micro = [prepare(b) for b in batches]
-        targets = sum(int((m["targets"] != -100).sum()) for m in micro)
+        targets = sum(int((m["targets"] != IGNORE).sum()) for m in micro)
         tokens = sum(int((b["document_ids"] >= 0).sum()) for b in batches)
         s = cfg.schedule
         lr = lr_at(self.step_index, self.total_steps, cfg.optimizer.lr, s.warmup_steps, s.decay, s.min_lr_ratio)
@@ -413,7 +414,7 @@ class Trainer:
         """Validation loss (mean over label tokens) and perplexity on the held-out micro-batches."""
         if self._eval is None:  # the held-out micro-batches are fixed: prepared and counted once
             micro = [prepare(b) for b in self.data.eval]
-            self._eval = micro, sum(int((m["targets"] != -100).sum()) for m in micro)
+            self._eval = micro, sum(int((m["targets"] != IGNORE).sum()) for m in micro)
         micro, targets = self._eval
         group = self.cfg.grad_accum  # as many micro-batches at once as a training step holds
         loss = sum(self.engine.evaluate(micro[i : i + group], normalizer=max(targets, 1))

@@ -10,9 +10,11 @@ import torch
 
 from slide_kernels import linear_cross_entropy
 
+from ..data.formats import IGNORE
+
 
 def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum over tokens of cross-entropy(hidden @ weight.T, targets); targets of -100 are ignored."""
+    """Sum over tokens of cross-entropy(hidden @ weight.T, targets); targets of IGNORE (-100) are ignored."""
     return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
                                 reduction="sum")
 
@@ -21,4 +23,4 @@ def loss_rows(targets: torch.Tensor) -> torch.Tensor:
     """The flat indices of the tokens that have a target. Found on the host, where the batch is made: its
     length is then known without reading anything back from the device, and the tail runs the lm head on those
     rows only (a chat or instruction prompt, whose tokens carry no target, costs no logits)."""
-    return (targets.reshape(-1) != -100).nonzero().squeeze(1)
+    return (targets.reshape(-1) != IGNORE).nonzero().squeeze(1)
