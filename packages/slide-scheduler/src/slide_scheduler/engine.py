@@ -237,8 +237,7 @@ class SlidingEngine:
         # Host gradients: blocks pass through one shared ring of pinned buffers. Without clipping a block's
         # update empties its buffer during backward, so a few suffice; exact clipping holds every gradient until
         # the global norm is known (2 bytes per sliding parameter). A sliding edges unit has a buffer of its own.
-        # Blocks updated on the device may instead keep their gradient there (`held_grads`), the first in forward
-        # order: theirs are the updates the next forward needs first.
+        # Blocks updated on the device may instead keep their gradient there (`held_grads`; which: held_on_device).
         if config.held_grads < 0:
             raise ValueError(f"held_grads must be >= 0, got {config.held_grads}")
         shared = bool(config.grads_share_activations and config.max_grad_norm and sliding)
@@ -362,7 +361,7 @@ class SlidingEngine:
             self.d2h.run(buffer.copy_, slot.grads, True, label=f"hold grads {block}")
             return buffer, [self.d2h.record()]
         if self.pool is not None:  # its own place, over boundaries the backward has read (see pool.py)
-            self._wait_for_update(unit)
+            self._wait_for_update(unit)  # (done already: its last update, whole, finished before its load)
             buffer = self.pool.gradient(block)
             return buffer, self._copy_out(unit, buffer, slot.grads, f"grads {block}")
         buffer, previous = self.grad_ring.take(unit)
