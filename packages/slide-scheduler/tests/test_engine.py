@@ -499,23 +499,28 @@ def test_shared_memory_follows_steps_of_other_shapes():
 
     data = [step(3, 10), step(2, 10), step(3, 40), step(3, 40)]
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05, steps_data=data)
-    sizes = []
+    sizes, kept = [], []
 
     def record_allocations(engine):
-        fit = engine.pool.fit
+        fit, drop = engine.pool.fit, engine.pool.drop_replaced
 
         def fit_and_record(micro_bytes):
             new = fit(micro_bytes)
             sizes.append((new, engine.pool.nbytes))
             return new
 
-        engine.pool.fit = fit_and_record
+        def drop_and_record():  # a replaced allocation is kept to the end of the step that replaced it: on
+            kept.append(len(engine.pool._replaced))  # CUDA, queued copies of its gradients hold no reference
+            drop()
+
+        engine.pool.fit, engine.pool.drop_replaced = fit_and_record, drop_and_record
 
     losses, got = run_engine(pipeline=True, window=2, clip=0.05, shared=True, steps_data=data,
                              delays={"updater": 0.003}, patch=record_allocations)
     assert losses == ref_losses
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
     assert [new for new, _ in sizes] == [True, False, True, False] and sizes[2][1] > sizes[0][1]
+    assert kept == [0, 0, 1, 0]
 
 
 def test_gradients_share_activations_needs_offloaded_activations():

@@ -87,7 +87,7 @@ def test_host_plan_is_12_bytes_per_parameter_plus_gradient_staging():
     three block buffers without clipping, every sliding block's with exact clipping, and the edges' own buffer
     when they slide and update on the host."""
     n = SHAPE["edge_numel"] + SHAPE["num_blocks"] * SHAPE["block_numel"]
-    acts = (SHAPE["num_blocks"] + 1) * SHAPE["micro_batches"] * SHAPE["tokens_per_micro"] * SHAPE["hidden"] * 2
+    acts = SHAPE["num_blocks"] * SHAPE["micro_batches"] * SHAPE["tokens_per_micro"] * SHAPE["hidden"] * 2
     shape = {**SHAPE, "resident": 0}
     free = make_plan(budget_bytes=None, **shape, clip=False)
     assert free.host_total == 12 * n + 2 * (SHAPE["edge_numel"] + 3 * SHAPE["block_numel"]) + acts

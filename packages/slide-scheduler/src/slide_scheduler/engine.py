@@ -8,7 +8,7 @@ updates' results going home) plus a host optimizer thread:
             every micro-batch there (layer-major); each output boundary activation goes to the host (d2h lane)
   tail      loss and the gradient w.r.t. the last boundary activation, per micro-batch
   backward  block by block in reverse: load params + boundary activations ahead, recompute + backward per
-            micro-batch (grads accumulate in the slot), gradient to a shared host ring chunk by chunk (d2h lane)
+            micro-batch (grads accumulate in the slot), gradient to a host buffer chunk by chunk (d2h lane)
   head      embedding backward
   update    AdamW over fp32 masters: on the optimizer thread, chunk by chunk as gradients arrive; or on the
             device while the unit next loads (`device_update_share`: master and states streamed in over PCIe);
@@ -234,9 +234,10 @@ class SlidingEngine:
                 self.device_optimizers[u] = FlatAdamW(master, config.optimizer, scratch)
         self._edges_loaded: Signal | None = None  # set once the edges' latest parameters are queued to the device
         self._load_resident()
-        # Host gradients: blocks pass through one shared ring of pinned buffers. Without clipping a block's
-        # update empties its buffer during backward, so a few suffice; exact clipping holds every gradient until
-        # the global norm is known (2 bytes per sliding parameter). A sliding edges unit has a buffer of its own.
+        # Host gradients: blocks pass through one shared ring of pinned buffers (or the pool, below). Without
+        # clipping a block's update empties its buffer during backward, so a few suffice; exact clipping holds
+        # every gradient until the global norm is known (2 bytes per sliding parameter). A sliding edges unit has
+        # a buffer of its own.
         # Blocks updated on the device may instead keep their gradient there (`held_grads`; which: held_on_device).
         if config.held_grads < 0:
             raise ValueError(f"held_grads must be >= 0, got {config.held_grads}")
@@ -353,7 +354,8 @@ class SlidingEngine:
 
     def _send_grads(self, block: int, slot: Slot) -> tuple[torch.Tensor, list[Signal]]:
         """Queue a sliding block's gradient out of its slot once compute is done with it: into its held device
-        buffer, or into a host ring buffer in optimizer chunks. Returns the buffer and its arrival signals."""
+        buffer, or into its place in the pool or a ring buffer on the host, in optimizer chunks. Returns the
+        buffer and its arrival signals."""
         unit = block + 1
         self.d2h.wait(slot.free)
         if unit in self.held_grads:  # kept on the device for its update: a device copy frees the slot
@@ -361,7 +363,7 @@ class SlidingEngine:
             self.d2h.run(buffer.copy_, slot.grads, True, label=f"hold grads {block}")
             return buffer, [self.d2h.record()]
         if self.pool is not None:  # its own place, over boundaries the backward has read (see pool.py)
-            self._wait_for_update(unit)  # (done already: its last update, whole, finished before its load)
+            self._wait_for_update(unit)  # (a host update, whole, finished before its block's load already)
             buffer = self.pool.gradient(block)
             return buffer, self._copy_out(unit, buffer, slot.grads, f"grads {block}")
         buffer, previous = self.grad_ring.take(unit)
@@ -597,6 +599,8 @@ class SlidingEngine:
             self.synchronize()
         for lane in self.lanes:  # the spans of every lane are complete (and a failed copy raises here)
             lane.record().wait_host()
+        if self.pool is not None:  # this step's loads read the last gradients in an allocation it replaced
+            self.pool.drop_replaced()
         clock.lap("update")
         spans = self._spans(clock.start)
         timeline = summarize(spans, clock.total)

@@ -8,7 +8,7 @@ With clipping, every sliding block's gradient waits on the host for the global n
   update's moments part reads the gradient again after the forward, so pooled blocks update whole).
 So block i's gradient may lie over boundaries i+1 and up, never over 0..i. Boundaries are laid out from the
 bottom, gradients from the top down, highest block first; the pool is as large as the activations, or as large
-as the lowest gradient needs to stay clear of its own boundary and those below it.
+as the gradients need for each to stay clear of its own boundary and those below it.
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ class SharedPool:
     """Host buffers for `blocks`' gradients (`grad_numel` elements of `dtype` each) and `boundaries` boundary
     activations, carved from one allocation made at the first forward, when the activations' sizes are known.
 
-    A later step whose activations need more room gets a new allocation (`fit`); tensors taken from the old one
-    keep it alive until the updates still reading its gradients are done with them."""
+    A later step whose activations need more room gets a new allocation (`fit`). The old one still holds the
+    gradients that step's updates read, on the host or by copies a CUDA stream has yet to run, which keep no
+    Python reference to it: the pool keeps it until the engine says the step is over (`drop_replaced`)."""
 
     def __init__(self, blocks: list[int], grad_numel: int, dtype: torch.dtype, boundaries: int):
         self.blocks, self.grad_numel, self.dtype, self.boundaries = sorted(blocks), grad_numel, dtype, boundaries
@@ -63,6 +64,7 @@ class SharedPool:
         self.nbytes = 0
         self._micro: list[int] = []  # offset of each micro-batch's activation within a boundary
         self._buffer: torch.Tensor | None = None
+        self._replaced: list[torch.Tensor] = []
         self._offsets: dict[int, int] = {}
 
     def fit(self, micro_bytes: list[int]) -> bool:
@@ -72,10 +74,16 @@ class SharedPool:
         self._micro, total = _boundary(micro_bytes)
         if self._buffer is not None and total <= self.boundary_bytes:
             return False
+        if self._buffer is not None:
+            self._replaced.append(self._buffer)
         self.boundary_bytes = total
         self.nbytes, self._offsets = pool_layout(self.blocks, self.grad_bytes, total, self.boundaries)
         self._buffer = host_empty(self.nbytes, torch.uint8)
         return True
+
+    def drop_replaced(self) -> None:
+        """Let go of allocations `fit` replaced: call once nothing queued can still read them."""
+        self._replaced.clear()
 
     def activation(self, boundary: int, micro: int, like: torch.Tensor) -> torch.Tensor:
         """The host buffer of `boundary`'s activation for micro-batch `micro`, shaped like `like`."""

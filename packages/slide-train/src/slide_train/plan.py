@@ -134,7 +134,7 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
         held = min(len(engine.device_updated(sliding, device_share)), int(max(0.0, room) // (bf16 * block_numel)))
         device += held * bf16 * block_numel
     grads = bf16 * (edges_on_host * edge_numel + ((sliding - held) if clip else min(3, sliding)) * block_numel)
-    acts_host = (num_blocks + 1) * micro_batches * act_one * offload_activations
+    acts_host = num_blocks * micro_batches * act_one * offload_activations  # boundaries 0..n-1 (the last goes on)
     shared = shared and clip and offload_activations and sliding > 0
     if shared:  # the engine's pool, counted as it lays it out: blocks whose clipped gradient waits on the host
         first = num_blocks - sliding
