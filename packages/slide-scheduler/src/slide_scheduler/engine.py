@@ -103,6 +103,12 @@ class EngineConfig:
     # device (`held_grads`) are the last device-updated blocks' rather than the first.
     grads_share_activations: bool = False
 
+    @property
+    def shares_grads(self) -> bool:
+        """Whether held host gradients share the activations' memory: the option, with clipping (without it no
+        gradient waits for the norm)."""
+        return bool(self.grads_share_activations and self.max_grad_norm)
+
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -119,8 +125,7 @@ class EngineConfig:
             return self.device_update_share
         if not cuda or self.states_dtype != "fp32":
             return 0.0
-        pooled = self.grads_share_activations and self.max_grad_norm and self.activation_offload == "cpu"
-        return POOL_DEVICE_UPDATE_SHARE if pooled else DEVICE_UPDATE_SHARE
+        return POOL_DEVICE_UPDATE_SHARE if self.shares_grads else DEVICE_UPDATE_SHARE
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.compute_dtype == "auto":
@@ -241,7 +246,7 @@ class SlidingEngine:
         # Blocks updated on the device may instead keep their gradient there (`held_grads`; which: held_on_device).
         if config.held_grads < 0:
             raise ValueError(f"held_grads must be >= 0, got {config.held_grads}")
-        shared = bool(config.grads_share_activations and config.max_grad_norm and sliding)
+        shared = config.shares_grads and sliding > 0
         if shared and config.activation_offload != "cpu":
             raise ValueError("grads_share_activations shares the host memory of offloaded activations: it needs "
                              "activation_offload=cpu")
@@ -250,7 +255,7 @@ class SlidingEngine:
         # Clipped host gradients: a place each in the pool shared with the activations, or a ring buffer each
         pooled = [u - 1 for u in range(len(self.units) - sliding, len(self.units)) if u not in held] if shared else []
         self.pool = SharedPool(pooled, block_layout.numel, self.dtype, self.num_blocks) if pooled else None
-        ring = 0 if self.pool else sliding - len(held) if config.max_grad_norm else min(3, sliding)
+        ring = 0 if self.pool is not None else sliding - len(held) if config.max_grad_norm else min(3, sliding)
         self.grad_ring = StagingRing(ring, block_layout.numel, self.dtype) if ring else None
         self.updater = HostUpdater(self.optimizer, inline=inline)
         self._setup_device_updates(block_layout.numel)
@@ -637,8 +642,9 @@ class SlidingEngine:
         """Whether a clipped update of `unit` splits: when its gradient is in a host buffer the host can step the
         moments from after the next forward (not held on the device, nor the streamed edges' own there, nor in
         the pool, where that forward writes activations over it)."""
-        return self.config.split_update and unit not in self.held_grads and not (unit == 0 and unit in self.streamed) \
-            and not (self.pool is not None and unit - 1 in self.pool.blocks)
+        streamed_edges = unit == 0 and unit in self.streamed
+        pooled = self.pool is not None and unit - 1 in self.pool.blocks
+        return self.config.split_update and unit not in self.held_grads and not streamed_edges and not pooled
 
     def _spans(self, origin: float):
         """This step's spans, plus the optimizer thread's updates that ran during it (host times)."""

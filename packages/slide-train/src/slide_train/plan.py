@@ -143,6 +143,12 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
         host_blocks = [b for b in range(first, num_blocks) if b not in on_gpu]
         acts_host = pool_bytes(host_blocks, bf16 * block_numel, [act_one] * micro_batches, num_blocks)
         grads = bf16 * edges_on_host * edge_numel
+    if shared:
+        host_buffers = (f"gradient staging {grads / GIB:.1f}, " if grads else "") + \
+            f"held gradients sharing the boundary activations' memory {acts_host / GIB:.1f}"
+    else:
+        host_buffers = f"gradient staging {grads / GIB:.1f}{' (held for exact clipping)' if clip and sliding else ''}"
+        host_buffers += f", boundary activations {acts_host / GIB:.1f}" if offload_activations else ""
     on_device = (edge_numel if resident else 0) + max(resident - 1, 0) * block_numel  # AdamW states there
     states_host = total * 4 + (total - on_device) * state_bytes  # fp32 masters + the AdamW states kept here
     host = states_host + grads + acts_host
@@ -156,12 +162,7 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
         f"resident states {states / GIB:.2f}"
         + (f", gradients kept for device updates ({held} blocks) {held * bf16 * block_numel / GIB:.2f}"
            if held else ""),
-        f"  host ~{host / GIB:.1f} GiB: fp32 masters + AdamW states "
-        f"{states_host / GIB:.1f}, "
-        + ((f"gradient staging {grads / GIB:.1f}, " if grads else "")
-           + f"held gradients sharing the boundary activations' memory {acts_host / GIB:.1f}" if shared else
-           f"gradient staging {grads / GIB:.1f}{' (held for exact clipping)' if clip and sliding else ''}"
-           + (f", boundary activations {acts_host / GIB:.1f}" if offload_activations else "")),
+        f"  host ~{host / GIB:.1f} GiB: fp32 masters + AdamW states {states_host / GIB:.1f}, {host_buffers}",
     ]
     return Plan(budget, fixed, resident, device, host, lines, held, shared, acts_host if shared else 0,
                 device_is_host=not cuda,

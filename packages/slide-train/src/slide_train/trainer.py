@@ -191,6 +191,11 @@ def _bytes_under(path: pathlib.Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
 
 
+def count_targets(micro: list[dict[str, torch.Tensor]]) -> int:
+    """Tokens with a target in these prepared micro-batches (the loss's normalizer)."""
+    return sum(int((m["targets"] != IGNORE).sum()) for m in micro)
+
+
 def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Loader micro-batch -> engine micro-batch: next-token targets, no target across a document boundary."""
     labels, docs = batch["labels"], batch["document_ids"]
@@ -357,7 +362,7 @@ class Trainer:
         start = time.perf_counter()  # throughput counts the step from its data to the engine's figures
         batches = [self.data.train.next_micro_batch() for _ in range(cfg.grad_accum)]
         micro = [prepare(b) for b in batches]
-        targets = sum(int((m["targets"] != IGNORE).sum()) for m in micro)
+        targets = count_targets(micro)
         tokens = sum(int((b["document_ids"] >= 0).sum()) for b in batches)
         s = cfg.schedule
         lr = lr_at(self.step_index, self.total_steps, cfg.optimizer.lr, s.warmup_steps, s.decay, s.min_lr_ratio)
@@ -414,7 +419,7 @@ class Trainer:
         """Validation loss (mean over label tokens) and perplexity on the held-out micro-batches."""
         if self._eval is None:  # the held-out micro-batches are fixed: prepared and counted once
             micro = [prepare(b) for b in self.data.eval]
-            self._eval = micro, sum(int((m["targets"] != IGNORE).sum()) for m in micro)
+            self._eval = micro, count_targets(micro)
         micro, targets = self._eval
         group = self.cfg.grad_accum  # as many micro-batches at once as a training step holds
         loss = sum(self.engine.evaluate(micro[i : i + group], normalizer=max(targets, 1))
