@@ -15,6 +15,8 @@
 #                                      # .cmp` (.cmp is git-ignored), and carry .cmp in the call
 #   bash benchmarks/run_gpu.sh pool    # clipped B8 with its held host gradients sharing the activations' memory
 #                                      # (the pool's default device share) and without, alternating, twice
+#   bash benchmarks/run_gpu.sh poolb3  # scheduler GPU tests; clipped B3 (peer) with and without the pool, each
+#                                      # twice, the pool at 0.5625 too; clipped B1 with the pool
 #   bash benchmarks/run_gpu.sh probes  # the host's CPUs and memory settings; host memory bandwidth alone and under
 #                                      # PCIe copies, and the params part's handoff (host_memory.py); copies beside
 #                                      # GEMMs (lane_probe.py); the optimizer thread beside a busy one
@@ -51,6 +53,7 @@ install_liger() {  # Liger-Kernel's wheel, carried in .whl-kernels (the peer of 
   fi
 }
 b3="--model llama-3.2-3b --seq 4096 --micro 2 --accum 4 --cap 24"
+b1="--model llama-3.2-1b --seq 2048 --micro 4 --accum 1 --cap 24"
 b8="--model llama-3.1-8b --seq 4096 --micro 1 --accum 8 --cap 16 --peer none"
 case ${1:-small} in
 small)
@@ -97,6 +100,15 @@ pool)
   bench $b8 --share-acts 0 --tag B8; keep pool.tar
   bench $b8 --share-acts 1 --tag B8-pool-again; keep pool.tar
   bench $b8 --share-acts 0 --tag B8-again; keep pool.tar
+  ;;
+poolb3)
+  gpu_tests slide-scheduler; keep poolb3.tar
+  bench $b3 --peer plain --tag B3; keep poolb3.tar
+  bench $b3 --peer none --share-acts 1 --tag B3-pool; keep poolb3.tar
+  bench $b3 --peer none --share-acts 0 --tag B3-again; keep poolb3.tar
+  bench $b3 --peer none --share-acts 1 --tag B3-pool-again; keep poolb3.tar
+  bench $b3 --peer none --share-acts 1 --device-share 0.5625 --tag B3-pool-share56; keep poolb3.tar
+  bench $b1 --peer none --share-acts 1 --tag B1-pool; keep poolb3.tar
   ;;
 probes)
   { nproc; lscpu; numactl -H; free -g; grep . /sys/kernel/mm/transparent_hugepage/{enabled,defrag} \
