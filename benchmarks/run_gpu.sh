@@ -13,7 +13,7 @@
 #                                      # B3 twice (about 9 minutes). Before:
 #                                      # `mkdir -p .cmp && git archive BASE packages/slide-scheduler/src | tar x -C
 #                                      # .cmp` (.cmp is git-ignored), and carry .cmp in the call
-#   bash benchmarks/run_gpu.sh pool    # clipped B8 with its held host gradients sharing the activations' memory
+#   bash benchmarks/run_gpu.sh pool    # scheduler GPU tests; clipped B8 with its held host gradients sharing the activations' memory
 #                                      # (the pool's default device share) and without, alternating, twice
 #   bash benchmarks/run_gpu.sh poolb3  # scheduler GPU tests; clipped B3 (peer) with and without the pool, each
 #                                      # twice, the pool at 0.5625 too; clipped B1 with the pool
@@ -96,6 +96,7 @@ compare)
   base $b3 --peer none --tag B3-base-again; keep compare.tar
   ;;
 pool)
+  gpu_tests slide-scheduler; keep pool.tar
   bench $b8 --share-acts 1 --tag B8-pool; keep pool.tar
   bench $b8 --share-acts 0 --tag B8; keep pool.tar
   bench $b8 --share-acts 1 --tag B8-pool-again; keep pool.tar
