@@ -222,7 +222,7 @@ def main() -> None:
     p.add_argument("--split", type=int, default=1, help="0: engine.split_update=false (whole clipped updates)")
     p.add_argument("--share-acts", type=int, default=None,
                    help="engine.grads_share_activations: 1 shares clipped host gradients' memory with the "
-                        "activations, 0 never (default: the planner's, on only when RAM would not hold the run)")
+                        "activations, 0 never (default: slide-train's, on wherever clipped host gradients are held)")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads before the engine (0: leave it)")
     p.add_argument("--host-block", type=int, default=0,
                    help="slide_memory.adamw.BLOCK_PER_THREAD (host AdamW elements per thread per call; 0: default)")

@@ -17,6 +17,8 @@
 #                                      # (the pool's default device share) and without, alternating, twice
 #   bash benchmarks/run_gpu.sh poolb3  # scheduler GPU tests; clipped B3 (peer) with and without the pool, each
 #                                      # twice, the pool at 0.5625 too; clipped B1 with the pool
+#   bash benchmarks/run_gpu.sh defaults # train GPU tests; B3 (peer), B8 with its gradients pooled (the default)
+#                                      # and not, B1 (peer)
 #   bash benchmarks/run_gpu.sh probes  # the host's CPUs and memory settings; host memory bandwidth alone and under
 #                                      # PCIe copies, and the params part's handoff (host_memory.py); copies beside
 #                                      # GEMMs (lane_probe.py); the optimizer thread beside a busy one
@@ -110,6 +112,13 @@ poolb3)
   bench $b3 --peer none --share-acts 1 --tag B3-pool-again; keep poolb3.tar
   bench $b3 --peer none --share-acts 1 --device-share 0.5625 --tag B3-pool-share56; keep poolb3.tar
   bench $b1 --peer none --share-acts 1 --tag B1-pool; keep poolb3.tar
+  ;;
+defaults)
+  gpu_tests slide-train; keep defaults.tar
+  bench $b3 --peer plain --tag B3; keep defaults.tar
+  bench $b8 --tag B8-pool; keep defaults.tar
+  bench $b8 --share-acts 0 --tag B8; keep defaults.tar
+  bench $b1 --peer plain --tag B1; keep defaults.tar
   ;;
 probes)
   { nproc; lscpu; numactl -H; free -g; grep . /sys/kernel/mm/transparent_hugepage/{enabled,defrag} \

@@ -89,13 +89,17 @@ def compare(trainer, ref_model, ref64=None):
         assert ours_err <= 1.5 * torch_err, f"{name}: {ours_err:.2e} from float64, torch fp32 {torch_err:.2e}"
 
 
-@pytest.mark.parametrize("window", [1, 2, 3])
-def test_three_steps_match_plain_pytorch(tmp_path, family, window):
+@pytest.mark.parametrize("window, shared", [(1, "null"), (2, "false"), (3, "null")])
+def test_three_steps_match_plain_pytorch(tmp_path, family, window, shared):
+    """Clipped: held host gradients over the activations' memory (the default), or a buffer each (split
+    updates)."""
     model = save_tiny_model(tmp_path / "model", family)
     rows, labels = make_rows(seed=1, n=STEPS * MICRO * ACCUM)
     write_token_rows(tmp_path / "data.jsonl", rows, labels)
-    cfg = slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl", **{"engine.window": window})
+    cfg = slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
+                       **{"engine.window": window, "engine.grads_share_activations": shared})
     trainer = Trainer(cfg, progress=False)
+    assert (trainer.engine.pool is None) == (shared == "false")
     records = [trainer.step() for _ in range(STEPS)]
     ref_model, ref_losses, ref_norms = reference_run(model, rows, labels)
     assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5)
@@ -106,8 +110,8 @@ def test_three_steps_match_plain_pytorch(tmp_path, family, window):
 
 def test_gradients_sharing_the_activations_memory_match(tmp_path, monkeypatch):
     """engine.grads_share_activations: clipped host gradients lie over boundary activations' memory, and the
-    result is still the plain loop's; the plan counts the pool the engine allocates. Left at null, it is on only
-    where the machine's RAM would not hold the run otherwise."""
+    result is still the plain loop's; the plan counts the pool the engine allocates. null (the default) is on;
+    false gives a buffer each, which needs more RAM."""
     from slide_train import trainer as trainer_module
 
     model = save_tiny_model(tmp_path / "model", "llama")
@@ -128,12 +132,15 @@ def test_gradients_sharing_the_activations_memory_match(tmp_path, monkeypatch):
         cfg = slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl", **extra)
         return trainer_module.plan_run(cfg, trainer_module.load_model(cfg.model, 0, need_tokenizer=False))[0]
 
-    separate = plan_with(1e15)
+    default = plan_with(1e15, **{"engine.grads_share_activations": "null"})
+    assert default.shared and default.ram_needed == shared.ram_needed
+    separate = plan_with(1e15, **{"engine.grads_share_activations": "false"})
     assert not separate.shared and separate.ram_needed > shared.ram_needed
     between = (separate.ram_needed + shared.ram_needed) / 2 / 0.95
-    auto = plan_with(between)
-    assert auto.shared and "would not fit in this machine's RAM" in auto.text()
-    with pytest.raises(ConfigError, match="grads_share_activations=true"):
+    with pytest.raises(ConfigError, match="grads_share_activations, on unless set to false"):
+        plan_with(between, **{"engine.grads_share_activations": "false"})
+    assert plan_with(between).shared
+    with pytest.raises(ConfigError, match="grads_share_activations"):
         plan_with(shared.ram_needed / 0.96)
     with pytest.raises(ConfigError, match="needs engine.activation_offload=cpu"):
         slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",

@@ -214,5 +214,6 @@ def check_host(plan: Plan, ram: float | None) -> None:
             f"this run needs ~{plan.ram_needed / GIB:.0f} GiB of host memory (fp32 masters, AdamW states, "
             f"gradient staging, boundary activations{on_cpu}); this machine has {ram / GIB:.0f} GiB. "
             "engine.states_dtype=bf16 saves 4 bytes per parameter, max_grad_norm=null saves the 2 bytes per "
-            "parameter that exact clipping holds (engine.grads_share_activations=true most of them, where the "
-            "boundary activations are large), fewer tokens per step shrink the activations")
+            "parameter that exact clipping holds where they do not share the boundary activations' memory "
+            "(engine.grads_share_activations, on unless set to false), fewer tokens per step shrink the "
+            "activations")

@@ -125,14 +125,9 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         share = engine_cfg.resolve_device_update_share(cuda)
         return make_plan(**shape, shared=shared, device_updates=share > 0, device_share=share)
 
-    plan = plan_for(bool(e.grads_share_activations))
-    ram = host_memory()  # (`slide-train plan` shows what a run here would choose, and reports the fit itself)
-    if e.grads_share_activations is None and ram is not None and not plan.fits_host(ram):
-        shared = plan_for(True)
-        if shared.shared:  # (clipping, offloaded activations, sliding blocks: else nothing to share)
-            plan = shared
-            plan.lines.append("  (held gradients share the activations' memory: without that the run would not "
-                              "fit in this machine's RAM)")
+    # null shares wherever there is something to share (clipping, offloaded activations, sliding blocks)
+    plan = plan_for(e.grads_share_activations is not False)
+    ram = host_memory()  # (`slide-train plan` reports the fit itself)
     if budget is not None:
         check_plan(plan, "engine.gpu_memory_limit_gb" if e.gpu_memory_limit_gb else "the GPU's memory",
                    cfg.micro_batch_size, cfg.seq_len, plan.window)
