@@ -175,6 +175,8 @@ def run_slide(args) -> dict:
     share += f", gradients sharing the activations' memory ({pool.nbytes / 2**30:.1f} GiB)" if pool else ""
     return {"system": f"slide ({'pipelined' if args.pipeline else 'synchronous'} engine, clip {args.clip}{share})",
             "cap_gib": args.cap,
+            # whether the run's held gradients shared the activations' memory (--share-acts left to slide-train)
+            "pool_gib": pool.nbytes / 2**30 if pool else 0.0,
             "setup_s": setup_s, "step_s": step_s, "plan": trainer.memory_plan.text(),
             "window": trainer.memory_plan.window,
             # exposed: in the engine's step, GPU idle waiting for transfers and updates; outside: the rest of the
@@ -222,7 +224,8 @@ def main() -> None:
     p.add_argument("--split", type=int, default=1, help="0: engine.split_update=false (whole clipped updates)")
     p.add_argument("--share-acts", type=int, default=None,
                    help="engine.grads_share_activations: 1 shares clipped host gradients' memory with the "
-                        "activations, 0 never (default: slide-train's, on wherever clipped host gradients are held)")
+                        "activations, 0 never (default: slide-train's: on with clipping, offloaded activations and "
+                        "sliding blocks)")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads before the engine (0: leave it)")
     p.add_argument("--host-block", type=int, default=0,
                    help="slide_memory.adamw.BLOCK_PER_THREAD (host AdamW elements per thread per call; 0: default)")

@@ -183,3 +183,21 @@ def test_plan_checks_the_data_settings_too(capsys):
 
     assert main(["plan", "--data.eval_fraction=1.5"]) == 2
     assert "data.eval_fraction: must be in [0, 1), got 1.5" in capsys.readouterr().err
+
+
+def test_activations_kept_on_the_gpu_plan_as_a_buffer_each():
+    """With the activations on the GPU there is nothing for held gradients to share: null plans as false does
+    (the engine's device share, and so the gradients kept on the device for it, are those of a buffer each)."""
+    from slide_train.config import load_config
+    from slide_train.trainer import load_model, plan_run
+
+    def plan(shared):
+        cfg = load_config(None, ["--model=llama-3.2-3b", "--seq_len=4096", "--micro_batch_size=2", "--grad_accum=4",
+                                 "--engine.activation_offload=none", "--engine.resident=1",
+                                 f"--engine.grads_share_activations={shared}"])
+        plan, engine_cfg, _ = plan_run(cfg, load_model(cfg.model, 0, need_tokenizer=False), assume_gpu_gib=1000)
+        return plan, engine_cfg.resolve_device_update_share(True)
+
+    (auto, auto_share), (off, off_share) = plan("null"), plan("false")
+    assert not auto.shared and auto.held == off.held > 0
+    assert auto_share == off_share == DEVICE_UPDATE_SHARE

@@ -210,10 +210,10 @@ def check_host(plan: Plan, ram: float | None) -> None:
 
     if ram is not None and not plan.fits_host(ram):
         on_cpu = " and, on a CPU run, the device side's buffers and activations" if plan.device_is_host else ""
+        share = "" if plan.shared else (" (with engine.activation_offload=cpu and engine.grads_share_activations "
+                                        "left on, most of them share the boundary activations' memory)")
         raise ConfigError(
             f"this run needs ~{plan.ram_needed / GIB:.0f} GiB of host memory (fp32 masters, AdamW states, "
             f"gradient staging, boundary activations{on_cpu}); this machine has {ram / GIB:.0f} GiB. "
             "engine.states_dtype=bf16 saves 4 bytes per parameter, max_grad_norm=null saves the 2 bytes per "
-            "parameter that exact clipping holds where they do not share the boundary activations' memory "
-            "(engine.grads_share_activations, on unless set to false), fewer tokens per step shrink the "
-            "activations")
+            f"parameter that exact clipping holds{share}, fewer tokens per step shrink the activations")

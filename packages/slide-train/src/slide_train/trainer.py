@@ -125,14 +125,16 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         share = engine_cfg.resolve_device_update_share(cuda)
         return make_plan(**shape, shared=shared, device_updates=share > 0, device_share=share)
 
-    # null shares wherever there is something to share (clipping, offloaded activations, sliding blocks)
+    # null shares wherever there is something to share (clipping, offloaded activations, sliding blocks); where
+    # there is not, the plan is the unshared one (its device share, and so the held gradients, differ)
     plan = plan_for(e.grads_share_activations is not False)
-    ram = host_memory()  # (`slide-train plan` reports the fit itself)
+    if engine_cfg.grads_share_activations and not plan.shared:
+        plan = plan_for(False)
     if budget is not None:
         check_plan(plan, "engine.gpu_memory_limit_gb" if e.gpu_memory_limit_gb else "the GPU's memory",
                    cfg.micro_batch_size, cfg.seq_len, plan.window)
-    if assume_gpu_gib is None:
-        check_host(plan, ram)
+    if assume_gpu_gib is None:  # (`slide-train plan` reports the fit itself)
+        check_host(plan, host_memory())
     engine_cfg.resident, engine_cfg.held_grads, engine_cfg.window = plan.resident, plan.held, plan.window
     engine_cfg.grads_share_activations = plan.shared
     return plan, engine_cfg, stack
