@@ -17,16 +17,21 @@ pytestmark = pytest.mark.gpu
 STEPS = 20
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
-def test_bf16_loss_curve_tracks_gpu_resident_reference(tmp_path, family):
+@pytest.mark.parametrize("family, resident", [("llama", "null"), ("qwen2", "null"), ("qwen3", "null"),
+                                              ("mistral", "null"), ("llama", "1")])
+def test_bf16_loss_curve_tracks_gpu_resident_reference(tmp_path, family, resident):
+    """The planner keeps a tiny model resident; with only the edges resident the blocks slide, and their held
+    clipped gradients share the activations' pinned memory (slide-train's default)."""
     if not torch.cuda.is_available():
         pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
     model = save_tiny_model(tmp_path / "m", family)
     cfg = load_config(None, [
         f"--model={tmp_path / 'm'}", "--seq_len=128", "--micro_batch_size=4", "--grad_accum=2",
         f"--steps={STEPS}", "--optimizer.lr=3e-3", "--schedule.warmup_steps=3", "--max_grad_norm=1.0",
-        "--engine.device=cuda", f"--output_dir={tmp_path / 'run'}", "--export=false"])
+        "--engine.device=cuda", f"--engine.resident={resident}", f"--output_dir={tmp_path / 'run'}",
+        "--export=false"])
     trainer = Trainer(cfg, progress=False)
+    assert (trainer.engine.pool is not None) == (resident == "1")
     # The reference sees the very same micro-batches: a second loader built from the same config and seed.
     from slide_train.data import build_data
 
