@@ -58,7 +58,8 @@ class EngineSection:
     kernels: str = "auto"  # auto (slide-kernels' Triton RMSNorm/RoPE/SwiGLU on CUDA) | on | off
     pipeline: bool = True  # false: the synchronous reference schedule (no overlap)
     # Share of sliding blocks whose clipped update runs on the GPU (states streamed over PCIe) instead of the
-    # CPU; any share above 0 also updates sliding edges on the GPU, clipping or not. null: auto (0.5625 on CUDA)
+    # CPU; any share above 0 also updates sliding edges on the GPU, clipping or not. null: auto (on CUDA 0.5625,
+    # or 0.375 where held gradients share the activations' memory)
     device_update_share: float | None = None
     # With clipping, write new masters before the next forward and AdamW moments after it (same result); false:
     # whole updates before the forward (for comparison)
