@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import pathlib
 
 import pytest
 import torch
@@ -994,3 +996,32 @@ def test_fetched_activations_land_in_the_same_buffers_every_step():
     assert len(engine.activations._landing) == engine.window + 1
     engine.close()
     assert not engine.activations._landing
+
+
+def test_a_script_that_never_closes_its_engine_finishes_its_updates_and_exits_cleanly(tmp_path):
+    """The README's example never calls close(): at exit the optimizer worker, a daemon thread, must not be
+    inside a torch call when the interpreter finalizes (that aborts the process), and what was queued is done
+    (here the clipped updates' params parts; their moments parts would be queued by the next forward, or by
+    close())."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import atexit\n"
+        "state = {}\n"
+        "def report():  # registered before slide_scheduler's own handler, so it runs after it\n"
+        "    engine = state['engine']\n"
+        "    print('done', all(engine.updater.ready(u, params_only=True) for u in range(len(engine.units))))\n"
+        "atexit.register(report)\n"
+        "from test_engine import Model, ToyStack, batches\n"
+        "from slide_scheduler import EngineConfig, SlidingEngine\n"
+        "engine = state['engine'] = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(\n"
+        "    device='cpu', window=2, max_grad_norm=1.0))\n"
+        "engine.updater.delay = 0.2  # the last step's updates are still queued when the script ends\n"
+        "engine.step(batches(seed=4, steps=1, micro=2)[0], lr=1e-2, normalizer=10)\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                            cwd=pathlib.Path(__file__).parent, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                [str(pathlib.Path(__file__).parent), os.environ.get("PYTHONPATH", "")])})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-2:] == ["done", "True"], result.stdout + result.stderr

@@ -9,13 +9,26 @@ already uses every core inside one call.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 
 import torch
 
 from .lanes import HostSignal, Signal
+
+# Workers of updaters not closed yet. The thread is a daemon (a script that never closes its engine still
+# exits), and a daemon thread inside a torch call when the interpreter finalizes aborts the process ("terminate
+# called without an active exception"): at exit each one finishes what was queued and stops first.
+_running: weakref.WeakSet[HostUpdater] = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    for updater in list(_running):
+        updater.close()
 
 
 class HostUpdater:
@@ -30,6 +43,7 @@ class HostUpdater:
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._loop, name="slide-updater", daemon=True)
             self._thread.start()
+            _running.add(self)
 
     def submit(self, index: int, grad: torch.Tensor, arrived: list[Signal], lr: float, grad_scale: float,
                part: str = "all") -> None:
@@ -85,6 +99,8 @@ class HostUpdater:
             self.done[index].set(error=e)
 
     def close(self) -> None:
-        if self._queue is not None:
+        """Finish what was submitted, then stop the worker (again: nothing)."""
+        if self._queue is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+        _running.discard(self)
