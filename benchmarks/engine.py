@@ -109,7 +109,7 @@ def run_slide(args) -> dict:
                  f"--engine.window={'null' if args.window is None else args.window}", "--export=false",
                  "--data.pack=true",
                  f"--output_dir={args.run_dir}", "--overwrite=true", "--checkpoint.keep=0",  # fresh, no checkpoint
-                 "--profile=true",
+                 "--profile=false",  # the last step's profile is written after the timed steps (below)
                  f"--engine.pipeline={str(bool(args.pipeline)).lower()}", f"--optimizer.lr={args.lr}"]
     if args.clip != "1.0":
         overrides.append(f"--max_grad_norm={'null' if args.clip == 'none' else args.clip}")
@@ -143,6 +143,15 @@ def run_slide(args) -> dict:
     roles = {"training": threading.main_thread().native_id}
     if (worker := getattr(trainer.engine.updater, "_thread", None)) is not None:  # (none when synchronous)
         roles["optimizer"] = worker.native_id
+    # Written between steps, a profile would give the next step's clipped updates a head start (and the trace
+    # and PNG take a second of Python): the last step's is written once every step is timed.
+    step, last = trainer.engine.step, {}
+
+    def step_and_keep(*a, **kw):
+        last["stats"] = step(*a, **kw)
+        return last["stats"]
+
+    trainer.engine.step = step_and_keep
     records = []
     for _ in range(args.warmup + args.steps):
         before, start = thread_cpu(), time.perf_counter()
@@ -160,6 +169,7 @@ def run_slide(args) -> dict:
     cpu = {k: statistics.median(r[k] for r in timed)
            for k in ("trainer_step_s", "training_cpu_s", "optimizer_cpu_s", "other_cpu_s", "busiest_other_cpu_s",
                      "other_threads") if k in timed[0]}
+    trainer.write_profile(last["stats"])
     for name in ("timeline.png", "trace.json"):
         src = pathlib.Path(args.run_dir) / name
         if src.is_file():

@@ -17,6 +17,7 @@ import torch
 from common import timed
 from torch import nn
 
+from slide_train.data.formats import IGNORE
 from slide_train.models.adapter import Edges
 from slide_train.models.loss import loss_rows
 
@@ -42,7 +43,7 @@ def main() -> None:
         hidden = torch.randn(1, a.tokens, hidden_size, device="cuda", dtype=torch.bfloat16)
         for untargeted in (0.0, 0.5):
             targets = torch.randint(0, vocab, (1, a.tokens))
-            targets[:, : int(a.tokens * untargeted)] = -100
+            targets[:, : int(a.tokens * untargeted)] = IGNORE
             batch = {"targets": targets.cuda()}
             every = time_tail(edges, hidden, batch)
             batch["loss_rows"] = loss_rows(targets).cuda()

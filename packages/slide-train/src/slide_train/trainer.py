@@ -375,7 +375,7 @@ class Trainer:
         # (not the profile, diagnostics written once, nor the metrics line: a few milliseconds after this)
         seconds = time.perf_counter() - start
         if cfg.profile and self.step_index == min(3, self.total_steps):
-            self._write_profile(stats)
+            self.write_profile(stats)
         record = {
             "step": self.step_index,
             "loss": stats.loss,
@@ -400,7 +400,8 @@ class Trainer:
         self.log.write(record)
         return record
 
-    def _write_profile(self, stats) -> None:
+    def write_profile(self, stats) -> None:
+        """timeline.png and trace.json of one engine step (`stats`: what `engine.step` returned) in the run dir."""
         from slide_scheduler.timeline import plot, write_trace
 
         write_trace(stats.spans, self.run_dir / "trace.json")
