@@ -1000,9 +1000,9 @@ def test_fetched_activations_land_in_the_same_buffers_every_step():
 
 def test_a_script_that_never_closes_its_engine_finishes_its_updates_and_exits_cleanly(tmp_path):
     """The README's example never calls close(): at exit the optimizer worker, a daemon thread, must not be
-    inside a torch call when the interpreter finalizes (that aborts the process), and what was queued is done
-    (here the clipped updates' params parts; their moments parts would be queued by the next forward, or by
-    close())."""
+    left inside a torch call when the interpreter finalizes (that can abort the process), so an exit handler
+    finishes what was queued (here the clipped updates' params parts) and stops it. An exit hook that runs
+    after it and closes the engine (which queues the moments parts) must not wait on the stopped worker."""
     import subprocess
     import sys
 
@@ -1011,8 +1011,10 @@ def test_a_script_that_never_closes_its_engine_finishes_its_updates_and_exits_cl
         "import atexit\n"
         "state = {}\n"
         "def report():  # registered before slide_scheduler's own handler, so it runs after it\n"
-        "    engine = state['engine']\n"
-        "    print('done', all(engine.updater.ready(u, params_only=True) for u in range(len(engine.units))))\n"
+        "    engine, units = state['engine'], range(len(state['engine'].units))\n"
+        "    print('params', all(engine.updater.ready(u, params_only=True) for u in units))\n"
+        "    engine.close()\n"
+        "    print('done', all(engine.updater.ready(u) for u in units))\n"
         "atexit.register(report)\n"
         "from test_engine import Model, ToyStack, batches\n"
         "from slide_scheduler import EngineConfig, SlidingEngine\n"
@@ -1024,4 +1026,4 @@ def test_a_script_that_never_closes_its_engine_finishes_its_updates_and_exits_cl
                             cwd=pathlib.Path(__file__).parent, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                 [str(pathlib.Path(__file__).parent), os.environ.get("PYTHONPATH", "")])})
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split()[-2:] == ["done", "True"], result.stdout + result.stderr
+    assert result.stdout.split()[-4:] == ["params", "True", "done", "True"], result.stdout + result.stderr

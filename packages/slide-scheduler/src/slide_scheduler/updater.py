@@ -99,8 +99,10 @@ class HostUpdater:
             self.done[index].set(error=e)
 
     def close(self) -> None:
-        """Finish what was submitted, then stop the worker (again: nothing)."""
-        if self._queue is not None and self._thread.is_alive():
+        """Finish what was submitted, then stop the worker; later submits (an engine closed after the exit
+        handler closed its updater) run inline."""
+        if self._queue is not None:
             self._queue.put(None)
             self._thread.join()
+            self._queue = None
         _running.discard(self)
