@@ -61,8 +61,8 @@ class EngineSection:
     # CPU; any share above 0 also updates sliding edges on the GPU, clipping or not. null: auto (on CUDA 0.5625,
     # or 0.375 where held gradients share the activations' memory)
     device_update_share: float | None = None
-    # With clipping, write new masters before the next forward and AdamW moments after it (same result); false:
-    # whole updates before the forward (for comparison)
+    # With clipping, write new masters before the next forward and AdamW moments after it (same result), where
+    # gradients have buffers of their own (pooled ones update whole); false: whole updates before the forward
     split_update: bool = True
     # With clipping, the held host gradients share memory with the boundary activations (saves up to their size:
     # 7.8 GiB for an 8B run; those blocks' updates then run whole, and fewer blocks update on the GPU). null: on
