@@ -63,7 +63,7 @@ small)
   bench $b3 --peer plain --tag B3
   bench $b3 --peer none --device-share 0 --tag B3-hostonly
   bench $b3 --peer none --clip none --tag B3-noclip
-  bench --model llama-3.2-1b --seq 2048 --micro 4 --accum 1 --cap 24 --peer plain --tag B1
+  bench $b1 --peer plain --tag B1
   ;;
 b8)
   bench $b8 --clip none --tag B8-noclip
@@ -77,7 +77,7 @@ final)  # every package's GPU tests, the fused loss against Liger, B3 (peer; cli
     --rounds 3 2>&1 | tail -8
   bench $b3 --peer plain --tag B3
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False bench $b3 --peer none --tag B3-fixedseg  # allocator default
-  bench --model llama-3.2-1b --seq 2048 --micro 4 --accum 1 --cap 24 --peer plain --tag B1
+  bench $b1 --peer plain --tag B1
   cat "$out"/gpu-tests-*.log > "$out/gpu-tests.log"; rm -f "$out"/gpu-tests-slide-*.log "$out"/B3-fixedseg-timeline.png
   ;;
 check)

@@ -13,16 +13,16 @@ import atexit
 import queue
 import threading
 import time
-import weakref
 
 import torch
 
 from .lanes import HostSignal, Signal
 
-# Workers of updaters not closed yet. The thread is a daemon (a script that never closes its engine still
-# exits), and a daemon thread inside a torch call when the interpreter finalizes aborts the process ("terminate
-# called without an active exception"): at exit each one finishes what was queued and stops first.
-_running: weakref.WeakSet[HostUpdater] = weakref.WeakSet()
+# Updaters whose worker runs (a running thread holds its updater anyway, so a weak set would hold them too).
+# The thread is a daemon (a script that never closes its engine still exits), and a daemon thread inside a
+# torch call when the interpreter finalizes aborts the process ("terminate called without an active
+# exception"): at exit each one finishes what was queued and stops first.
+_running: set[HostUpdater] = set()
 
 
 @atexit.register

@@ -143,7 +143,6 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
         host_blocks = [b for b in range(first, num_blocks) if b not in on_gpu]
         acts_host = pool_bytes(host_blocks, bf16 * block_numel, [act_one] * micro_batches, num_blocks)
         grads = bf16 * edges_on_host * edge_numel
-    if shared:
         host_buffers = (f"gradient staging {grads / GIB:.1f}, " if grads else "") + \
             f"held gradients sharing the boundary activations' memory {acts_host / GIB:.1f}"
     else:

@@ -121,14 +121,14 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         compute_bytes=4 if e.compute_dtype == "fp32" or not cuda else 2)
 
     def plan_for(shared: bool) -> Plan:  # (the device share left to the engine depends on the sharing)
-        engine_cfg.grads_share_activations = shared
-        share = engine_cfg.resolve_device_update_share(cuda)
+        share = dataclasses.replace(engine_cfg, grads_share_activations=shared).resolve_device_update_share(cuda)
         return make_plan(**shape, shared=shared, device_updates=share > 0, device_share=share)
 
     # null shares wherever there is something to share (clipping, offloaded activations, sliding blocks); where
     # there is not, the plan is the unshared one (its device share, and so the held gradients, differ)
-    plan = plan_for(e.grads_share_activations is not False)
-    if engine_cfg.grads_share_activations and not plan.shared:
+    wanted = e.grads_share_activations is not False
+    plan = plan_for(wanted)
+    if wanted and not plan.shared:
         plan = plan_for(False)
     if budget is not None:
         check_plan(plan, "engine.gpu_memory_limit_gb" if e.gpu_memory_limit_gb else "the GPU's memory",
