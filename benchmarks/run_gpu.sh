@@ -19,6 +19,9 @@
 #                                      # twice, the pool at 0.5625 too; clipped B1 with the pool
 #   bash benchmarks/run_gpu.sh defaults # train GPU tests; B3 (peer), B8 with its gradients pooled (the default)
 #                                      # and not, B1 (peer)
+#   bash benchmarks/run_gpu.sh stall   # memory, scheduler and train GPU tests; the pool-replacement probe with
+#                                      # stalled copies (pool_stall_probe.py), as is and deterministic; B1 (peer)
+#   bash benchmarks/run_gpu.sh head    # B3 (peer), B8, B3 again: the defaults
 #   bash benchmarks/run_gpu.sh probes  # the host's CPUs and memory settings; host memory bandwidth alone and under
 #                                      # PCIe copies, and the params part's handoff (host_memory.py); copies beside
 #                                      # GEMMs (lane_probe.py); the optimizer thread beside a busy one
@@ -119,6 +122,17 @@ defaults)
   bench $b8 --tag B8-pool; keep defaults.tar
   bench $b8 --share-acts 0 --tag B8; keep defaults.tar
   bench $b1 --peer plain --tag B1; keep defaults.tar
+  ;;
+stall)
+  gpu_tests slide-memory slide-scheduler slide-train; keep stall.tar
+  python3 "$root/benchmarks/pool_stall_probe.py" --out "$out" 2>&1 | tail -3; keep stall.tar
+  python3 "$root/benchmarks/pool_stall_probe.py" --out "$out" --deterministic 2>&1 | tail -3; keep stall.tar
+  bench $b1 --peer plain --tag B1; keep stall.tar
+  ;;
+head)
+  bench $b3 --peer plain --tag B3; keep head.tar
+  bench $b8 --tag B8; keep head.tar
+  bench $b3 --peer none --tag B3-again; keep head.tar
   ;;
 probes)
   { nproc; lscpu; numactl -H; free -g; grep . /sys/kernel/mm/transparent_hugepage/{enabled,defrag} \
