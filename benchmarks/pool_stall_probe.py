@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("--deterministic", action="store_true",
                         help="torch.use_deterministic_algorithms and a fixed cuBLAS workspace (set before CUDA starts)")
     parser.add_argument("--stall-ms", type=float, default=50.0)
+    parser.add_argument("--lengths", default="10,400", help="sequence lengths of the short and the long steps "
+                        "(800,1600: the failed variant's, whose pools are page-locked in place anyway)")
     args = parser.parse_args()
     if args.deterministic:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
@@ -49,7 +51,8 @@ def main() -> None:
             return [{"ids": torch.randint(0, VOCAB, (3, length), generator=g).cuda(),
                      "targets": torch.randint(0, VOCAB, (3, length), generator=g).cuda()} for _ in range(micro)]
 
-        return [step(3, 10), step(2, 10), step(3, 400), step(3, 400), step(2, 10)]
+        short, long = (int(x) for x in args.lengths.split(","))
+        return [step(3, short), step(2, short), step(3, long), step(3, long), step(2, short)]
 
     def run(shared: bool, registered: bool, stall: bool):
         slide_memory.host.EXACT_PIN_BYTES = 0 if registered else 1 << 40
@@ -83,10 +86,11 @@ def main() -> None:
                                     "masters_equal": all(masters[k].equal(t) for k, t in ref_masters.items()),
                                     "max_master_diff": diff})
                     print(json.dumps({k: v for k, v in results[-1].items() if k not in ("losses", "pool_bytes")}))
-    name = "pool-stall-probe" + ("-deterministic" if args.deterministic else "") + ".json"
-    pathlib.Path(args.out, name).write_text(json.dumps(
-        {"reference_losses": ref_losses, "deterministic": args.deterministic, "stall_ms": args.stall_ms,
-         "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "runs": results}, indent=1))
+    name = f"pool-stall-probe-{args.lengths.replace(',', '-')}" + ("-deterministic" if args.deterministic else "")
+    pathlib.Path(args.out, name + ".json").write_text(json.dumps(
+        {"lengths": args.lengths, "reference_losses": ref_losses, "deterministic": args.deterministic,
+         "stall_ms": args.stall_ms, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+         "runs": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@
 #                                      # and not, B1 (peer)
 #   bash benchmarks/run_gpu.sh stall   # memory, scheduler and train GPU tests; the pool-replacement probe with
 #                                      # stalled copies (pool_stall_probe.py), as is and deterministic; B1 (peer)
-#   bash benchmarks/run_gpu.sh head    # B3 (peer), B8, B3 again: the defaults
+#   bash benchmarks/run_gpu.sh head    # the probe at lengths 800,1600 (both ways); B3 (peer), B8, B3 again:
+#                                      # the defaults
 #   bash benchmarks/run_gpu.sh probes  # the host's CPUs and memory settings; host memory bandwidth alone and under
 #                                      # PCIe copies, and the params part's handoff (host_memory.py); copies beside
 #                                      # GEMMs (lane_probe.py); the optimizer thread beside a busy one
@@ -129,7 +130,10 @@ stall)
   python3 "$root/benchmarks/pool_stall_probe.py" --out "$out" --deterministic 2>&1 | tail -3; keep stall.tar
   bench $b1 --peer plain --tag B1; keep stall.tar
   ;;
-head)
+head)  # (with the probe at the failed variant's lengths first)
+  python3 "$root/benchmarks/pool_stall_probe.py" --out "$out" --lengths 800,1600 2>&1 | tail -2; keep head.tar
+  python3 "$root/benchmarks/pool_stall_probe.py" --out "$out" --lengths 800,1600 --deterministic 2>&1 | tail -2
+  keep head.tar
   bench $b3 --peer plain --tag B3; keep head.tar
   bench $b8 --tag B8; keep head.tar
   bench $b3 --peer none --tag B3-again; keep head.tar
