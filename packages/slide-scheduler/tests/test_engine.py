@@ -830,34 +830,47 @@ def test_gradients_sharing_the_activations_memory_on_cuda_give_the_same_result()
 
 @pytest.mark.gpu
 def test_shared_memory_replaced_on_cuda_keeps_the_gradients_its_queued_copies_read():
-    """On a GPU, a step whose activations outgrow the pool takes a new allocation while its device updates
-    still queue copies of the previous step's gradients from the old one (the copies hold no Python reference;
-    the old allocation is kept until the step ends): bit for bit the result of a gradient buffer each (whole
-    updates there too: a split one steps the moments on the host, which rounds differently). This runs the
-    replacement on CUDA; it does not force the copies to run late."""
+    """On a GPU, a step whose activations outgrow the pool takes a new allocation while that step's device
+    updates still copy gradients from the old one on the host-to-device stream (queued copies hold no Python
+    reference; a GPU sleep queued ahead of each step holds that stream back, so they run late). The old
+    allocation (page-locked in place, as pools of this size are) is kept until the step ends: bit for bit the
+    result of a buffer each (whole updates there too: a split one steps the moments on the host, which rounds
+    differently). Deterministic algorithms: at these sizes CUDA's own kernels otherwise differ by an ulp from one
+    identical run to the next (benchmarks/pool_stall_probe.py, 2026-12-01)."""
     if not torch.cuda.is_available():
         pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
+    from slide_memory.host import EXACT_PIN_BYTES
+
     g = torch.Generator().manual_seed(5)
 
     def step(micro, length):
         return [{"ids": torch.randint(0, VOCAB, (3, length), generator=g).cuda(),
                  "targets": torch.randint(0, VOCAB, (3, length), generator=g).cuda()} for _ in range(micro)]
 
-    data = [step(3, 10), step(2, 10), step(3, 400), step(3, 400), step(2, 10)]
+    data = [step(3, 800), step(2, 800), step(3, 1600), step(3, 1600), step(2, 800)]
     results, allocations = {}, []
-    for shared in (False, True):
-        torch.manual_seed(0)
-        engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
-            device="cuda", compute_dtype="fp32", window=2, max_grad_norm=0.05, device_update_share=1.0,
-            grads_share_activations=shared, split_update=False, optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
-        losses = []
-        for batch in data:
-            losses.append(engine.step(batch, lr=1e-2, normalizer=10).loss)
-            if shared:
-                allocations.append(engine.pool.nbytes)
-        results[shared] = losses, {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}
-        engine.close()
-    assert allocations[2] > allocations[0], "the longer steps must outgrow the first allocation"
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for shared in (False, True):
+            torch.manual_seed(0)
+            engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+                device="cuda", compute_dtype="fp32", window=2, max_grad_norm=0.05, device_update_share=1.0,
+                grads_share_activations=shared, split_update=False,
+                optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
+            losses = []
+            for batch in data:
+                with torch.cuda.stream(engine.h2d.stream):  # ~50 ms of GPU sleep ahead of the step's copies in
+                    torch.cuda._sleep(100_000_000)
+                losses.append(engine.step(batch, lr=1e-2, normalizer=10).loss)
+                if shared:
+                    allocations.append(engine.pool.nbytes)
+            results[shared] = losses, {k: {n: t.clone() for n, t in v.items()}
+                                       for k, v in engine.named_masters().items()}
+            engine.close()
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert allocations[0] >= EXACT_PIN_BYTES and allocations[2] > allocations[0], "the longer steps must outgrow it"
     (ref_losses, ref), (losses, got) = results[False], results[True]
     assert losses == ref_losses
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
