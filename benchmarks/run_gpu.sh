@@ -23,6 +23,7 @@
 #                                      # stalled copies (pool_stall_probe.py), as is and deterministic; B1 (peer)
 #   bash benchmarks/run_gpu.sh head    # the probe at lengths 800,1600 (both ways); B3 (peer), B8, B3 again:
 #                                      # the defaults
+#   bash benchmarks/run_gpu.sh last    # scheduler GPU tests; B8 without and with clipping, B3 (peer)
 #   bash benchmarks/run_gpu.sh probes  # the host's CPUs and memory settings; host memory bandwidth alone and under
 #                                      # PCIe copies, and the params part's handoff (host_memory.py); copies beside
 #                                      # GEMMs (lane_probe.py); the optimizer thread beside a busy one
@@ -137,6 +138,12 @@ head)  # (with the probe at the failed variant's lengths first)
   bench $b3 --peer plain --tag B3; keep head.tar
   bench $b8 --tag B8; keep head.tar
   bench $b3 --peer none --tag B3-again; keep head.tar
+  ;;
+last)
+  gpu_tests slide-scheduler; keep last.tar
+  bench $b8 --clip none --tag B8-noclip; keep last.tar
+  bench $b8 --tag B8; keep last.tar
+  bench $b3 --peer plain --tag B3; keep last.tar
   ;;
 probes)
   { nproc; lscpu; numactl -H; free -g; grep . /sys/kernel/mm/transparent_hugepage/{enabled,defrag} \
