@@ -24,6 +24,7 @@
 #   bash benchmarks/run_gpu.sh head    # the probe at lengths 800,1600 (both ways); B3 (peer), B8, B3 again:
 #                                      # the defaults
 #   bash benchmarks/run_gpu.sh last    # scheduler GPU tests; B8 without and with clipping, B3 (peer)
+#   bash benchmarks/run_gpu.sh blocks  # the host AdamW (whole, params part, moments part) by block size per thread
 #   bash benchmarks/run_gpu.sh probes  # the host's CPUs and memory settings; host memory bandwidth alone and under
 #                                      # PCIe copies, and the params part's handoff (host_memory.py); copies beside
 #                                      # GEMMs (lane_probe.py); the optimizer thread beside a busy one
@@ -144,6 +145,10 @@ last)
   bench $b8 --clip none --tag B8-noclip; keep last.tar
   bench $b8 --tag B8; keep last.tar
   bench $b3 --peer plain --tag B3; keep last.tar
+  ;;
+blocks)  # the host AdamW by block size per thread, alone and beside PCIe copies (an 8B block's parameters)
+  python3 "$root/benchmarks/host_adamw.py" --numel 218112000 --runs 3 --sweep 14,15,16,17,18 \
+    --out "$out/host-adamw-blocks.json" 2>&1 | grep gparams
   ;;
 probes)
   { nproc; lscpu; numactl -H; free -g; grep . /sys/kernel/mm/transparent_hugepage/{enabled,defrag} \
