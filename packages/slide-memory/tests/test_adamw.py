@@ -220,3 +220,22 @@ def test_a_step_split_into_params_then_moments_is_the_whole_step(states):
         assert split.exp_avg_sq.equal(ref_opt.state[ref]["exp_avg_sq"])
     with pytest.raises(ValueError, match="part"):
         split.step(grad, lr, part="half")
+
+
+def test_external_states_bound_before_each_step_give_the_same_steps():
+    """A unit whose m and v live elsewhere (the scheduler's disk tier) keeps none itself; bound before each step,
+    they are stepped exactly as its own would be, and a wrong buffer is refused."""
+    torch.manual_seed(0)
+    master = torch.randn(1000)
+    own = FlatAdamW(master.clone(), AdamWConfig(lr=1e-2, weight_decay=0.1), chunk=256)
+    other = FlatAdamW(master.clone(), AdamWConfig(lr=1e-2, weight_decay=0.1), chunk=256, external_states=True)
+    assert other.exp_avg is None and other.exp_avg_sq is None
+    m, v = torch.zeros(1000), torch.zeros(1000)
+    for _ in range(3):
+        grad = torch.randn(1000).to(torch.bfloat16)
+        own.step(grad, 1e-2, 0.5)
+        other.bind_states(m, v)
+        other.step(grad, 1e-2, 0.5)
+    assert other.master.equal(own.master) and m.equal(own.exp_avg) and v.equal(own.exp_avg_sq)
+    with pytest.raises(ValueError, match="bound states"):
+        other.bind_states(torch.zeros(999), v)

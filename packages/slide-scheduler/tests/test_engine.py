@@ -6,6 +6,7 @@ import copy
 import math
 import os
 import pathlib
+import time
 
 import pytest
 import torch
@@ -219,7 +220,7 @@ def test_forward_runs_ready_blocks_while_a_host_update_is_still_running():
 
 def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None,
                resident: int = 0, dtype: str = "auto", device_share: float = 0.0, tied: bool = True,
-               held: int = 0, split: bool = True, shared: bool = False, steps_data=None):
+               held: int = 0, split: bool = True, shared: bool = False, steps_data=None, nvme=None):
     torch.manual_seed(0)
     model = Model(tied=tied)
     engine = SlidingEngine(ToyStack(model), EngineConfig(device="cpu", window=window, activation_offload="cpu",
@@ -227,7 +228,9 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
                                                          optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1),
                                                          compute_dtype=dtype, device_update_share=device_share,
                                                          held_grads=held, split_update=split,
-                                                         grads_share_activations=shared))
+                                                         grads_share_activations=shared,
+                                                         **({"nvme_fraction": nvme[0], "nvme_dir": str(nvme[1])}
+                                                            if nvme else {})))
     for name, seconds in (delays or {}).items():
         getattr(engine, name).delay = seconds
     if patch:
@@ -1040,3 +1043,118 @@ def test_a_script_that_never_closes_its_engine_finishes_its_updates_and_exits_cl
                                 [str(pathlib.Path(__file__).parent), os.environ.get("PYTHONPATH", "")])})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-4:] == ["params", "True", "done", "True"], result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("clip", [0.05, None])
+@pytest.mark.parametrize("fraction, slow, share, resident", [
+    (0.5, None, 0.0, 0), (1.0, "updater", 0.0, 0), (0.5, "d2h", 0.5, 0), (0.5, "h2d", 0.0, 2), (1.0, None, 1.0, 0)])
+def test_moments_on_disk_give_the_host_memory_result(tmp_path, monkeypatch, clip, fraction, slow, share, resident):
+    """AdamW moments of the last sliding blocks kept in files (read into a staging slot ahead of each update,
+    written back after): bit for bit the synchronous engine's result with every state in memory, with a slow
+    lane, device updates of the other blocks and resident blocks beside them."""
+    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip, device_share=share, resident=resident)
+    seen = {}
+
+    def record(engine):
+        seen["on_disk"], seen["streamed"] = set(engine.on_disk), set(engine.streamed)
+
+    losses, got = run_engine(pipeline=True, window=2, clip=clip, device_share=share, resident=resident,
+                             delays={slow: 0.004} if slow else None, nvme=(fraction, tmp_path), patch=record)
+    sliding = DEPTH - max(resident - 1, 0)
+    assert len(seen["on_disk"]) == round(fraction * sliding) and not seen["on_disk"] & seen["streamed"]
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+    assert not list(tmp_path.glob("slide-io-*")), "closing the engine removes its files"
+
+
+def test_a_read_that_does_not_wait_for_the_last_write_back_is_caught(tmp_path, monkeypatch):
+    """The check above can fail: let a block's moments be read without waiting for the write-back of its last
+    update, slow the writes down, and an update steps from stale moments."""
+    from slide_scheduler import disk_states
+
+    _, ref = run_engine(pipeline=False, window=2, clip=None)
+    write = disk_states.DiskStates._write
+
+    def slow_write(self, *args):
+        time.sleep(0.05)
+        write(self, *args)
+
+    monkeypatch.setattr(disk_states.DiskStates, "_write", slow_write)
+    read = disk_states.DiskStates._read
+    monkeypatch.setattr(disk_states.DiskStates, "_read", lambda self, unit, slot, after: read(self, unit, slot, ()))
+    _, got = run_engine(pipeline=True, window=2, clip=None, nvme=(1.0, tmp_path))
+    assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+
+def test_moments_on_disk_checkpoint_like_moments_in_memory(tmp_path):
+    """optimizer_state of a unit whose moments are on disk is what the same run keeps in memory, and
+    load_optimizer_state puts it back where the next update reads it."""
+    engines = []
+    for nvme in (None, (1.0, tmp_path)):
+        torch.manual_seed(0)
+        extra = {"nvme_fraction": nvme[0], "nvme_dir": str(nvme[1])} if nvme else {}
+        engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=0.05,
+                                                                        **extra))
+        assert engine.optimizer_state(DEPTH) == {}, "no state before the first update"
+        for step in batches(seed=4, steps=2, micro=2):
+            engine.step(step, lr=1e-2, normalizer=10)
+        engine.synchronize()
+        engines.append(engine)
+    memory, disk = engines
+    for u in range(DEPTH + 1):
+        a, b = memory.optimizer_state(u), disk.optimizer_state(u)
+        assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), u
+    # swap the moments of two blocks on disk: the state read back, and the next step, follow
+    first, last = disk.optimizer_state(1), disk.optimizer_state(DEPTH)
+    disk.load_optimizer_state(1, last)
+    disk.load_optimizer_state(DEPTH, first)
+    assert disk.optimizer_state(1)["exp_avg"].equal(last["exp_avg"])
+    memory.load_optimizer_state(1, last)
+    memory.load_optimizer_state(DEPTH, first)
+    step = batches(seed=7, steps=1, micro=2)[0]
+    assert memory.step(step, lr=1e-2, normalizer=10).loss == disk.step(step, lr=1e-2, normalizer=10).loss
+    a, b = memory.named_masters(), disk.named_masters()
+    assert all(a[u][n].equal(t) for u, params in b.items() for n, t in params.items())
+    for engine in engines:
+        engine.close()
+
+
+def test_moments_on_disk_need_a_directory_with_room_for_them(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="nvme_dir"):
+        SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", nvme_fraction=0.5))
+    import slide_io.disk
+
+    monkeypatch.setattr(slide_io.disk, "free_bytes", lambda directory: 1000)
+    with pytest.raises(OSError, match="preflight") as error:
+        SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", nvme_fraction=0.5,
+                                                               nvme_dir=str(tmp_path)))
+    assert str(tmp_path) in str(error.value)
+
+
+def test_a_failed_write_back_surfaces_and_close_still_stops_threads(tmp_path, monkeypatch):
+    """A disk that fills up while moments go back: the error reaches the training thread (no hang), and the
+    engine still closes."""
+    from slide_io import NVMeStore, StoreFullError
+
+    write = NVMeStore.write
+    calls = []
+
+    def fill_up(self, key, tensor):
+        calls.append(key)
+        if len(calls) > 4:
+            raise StoreFullError(str(tmp_path), tensor.nbytes, 0, what=f"writing key {key!r}")
+        return write(self, key, tensor)
+
+    monkeypatch.setattr(NVMeStore, "write", fill_up)
+    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=None,
+                                                                    nvme_fraction=1.0, nvme_dir=str(tmp_path)))
+    with pytest.raises(RuntimeError, match="optimizer worker failed") as error:
+        for step in batches(seed=4, steps=4, micro=2):
+            engine.step(step, lr=1e-2, normalizer=10)
+        engine.synchronize()
+    assert isinstance(error.value.__cause__, StoreFullError) and "writing key" in str(error.value.__cause__)
+    with pytest.raises(RuntimeError, match="optimizer worker failed"):
+        engine.close()  # (it raises the error again, and stops the threads all the same)
+    assert not engine.updater._thread.is_alive()
+    assert not list(tmp_path.glob("slide-io-*")), "closing the engine removes its files"

@@ -74,7 +74,8 @@ class FlatAdamW:
 
     def __init__(self, master: torch.Tensor, config: AdamWConfig, scratch: torch.Tensor | None = None,
                  chunk: int | None = None, states_dtype: torch.dtype = torch.float32,
-                 wide: torch.Tensor | None = None, pinned_states: bool | None = None, bounds: tuple[int, ...] = ()):
+                 wide: torch.Tensor | None = None, pinned_states: bool | None = None, bounds: tuple[int, ...] = (),
+                 external_states: bool = False):
         if master.dtype != torch.float32 or master.dim() != 1:
             raise ValueError("master weights must be a flat fp32 tensor")
         chunk = chunk or CHUNK  # read at call time: tests shrink CHUNK
@@ -88,13 +89,24 @@ class FlatAdamW:
         self.states_dtype = states_dtype
         self.narrow = states_dtype != torch.float32
         # Host states are page-locked only when they will cross PCIe (StreamedStep); None: whenever CUDA is there.
-        self.exp_avg = _zeros(master.numel(), states_dtype, master.device, pinned_states)
-        self.exp_avg_sq = _zeros(master.numel(), states_dtype, master.device, pinned_states)
+        # External states (kept elsewhere, e.g. on disk) are bound before each step instead (`bind_states`).
+        self.exp_avg = None if external_states else _zeros(master.numel(), states_dtype, master.device, pinned_states)
+        self.exp_avg_sq = None if external_states else _zeros(master.numel(), states_dtype, master.device,
+                                                              pinned_states)
         # fp32 room for m, v and the master of one block whose step is not written back (or is narrowed after):
         # bf16 states need the first two rows, split steps (host only) all three.
         rows = 3 if master.device.type == "cpu" else 2 if self.narrow else 0
         self._wide = wide if wide is not None else torch.zeros(rows, size, device=master.device)
         self.steps = [torch.zeros((), dtype=torch.float32, device=master.device) for _ in self.ranges]
+
+    def bind_states(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Step with these m and v (flat, the master's length and the states' dtype) from now on: where states
+        kept elsewhere were brought for the step."""
+        for t in (exp_avg, exp_avg_sq):
+            if t.shape != self.master.shape or t.dtype != self.states_dtype or t.device != self.master.device:
+                raise ValueError(f"bound states must be flat {self.states_dtype} tensors of {self.master.numel()} "
+                                 f"elements on {self.master.device}")
+        self.exp_avg, self.exp_avg_sq = exp_avg, exp_avg_sq
 
     @property
     def block(self) -> int:
@@ -216,12 +228,13 @@ class StreamedStep:
 class HostAdamW:
     """AdamW over a list of flat fp32 host masters, one per unit, sharing one fp32 scratch.
 
-    A unit given as None has no host optimizer (the engine updates it elsewhere, e.g. resident on the device).
+    A unit given as None has no host optimizer (the engine updates it elsewhere, e.g. resident on the device);
+    an `external` one keeps no m and v here (they are bound before each of its steps).
     """
 
     def __init__(self, masters: list[torch.Tensor | None], config: AdamWConfig,
                  states_dtype: torch.dtype = torch.float32, pinned: list[bool] | None = None,
-                 bounds: list[tuple[int, ...]] | None = None):
+                 bounds: list[tuple[int, ...]] | None = None, external: list[bool] | None = None):
         present = [m for m in masters if m is not None]
         for m in present:
             if m.dtype != torch.float32 or m.device.type != "cpu" or m.dim() != 1:
@@ -233,9 +246,10 @@ class HostAdamW:
         self.config = config
         pinned = pinned or [None] * len(masters)
         bounds = bounds or [()] * len(masters)
+        external = external or [False] * len(masters)
         self.units = [None if m is None else FlatAdamW(m, config, scratch, states_dtype=states_dtype, wide=wide,
-                                                       pinned_states=pin, bounds=cut)
-                      for m, pin, cut in zip(masters, pinned, bounds)]
+                                                       pinned_states=pin, bounds=cut, external_states=ext)
+                      for m, pin, cut, ext in zip(masters, pinned, bounds, external)]
 
     def step_unit(self, unit: int, grad: torch.Tensor, lr: float, grad_scale: float = 1.0,
                   before_chunk: Callable[[int], None] | None = None, part: str = "all") -> None:

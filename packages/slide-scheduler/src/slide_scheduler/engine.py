@@ -50,6 +50,7 @@ from slide_memory import (
 from slide_memory.adamw import CHUNK, PIECE_ALIGN
 
 from .activations import ActivationStore
+from .disk_states import DiskStates
 from .lanes import DONE, Lane, Signal
 from .pool import SharedPool
 from .stack import Batch, Stack
@@ -102,6 +103,11 @@ class EngineConfig:
     # up to the activations' size; those blocks' clipped updates then run whole, and the gradients kept on the
     # device (`held_grads`) are the last device-updated blocks' rather than the first.
     grads_share_activations: bool = False
+    # The share of sliding blocks (the last ones) whose AdamW m and v live on the NVMe tier in `nvme_dir` rather
+    # than in host memory (8 bytes per parameter less RAM; each update reads them in and writes them back, see
+    # disk_states.py). Those blocks update on the host, whole.
+    nvme_fraction: float = 0.0
+    nvme_dir: str | None = None
 
     @property
     def shares_grads(self) -> bool:
@@ -212,14 +218,18 @@ class SlidingEngine:
         if not 0 <= config.resident <= len(self.units):
             raise ValueError(f"resident must be in [0, {len(self.units)}], got {config.resident}")
         self.resident = config.resident
-        self.streamed = self._choose_streamed()
+        self.on_disk = self._choose_on_disk(sliding)
+        self.streamed = self._choose_streamed() - self.on_disk
         tail_from = _tail_only_from(self.edges, edge_layout)
         # Only the states of units updated on the device cross PCIe: only they are page-locked.
         self.optimizer = HostAdamW([None if u < self.resident else unit.master for u, unit in enumerate(self.units)],
                                    config.optimizer, DTYPES[config.states_dtype],
                                    pinned=[self.device.type == "cuda" and u in self.streamed
                                            for u in range(len(self.units))],
-                                   bounds=[(tail_from,)] + [()] * self.num_blocks)
+                                   bounds=[(tail_from,)] + [()] * self.num_blocks,
+                                   external=[u in self.on_disk for u in range(len(self.units))])
+        self.disk = (DiskStates(sorted(self.on_disk), block_layout.numel, config.nvme_dir, pinned=False)
+                     if self.on_disk else None)
         # Edges updated on the device update their tail-only part (final norm, untied lm head) apart from the
         # rest: its gradient is final after the tail and nothing reads it before the next tail, so without
         # clipping it updates during backward, and with clipping after the next forward's loads; only the part
@@ -257,7 +267,7 @@ class SlidingEngine:
         self.pool = SharedPool(pooled, block_layout.numel, self.dtype, self.num_blocks) if pooled else None
         ring = 0 if self.pool is not None else sliding - len(held) if config.max_grad_norm else min(3, sliding)
         self.grad_ring = StagingRing(ring, block_layout.numel, self.dtype) if ring else None
-        self.updater = HostUpdater(self.optimizer, inline=inline)
+        self.updater = HostUpdater(self.optimizer, inline=inline, disk=self.disk)
         self._setup_device_updates(block_layout.numel)
         self.edge_grad = (host_zeros(edge_layout.numel, self.dtype)
                           if not self.resident and 0 not in self.streamed else None)
@@ -272,6 +282,21 @@ class SlidingEngine:
         self._readout = torch.zeros(1 + len(self.units), dtype=torch.float32, device=self.device)
         self._loss, self._sq_norms = self._readout[0], self._readout[1:]
         self.closed = False
+
+    def _choose_on_disk(self, sliding: int) -> set[int]:
+        """The units whose AdamW moments live on the NVMe tier: the last `nvme_fraction` of the sliding blocks
+        (with clipping their updates come last in the next forward, so reading their moments has the most time
+        to run ahead)."""
+        fraction = self.config.nvme_fraction
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"nvme_fraction must be in [0, 1], got {fraction}")
+        count = round(fraction * sliding)
+        if count and not self.config.nvme_dir:
+            raise ValueError("nvme_fraction > 0 keeps AdamW states in files: set nvme_dir to a directory on a fast "
+                             "local disk")
+        if count and self.config.states_dtype != "fp32":
+            raise ValueError("AdamW states on the NVMe tier are fp32: use states_dtype=fp32 with nvme_fraction")
+        return {1 + b for b in range(self.num_blocks - count, self.num_blocks)}
 
     def _choose_streamed(self) -> set[int]:
         """Exact clipping defers every update until the global norm is known, and the host optimizer alone cannot
@@ -420,11 +445,20 @@ class SlidingEngine:
         """A unit's AdamW state as host tensors (for checkpoints; call `synchronize()` first)."""
         if unit in self.device_optimizers:
             return self.device_optimizers[unit].state_tensors(to_host=True)
+        if unit in self.on_disk:
+            opt, moments = self.optimizer.units[unit], self.disk.state(unit)
+            if not opt.step_count or moments is None:
+                return {}
+            return {"step": opt.steps[0].clone(), "exp_avg": moments[0], "exp_avg_sq": moments[1]}
         return self.optimizer.state_tensors(unit)
 
     def load_optimizer_state(self, unit: int, tensors: dict[str, torch.Tensor]) -> None:
         if unit in self.device_optimizers:
             self.device_optimizers[unit].load_state_tensors(tensors)
+        elif unit in self.on_disk:
+            self.disk.load(unit, tensors.get("exp_avg"), tensors.get("exp_avg_sq"))
+            for step in self.optimizer.units[unit].steps:
+                step.fill_(float(tensors["step"]) if tensors else 0.0)
         else:
             self.optimizer.load_state_tensors(unit, tensors)
 
@@ -555,6 +589,9 @@ class SlidingEngine:
             self._pending[0] = (self.edge_slot.grads, self.compute.record(), lr, 1.0, list(self._edge_tail), False)
         arrived: dict[int, list[Signal]] = {}  # unit -> one signal per optimizer chunk of its host gradient
         host_grads: dict[int, torch.Tensor] = {}
+        if not clip and self.disk:  # moments from disk, in the order backward will submit their updates
+            for u in sorted(self.on_disk, reverse=True):
+                self.disk.fetch(u)
         staged = {n - 1: self._stage(n - 1, n - 1, m)}
         for i in reversed(range(n)):
             # A chunk of the edges' tail-only update per block: backward's loads leave the lanes room for it.
@@ -624,6 +661,9 @@ class SlidingEngine:
                 slot = self.edge_slot if u == 0 else self.resident_slots[u - 1]
                 opt.step(slot.grads, lr, scale)
                 slot.params.copy_(opt.master)
+        if clip and self.disk:  # their moments start coming in, in the order the updates below will run
+            for u in sorted(self.on_disk):
+                self.disk.fetch(u)
         for u in range(self.resident, len(self.units)):
             split = bool(clip) and self._splits(u)
             if u in self.streamed:  # runs when the unit next loads
@@ -644,7 +684,8 @@ class SlidingEngine:
         the pool, where that forward writes activations over it)."""
         streamed_edges = unit == 0 and unit in self.streamed
         pooled = self.pool is not None and unit - 1 in self.pool.blocks
-        return self.config.split_update and unit not in self.held_grads and not streamed_edges and not pooled
+        return (self.config.split_update and unit not in self.held_grads and not streamed_edges and not pooled
+                and unit not in self.on_disk)
 
     def _spans(self, origin: float):
         """This step's spans, plus the optimizer thread's updates that ran during it (host times)."""
@@ -754,6 +795,8 @@ class SlidingEngine:
             self.synchronize()
         finally:
             self.updater.close()
+            if self.disk is not None:
+                self.disk.close()
             for lane in self.lanes:
                 lane.close()
             self.activations.trim(0)

@@ -32,8 +32,9 @@ def _finish_at_exit() -> None:
 
 
 class HostUpdater:
-    def __init__(self, optimizer, inline: bool = False):
+    def __init__(self, optimizer, inline: bool = False, disk=None):
         self.optimizer = optimizer
+        self.disk = disk  # DiskStates: units whose m and v are brought from disk for each update
         self.params = [HostSignal() for _ in optimizer.units]
         self.done = [HostSignal() for _ in optimizer.units]
         self.delay = 0.0  # tests: seconds each update sleeps first
@@ -82,19 +83,26 @@ class HostUpdater:
         if part == "moments" and self.params[index].error is not None:  # its params part failed: keep the error
             self.done[index].set(error=self.params[index].error)
             return
+        on_disk = self.disk is not None and index in self.disk
         try:
             arrived[0].wait_host()
             if self.delay:
                 time.sleep(self.delay)
             start = time.perf_counter()
+            if on_disk:  # its moments, read from disk into a staging slot
+                self.optimizer.units[index].bind_states(*self.disk.bind(index))
             self.optimizer.step_unit(index, grad, lr, grad_scale, before_chunk=lambda k: arrived[k].wait_host(),
                                      part=part)
+            if on_disk:
+                self.disk.finish(index)
             name = index - 1 if index else "edges"
             self.spans.append((f"{'moments' if part == 'moments' else 'update'} {name}", start, time.perf_counter()))
             self.params[index].set()
             if part != "params":
                 self.done[index].set()
         except BaseException as e:  # surfaced in the training thread by the next wait on this unit
+            if on_disk:  # (later reads of the unit, or into its slot, raise it too rather than wait)
+                self.disk.finish(index, e)
             self.params[index].set(error=e)
             self.done[index].set(error=e)
 

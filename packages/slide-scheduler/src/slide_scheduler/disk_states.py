@@ -1,0 +1,152 @@
+"""AdamW moments on the NVMe tier: the m and v of some host-updated blocks live in files, not in host memory.
+
+For a run whose states do not fit in RAM. A block's m and v (8 bytes per parameter in fp32) are read into one
+of a few pinned staging slots ahead of its update, stepped there by the host optimizer, and written back; the
+slot is reused once that write is done. Reads are queued in the order the updates will run (`fetch`, called by
+the engine when it knows that order), so they run ahead of the optimizer by as many slots as there are.
+
+Ordering rules, each a future a later operation waits for:
+- a read of unit u waits for the write-back of u's previous update (it must see the newest moments);
+- a read into a slot waits for the write-back that last used that slot (nothing overwrites moments on their way
+  out);
+- an update waits for its own read (`bind`), and hands its write-back over when it is done (`finish`). An update
+  that failed still finishes, with its error, so nothing waits forever and later reads of the unit fail too.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from slide_io import NVMeStore
+from slide_memory import host_zeros
+
+
+def _done() -> Future:
+    future: Future = Future()
+    future.set_result(None)
+    return future
+
+
+class DiskStates:
+    """m and v of `units` (flat, `numel` fp32 elements each) in an NVMe store under `directory`, staged through
+    `slots` pinned host buffers."""
+
+    def __init__(self, units: list[int], numel: int, directory: str | os.PathLike[str], slots: int = 2,
+                 pinned: bool | None = None):
+        self.units = sorted(units)
+        self.numel = numel
+        # Preflight: every unit's m and v must fit on the disk, or the run stops now with what it needs.
+        self.store = NVMeStore(directory, reserve=len(units) * 2 * numel * 4)
+        self.slots = [(host_zeros(numel, torch.float32, pinned), host_zeros(numel, torch.float32, pinned))
+                      for _ in range(slots)]
+        self._slot_free = [_done() for _ in self.slots]  # the write-back that last used each slot
+        self._written = {u: _done() for u in self.units}  # each unit's latest write-back (or its placeholder)
+        self._landed = dict(self._written)  # each unit's latest write-back of an update that has finished
+        self._stored: set[int] = set()  # units with moments on disk (before a unit's first write: zeros)
+        self._fetched: dict[int, tuple[int, Future, Future]] = {}  # unit -> (slot, its read, its write-back)
+        self._next = 0
+        self._lock = threading.Lock()
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="slide-states-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="slide-states-write")
+
+    def __contains__(self, unit: object) -> bool:
+        return unit in self._written
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(m.nbytes + v.nbytes for m, v in self.slots)
+
+    def fetch(self, unit: int) -> None:
+        """Queue the read of `unit`'s moments for its next update (called in the order updates will run; a unit
+        already fetched for its next update is left as it is)."""
+        with self._lock:
+            if unit in self._fetched:
+                return
+            slot = self._next
+            self._next = (slot + 1) % len(self.slots)
+            written: Future = Future()  # set once this update's moments are back on disk
+            after = (self._slot_free[slot], self._written[unit])
+            self._slot_free[slot] = self._written[unit] = written
+            read = self._reader.submit(self._read, unit, slot, after)
+            self._fetched[unit] = (slot, read, written)
+
+    def _read(self, unit: int, slot: int, after: tuple[Future, Future]) -> tuple[torch.Tensor, torch.Tensor]:
+        for future in after:
+            future.result()  # (a failed write-back fails this read, and so the update that needs it)
+        m, v = self.slots[slot]
+        if unit in self._stored:
+            for future in (self.store.read(f"m.{unit}", m), self.store.read(f"v.{unit}", v)):
+                future.result()
+        else:
+            m.zero_()
+            v.zero_()
+        return m, v
+
+    def bind(self, unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`unit`'s moments in their staging slot, once read (fetching them now if nobody did)."""
+        self.fetch(unit)
+        with self._lock:
+            _, read, _ = self._fetched[unit]
+        return read.result()
+
+    def finish(self, unit: int, error: BaseException | None = None) -> None:
+        """The update of `unit` is over: write its moments back (or, after `error`, pass the error on)."""
+        with self._lock:
+            if unit not in self._fetched:  # (an update that failed after finishing)
+                return
+            slot, read, written = self._fetched.pop(unit)
+            self._landed[unit] = written
+        if error is not None:
+            written.set_exception(error)
+            return
+        m, v = self.slots[slot]
+        self._writer.submit(self._write, unit, m, v, written)
+
+    def _write(self, unit: int, m: torch.Tensor, v: torch.Tensor, written: Future) -> None:
+        try:
+            for future in (self.store.write(f"m.{unit}", m), self.store.write(f"v.{unit}", v)):
+                future.result()
+            self._stored.add(unit)
+            written.set_result(None)
+        except BaseException as e:  # a full disk: the next read of this unit, or of this slot, raises it
+            written.set_exception(e)
+
+    def wait(self, unit: int) -> None:
+        """Until the write-back of `unit`'s last finished update is on disk (raises its error)."""
+        with self._lock:
+            written = self._landed[unit]
+        written.result()
+
+    def state(self, unit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Copies of `unit`'s moments as on disk (None before its first update): for checkpoints."""
+        self.wait(unit)
+        if unit not in self._stored:
+            return None
+        m, v = torch.empty(self.numel), torch.empty(self.numel)
+        for future in (self.store.read(f"m.{unit}", m), self.store.read(f"v.{unit}", v)):
+            future.result()
+        return m, v
+
+    def load(self, unit: int, m: torch.Tensor | None, v: torch.Tensor | None) -> None:
+        """Replace `unit`'s moments on disk (None: zeros, as before a first update); from a checkpoint, with no
+        update of the unit pending."""
+        if unit in self._fetched:
+            raise RuntimeError(f"moments of unit {unit} are staged for an update: load them before it is queued")
+        self.wait(unit)
+        if m is None:
+            self._stored.discard(unit)
+            return
+        for future in (self.store.write(f"m.{unit}", m.float().contiguous()),
+                       self.store.write(f"v.{unit}", v.float().contiguous())):
+            future.result()
+        self._stored.add(unit)
+
+    def close(self) -> None:
+        """Finish every write, then remove the files."""
+        self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+        self.store.close()
