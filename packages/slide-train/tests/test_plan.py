@@ -201,3 +201,28 @@ def test_activations_kept_on_the_gpu_plan_as_a_buffer_each():
     (auto, auto_share), (off, off_share) = plan("null"), plan("false")
     assert not auto.shared and auto.held == off.held > 0
     assert auto_share == off_share == DEVICE_UPDATE_SHARE
+
+
+def test_states_on_disk_leave_host_memory_and_the_refusal_says_how_many_would_fit():
+    """engine.optimizer_offload.nvme_fraction: the last sliding blocks' m and v (8 bytes per parameter) leave
+    host memory for two staging slots; such blocks update on the host, so none of them keeps a gradient on the
+    device. A run that does not fit in RAM is told the share of blocks on disk that would make it fit."""
+    import re
+
+    from slide_train.plan import check_host
+
+    block, shape = SHAPE["block_numel"], {**SHAPE, "resident": 0}
+    free = make_plan(budget_bytes=None, **shape, clip=False)
+    disk = make_plan(budget_bytes=None, **shape, clip=False, nvme_fraction=0.25)
+    assert free.host_total - disk.host_total == 8 * 7 * block - 16 * block  # round(0.25 * 28) = 7 blocks
+    assert "disk: AdamW states of 7 sliding blocks" in disk.text()
+    held = make_plan(budget_bytes=1000 * GIB, **{**shape, "resident": 0}, clip=True, device_updates=True)
+    all_on_disk = make_plan(budget_bytes=1000 * GIB, **{**shape, "resident": 0}, clip=True, device_updates=True,
+                            nvme_fraction=1.0)
+    assert held.held > 0 and all_on_disk.held == 0
+    ram = free.ram_needed / 0.95 - 20 * block * 8  # about 20 blocks' states too little
+    with pytest.raises(ConfigError, match="nvme_fraction=") as refusal:
+        check_host(free, ram)
+    fraction = float(re.search(r"nvme_fraction=([0-9.]+)", str(refusal.value)).group(1))
+    check_host(make_plan(budget_bytes=None, **shape, clip=False, nvme_fraction=fraction), ram)  # now it fits
+    assert not make_plan(budget_bytes=None, **shape, clip=False, nvme_fraction=fraction - 0.05).fits_host(ram)

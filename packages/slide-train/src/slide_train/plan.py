@@ -7,6 +7,7 @@ intermediate-sized bf16 tensors), so a plan leaves a margin. The benchmark JSON 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -83,7 +84,7 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
           tokens_per_micro: int, micro_batches: int, window: int, offload_activations: bool,
           budget_bytes: float | None, resident: int | None, cuda: bool, state_bytes: int = 8,
           clip: bool = True, device_updates: bool = False, device_share: float = engine.DEVICE_UPDATE_SHARE,
-          compute_bytes: int = 2, shared: bool = False) -> Plan:
+          compute_bytes: int = 2, shared: bool = False, nvme_fraction: float = 0.0) -> Plan:
     bf16 = compute_bytes  # parameters, gradients and activations in the compute dtype (bf16 on a GPU by default)
     device_updates = device_updates and cuda  # streamed updates need a device
     edges = edge_numel * 2 * bf16
@@ -125,21 +126,25 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
     # Host gradients (bf16): sliding edges updated on the host have their own buffer; sliding blocks share a ring,
     # which holds every one of them when exact clipping waits for the global norm, and three otherwise.
     sliding = num_blocks - max(resident - 1, 0)
+    # The last sliding blocks' AdamW moments on disk (the engine's count): they update on the host, whole
+    on_disk = round(nvme_fraction * sliding)
+    disk_blocks = set(range(num_blocks - on_disk, num_blocks))
+    first = num_blocks - sliding
+    device_blocks = [first + j for j in engine.device_updated(sliding, device_share) if first + j not in disk_blocks] \
+        if device_updates else []
     edges_on_host = not resident and not device_updates  # streamed edges keep it on the device
     # With clipping, device memory left over holds the gradients of blocks updated on the device (the engine's
     # share of the sliding ones): 2 bytes per parameter there instead of on the host, and no PCIe round trip.
     held = 0
     if clip and device_updates and budget_bytes is not None:
         room = budget - device - max(0.5 * GIB, HELD_HEADROOM * budget)
-        held = min(len(engine.device_updated(sliding, device_share)), int(max(0.0, room) // (bf16 * block_numel)))
+        held = min(len(device_blocks), int(max(0.0, room) // (bf16 * block_numel)))
         device += held * bf16 * block_numel
     grads = bf16 * (edges_on_host * edge_numel + ((sliding - held) if clip else min(3, sliding)) * block_numel)
     acts_host = num_blocks * micro_batches * act_one * offload_activations  # boundaries 0..n-1 (the last goes on)
     shared = shared and clip and offload_activations and sliding > 0
     if shared:  # the engine's pool, counted as it lays it out: blocks whose clipped gradient waits on the host
-        first = num_blocks - sliding
-        on_gpu = engine.held_on_device(
-            [first + j for j in engine.device_updated(sliding, device_share)] if device_updates else [], held, True)
+        on_gpu = engine.held_on_device(device_blocks, held, True)
         host_blocks = [b for b in range(first, num_blocks) if b not in on_gpu]
         acts_host = pool_bytes(host_blocks, bf16 * block_numel, [act_one] * micro_batches, num_blocks)
         grads = bf16 * edges_on_host * edge_numel
@@ -149,8 +154,10 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
         host_buffers = f"gradient staging {grads / GIB:.1f}{' (held for exact clipping)' if clip and sliding else ''}"
         host_buffers += f", boundary activations {acts_host / GIB:.1f}" if offload_activations else ""
     on_device = (edge_numel if resident else 0) + max(resident - 1, 0) * block_numel  # AdamW states there
-    states_host = total * 4 + (total - on_device) * state_bytes  # fp32 masters + the AdamW states kept here
-    host = states_host + grads + acts_host
+    # fp32 masters + the AdamW states kept here (those on disk pass through two fp32 staging slots of m and v)
+    states_host = total * 4 + (total - on_device - on_disk * block_numel) * state_bytes
+    staging = 2 * 8 * block_numel if on_disk else 0
+    host = states_host + staging + grads + acts_host
     lines = [
         f"plan: {resident} of {num_blocks + 1} units resident on the device "
         f"(edges{' + blocks 0..' + str(resident - 2) if resident > 1 else ''}"
@@ -161,8 +168,12 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
         f"resident states {states / GIB:.2f}"
         + (f", gradients kept for device updates ({held} blocks) {held * bf16 * block_numel / GIB:.2f}"
            if held else ""),
-        f"  host ~{host / GIB:.1f} GiB: fp32 masters + AdamW states {states_host / GIB:.1f}, {host_buffers}",
+        f"  host ~{host / GIB:.1f} GiB: fp32 masters + AdamW states {states_host / GIB:.1f}, {host_buffers}"
+        + (f", staging for the states on disk {staging / GIB:.1f}" if on_disk else ""),
     ]
+    if on_disk:
+        lines.append(f"  disk: AdamW states of {on_disk} sliding blocks, "
+                     f"{on_disk * block_numel * state_bytes / GIB:.1f} GiB")
     return Plan(budget, fixed, resident, device, host, lines, held, shared, acts_host if shared else 0,
                 device_is_host=not cuda,
                 activations=activations, tokens_per_micro=tokens_per_micro,
@@ -211,8 +222,16 @@ def check_host(plan: Plan, ram: float | None) -> None:
         on_cpu = " and, on a CPU run, the device side's buffers and activations" if plan.device_is_host else ""
         share = "" if plan.shared else (" (with engine.activation_offload=cpu and engine.grads_share_activations "
                                         "left on, most of them share the boundary activations' memory)")
+        disk = ""
+        if plan.sliding and plan.unit_numels:  # AdamW states of sliding blocks to disk: 8 bytes per parameter each
+            block = plan.unit_numels[-1]
+            blocks = math.ceil((plan.ram_needed - 0.95 * ram + 16 * block) / (8 * block))  # (+ staging slots)
+            if blocks <= plan.sliding:
+                disk = (f", engine.optimizer_offload.nvme_fraction={math.ceil(100 * blocks / plan.sliding) / 100} "
+                        f"keeps the AdamW states of {blocks} of the {plan.sliding} sliding blocks on disk "
+                        "(engine.optimizer_offload.dir: a fast local NVMe drive; each step reads and writes them)")
         raise ConfigError(
             f"this run needs ~{plan.ram_needed / GIB:.0f} GiB of host memory (fp32 masters, AdamW states, "
             f"gradient staging, boundary activations{on_cpu}); this machine has {ram / GIB:.0f} GiB. "
             "engine.states_dtype=bf16 saves 4 bytes per parameter, max_grad_norm=null saves the 2 bytes per "
-            f"parameter that exact clipping holds{share}, fewer tokens per step shrink the activations")
+            f"parameter that exact clipping holds{share}, fewer tokens per step shrink the activations{disk}")

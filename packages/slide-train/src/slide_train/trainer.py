@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -44,6 +45,9 @@ from .schedule import lr_at
 # Files a run writes into its directory, which --overwrite=true deletes; in its folders it deletes only what
 # `_earlier_outputs` names (config.yaml and base-model/ are rewritten by the new run).
 RUN_FILES = ("metrics.jsonl", "loss.png", "timeline.png", "trace.json")
+# The default home of AdamW states kept on disk (engine.optimizer_offload): scratch, whose contents the
+# checkpoints hold, so what a killed process left there is removed when the next run in the folder starts.
+STATES_DIR = "optimizer-states"
 
 
 ALLOC_CONF = "expandable_segments:True"
@@ -90,6 +94,8 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         max_grad_norm=cfg.max_grad_norm, pipeline=e.pipeline, states_dtype=e.states_dtype,
         device_update_share=e.device_update_share, split_update=e.split_update,
         optimizer=AdamWConfig(**dataclasses.asdict(opt)),  # same fields; the front end has its own defaults
+        nvme_fraction=e.optimizer_offload.nvme_fraction,
+        nvme_dir=e.optimizer_offload.dir or str(pathlib.Path(cfg.output_dir) / STATES_DIR),
     )
     budget, cuda = None, assume_gpu_gib is not None
     if cuda:
@@ -118,6 +124,7 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         tokens_per_micro=cfg.micro_batch_size * cfg.seq_len, micro_batches=cfg.grad_accum, window=e.window,
         offload_activations=e.activation_offload == "cpu", budget_bytes=budget, resident=e.resident,
         cuda=cuda, state_bytes=2 * DTYPES[e.states_dtype].itemsize, clip=bool(cfg.max_grad_norm),
+        nvme_fraction=e.optimizer_offload.nvme_fraction,
         compute_bytes=4 if e.compute_dtype == "fp32" or not cuda else 2)
 
     def plan_for(shared: bool) -> Plan:  # (the device share left to the engine depends on the sharing)
@@ -147,6 +154,8 @@ def build_engine(cfg: TrainConfig, model, progress: bool = False, before_load=No
     plan, engine_cfg, stack = plan_run(cfg, model)
     if before_load is not None:
         before_load(plan)
+    if engine_cfg.nvme_fraction and not cfg.engine.optimizer_offload.dir:
+        shutil.rmtree(engine_cfg.nvme_dir, ignore_errors=True)
     if not plan.device_is_host:  # a training run's process (not `slide-train plan`), before its first segment
         use_expandable_segments()
     with bar(total=stack.num_blocks, desc="loading weights", unit="block", show=progress) as loading:
@@ -495,8 +504,12 @@ class Trainer:
         return last
 
     def close(self) -> None:
-        """Finish pending updates and stop the engine's worker threads."""
+        """Finish pending updates and stop the engine's worker threads (which removes the state files it kept
+        on disk, and the default folder of them once empty)."""
         self.engine.close()
+        if self.engine.disk is not None and not self.cfg.engine.optimizer_offload.dir:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.engine.config.nvme_dir)
 
     def export(self, directory: str | pathlib.Path | None = None) -> pathlib.Path:
         dtype = export_dtype(self.cfg.export_dtype, self.model.dtype)
