@@ -125,6 +125,8 @@ def run_slide(args) -> dict:
         overrides.append(f"--engine.grads_share_activations={str(bool(args.share_acts)).lower()}")
     if args.states != "fp32":
         overrides.append(f"--engine.states_dtype={args.states}")
+    if args.nvme:  # (in <run-dir>/optimizer-states)
+        overrides.append(f"--engine.optimizer_offload.nvme_fraction={args.nvme}")
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     if args.threads:  # before the optimizer thread starts: it takes torch's count then
@@ -231,6 +233,8 @@ def main() -> None:
     p.add_argument("--device-share", type=float, default=None,
                    help="engine.device_update_share (clipped updates streamed through the GPU); default: auto")
     p.add_argument("--states", choices=["fp32", "bf16"], default="fp32", help="engine.states_dtype (AdamW m and v)")
+    p.add_argument("--nvme", type=float, default=0.0,
+                   help="engine.optimizer_offload.nvme_fraction (AdamW m, v of that share of sliding blocks on disk)")
     p.add_argument("--split", type=int, default=1, help="0: engine.split_update=false (whole clipped updates)")
     p.add_argument("--share-acts", type=int, default=None,
                    help="engine.grads_share_activations: 1 shares clipped host gradients' memory with the "
@@ -267,7 +271,7 @@ def main() -> None:
                    "tokens_per_step": args.seq * args.micro * args.accum, "steps_timed": args.steps,
                    "warmup": args.warmup, "window": args.window, "cap_gib": args.cap, "max_grad_norm": args.clip,
                    "device_update_share": args.device_share, "split_update": bool(args.split), "lr": args.lr,
-                   "grads_share_activations": args.share_acts,
+                   "grads_share_activations": args.share_acts, "nvme_fraction": args.nvme,
                    "alloc_conf": alloc_conf(args.device), "scheduler_src": scheduler_src()},
         "results": results,
     }
