@@ -1158,3 +1158,25 @@ def test_a_failed_write_back_surfaces_and_close_still_stops_threads(tmp_path, mo
         engine.close()  # (it raises the error again, and stops the threads all the same)
     assert not engine.updater._thread.is_alive()
     assert not list(tmp_path.glob("slide-io-*")), "closing the engine removes its files"
+
+
+def test_an_engine_whose_step_failed_before_its_disk_updates_ran_still_closes(tmp_path):
+    """A backward that fails after the moments' reads were queued but before any update was: the third read
+    waits for the first unit's write-back, which never comes. Closing calls those updates off instead of
+    waiting for them."""
+    import threading
+
+    torch.manual_seed(0)
+    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=None,
+                                                                    nvme_fraction=0.75, nvme_dir=str(tmp_path)))
+    assert len(engine.on_disk) == 3 and len(engine.disk.slots) == 2
+    send = engine._send_grads
+    engine._send_grads = lambda block, slot: (_ for _ in ()).throw(RuntimeError("backward broke"))
+    with pytest.raises(RuntimeError, match="backward broke"):
+        engine.step(batches(seed=4, steps=1, micro=2)[0], lr=1e-2, normalizer=10)
+    engine._send_grads = send
+    closer = threading.Thread(target=engine.close, daemon=True)
+    closer.start()
+    closer.join(timeout=30)
+    assert not closer.is_alive(), "close hung on a read waiting for an update that never ran"
+

@@ -146,7 +146,12 @@ class DiskStates:
         self._stored.add(unit)
 
     def close(self) -> None:
-        """Finish every write, then remove the files."""
+        """Finish every write, then remove the files. Updates fetched for but never run (a step that failed
+        before queueing them) are called off, so no read waits for their write-back."""
+        with self._lock:
+            for _, _, written in self._fetched.values():
+                written.set_exception(RuntimeError("the engine closed before this update ran"))
+            self._fetched.clear()
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         self.store.close()
