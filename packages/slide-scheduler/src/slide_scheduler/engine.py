@@ -12,7 +12,8 @@ updates' results going home) plus a host optimizer thread:
   head      embedding backward
   update    AdamW over fp32 masters: on the optimizer thread, chunk by chunk as gradients arrive; or on the
             device while the unit next loads (`device_update_share`: master and states streamed in over PCIe);
-            the edges' tail-only part (final norm, untied lm head) on the device as soon as it may
+            the edges' tail-only part (final norm, untied lm head) on the device as soon as it may; the last
+            sliding blocks' AdamW moments may live on disk (`nvme_fraction`, disk_states.py), read in ahead
 
 Exact global grad-norm clipping needs every gradient before any update, so with clipping on, the updates of a
 step run while the *next* step's forward goes (each block's load waits for its own update, or runs it); without
