@@ -1014,11 +1014,15 @@ def test_fetched_activations_land_in_the_same_buffers_every_step():
     assert not engine.activations._landing
 
 
-def test_a_script_that_never_closes_its_engine_finishes_its_updates_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("clip, nvme", [(1.0, 0.0), (1.0, 1.0), (None, 1.0)])
+def test_a_script_that_never_closes_its_engine_finishes_its_updates_and_exits_cleanly(tmp_path, clip, nvme):
     """The README's example never calls close(): at exit the optimizer worker, a daemon thread, must not be
     left inside a torch call when the interpreter finalizes (that can abort the process), so an exit handler
     finishes what was queued (here the clipped updates' params parts) and stops it. An exit hook that runs
-    after it and closes the engine (which queues the moments parts) must not wait on the stopped worker."""
+    after it and closes the engine (which queues the moments parts) must not wait on the stopped worker. With
+    moments on disk, the handler runs before the pools the disk tier reads and writes through are shut down
+    (else an update's write-back could not be queued and the next read waited for it forever), and the state
+    files are gone after."""
     import subprocess
     import sys
 
@@ -1035,7 +1039,7 @@ def test_a_script_that_never_closes_its_engine_finishes_its_updates_and_exits_cl
         "from test_engine import Model, ToyStack, batches\n"
         "from slide_scheduler import EngineConfig, SlidingEngine\n"
         "engine = state['engine'] = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(\n"
-        "    device='cpu', window=2, max_grad_norm=1.0))\n"
+        f"    device='cpu', window=2, max_grad_norm={clip}, nvme_fraction={nvme}, nvme_dir={str(tmp_path)!r}))\n"
         "engine.updater.delay = 0.2  # the last step's updates are still queued when the script ends\n"
         "engine.step(batches(seed=4, steps=1, micro=2)[0], lr=1e-2, normalizer=10)\n")
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
@@ -1043,6 +1047,7 @@ def test_a_script_that_never_closes_its_engine_finishes_its_updates_and_exits_cl
                                 [str(pathlib.Path(__file__).parent), os.environ.get("PYTHONPATH", "")])})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-4:] == ["params", "True", "done", "True"], result.stdout + result.stderr
+    assert not list(tmp_path.glob("slide-io-*"))
 
 
 @pytest.mark.parametrize("clip", [0.05, None])
@@ -1179,4 +1184,41 @@ def test_an_engine_whose_step_failed_before_its_disk_updates_ran_still_closes(tm
     closer.start()
     closer.join(timeout=30)
     assert not closer.is_alive(), "close hung on a read waiting for an update that never ran"
+
+
+def test_a_step_after_one_that_failed_before_its_disk_updates_ran_gives_the_right_result(tmp_path):
+    """Unclipped, a backward that fails after one block's update was queued: the reads fetched for the others
+    are called off, so the next step neither waits for them forever nor steps from them; it continues as an
+    engine with every state in memory does after the same failure."""
+    import threading
+
+    results = []
+    for nvme in (0.0, 0.75):
+        torch.manual_seed(0)
+        engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+            device="cpu", window=2, max_grad_norm=None, nvme_fraction=nvme, nvme_dir=str(tmp_path)))
+        send, sent = engine._send_grads, []
+
+        def fail_second(block, slot, send=send, sent=sent):
+            sent.append(block)
+            if len(sent) == 2:
+                raise RuntimeError("backward broke")
+            return send(block, slot)
+
+        engine._send_grads = fail_second
+        data = batches(seed=4, steps=3, micro=2)
+        with pytest.raises(RuntimeError, match="backward broke"):
+            engine.step(data[0], lr=1e-2, normalizer=10)
+        engine._send_grads = send
+        losses = []
+        stepper = threading.Thread(target=lambda engine=engine, losses=losses, data=data: losses.extend(
+            engine.step(step, lr=1e-2, normalizer=10).loss for step in data[1:]), daemon=True)
+        stepper.start()
+        stepper.join(timeout=60)
+        assert not stepper.is_alive(), "the step after the failed one hung"
+        results.append((losses, {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}))
+        engine.close()
+    (ref_losses, ref), (losses, got) = results
+    assert losses == ref_losses and len(losses) == 2
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 

@@ -48,6 +48,8 @@ class DiskStates:
         self._landed = dict(self._written)  # each unit's latest write-back of an update that has finished
         self._stored: set[int] = set()  # units with moments on disk (before a unit's first write: zeros)
         self._fetched: dict[int, tuple[int, Future, Future]] = {}  # unit -> (slot, its read, its write-back)
+        self._bound: set[int] = set()  # fetched units whose update has its moments (it will finish them)
+        self._closed = False
         self._next = 0
         self._lock = threading.Lock()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="slide-states-read")
@@ -91,6 +93,7 @@ class DiskStates:
         self.fetch(unit)
         with self._lock:
             _, read, _ = self._fetched[unit]
+            self._bound.add(unit)
         return read.result()
 
     def finish(self, unit: int, error: BaseException | None = None) -> None:
@@ -99,6 +102,7 @@ class DiskStates:
             if unit not in self._fetched:  # (an update that failed after finishing)
                 return
             slot, read, written = self._fetched.pop(unit)
+            self._bound.discard(unit)
             self._landed[unit] = written
         if error is not None:
             written.set_exception(error)
@@ -145,13 +149,21 @@ class DiskStates:
             future.result()
         self._stored.add(unit)
 
-    def close(self) -> None:
-        """Finish every write, then remove the files. Updates fetched for but never run (a step that failed
-        before queueing them) are called off, so no read waits for their write-back."""
+    def call_off(self) -> None:
+        """Forget reads fetched for updates that have not started (a step that failed before queueing them):
+        their moments on disk are as they were, so what waits for their write-back may go on, and their next
+        update fetches them afresh. (Reads run one at a time in order, so slots are never written twice at once.)"""
         with self._lock:
-            for _, _, written in self._fetched.values():
-                written.set_exception(RuntimeError("the engine closed before this update ran"))
-            self._fetched.clear()
+            for unit in [u for u in self._fetched if u not in self._bound]:
+                _, _, written = self._fetched.pop(unit)
+                written.set_result(None)
+
+    def close(self) -> None:
+        """Finish every write, then remove the files (a second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.call_off()  # (the updater has finished every update it was given)
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         self.store.close()

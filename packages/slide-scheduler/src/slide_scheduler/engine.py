@@ -558,6 +558,14 @@ class SlidingEngine:
         """Forward, backward and AdamW update over `micro_batches`; the loss is normalized by `normalizer`."""
         if self.closed:
             raise RuntimeError("this engine was closed")
+        try:
+            return self._step(micro_batches, lr, normalizer)
+        except BaseException:
+            if self.disk is not None:  # moments read in for updates this step never queued
+                self.disk.call_off()
+            raise
+
+    def _step(self, micro_batches: list[Batch], lr: float, normalizer: float) -> StepStats:
         memory = self._memory_counters()
         # Phase laps synchronize the device only in the synchronous schedule; pipelined, the timeline says more.
         clock = _Clock(self.device, sync=not self.config.pipeline)

@@ -21,14 +21,20 @@ from .lanes import HostSignal, Signal
 # Updaters whose worker runs (a running thread holds its updater anyway, so a weak set would hold them too).
 # The thread is a daemon (a script that never closes its engine still exits), and a daemon thread inside a
 # torch call when the interpreter finalizes aborts the process ("terminate called without an active
-# exception"): at exit each one finishes what was queued and stops first.
+# exception"): at exit each one finishes what was queued and stops first, then the disk tier it reads moments
+# from (disk_states.py) finishes its writes. That runs where threading runs its exit hooks, ahead of the one that
+# shuts down concurrent.futures' pools (later hooks run first), which the disk tier's reads and writes use.
 _running: set[HostUpdater] = set()
 
 
-@atexit.register
 def _finish_at_exit() -> None:
     for updater in list(_running):
         updater.close()
+        if updater.disk is not None:
+            updater.disk.close()
+
+
+getattr(threading, "_register_atexit", atexit.register)(_finish_at_exit)
 
 
 class HostUpdater:
