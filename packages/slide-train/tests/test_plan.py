@@ -220,9 +220,17 @@ def test_states_on_disk_leave_host_memory_and_the_refusal_says_how_many_would_fi
     all_on_disk = make_plan(budget_bytes=1000 * GIB, **{**shape, "resident": 0}, clip=True, device_updates=True,
                             nvme_fraction=1.0)
     assert held.held > 0 and all_on_disk.held == 0
-    ram = free.ram_needed / 0.95 - 20 * block * 8  # about 20 blocks' states too little
-    with pytest.raises(ConfigError, match="nvme_fraction=") as refusal:
-        check_host(free, ram)
-    fraction = float(re.search(r"nvme_fraction=([0-9.]+)", str(refusal.value)).group(1))
-    check_host(make_plan(budget_bytes=None, **shape, clip=False, nvme_fraction=fraction), ram)  # now it fits
-    assert not make_plan(budget_bytes=None, **shape, clip=False, nvme_fraction=fraction - 0.05).fits_host(ram)
+    # too little RAM by about 20 blocks' states: unclipped, and clipped with gradients kept on the GPU for device
+    # updates (blocks moved to disk update on the host, so their gradients come back to host memory)
+    for run in (dict(clip=False), dict(clip=True, device_updates=True, device_share=0.5, budget_bytes=60 * GIB)):
+        run = {"budget_bytes": None, **run}
+        base = make_plan(**shape, **run)
+        ram = base.ram_needed / 0.95 - 20 * block * 8
+        with pytest.raises(ConfigError, match="states_dtype=bf16") as plain:
+            check_host(base, ram)
+        assert "nvme_fraction" not in str(plain.value)  # without a way to replan (bf16 states), no share offered
+        with pytest.raises(ConfigError, match="nvme_fraction=") as refusal:
+            check_host(base, ram, replan=lambda f, run=run: make_plan(**shape, **run, nvme_fraction=f))
+        fraction = float(re.search(r"nvme_fraction=([0-9.]+)", str(refusal.value)).group(1))
+        check_host(make_plan(**shape, **run, nvme_fraction=fraction), ram)  # now it fits
+        assert not make_plan(**shape, **run, nvme_fraction=fraction - 0.04).fits_host(ram)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from slide_scheduler import engine
@@ -214,8 +215,9 @@ def host_memory() -> float | None:
         return None
 
 
-def check_host(plan: Plan, ram: float | None) -> None:
-    """Refuse a run whose host state cannot fit in RAM, before it allocates 100 GB and gets killed."""
+def check_host(plan: Plan, ram: float | None, replan: Callable[[float], Plan] | None = None) -> None:
+    """Refuse a run whose host state cannot fit in RAM, before it allocates 100 GB and gets killed. `replan(f)`,
+    the same run with `engine.optimizer_offload.nvme_fraction` f, finds the least share on disk that would fit."""
     from .errors import ConfigError
 
     if ram is not None and not plan.fits_host(ram):
@@ -223,13 +225,13 @@ def check_host(plan: Plan, ram: float | None) -> None:
         share = "" if plan.shared else (" (with engine.activation_offload=cpu and engine.grads_share_activations "
                                         "left on, most of them share the boundary activations' memory)")
         disk = ""
-        if plan.sliding and plan.unit_numels:  # AdamW states of sliding blocks to disk: 8 bytes per parameter each
-            block = plan.unit_numels[-1]
-            blocks = math.ceil((plan.ram_needed - 0.95 * ram + 16 * block) / (8 * block))  # (+ staging slots)
-            if blocks <= plan.sliding:
-                disk = (f", engine.optimizer_offload.nvme_fraction={math.ceil(100 * blocks / plan.sliding) / 100} "
-                        f"keeps the AdamW states of {blocks} of the {plan.sliding} sliding blocks on disk "
-                        "(engine.optimizer_offload.dir: a fast local NVMe drive; each step reads and writes them)")
+        for blocks in range(1, plan.sliding + 1) if replan is not None else ():  # (replanned: held gradients move)
+            fraction = math.ceil(100 * blocks / plan.sliding) / 100
+            if replan(fraction).fits_host(ram):
+                disk = (f", engine.optimizer_offload.nvme_fraction={fraction} keeps the AdamW states of {blocks} of "
+                        f"the {plan.sliding} sliding blocks on disk (engine.optimizer_offload.dir: a fast local "
+                        "NVMe drive; each step reads and writes them)")
+                break
         raise ConfigError(
             f"this run needs ~{plan.ram_needed / GIB:.0f} GiB of host memory (fp32 masters, AdamW states, "
             f"gradient staging, boundary activations{on_cpu}); this machine has {ram / GIB:.0f} GiB. "

@@ -127,9 +127,11 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         nvme_fraction=e.optimizer_offload.nvme_fraction,
         compute_bytes=4 if e.compute_dtype == "fp32" or not cuda else 2)
 
-    def plan_for(shared: bool) -> Plan:  # (the device share left to the engine depends on the sharing)
+    def plan_for(shared: bool, nvme: float = e.optimizer_offload.nvme_fraction) -> Plan:
+        # (the device share left to the engine depends on the sharing)
         share = dataclasses.replace(engine_cfg, grads_share_activations=shared).resolve_device_update_share(cuda)
-        return make_plan(**shape, shared=shared, device_updates=share > 0, device_share=share)
+        return make_plan(**{**shape, "nvme_fraction": nvme}, shared=shared, device_updates=share > 0,
+                         device_share=share)
 
     # null shares wherever there is something to share (clipping, offloaded activations, sliding blocks); where
     # there is not, the plan is the unshared one (its device share, and so the held gradients, differ)
@@ -141,7 +143,8 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         check_plan(plan, "engine.gpu_memory_limit_gb" if e.gpu_memory_limit_gb else "the GPU's memory",
                    cfg.micro_batch_size, cfg.seq_len, plan.window)
     if assume_gpu_gib is None:  # (`slide-train plan` reports the fit itself)
-        check_host(plan, host_memory())
+        check_host(plan, host_memory(), replan=(lambda f: plan_for(plan.shared, f)) if e.states_dtype == "fp32"
+                   else None)  # (states on disk are fp32)
     engine_cfg.resident, engine_cfg.held_grads, engine_cfg.window = plan.resident, plan.held, plan.window
     engine_cfg.grads_share_activations = plan.shared
     return plan, engine_cfg, stack
