@@ -1110,11 +1110,14 @@ def test_moments_on_disk_checkpoint_like_moments_in_memory(tmp_path):
     for u in range(DEPTH + 1):
         a, b = memory.optimizer_state(u), disk.optimizer_state(u)
         assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), u
-    # swap the moments of two blocks on disk: the state read back, and the next step, follow
+    # swap the moments of two blocks on disk and give one a later step count (its bias correction changes):
+    # the state read back, and the next step, follow
     first, last = disk.optimizer_state(1), disk.optimizer_state(DEPTH)
+    first = {**first, "step": first["step"] + 3}
     disk.load_optimizer_state(1, last)
     disk.load_optimizer_state(DEPTH, first)
     assert disk.optimizer_state(1)["exp_avg"].equal(last["exp_avg"])
+    assert float(disk.optimizer_state(DEPTH)["step"]) == 5
     memory.load_optimizer_state(1, last)
     memory.load_optimizer_state(DEPTH, first)
     step = batches(seed=7, steps=1, micro=2)[0]
@@ -1220,5 +1223,17 @@ def test_a_step_after_one_that_failed_before_its_disk_updates_ran_gives_the_righ
         engine.close()
     (ref_losses, ref), (losses, got) = results
     assert losses == ref_losses and len(losses) == 2
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+
+@pytest.mark.parametrize("clip", [0.05, None])
+def test_moments_on_disk_beside_pooled_and_held_gradients(tmp_path, monkeypatch, clip):
+    """The disk tier beside held host gradients sharing the activations' memory and gradients kept on the device
+    for device updates: bit for bit the synchronous engine with every state in memory."""
+    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip, device_share=1.0, held=1, shared=True)
+    losses, got = run_engine(pipeline=True, window=2, clip=clip, device_share=1.0, held=1, shared=True,
+                             delays={"updater": 0.004}, nvme=(0.5, tmp_path))
+    assert losses == ref_losses
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
