@@ -1,9 +1,10 @@
 """AdamW moments on the NVMe tier: the m and v of some host-updated blocks live in files, not in host memory.
 
 For a run whose states do not fit in RAM. A block's m and v (8 bytes per parameter in fp32) are read into one
-of a few pinned staging slots ahead of its update, stepped there by the host optimizer, and written back; the
-slot is reused once that write is done. Reads are queued in the order the updates will run (`fetch`, called by
-the engine when it knows that order), so they run ahead of the optimizer by as many slots as there are.
+of `SLOTS` staging slots (plain host memory: only the host optimizer touches them) ahead of its update, stepped
+there by the host optimizer, and written back; the slot is reused once that write is done. Reads are queued in
+the order the updates will run (`fetch`, called by the engine when it knows that order), so they run ahead of
+the optimizer by as many slots as there are.
 
 Ordering rules, each a future a later operation waits for:
 - a read of unit u waits for the write-back of u's previous update (it must see the newest moments);
@@ -24,6 +25,9 @@ import torch
 from slide_io import NVMeStore
 from slide_memory import host_zeros
 
+SLOTS = 2  # staging slots of one block's m and v each (the planner counts the same)
+STATE_BYTES = 8  # fp32 m and v per parameter
+
 
 def _done() -> Future:
     future: Future = Future()
@@ -33,18 +37,16 @@ def _done() -> Future:
 
 class DiskStates:
     """m and v of `units` (flat, `numel` fp32 elements each) in an NVMe store under `directory`, staged through
-    `slots` pinned host buffers."""
+    `SLOTS` host buffers."""
 
-    def __init__(self, units: list[int], numel: int, directory: str | os.PathLike[str], slots: int = 2,
-                 pinned: bool | None = None):
-        self.units = sorted(units)
+    def __init__(self, units: list[int], numel: int, directory: str | os.PathLike[str]):
         self.numel = numel
         # Preflight: every unit's m and v must fit on the disk, or the run stops now with what it needs.
-        self.store = NVMeStore(directory, reserve=len(units) * 2 * numel * 4)
-        self.slots = [(host_zeros(numel, torch.float32, pinned), host_zeros(numel, torch.float32, pinned))
-                      for _ in range(slots)]
+        self.store = NVMeStore(directory, reserve=len(units) * numel * STATE_BYTES)
+        self.slots = [(host_zeros(numel, torch.float32, False), host_zeros(numel, torch.float32, False))
+                      for _ in range(SLOTS)]
         self._slot_free = [_done() for _ in self.slots]  # the write-back that last used each slot
-        self._written = {u: _done() for u in self.units}  # each unit's latest write-back (or its placeholder)
+        self._written = {u: _done() for u in units}  # each unit's latest write-back (or its placeholder)
         self._landed = dict(self._written)  # each unit's latest write-back of an update that has finished
         self._stored: set[int] = set()  # units with moments on disk (before a unit's first write: zeros)
         self._fetched: dict[int, tuple[int, Future, Future]] = {}  # unit -> (slot, its read, its write-back)
@@ -58,9 +60,10 @@ class DiskStates:
     def __contains__(self, unit: object) -> bool:
         return unit in self._written
 
-    @property
-    def host_bytes(self) -> int:
-        return sum(m.nbytes + v.nbytes for m, v in self.slots)
+    def _both(self, op, unit: int, m: torch.Tensor, v: torch.Tensor) -> None:
+        """`store.read` or `store.write` of `unit`'s m and v, both at once, until both are done."""
+        for future in (op(f"m.{unit}", m), op(f"v.{unit}", v)):
+            future.result()
 
     def fetch(self, unit: int) -> None:
         """Queue the read of `unit`'s moments for its next update (called in the order updates will run; a unit
@@ -81,8 +84,7 @@ class DiskStates:
             future.result()  # (a failed write-back fails this read, and so the update that needs it)
         m, v = self.slots[slot]
         if unit in self._stored:
-            for future in (self.store.read(f"m.{unit}", m), self.store.read(f"v.{unit}", v)):
-                future.result()
+            self._both(self.store.read, unit, m, v)
         else:
             m.zero_()
             v.zero_()
@@ -112,8 +114,7 @@ class DiskStates:
 
     def _write(self, unit: int, m: torch.Tensor, v: torch.Tensor, written: Future) -> None:
         try:
-            for future in (self.store.write(f"m.{unit}", m), self.store.write(f"v.{unit}", v)):
-                future.result()
+            self._both(self.store.write, unit, m, v)
             self._stored.add(unit)
             written.set_result(None)
         except BaseException as e:  # a full disk: the next read of this unit, or of this slot, raises it
@@ -131,8 +132,7 @@ class DiskStates:
         if unit not in self._stored:
             return None
         m, v = torch.empty(self.numel), torch.empty(self.numel)
-        for future in (self.store.read(f"m.{unit}", m), self.store.read(f"v.{unit}", v)):
-            future.result()
+        self._both(self.store.read, unit, m, v)
         return m, v
 
     def load(self, unit: int, m: torch.Tensor | None, v: torch.Tensor | None) -> None:
@@ -144,9 +144,7 @@ class DiskStates:
         if m is None:
             self._stored.discard(unit)
             return
-        for future in (self.store.write(f"m.{unit}", m.float().contiguous()),
-                       self.store.write(f"v.{unit}", v.float().contiguous())):
-            future.result()
+        self._both(self.store.write, unit, m.float().contiguous(), v.float().contiguous())
         self._stored.add(unit)
 
     def call_off(self) -> None:

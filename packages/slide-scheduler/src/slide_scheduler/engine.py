@@ -229,8 +229,7 @@ class SlidingEngine:
                                            for u in range(len(self.units))],
                                    bounds=[(tail_from,)] + [()] * self.num_blocks,
                                    external=[u in self.on_disk for u in range(len(self.units))])
-        self.disk = (DiskStates(sorted(self.on_disk), block_layout.numel, config.nvme_dir, pinned=False)
-                     if self.on_disk else None)
+        self.disk = DiskStates(sorted(self.on_disk), block_layout.numel, config.nvme_dir) if self.on_disk else None
         # Edges updated on the device update their tail-only part (final norm, untied lm head) apart from the
         # rest: its gradient is final after the tail and nothing reads it before the next tail, so without
         # clipping it updates during backward, and with clipping after the next forward's loads; only the part
@@ -291,13 +290,13 @@ class SlidingEngine:
         fraction = self.config.nvme_fraction
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"nvme_fraction must be in [0, 1], got {fraction}")
-        count = round(fraction * sliding)
-        if count and not self.config.nvme_dir:
+        blocks = on_disk_blocks(self.num_blocks, sliding, fraction)
+        if blocks and not self.config.nvme_dir:
             raise ValueError("nvme_fraction > 0 keeps AdamW states in files: set nvme_dir to a directory on a fast "
                              "local disk")
-        if count and self.config.states_dtype != "fp32":
+        if blocks and self.config.states_dtype != "fp32":
             raise ValueError("AdamW states on the NVMe tier are fp32: use states_dtype=fp32 with nvme_fraction")
-        return {1 + b for b in range(self.num_blocks - count, self.num_blocks)}
+        return {1 + b for b in blocks}
 
     def _choose_streamed(self) -> set[int]:
         """Exact clipping defers every update until the global norm is known, and the host optimizer alone cannot
@@ -816,6 +815,12 @@ def device_updated(sliding: int, share: float) -> list[int]:
     int(sliding * share) of them, spread evenly over the forward order (every other block at 0.5), host blocks
     first. The planner counts the same blocks."""
     return [j for j in range(sliding) if int((j + 1) * share) > int(j * share)]
+
+
+def on_disk_blocks(num_blocks: int, sliding: int, fraction: float) -> list[int]:
+    """Which blocks keep their AdamW moments on disk at `nvme_fraction` `fraction`: the last round(fraction *
+    sliding) (the last sliding ones). The planner counts the same blocks."""
+    return list(range(num_blocks - round(fraction * sliding), num_blocks))
 
 
 def held_on_device(device_updated_units: list[int], count: int, shared: bool) -> list[int]:

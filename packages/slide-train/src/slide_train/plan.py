@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from slide_scheduler import engine
+from slide_scheduler.disk_states import SLOTS, STATE_BYTES
 from slide_scheduler.pool import pool_bytes
 
 GIB = 2**30
@@ -128,8 +129,8 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
     # which holds every one of them when exact clipping waits for the global norm, and three otherwise.
     sliding = num_blocks - max(resident - 1, 0)
     # The last sliding blocks' AdamW moments on disk (the engine's count): they update on the host, whole
-    on_disk = round(nvme_fraction * sliding)
-    disk_blocks = set(range(num_blocks - on_disk, num_blocks))
+    disk_blocks = set(engine.on_disk_blocks(num_blocks, sliding, nvme_fraction))
+    on_disk = len(disk_blocks)
     first = num_blocks - sliding
     device_blocks = [first + j for j in engine.device_updated(sliding, device_share) if first + j not in disk_blocks] \
         if device_updates else []
@@ -157,7 +158,7 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
     on_device = (edge_numel if resident else 0) + max(resident - 1, 0) * block_numel  # AdamW states there
     # fp32 masters + the AdamW states kept here (those on disk pass through two fp32 staging slots of m and v)
     states_host = total * 4 + (total - on_device - on_disk * block_numel) * state_bytes
-    staging = 2 * 8 * block_numel if on_disk else 0
+    staging = SLOTS * STATE_BYTES * block_numel if on_disk else 0
     host = states_host + staging + grads + acts_host
     lines = [
         f"plan: {resident} of {num_blocks + 1} units resident on the device "
