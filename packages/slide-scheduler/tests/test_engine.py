@@ -220,10 +220,12 @@ def test_forward_runs_ready_blocks_while_a_host_update_is_still_running():
 
 def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None,
                resident: int = 0, dtype: str = "auto", device_share: float = 0.0, tied: bool = True,
-               held: int = 0, split: bool = True, shared: bool = False, steps_data=None, nvme=None):
+               held: int = 0, split: bool = True, shared: bool = False, steps_data=None, nvme=None, acts_dir=None):
     torch.manual_seed(0)
     model = Model(tied=tied)
-    engine = SlidingEngine(ToyStack(model), EngineConfig(device="cpu", window=window, activation_offload="cpu",
+    engine = SlidingEngine(ToyStack(model), EngineConfig(device="cpu", window=window,
+                                                         activation_offload="nvme" if acts_dir else "cpu",
+                                                         activation_dir=acts_dir and str(acts_dir),
                                                          max_grad_norm=clip, pipeline=pipeline, resident=resident,
                                                          optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1),
                                                          compute_dtype=dtype, device_update_share=device_share,

@@ -3,7 +3,8 @@
 They are the only activations kept across a step (everything inside a block is recomputed). With the `cpu` tier
 each one is copied to a host buffer on the device-to-host lane as soon as it is produced, and copied back on the
 host-to-device lane ahead of its block in backward, so device memory does not grow with depth. The host buffers
-are the store's own, or a `SharedPool`'s (memory the held gradients of clipping share with them).
+are the store's own, or a `SharedPool`'s (memory the held gradients of clipping share with them). The `nvme`
+tier passes them through two small rings of host buffers to files (`disk_activations.py`).
 """
 
 from __future__ import annotations
@@ -12,14 +13,20 @@ import torch
 
 from slide_memory import host_empty
 
+from .disk_activations import DiskActivations
 from .lanes import DONE, Lane, Signal
 
 
 class ActivationStore:
-    def __init__(self, tier: str, device: torch.device, d2h: Lane, h2d: Lane, compute: Lane, pool=None):
-        if tier not in ("none", "cpu"):
-            raise ValueError(f"activation tier must be 'none' (keep on device) or 'cpu', got {tier!r}")
-        self.offload = tier == "cpu"  # on a CPU device this still copies, so CI exercises the same path
+    def __init__(self, tier: str, device: torch.device, d2h: Lane, h2d: Lane, compute: Lane, pool=None,
+                 directory: str | None = None):
+        if tier not in ("none", "cpu", "nvme"):
+            raise ValueError(f"activation tier must be 'none' (keep on device), 'cpu' or 'nvme', got {tier!r}")
+        if tier == "nvme" and not directory:
+            raise ValueError("activations on the nvme tier go to files: set activation_dir to a directory on a fast "
+                             "local disk")
+        self.offload = tier != "none"  # on a CPU device this still copies, so CI exercises the same path
+        self.disk = DiskActivations(directory, d2h, h2d) if tier == "nvme" else None
         self.device, self.d2h, self.h2d, self.compute = device, d2h, h2d, compute
         self.pool = pool  # when set, the host buffers are its (`SharedPool.activation`)
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, Signal]] = {}
@@ -35,6 +42,9 @@ class ActivationStore:
         if not self.offload:
             self._saved[boundary, micro] = (hidden, DONE)
             return
+        if self.disk is not None:
+            self._leave(hidden, self.disk.put((boundary, micro), hidden))
+            return
         if self.pool is not None:
             buf = self.pool.activation(boundary, micro, hidden)
         else:
@@ -45,10 +55,13 @@ class ActivationStore:
         self.d2h.wait(produced)
         self.d2h.run(buf.copy_, hidden, True, label=f"acts out {boundary}")
         copied = self.d2h.record()
+        self._leave(hidden, copied)
+        self._saved[boundary, micro] = (buf, copied)
+
+    def _leave(self, hidden: torch.Tensor, copied: Signal) -> None:
         if self.d2h.stream is not None:  # (a CPU lane's task holds its own reference)
             self._leaving.append(hidden)
             self._last_copy = copied
-        self._saved[boundary, micro] = (buf, copied)
 
     def release(self) -> None:
         """Let go of the device tensors put so far, once compute has queued its last read of them. Compute first
@@ -64,6 +77,8 @@ class ActivationStore:
         of them), and of any device tensors a failed forward left unreleased."""
         for key in [k for k in self._landing if k[1] >= micro_batches]:
             del self._landing[key]
+        if self.disk is not None and micro_batches:
+            self.disk.begin(micro_batches)
         if self.pool is not None:  # pool views left over would keep an allocation the pool has replaced alive
             for key in [k for k in self._saved if k[1] >= micro_batches]:
                 del self._saved[key]
@@ -75,7 +90,7 @@ class ActivationStore:
         It lands in a device buffer kept for `owner` (what it is fetched for) and the micro-batch, reused by the
         owner's next fetch, so the steady state allocates nothing; the caller orders that next fetch after
         compute is done with this one (the owner's `free` signal)."""
-        saved, stored = self._saved[boundary, micro]
+        saved, stored = self.disk.fetch((boundary, micro)) if self.disk else self._saved[boundary, micro]
         if not self.offload:
             return saved
         self.h2d.wait(stored)
@@ -89,4 +104,12 @@ class ActivationStore:
                 out = torch.empty_like(saved, device=self.device)
             self._landing[owner, micro] = out
         self.h2d.run(out.copy_, saved, True, label=f"acts in {boundary}")
+        if self.disk is not None:
+            self.disk.consumed((boundary, micro), self.h2d.record())
         return out
+
+    def close(self) -> None:
+        """Let go of every buffer; the nvme tier finishes its transfers and removes its files."""
+        self.trim(0)
+        if self.disk is not None:
+            self.disk.close()

@@ -78,7 +78,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     compute_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
     window: int = 2  # GPU slots for sliding blocks
-    activation_offload: str = "cpu"  # none | cpu
+    activation_offload: str = "cpu"  # none | cpu | nvme (files in `activation_dir`, see disk_activations.py)
     max_grad_norm: float | None = 1.0
     optimizer: AdamWConfig = field(default_factory=AdamWConfig)
     pipeline: bool = True  # False: the synchronous reference schedule (everything in order on one thread)
@@ -109,6 +109,7 @@ class EngineConfig:
     # disk_states.py). Those blocks update on the host, whole.
     nvme_fraction: float = 0.0
     nvme_dir: str | None = None
+    activation_dir: str | None = None  # where activation_offload=nvme keeps the boundary activations
 
     @property
     def shares_grads(self) -> bool:
@@ -272,7 +273,7 @@ class SlidingEngine:
         self.edge_grad = (host_zeros(edge_layout.numel, self.dtype)
                           if not self.resident and 0 not in self.streamed else None)
         self.activations = ActivationStore(config.activation_offload, self.device, self.d2h, self.h2d, self.compute,
-                                           self.pool)
+                                           self.pool, config.activation_dir)
         # Backward fetches activations for at most window + 1 blocks at a time: that many sets of device buffers,
         # each free again once the backward that read it is done (window sets would do when every block slides,
         # since a slot's load already waits for that; resident blocks wait for no slot, so one more gives slack).
@@ -809,7 +810,7 @@ class SlidingEngine:
                 self.disk.close()
             for lane in self.lanes:
                 lane.close()
-            self.activations.trim(0)
+            self.activations.close()
 
 
 def device_updated(sliding: int, share: float) -> list[int]:

@@ -1,0 +1,181 @@
+"""Boundary activations on the NVMe tier: for a run whose activations do not fit in host memory.
+
+Each boundary activation goes from the device into a pinned host buffer of the write ring (d2h lane), from there
+to its file, and back the same way ahead of its block in backward through the read ring: host memory holds the
+two rings (`SLOTS_PER_MICRO` buffers per micro-batch each), not every boundary of the step.
+
+Ordering rules, each a signal or future a later operation waits for:
+- a copy into a write buffer waits for that buffer's last write to disk (the d2h lane waits; on CUDA the calling
+  thread blocks there, so a disk slower than the forward makes the forward wait for it);
+- a write to disk waits for its copy off the device, and for the last read of its key (the store runs one key's
+  operations in the order they are submitted, so the previous backward's read sees the older value);
+- a read waits for its key's write, and for the copy to the device that last read out of its buffer;
+- reads are queued in the order backward fetches (boundaries from the last down, micro-batches in order), at
+  most a ring ahead: a buffer is read into again only once backward has queued the copy out of it, so no read
+  ever waits for a fetch that is still to come.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from slide_io import NVMeStore
+from slide_memory import host_empty
+
+from .lanes import FutureSignal, Lane, Signal
+
+SLOTS_PER_MICRO = 2  # buffers per micro-batch in each ring: two blocks' boundaries on their way (the planner's count)
+
+Key = tuple[int, int]  # (boundary, micro-batch)
+
+
+def _done() -> Future:
+    future: Future = Future()
+    future.set_result(None)
+    return future
+
+
+def _settled(future: Future) -> Future:
+    """`future` once it is over, whatever its outcome: what a new use of a buffer waits for after a failed step
+    (the failure was raised in that step)."""
+    if future.done() and future.exception() is None:
+        return future
+    out: Future = Future()
+    future.add_done_callback(lambda _: out.set_result(None))
+    return out
+
+
+class _Buffer:
+    def __init__(self):
+        self.data: torch.Tensor | None = None  # flat, grown to the largest activation it has held
+        self.busy: Future | Signal = _done()  # what the next use of the buffer waits for
+
+    def view(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        numel = shape.numel()
+        if self.data is None or self.data.dtype != dtype or self.data.numel() < numel:
+            self.data = host_empty(numel, dtype)  # (the first step, or a larger shape; only when not busy)
+        return self.data[:numel].view(shape)
+
+
+class DiskActivations:
+    """Boundary activations in an NVMe store under `directory`, moved by the engine's `d2h` and `h2d` lanes."""
+
+    def __init__(self, directory: str | os.PathLike[str], d2h: Lane, h2d: Lane):
+        self.store = NVMeStore(directory)
+        self.d2h, self.h2d = d2h, h2d
+        self._out: list[_Buffer] = []  # the write ring
+        self._in: list[_Buffer] = []  # the read ring
+        self._next_out = 0
+        self._written: dict[Key, Future] = {}  # each key's latest write to disk
+        self._layout: dict[Key, tuple[torch.Size, torch.dtype]] = {}
+        self._read: dict[Key, Future] = {}  # each key's latest read from disk
+        self._queued: dict[Key, tuple[_Buffer, torch.Tensor, Future]] = {}  # reads not fetched yet
+        self._free: deque[_Buffer] = deque()  # read buffers with no read queued into them
+        self._order: list[Key] | None = None  # this backward's fetch order, from the first fetch on
+        self._cursor = 0
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="slide-acts-write")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="slide-acts-read")
+
+    @property
+    def buffers(self) -> int:
+        """Host staging buffers in both rings (they stay put in the steady state)."""
+        return len(self._out) + len(self._in)
+
+    def begin(self, micro_batches: int) -> None:
+        """A new step of `micro_batches`: rings sized for it, and reads left over by a failed step called off."""
+        size = SLOTS_PER_MICRO * micro_batches
+        self._out += [_Buffer() for _ in range(size - len(self._out))]
+        self._in += [_Buffer() for _ in range(size - len(self._in))]
+        for buffer, _, read in self._queued.values():
+            buffer.busy = _settled(read)
+        self._queued.clear()
+        for buffer in self._out + self._in:
+            if isinstance(buffer.busy, Future):
+                buffer.busy = _settled(buffer.busy)
+        self._free = deque(self._in)
+        self._order = None
+        for key in [k for k in self._layout if k[1] >= micro_batches]:
+            del self._layout[key]
+
+    def put(self, key: Key, hidden: torch.Tensor) -> Signal:
+        """Queue `hidden` (ready on the d2h lane) out to disk; the signal holds once the device copy is done."""
+        buffer = self._out[self._next_out]
+        self._next_out = (self._next_out + 1) % len(self._out)
+        self.d2h.wait(FutureSignal(buffer.busy))
+        data = buffer.view(hidden.shape, hidden.dtype)
+        self.d2h.run(data.copy_, hidden, True, label=f"acts out {key[0]}")
+        copied = self.d2h.record()
+        last_read = self._read.get(key)  # (only its order matters: a failed one was raised in its own step)
+        written = self._when(self._writer, (copied, last_read and _settled(last_read)),
+                             lambda: self.store.write(self._name(key), data))
+        buffer.busy = self._written[key] = written
+        self._layout[key] = (hidden.shape, hidden.dtype)
+        return copied
+
+    def fetch(self, key: Key) -> tuple[torch.Tensor, Signal]:
+        """The host buffer `key` is read into, and the signal that holds once it is there; then `consumed`."""
+        if self._order is None:
+            self._order = sorted(self._layout, key=lambda k: (-k[0], k[1]))
+            self._cursor = 0
+        while key not in self._queued:
+            if not self._free or self._cursor == len(self._order):
+                raise RuntimeError(f"activations {key} fetched out of backward order (or never put): the disk tier "
+                                   "reads ahead from the last boundary down, micro-batches in order")
+            self._queue_read()
+        _, data, read = self._queued[key]
+        return data, FutureSignal(read)
+
+    def consumed(self, key: Key, copied: Signal) -> None:
+        """The copy out of `key`'s buffer is queued (`copied` holds when it is done): read the next one into it."""
+        buffer, _, _ = self._queued.pop(key)
+        buffer.busy = copied
+        self._free.append(buffer)
+        if self._cursor < len(self._order):
+            self._queue_read()
+
+    def _queue_read(self) -> None:
+        key = self._order[self._cursor]
+        self._cursor += 1
+        buffer = self._free.popleft()
+        data = buffer.view(*self._layout[key])
+        read = self._when(self._reader, (buffer.busy, self._written[key]),
+                          lambda: self.store.read(self._name(key), data))
+        self._queued[key] = (buffer, data, read)
+        self._read[key] = read
+
+    @staticmethod
+    def _name(key: Key) -> str:
+        return f"acts.{key[0]}.{key[1]}"
+
+    @staticmethod
+    def _when(pool: ThreadPoolExecutor, after, op) -> Future:
+        """A future for the store operation `op()` submitted on `pool`'s thread once everything in `after` holds
+        (signals, futures or None); the thread goes on to the next without waiting for the disk."""
+        out: Future = Future()
+
+        def submit():
+            try:
+                for item in after:
+                    if isinstance(item, Signal):
+                        item.wait_host()
+                    elif item is not None:
+                        item.result()
+                inner = op()
+            except BaseException as e:  # (raised where the result is waited for)
+                out.set_exception(e)
+                return
+            inner.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() is not None
+                                    else out.set_result(None))
+
+        pool.submit(submit)
+        return out
+
+    def close(self) -> None:
+        """Finish every transfer, then remove the files."""
+        self._writer.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
+        self.store.close()
