@@ -286,3 +286,31 @@ def test_edges_updated_on_the_device_with_their_tail_apart_match(tmp_path, clip,
     monkeypatch.setitem(globals(), "CLIP", clip or 1e9)  # the reference loop's clipping
     ref_model, _, _ = reference_run(model, rows, labels)
     compare(trainer, ref_model, reference_run(model, rows, labels, torch.float64)[0])
+
+
+@pytest.mark.parametrize("folder", ["default", "own"])
+def test_activations_on_disk_match_plain_pytorch_and_leave_no_files(tmp_path, folder):
+    """engine.activation_offload=nvme: the boundary activations pass through files, and the run is still the
+    plain loop's (and bit for bit the run with them in host memory); the plan counts them on disk, and the end
+    of the run removes the files (and the default folder, not one of the user's)."""
+    model = save_tiny_model(tmp_path / "model", "llama")
+    rows, labels = make_rows(seed=3, n=STEPS * MICRO * ACCUM)
+    write_token_rows(tmp_path / "data.jsonl", rows, labels)
+    own = tmp_path / "scratch"
+    extra = {"engine.activation_offload": "nvme"} | ({"engine.activation_dir": str(own)} if folder == "own" else {})
+    results = []
+    for options in ({}, extra):
+        cfg = slide_config(tmp_path / str(len(results)), tmp_path / "model", tmp_path / "data.jsonl", **options)
+        trainer = Trainer(cfg, progress=False)
+        records = [trainer.step() for _ in range(STEPS)]
+        results.append(([r["loss"] for r in records], dict(hf_tensors(trainer.engine.named_masters())), trainer))
+    (ref_losses, ref, _), (losses, got, trainer) = results
+    assert trainer.engine.activations.disk is not None and trainer.engine.pool is None
+    assert trainer.memory_plan.disk_activations > 0 and "boundary activations" in trainer.memory_plan.text()
+    assert losses == ref_losses and all(got[name].equal(t) for name, t in ref.items())
+    ref_model, _, _ = reference_run(model, rows, labels)
+    compare(trainer, ref_model, reference_run(model, rows, labels, torch.float64)[0])
+    where = own if folder == "own" else tmp_path / "1" / "run" / "activations"
+    assert any(where.rglob("*.bin"))
+    trainer.close()
+    assert not any(where.rglob("*.bin")) and where.exists() == (folder == "own")

@@ -170,6 +170,9 @@ def test_an_earlier_run_is_never_silently_mixed_with_a_new_one(tmp_path):
     ("--engine.states_dtype=bf16 --engine.device_update_share=0.5", "set it to 0 with engine.states_dtype=bf16"),
     ("--engine.device=gpu", "engine.device must be auto, cpu, cuda or cuda:N"),
     ("--engine.optimizer_offload.nvme_fraction=1.5", r"nvme_fraction is the share .* in \[0, 1\], got 1.5"),
+    ("--engine.activation_offload=nvme --engine.grads_share_activations=true",
+     r"it needs engine.activation_offload=cpu"),
+    ("--engine.activation_offload=disk", r"engine.activation_offload must be one of none, cpu, nvme"),
     ("--engine.optimizer_offload.nvme_fraction=0.5 --engine.states_dtype=bf16 --engine.device_update_share=0",
      "keeps fp32 AdamW states on disk"),
     ("--checkpoint.every=-2", "checkpoint.every must be 0 or more"),
@@ -385,6 +388,24 @@ def test_a_disk_too_small_for_the_last_checkpoint_is_refused_before_training(tmp
     assert len(read_metrics(run / "metrics.jsonl")) == 2 and not any((run / "checkpoints").glob("*"))
     with pytest.raises(CheckpointError, match="checkpoint.keep=0"):
         export_run(run)
+
+
+def test_a_disk_too_small_for_the_activations_is_refused_before_the_weights_load(tmp_path, monkeypatch):
+    """engine.activation_offload=nvme on a disk without room for a step's boundary activations: refused up front,
+    naming what it needs and the key that moves it."""
+    import slide_io.disk as space
+    import slide_train.trainer as trainer_module
+
+    monkeypatch.setattr(space, "free_bytes", lambda directory: 1000)
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the disk check")
+
+    monkeypatch.setattr(trainer_module, "SlidingEngine", no_loading)
+    with pytest.raises(DiskFullError, match=r"activation_offload=nvme keeps .* of boundary activations in .*"
+                                            r"engine.activation_dir"):
+        Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'run'}", "--engine.activation_offload=nvme"]),
+                progress=False)
 
 
 def test_export_replaces_only_an_earlier_export(tmp_path, monkeypatch):

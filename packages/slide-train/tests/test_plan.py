@@ -215,7 +215,7 @@ def test_states_on_disk_leave_host_memory_and_the_refusal_says_how_many_would_fi
     free = make_plan(budget_bytes=None, **shape, clip=False)
     disk = make_plan(budget_bytes=None, **shape, clip=False, nvme_fraction=0.25)
     assert free.host_total - disk.host_total == 8 * 7 * block - 16 * block  # round(0.25 * 28) = 7 blocks
-    assert "disk: AdamW states of 7 sliding blocks" in disk.text()
+    assert f"disk ~{8 * 7 * block / GIB:.1f} GiB: AdamW states of 7 sliding blocks" in disk.text()
     held = make_plan(budget_bytes=1000 * GIB, **{**shape, "resident": 0}, clip=True, device_updates=True)
     all_on_disk = make_plan(budget_bytes=1000 * GIB, **{**shape, "resident": 0}, clip=True, device_updates=True,
                             nvme_fraction=1.0)
@@ -234,3 +234,21 @@ def test_states_on_disk_leave_host_memory_and_the_refusal_says_how_many_would_fi
         fraction = float(re.search(r"nvme_fraction=([0-9.]+)", str(refusal.value)).group(1))
         check_host(make_plan(**shape, **run, nvme_fraction=fraction), ram)  # now it fits
         assert not make_plan(**shape, **run, nvme_fraction=fraction - 0.04).fits_host(ram)
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_activations_on_disk_leave_host_memory_for_two_rings(clip):
+    """engine.activation_offload=nvme: the boundary activations (every block's input, per micro-batch) go to
+    disk, and host memory keeps two rings of SLOTS_PER_MICRO buffers per micro-batch; the device side is the
+    cpu tier's, and no gradient shares the activations' memory."""
+    from slide_scheduler.disk_activations import SLOTS_PER_MICRO
+
+    shape = {**SHAPE, "resident": 0, "offload_activations": True}
+    one = shape["tokens_per_micro"] * shape["hidden"] * 2  # a micro-batch's boundary, bf16
+    acts = shape["num_blocks"] * shape["micro_batches"] * one
+    ram = make_plan(budget_bytes=None, **shape, clip=clip)
+    disk = make_plan(budget_bytes=None, **shape, clip=clip, activations_on_disk=True)
+    assert ram.host_total - disk.host_total == acts - 2 * SLOTS_PER_MICRO * shape["micro_batches"] * one
+    assert disk.device_total == ram.device_total and disk.disk_activations == acts and ram.disk_activations == 0
+    assert f"disk ~{acts / GIB:.1f} GiB: boundary activations" in disk.text()
+    assert not make_plan(budget_bytes=None, **shape, clip=clip, activations_on_disk=True, shared=True).shared

@@ -58,9 +58,12 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
 STREAMED = "--engine.device_update_share=0.5"
 # AdamW states of half the blocks in files: what the checkpoint holds is read from there, a resume writes it back
 ON_DISK = "--engine.optimizer_offload.nvme_fraction=0.5"
+# Boundary activations in files: transient, so a killed run's are cleared and the result is the same
+ACTS_ON_DISK = "--engine.activation_offload=nvme"
 
 
-@pytest.mark.parametrize("kill_after, extra", [(1, ()), (4, ()), (6, ()), (4, (STREAMED,)), (4, (ON_DISK,))])
+@pytest.mark.parametrize("kill_after, extra", [(1, ()), (4, ()), (6, ()), (4, (STREAMED,)), (4, (ON_DISK,)),
+                                                (3, (ACTS_ON_DISK,))])
 def test_sigkill_then_resume_is_bitwise_equal(tmp_path, reference, kill_after, extra):
     run = tmp_path / "run"
     proc = start(run, *extra)
@@ -77,6 +80,8 @@ def test_sigkill_then_resume_is_bitwise_equal(tmp_path, reference, kill_after, e
     assert len(logged) == STEPS  # steps redone after the checkpoint are logged once
     if ON_DISK in extra:  # the killed process's state files were cleared; the finished one removed its own
         assert not any((run / "optimizer-states").rglob("*.bin"))
+    if ACTS_ON_DISK in extra:
+        assert not (run / "activations").exists()
 
 
 @pytest.mark.parametrize("extra", [(), (STREAMED,)])

@@ -54,7 +54,10 @@ class EngineSection:
     # resident blocks or held gradients, else 2
     window: int | None = None
     resident: int | None = None  # units kept on the GPU with their optimizer (null: as many as the budget allows)
-    activation_offload: str = "cpu"  # none | cpu
+    # Boundary activations (each block's input, per micro-batch) kept for backward: none (on the GPU) | cpu
+    # (pinned host memory) | nvme (files in activation_dir, through two small rings of host buffers)
+    activation_offload: str = "cpu"
+    activation_dir: str | None = None  # for nvme (null: <output_dir>/activations); the files are removed at the end
     optimizer_offload: OptimizerOffloadConfig = field(default_factory=OptimizerOffloadConfig)
     states_dtype: str = "fp32"  # fp32 | bf16 (opt-in: AdamW m and v on the host in bf16, half their memory)
     kernels: str = "auto"  # auto (slide-kernels' Triton RMSNorm/RoPE/SwiGLU on CUDA) | on | off
@@ -106,7 +109,7 @@ CHOICES = {
     "data.format": FORMATS,
     "schedule.decay": ("constant", "cosine", "linear"),
     "engine.compute_dtype": ("auto", "bf16", "fp32"),
-    "engine.activation_offload": ("none", "cpu"),
+    "engine.activation_offload": ("none", "cpu", "nvme"),
     "engine.states_dtype": ("fp32", "bf16"),
     "engine.kernels": ("auto", "on", "off"),
     "export_dtype": ("auto", "bf16", "fp16", "fp32"),

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from slide_scheduler import engine
+from slide_scheduler.disk_activations import SLOTS_PER_MICRO
 from slide_scheduler.disk_states import SLOTS, STATE_BYTES
 from slide_scheduler.pool import pool_bytes
 
@@ -38,6 +39,7 @@ class Plan:
     tokens_per_micro: int = 0
     unit_numels: tuple[int, ...] = ()  # parameters per unit: the edges, then each block
     window: int = 2  # GPU slots for sliding blocks
+    disk_activations: float = 0.0  # bytes of boundary activations on the NVMe tier (activation_offload=nvme)
 
     @property
     def num_params(self) -> int:
@@ -86,7 +88,8 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
           tokens_per_micro: int, micro_batches: int, window: int, offload_activations: bool,
           budget_bytes: float | None, resident: int | None, cuda: bool, state_bytes: int = 8,
           clip: bool = True, device_updates: bool = False, device_share: float = engine.DEVICE_UPDATE_SHARE,
-          compute_bytes: int = 2, shared: bool = False, nvme_fraction: float = 0.0) -> Plan:
+          compute_bytes: int = 2, shared: bool = False, nvme_fraction: float = 0.0,
+          activations_on_disk: bool = False) -> Plan:
     bf16 = compute_bytes  # parameters, gradients and activations in the compute dtype (bf16 on a GPU by default)
     device_updates = device_updates and cuda  # streamed updates need a device
     edges = edge_numel * 2 * bf16
@@ -144,7 +147,10 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
         device += held * bf16 * block_numel
     grads = bf16 * (edges_on_host * edge_numel + ((sliding - held) if clip else min(3, sliding)) * block_numel)
     acts_host = num_blocks * micro_batches * act_one * offload_activations  # boundaries 0..n-1 (the last goes on)
-    shared = shared and clip and offload_activations and sliding > 0
+    acts_disk = 0
+    if activations_on_disk:  # they pass through two rings of host buffers on their way to and from the disk
+        acts_disk, acts_host = acts_host, 2 * SLOTS_PER_MICRO * micro_batches * act_one
+    shared = shared and clip and offload_activations and sliding > 0 and not activations_on_disk
     if shared:  # the engine's pool, counted as it lays it out: blocks whose clipped gradient waits on the host
         on_gpu = engine.held_on_device(device_blocks, held, True)
         host_blocks = [b for b in range(first, num_blocks) if b not in on_gpu]
@@ -154,7 +160,9 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
             f"held gradients sharing the boundary activations' memory {acts_host / GIB:.1f}"
     else:
         host_buffers = f"gradient staging {grads / GIB:.1f}{' (held for exact clipping)' if clip and sliding else ''}"
-        host_buffers += f", boundary activations {acts_host / GIB:.1f}" if offload_activations else ""
+        if offload_activations:
+            where = "staging for the boundary activations on disk" if acts_disk else "boundary activations"
+            host_buffers += f", {where} {acts_host / GIB:.1f}"
     on_device = (edge_numel if resident else 0) + max(resident - 1, 0) * block_numel  # AdamW states there
     # fp32 masters + the AdamW states kept here (those on disk pass through two fp32 staging slots of m and v)
     states_host = total * 4 + (total - on_device - on_disk * block_numel) * state_bytes
@@ -173,13 +181,16 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
         f"  host ~{host / GIB:.1f} GiB: fp32 masters + AdamW states {states_host / GIB:.1f}, {host_buffers}"
         + (f", staging for the states on disk {staging / GIB:.1f}" if on_disk else ""),
     ]
-    if on_disk:
-        lines.append(f"  disk: AdamW states of {on_disk} sliding blocks, "
-                     f"{on_disk * block_numel * state_bytes / GIB:.1f} GiB")
+    on_disk_parts = ([f"AdamW states of {on_disk} sliding blocks {on_disk * block_numel * state_bytes / GIB:.1f}"]
+                     if on_disk else []) + ([f"boundary activations {acts_disk / GIB:.1f}"] if acts_disk else [])
+    if on_disk_parts:
+        lines.append(f"  disk ~{(on_disk * block_numel * state_bytes + acts_disk) / GIB:.1f} GiB: "
+                     + ", ".join(on_disk_parts))
     return Plan(budget, fixed, resident, device, host, lines, held, shared, acts_host if shared else 0,
                 device_is_host=not cuda,
                 activations=activations, tokens_per_micro=tokens_per_micro,
-                unit_numels=(edge_numel,) + (block_numel,) * num_blocks, window=window)
+                unit_numels=(edge_numel,) + (block_numel,) * num_blocks, window=window,
+                disk_activations=acts_disk)
 
 
 def check_fits(plan: Plan, budget_key: str, micro_batch_size: int = 1, seq_len: int = 0, window: int = 1) -> None:
@@ -237,4 +248,5 @@ def check_host(plan: Plan, ram: float | None, replan: Callable[[float], Plan] | 
             f"this run needs ~{plan.ram_needed / GIB:.0f} GiB of host memory (fp32 masters, AdamW states, "
             f"gradient staging, boundary activations{on_cpu}); this machine has {ram / GIB:.0f} GiB. "
             "engine.states_dtype=bf16 saves 4 bytes per parameter, max_grad_norm=null saves the 2 bytes per "
-            f"parameter that exact clipping holds{share}, fewer tokens per step shrink the activations{disk}")
+            f"parameter that exact clipping holds{share}, fewer tokens per step shrink the activations"
+            + ("" if plan.disk_activations else " (engine.activation_offload=nvme keeps them on disk)") + disk)

@@ -22,7 +22,7 @@ import warnings
 import torch
 import yaml
 
-from slide_io import free_bytes
+from slide_io import StoreFullError, free_bytes, preflight
 from slide_memory import AdamWConfig, FlatLayout
 from slide_scheduler import EngineConfig, SlidingEngine
 from slide_scheduler.engine import DTYPES
@@ -47,7 +47,8 @@ from .schedule import lr_at
 RUN_FILES = ("metrics.jsonl", "loss.png", "timeline.png", "trace.json")
 # The default home of AdamW states kept on disk (engine.optimizer_offload): scratch, whose contents the
 # checkpoints hold, so what a killed process left there is removed when the next run in the folder starts.
-STATES_DIR = "optimizer-states"
+STATES_DIR = "optimizer-states"  # under output_dir: the default folders of the NVMe tier
+ACTIVATIONS_DIR = "activations"
 
 
 ALLOC_CONF = "expandable_segments:True"
@@ -96,6 +97,7 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         optimizer=AdamWConfig(**dataclasses.asdict(opt)),  # same fields; the front end has its own defaults
         nvme_fraction=e.optimizer_offload.nvme_fraction,
         nvme_dir=e.optimizer_offload.dir or str(pathlib.Path(cfg.output_dir) / STATES_DIR),
+        activation_dir=e.activation_dir or str(pathlib.Path(cfg.output_dir) / ACTIVATIONS_DIR),
     )
     budget, cuda = None, assume_gpu_gib is not None
     if cuda:
@@ -122,7 +124,8 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         edge_numel=FlatLayout(stack.make_edges()).numel, block_numel=FlatLayout(stack.make_block()).numel,
         num_blocks=stack.num_blocks, hidden=hf.hidden_size, intermediate=hf.intermediate_size,
         tokens_per_micro=cfg.micro_batch_size * cfg.seq_len, micro_batches=cfg.grad_accum, window=e.window,
-        offload_activations=e.activation_offload == "cpu", budget_bytes=budget, resident=e.resident,
+        offload_activations=e.activation_offload != "none", activations_on_disk=e.activation_offload == "nvme",
+        budget_bytes=budget, resident=e.resident,
         cuda=cuda, state_bytes=2 * DTYPES[e.states_dtype].itemsize, clip=bool(cfg.max_grad_norm),
         nvme_fraction=e.optimizer_offload.nvme_fraction,
         compute_bytes=4 if e.compute_dtype == "fp32" or not cuda else 2)
@@ -150,6 +153,14 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
     return plan, engine_cfg, stack
 
 
+def default_disk_folders(cfg: TrainConfig, engine_cfg: EngineConfig) -> list[str]:
+    """The run's own folders of the NVMe tier under output_dir, where it uses them: cleared at the start (a killed
+    run leaves files behind) and removed at the end. Folders of the user's choosing are left as they are."""
+    e = cfg.engine
+    return ([engine_cfg.nvme_dir] if engine_cfg.nvme_fraction and not e.optimizer_offload.dir else []) + (
+        [engine_cfg.activation_dir] if e.activation_offload == "nvme" and not e.activation_dir else [])
+
+
 def build_engine(cfg: TrainConfig, model, progress: bool = False, before_load=None) -> tuple[SlidingEngine, Plan]:
     """The engine, with as many units resident on the device as the memory plan allows. Loading an 8B model's
     weights takes minutes: with `progress`, a bar counts the blocks as they are read; `before_load(plan)` runs
@@ -157,8 +168,16 @@ def build_engine(cfg: TrainConfig, model, progress: bool = False, before_load=No
     plan, engine_cfg, stack = plan_run(cfg, model)
     if before_load is not None:
         before_load(plan)
-    if engine_cfg.nvme_fraction and not cfg.engine.optimizer_offload.dir:
-        shutil.rmtree(engine_cfg.nvme_dir, ignore_errors=True)
+    for folder in default_disk_folders(cfg, engine_cfg):  # a killed run's files
+        shutil.rmtree(folder, ignore_errors=True)
+    if plan.disk_activations:  # (the states' store checks its own room)
+        try:
+            preflight(engine_cfg.activation_dir, int(plan.disk_activations))
+        except StoreFullError as e:
+            raise DiskFullError(
+                f"engine.activation_offload=nvme keeps {size_text(e.needed)} of boundary activations in {e.directory}, "
+                f"which has {size_text(e.free)} free: set engine.activation_dir to a larger local disk, or use fewer "
+                "tokens per step") from e
     if not plan.device_is_host:  # a training run's process (not `slide-train plan`), before its first segment
         use_expandable_segments()
     with bar(total=stack.num_blocks, desc="loading weights", unit="block", show=progress) as loading:
@@ -510,9 +529,9 @@ class Trainer:
         """Finish pending updates and stop the engine's worker threads (which removes the state files it kept
         on disk, and the default folder of them once empty)."""
         self.engine.close()
-        if self.engine.disk is not None and not self.cfg.engine.optimizer_offload.dir:
+        for folder in default_disk_folders(self.cfg, self.engine.config):
             with contextlib.suppress(OSError):
-                os.rmdir(self.engine.config.nvme_dir)
+                os.rmdir(folder)
 
     def export(self, directory: str | pathlib.Path | None = None) -> pathlib.Path:
         dtype = export_dtype(self.cfg.export_dtype, self.model.dtype)
