@@ -127,6 +127,8 @@ def run_slide(args) -> dict:
         overrides.append(f"--engine.states_dtype={args.states}")
     if args.nvme:  # (in <run-dir>/optimizer-states)
         overrides.append(f"--engine.optimizer_offload.nvme_fraction={args.nvme}")
+    if args.acts != "cpu":  # (nvme: in <run-dir>/activations)
+        overrides.append(f"--engine.activation_offload={args.acts}")
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     if args.threads:  # before the optimizer thread starts: it takes torch's count then
@@ -235,6 +237,8 @@ def main() -> None:
     p.add_argument("--states", choices=["fp32", "bf16"], default="fp32", help="engine.states_dtype (AdamW m and v)")
     p.add_argument("--nvme", type=float, default=0.0,
                    help="engine.optimizer_offload.nvme_fraction (AdamW m, v of that share of sliding blocks on disk)")
+    p.add_argument("--acts", choices=["none", "cpu", "nvme"], default="cpu",
+                   help="engine.activation_offload (nvme: the boundary activations in files under --run-dir)")
     p.add_argument("--split", type=int, default=1, help="0: engine.split_update=false (whole clipped updates)")
     p.add_argument("--share-acts", type=int, default=None,
                    help="engine.grads_share_activations: 1 shares clipped host gradients' memory with the "
@@ -272,6 +276,7 @@ def main() -> None:
                    "warmup": args.warmup, "window": args.window, "cap_gib": args.cap, "max_grad_norm": args.clip,
                    "device_update_share": args.device_share, "split_update": bool(args.split), "lr": args.lr,
                    "grads_share_activations": args.share_acts, "nvme_fraction": args.nvme,
+                   "activation_offload": args.acts,
                    "alloc_conf": alloc_conf(args.device), "scheduler_src": scheduler_src()},
         "results": results,
     }

@@ -27,6 +27,8 @@
 #   bash benchmarks/run_gpu.sh blocks  # the host AdamW (whole, params part, moments part) by block size per thread
 #   bash benchmarks/run_gpu.sh nvme    # the disk under the checkout (rates by dd); clipped B8 with 1/8 and B3 with
 #                                      # 1/4 of the sliding blocks' AdamW states on it
+#   bash benchmarks/run_gpu.sh acts    # scheduler and train GPU tests; the disk under the checkout; clipped B8
+#                                      # with its boundary activations on it, and in host memory
 #   bash benchmarks/run_gpu.sh probes  # the host's CPUs and memory settings; host memory bandwidth alone and under
 #                                      # PCIe copies, and the params part's handoff (host_memory.py); copies beside
 #                                      # GEMMs (lane_probe.py); the optimizer thread beside a busy one
@@ -151,6 +153,15 @@ last)
 blocks)  # the host AdamW by block size per thread, alone and beside PCIe copies (an 8B block's parameters)
   python3 "$root/benchmarks/host_adamw.py" --numel 218112000 --runs 3 --sweep 14,15,16,17,18 \
     --out "$out/host-adamw-blocks.json" 2>&1 | grep gparams
+  ;;
+acts)  # boundary activations on the disk under the checkout (engine.activation_offload=nvme)
+  gpu_tests slide-scheduler slide-train; keep acts.tar
+  disk="$root/.bench-run"; mkdir -p "$disk"
+  { df -h "$disk"; dd if=/dev/zero of="$disk/dd.bin" bs=16M count=256 oflag=direct conv=fsync 2>&1 | tail -1
+    dd if="$disk/dd.bin" of=/dev/null bs=16M iflag=direct 2>&1 | tail -1; rm -f "$disk/dd.bin"; } > "$out/disk.txt"
+  tail -2 "$out/disk.txt"; keep acts.tar
+  bench $b8 --acts nvme --run-dir "$disk/run" --tag B8-acts-nvme; keep acts.tar
+  bench $b8 --tag B8; keep acts.tar
   ;;
 nvme)  # the disk the state files go to, its sequential rates; clipped B8 and B3 with some AdamW states on it
   disk="$root/.bench-run"; mkdir -p "$disk"
