@@ -252,3 +252,15 @@ def test_activations_on_disk_leave_host_memory_for_two_rings(clip):
     assert disk.device_total == ram.device_total and disk.disk_activations == acts and ram.disk_activations == 0
     assert f"disk ~{acts / GIB:.1f} GiB: boundary activations" in disk.text()
     assert not make_plan(budget_bytes=None, **shape, clip=clip, activations_on_disk=True, shared=True).shared
+
+
+def test_no_device_update_buffers_when_every_sliding_block_keeps_its_states_on_disk():
+    """Blocks whose moments are on disk update on the host, so with the edges resident and every sliding block
+    on disk nothing streams through the device: the plan counts no device-update buffers (the engine makes
+    none), and is the plan without device updates, residency included."""
+    shape = {**SHAPE, "resident": 3}
+    streamed = make_plan(budget_bytes=80 * GIB, **shape, clip=True, device_updates=True, nvme_fraction=1.0)
+    host_only = make_plan(budget_bytes=80 * GIB, **shape, clip=True, device_updates=False, nvme_fraction=1.0)
+    assert streamed.device_total == host_only.device_total and "device-update buffers" not in streamed.text()
+    some = make_plan(budget_bytes=80 * GIB, **shape, clip=True, device_updates=True, nvme_fraction=0.5)
+    assert "device-update buffers" in some.text()

@@ -137,6 +137,10 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
     first = num_blocks - sliding
     device_blocks = [first + j for j in engine.device_updated(sliding, device_share) if first + j not in disk_blocks] \
         if device_updates else []
+    if streamed and resident and not device_blocks:  # every sliding block on disk: nothing streams (the engine's
+        device -= streamed                             # rule), though residency was sized with the buffers
+        fixed -= streamed
+        streamed = 0
     edges_on_host = not resident and not device_updates  # streamed edges keep it on the device
     # With clipping, device memory left over holds the gradients of blocks updated on the device (the engine's
     # share of the sliding ones): 2 bytes per parameter there instead of on the host, and no PCIe round trip.
