@@ -338,7 +338,9 @@ def test_one_gradient_buffer_for_all_blocks_is_enough_and_its_wait_matters():
         take = engine.grad_ring.take
         engine.grad_ring.take = lambda owner: (take(owner)[0], None)
 
-    _, got = run_engine(pipeline=True, window=2, clip=None, delays={"updater": 0.01}, patch=no_wait)
+    # 50 ms per update, as above: at 10 ms, runs beside two busy processes saw no overwrite 6 times in 10 (the
+    # next backward and copy-out took longer than the sleep), and CI's machine has two cores.
+    _, got = run_engine(pipeline=True, window=2, clip=None, delays={"updater": 0.05}, patch=no_wait)
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
