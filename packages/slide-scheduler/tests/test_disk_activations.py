@@ -105,6 +105,33 @@ def test_each_wait_of_the_disk_tier_matters(tmp_path, monkeypatch, pool, drop, s
     assert not same(got, ref)
 
 
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_an_activation_leaves_only_once_it_is_made(tmp_path, tier):
+    """The copy off the device waits for the compute that makes the activation (on a GPU, an event; here a
+    future set late, on CPU worker lanes): what backward gets back is what was made, not the buffer's earlier
+    contents. (The engine's CPU compute lane is its own thread, so only this test can see that wait missing.)"""
+    from concurrent.futures import Future
+
+    from slide_scheduler.activations import ActivationStore
+    from slide_scheduler.lanes import FutureSignal, Lane
+
+    cpu = torch.device("cpu")
+    d2h, h2d, compute = Lane("d2h", cpu), Lane("h2d", cpu), Lane("compute", cpu, inline=True)
+    store = ActivationStore(tier, cpu, d2h, h2d, compute, directory=str(tmp_path))
+    store.trim(1)
+    hidden, made = torch.zeros(1024), Future()
+    store.put(0, 0, hidden, FutureSignal(made))
+    time.sleep(0.05)  # the d2h lane would have copied the zeros by now
+    hidden.fill_(7.0)
+    made.set_result(None)
+    out = store.fetch(0, 0, owner="backward")
+    h2d.record().wait_host()
+    assert out.equal(torch.full((1024,), 7.0))
+    store.close()
+    for lane in (d2h, h2d):
+        lane.close()
+
+
 def test_fetching_out_of_backward_order_is_refused(tmp_path):
     d2h_h2d = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2))
     disk = DiskActivations(tmp_path, d2h_h2d.d2h, d2h_h2d.h2d)

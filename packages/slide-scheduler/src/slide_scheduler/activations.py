@@ -42,6 +42,7 @@ class ActivationStore:
         if not self.offload:
             self._saved[boundary, micro] = (hidden, DONE)
             return
+        self.d2h.wait(produced)
         if self.disk is not None:
             self._leave(hidden, self.disk.put((boundary, micro), hidden))
             return
@@ -52,7 +53,6 @@ class ActivationStore:
             buf = old[0] if old is not None and old[0].shape == hidden.shape and old[0].dtype == hidden.dtype else None
             if buf is None:  # first step (or a new shape): kept and reused by every later step
                 buf = host_empty(hidden.numel(), hidden.dtype).view(hidden.shape)
-        self.d2h.wait(produced)
         self.d2h.run(buf.copy_, hidden, True, label=f"acts out {boundary}")
         copied = self.d2h.record()
         self._leave(hidden, copied)
