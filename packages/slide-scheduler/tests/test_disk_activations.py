@@ -100,7 +100,8 @@ def test_each_wait_of_the_disk_tier_matters(tmp_path, monkeypatch, pool, drop, s
     monkeypatch.setattr(DiskActivations, "_when", impatient)
     try:
         _, got = run_engine(pipeline=True, window=2, clip=0.05, acts_dir=tmp_path, delays={slow: 0.004})
-    except (KeyError, RuntimeError):  # (a read before the first write of its key finds nothing)
+    except (KeyError, RuntimeError) as error:  # a read before the first write of its key finds nothing
+        assert any(isinstance(e, KeyError) and "no key" in str(e) for e in causes(error)), error
         return
     assert not same(got, ref)
 
@@ -132,13 +133,14 @@ def test_an_activation_leaves_only_once_it_is_made(tmp_path, tier):
         lane.close()
 
 
-def test_fetching_out_of_backward_order_is_refused(tmp_path):
+def test_reads_run_a_ring_ahead_and_fetching_out_of_backward_order_is_refused(tmp_path):
     d2h_h2d = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2))
     disk = DiskActivations(tmp_path, d2h_h2d.d2h, d2h_h2d.h2d)
     disk.begin(1)  # a ring of 2 buffers each way
     for b in range(4):
         disk.put((b, 0), torch.full((5,), float(b)))
     data, ready = disk.fetch((3, 0))  # the last boundary first, as backward reads them
+    assert sorted(disk._queued) == [(2, 0), (3, 0)], "reads run a whole ring ahead"
     ready.wait_host()
     assert data.equal(torch.full((5,), 3.0))
     with pytest.raises(RuntimeError, match="out of backward order"):
@@ -222,11 +224,12 @@ def test_a_disk_error_on_read_surfaces(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stall", [None, "d2h", "h2d"])
+@pytest.mark.parametrize("stall", [None, "compute", "d2h", "h2d"])
 def test_activations_on_disk_on_cuda_give_the_in_memory_result(tmp_path, slow_disk, stall):
     """On a GPU (CUDA streams and events, pinned rings, the engine's thread blocking on the disk), steps of other
     shapes (3 and 2 micro-batches of 800 and 1600 tokens), with a slow disk and GPU sleeps holding back the
-    copies off or onto the device: bit for bit the run with activations in host memory."""
+    compute that makes the activations, or the copies off or onto the device: bit for bit the run with
+    activations in host memory."""
     if not torch.cuda.is_available():
         pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
     from test_engine import VOCAB
@@ -249,7 +252,7 @@ def test_activations_on_disk_on_cuda_give_the_in_memory_result(tmp_path, slow_di
                 activation_dir=str(tmp_path)))
             losses = []
             for batch in data:
-                if stall:  # ~50 ms of GPU sleep ahead of the step's copies on that lane
+                if stall:  # ~50 ms of GPU sleep ahead of the step's work on that lane
                     with torch.cuda.stream(getattr(engine, stall).stream):
                         torch.cuda._sleep(100_000_000)
                 losses.append(engine.step(batch, lr=1e-2, normalizer=10).loss)

@@ -391,21 +391,28 @@ def test_a_disk_too_small_for_the_last_checkpoint_is_refused_before_training(tmp
 
 
 def test_a_disk_too_small_for_the_activations_is_refused_before_the_weights_load(tmp_path, monkeypatch):
-    """engine.activation_offload=nvme on a disk without room for a step's boundary activations: refused up front,
-    naming what it needs and the key that moves it."""
-    import slide_io.disk as space
+    """engine.activation_offload=nvme on a disk without room for a step's boundary activations is refused up
+    front, naming what needs the room and the key that moves it; on one disk with the checkpoint, the two are
+    counted together (room for either alone is not enough)."""
+    import slide_train.checkpoint as ckpt
     import slide_train.trainer as trainer_module
-
-    monkeypatch.setattr(space, "free_bytes", lambda directory: 1000)
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the weights were loaded before the disk check")
 
     monkeypatch.setattr(trainer_module, "SlidingEngine", no_loading)
-    with pytest.raises(DiskFullError, match=r"activation_offload=nvme keeps .* of boundary activations in .*"
-                                            r"engine.activation_dir"):
-        Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'run'}", "--engine.activation_offload=nvme"]),
-                progress=False)
+    args = [*TINY, f"--output_dir={tmp_path / 'run'}", "--engine.activation_offload=nvme"]
+    monkeypatch.setattr(trainer_module, "free_bytes", lambda path: 1000)
+    with pytest.raises(DiskFullError, match=r"0.0 MB free, but this run's boundary activations "
+                                            r"\(engine.activation_dir\) need about"):
+        Trainer(load_config(None, [*args, "--checkpoint.keep=0"]), progress=False)
+    cfg = load_config(None, args)
+    plan = trainer_module.plan_run(cfg, trainer_module.load_model(cfg.model, 0, need_tokenizer=False))[0]
+    checkpoint = ckpt.checkpoint_bytes(plan.unit_numels, plan.resident, "fp32")
+    assert plan.disk_activations > 0 and checkpoint > 0
+    monkeypatch.setattr(trainer_module, "free_bytes", lambda path: int(max(plan.disk_activations, checkpoint)) + 1)
+    with pytest.raises(DiskFullError, match=r"this run's checkpoint and boundary activations"):
+        Trainer(cfg, progress=False)
 
 
 def test_export_replaces_only_an_earlier_export(tmp_path, monkeypatch):

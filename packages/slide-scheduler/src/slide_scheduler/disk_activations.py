@@ -49,6 +49,14 @@ def _settled(future: Future) -> Future:
     return out
 
 
+def _hold(item: Future | Signal | None) -> None:
+    """Block until `item` holds (a signal, or a future, whose error is raised)."""
+    if isinstance(item, Signal):
+        item.wait_host()
+    elif item is not None:
+        item.result()
+
+
 class _Buffer:
     def __init__(self):
         self.data: torch.Tensor | None = None  # flat, grown to the largest activation it has held
@@ -57,7 +65,9 @@ class _Buffer:
     def view(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         numel = shape.numel()
         if self.data is None or self.data.dtype != dtype or self.data.numel() < numel:
-            self.data = host_empty(numel, dtype)  # (the first step, or a larger shape; only when not busy)
+            # (the first step, or a larger shape): the old memory goes only once no transfer reads it
+            _hold(self.busy)
+            self.data = host_empty(numel, dtype)
         return self.data[:numel].view(shape)
 
 
@@ -121,11 +131,10 @@ class DiskActivations:
         if self._order is None:
             self._order = sorted(self._layout, key=lambda k: (-k[0], k[1]))
             self._cursor = 0
-        while key not in self._queued:
-            if not self._free or self._cursor == len(self._order):
-                raise RuntimeError(f"activations {key} fetched out of backward order (or never put): the disk tier "
-                                   "reads ahead from the last boundary down, micro-batches in order")
-            self._queue_read()
+        self._read_ahead()
+        if key not in self._queued:
+            raise RuntimeError(f"activations {key} fetched out of backward order (or never put): the disk tier reads "
+                               "ahead from the last boundary down, micro-batches in order")
         _, data, read = self._queued[key]
         return data, FutureSignal(read)
 
@@ -134,18 +143,19 @@ class DiskActivations:
         buffer, _, _ = self._queued.pop(key)
         buffer.busy = copied
         self._free.append(buffer)
-        if self._cursor < len(self._order):
-            self._queue_read()
+        self._read_ahead()
 
-    def _queue_read(self) -> None:
-        key = self._order[self._cursor]
-        self._cursor += 1
-        buffer = self._free.popleft()
-        data = buffer.view(*self._layout[key])
-        read = self._when(self._reader, (buffer.busy, self._written[key]),
-                          lambda: self.store.read(self._name(key), data))
-        self._queued[key] = (buffer, data, read)
-        self._read[key] = read
+    def _read_ahead(self) -> None:
+        """Queue reads, in backward's order, into every free buffer (each waits only for copies already queued)."""
+        while self._free and self._cursor < len(self._order):
+            key = self._order[self._cursor]
+            self._cursor += 1
+            buffer = self._free.popleft()
+            data = buffer.view(*self._layout[key])
+            read = self._when(self._reader, (buffer.busy, self._written[key]),
+                              lambda key=key, data=data: self.store.read(self._name(key), data))
+            self._queued[key] = (buffer, data, read)
+            self._read[key] = read
 
     @staticmethod
     def _name(key: Key) -> str:
@@ -160,10 +170,7 @@ class DiskActivations:
         def submit():
             try:
                 for item in after:
-                    if isinstance(item, Signal):
-                        item.wait_host()
-                    elif item is not None:
-                        item.result()
+                    _hold(item)
                 inner = op()
             except BaseException as e:  # (raised where the result is waited for)
                 out.set_exception(e)

@@ -40,6 +40,7 @@ class Plan:
     unit_numels: tuple[int, ...] = ()  # parameters per unit: the edges, then each block
     window: int = 2  # GPU slots for sliding blocks
     disk_activations: float = 0.0  # bytes of boundary activations on the NVMe tier (activation_offload=nvme)
+    disk_states: float = 0.0  # bytes of AdamW states there (optimizer_offload.nvme_fraction)
 
     @property
     def num_params(self) -> int:
@@ -194,7 +195,7 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
                 device_is_host=not cuda,
                 activations=activations, tokens_per_micro=tokens_per_micro,
                 unit_numels=(edge_numel,) + (block_numel,) * num_blocks, window=window,
-                disk_activations=acts_disk)
+                disk_activations=acts_disk, disk_states=on_disk * block_numel * state_bytes)
 
 
 def check_fits(plan: Plan, budget_key: str, micro_batch_size: int = 1, seq_len: int = 0, window: int = 1) -> None:

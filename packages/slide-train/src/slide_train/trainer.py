@@ -22,7 +22,7 @@ import warnings
 import torch
 import yaml
 
-from slide_io import StoreFullError, free_bytes, preflight
+from slide_io import free_bytes
 from slide_memory import AdamWConfig, FlatLayout
 from slide_scheduler import EngineConfig, SlidingEngine
 from slide_scheduler.engine import DTYPES
@@ -163,21 +163,13 @@ def default_disk_folders(cfg: TrainConfig, engine_cfg: EngineConfig) -> list[str
 
 def build_engine(cfg: TrainConfig, model, progress: bool = False, before_load=None) -> tuple[SlidingEngine, Plan]:
     """The engine, with as many units resident on the device as the memory plan allows. Loading an 8B model's
-    weights takes minutes: with `progress`, a bar counts the blocks as they are read; `before_load(plan)` runs
-    first (checks that can refuse the run without that wait)."""
+    weights takes minutes: with `progress`, a bar counts the blocks as they are read; `before_load(plan,
+    engine_cfg)` runs first (checks that can refuse the run without that wait)."""
     plan, engine_cfg, stack = plan_run(cfg, model)
     if before_load is not None:
-        before_load(plan)
+        before_load(plan, engine_cfg)
     for folder in default_disk_folders(cfg, engine_cfg):  # a killed run's files
         shutil.rmtree(folder, ignore_errors=True)
-    if plan.disk_activations:  # (the states' store checks its own room)
-        try:
-            preflight(engine_cfg.activation_dir, int(plan.disk_activations))
-        except StoreFullError as e:
-            raise DiskFullError(
-                f"engine.activation_offload=nvme keeps {size_text(e.needed)} of boundary activations in {e.directory}, "
-                f"which has {size_text(e.free)} free: set engine.activation_dir to a larger local disk, or use fewer "
-                "tokens per step") from e
     if not plan.device_is_host:  # a training run's process (not `slide-train plan`), before its first segment
         use_expandable_segments()
     with bar(total=stack.num_blocks, desc="loading weights", unit="block", show=progress) as loading:
@@ -211,6 +203,14 @@ def _earlier_outputs(run_dir: pathlib.Path) -> list[pathlib.Path]:
                               "move it away, or choose another output_dir")
         out.append(export)
     return [p for p in out if p.exists()]
+
+
+def _filesystem(path: pathlib.Path) -> int:
+    """The device id of the filesystem that holds, or will hold, `path` (its nearest existing ancestor's)."""
+    path = path.absolute()
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path.stat().st_dev
 
 
 def _bytes_under(path: pathlib.Path) -> int:
@@ -268,7 +268,7 @@ class Trainer:
             warnings.warn("checkpoint.keep=0: this run writes no checkpoint; a stopped run (Ctrl-C) keeps only its "
                           "metrics" + (", and the export is written at the end" if cfg.export else ""), stacklevel=2)
         self.engine, self.memory_plan = build_engine(cfg, self.model, progress,
-                                                     before_load=lambda plan: self._check_disk(plan, outputs))
+                                                     before_load=lambda plan, e: self._check_disk(plan, e, outputs))
         self.num_params = sum(u.layout.numel for u in self.engine.units)
         per_step = cfg.micro_batch_size * cfg.grad_accum
         self.total_steps = math.ceil(self.data.train.rows_in(cfg.epochs) / per_step) if cfg.epochs else cfg.steps
@@ -289,21 +289,34 @@ class Trainer:
         self._eval: tuple[list, int] | None = None
         self._finite_at: int | None = None  # the step whose weights were last checked finite
 
-    def _check_disk(self, plan: Plan, outputs: list[pathlib.Path]) -> None:
-        """A disk too small for the run's last checkpoint (and export) is refused before the weights load, not
-        after training (`outputs`: an earlier run's, which --overwrite is about to delete: their space counts)."""
-        keep = self.cfg.checkpoint.keep
-        needed = ckpt.checkpoint_bytes(plan.unit_numels, plan.resident, self.cfg.engine.states_dtype) if keep else 0
-        if self.cfg.export:
-            needed += export_bytes(plan.num_params, export_dtype(self.cfg.export_dtype, self.model.dtype))
-        free = free_bytes(self.run_dir)
-        if needed > free:  # only then walk what --overwrite frees
-            free += sum(_bytes_under(p) for p in outputs)
-        if needed > free:
-            raise DiskFullError(
-                f"{self.run_dir} has {size_text(free)} free, but this run's "
-                f"{' and '.join(w for w, on in (('checkpoint', keep), ('export', self.cfg.export)) if on)} need about "
-                f"{size_text(needed)}: free some space or set output_dir on a larger disk")
+    def _check_disk(self, plan: Plan, engine_cfg: EngineConfig, outputs: list[pathlib.Path]) -> None:
+        """Disks too small for what the run will write are refused before the weights load, not after training:
+        the last checkpoint and the export in output_dir, and the NVMe tier's files (boundary activations, AdamW
+        states), summed where they share a filesystem (`outputs`: an earlier run's, which --overwrite is about to
+        delete: their space counts)."""
+        cfg = self.cfg
+        wants = [(what, folder, int(size)) for what, folder, size in (
+            ("checkpoint", self.run_dir, cfg.checkpoint.keep and ckpt.checkpoint_bytes(
+                plan.unit_numels, plan.resident, cfg.engine.states_dtype)),
+            ("export", self.run_dir, cfg.export and export_bytes(
+                plan.num_params, export_dtype(cfg.export_dtype, self.model.dtype))),
+            ("boundary activations (engine.activation_dir)", pathlib.Path(engine_cfg.activation_dir),
+             plan.disk_activations),
+            ("AdamW states on disk (engine.optimizer_offload.dir)", pathlib.Path(engine_cfg.nvme_dir or "."),
+             plan.disk_states)) if size]
+        disks: dict[int, list] = {}
+        for want in wants:
+            disks.setdefault(_filesystem(want[1]), []).append(want)
+        for group in disks.values():
+            needed, folder = sum(size for *_, size in group), group[0][1]
+            free = free_bytes(folder)
+            if needed > free and _filesystem(self.run_dir) == _filesystem(folder):  # only then walk what
+                free += sum(_bytes_under(p) for p in outputs)                         # --overwrite frees
+            if needed > free:
+                raise DiskFullError(
+                    f"{folder} has {size_text(free)} free, but this run's {' and '.join(w for w, *_ in group)} "
+                    f"need about {size_text(needed)}: free some space or set output_dir (or the folder named) on "
+                    "a larger disk")
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
