@@ -805,12 +805,14 @@ class SlidingEngine:
         try:
             self.synchronize()
         finally:
-            self.updater.close()
-            if self.disk is not None:
-                self.disk.close()
-            for lane in self.lanes:
-                lane.close()
-            self.activations.close()
+            try:
+                self.updater.close()
+                if self.disk is not None:
+                    self.disk.close()
+            finally:  # (the lanes and the activations' threads and files go even when those raise)
+                for lane in self.lanes:
+                    lane.close()
+                self.activations.close()
 
 
 def device_updated(sliding: int, share: float) -> list[int]:
