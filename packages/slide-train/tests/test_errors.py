@@ -415,6 +415,15 @@ def test_a_disk_too_small_for_the_activations_is_refused_before_the_weights_load
         Trainer(cfg, progress=False)
 
 
+def test_a_folder_for_the_nvme_tier_that_the_run_does_not_use_is_warned_about(tmp_path):
+    for key, needs in (("engine.activation_dir", "activation_offload=nvme"),
+                       ("engine.optimizer_offload.dir", "optimizer_offload.nvme_fraction > 0")):
+        with pytest.warns(UserWarning, match=f"only used with engine.{needs}"):
+            Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / key}", f"--{key}={tmp_path / 'fast'}"]),
+                    progress=False).close()
+        assert not (tmp_path / "fast").exists()
+
+
 def test_export_replaces_only_an_earlier_export(tmp_path, monkeypatch):
     """An export never deletes a directory it did not write: a run directory, a folder of documents, '.'."""
     run = tmp_path / "run"

@@ -267,6 +267,12 @@ class Trainer:
         if not cfg.checkpoint.keep:
             warnings.warn("checkpoint.keep=0: this run writes no checkpoint; a stopped run (Ctrl-C) keeps only its "
                           "metrics" + (", and the export is written at the end" if cfg.export else ""), stacklevel=2)
+        for folder, used, key in ((cfg.engine.activation_dir, cfg.engine.activation_offload == "nvme",
+                                   "engine.activation_offload=nvme"),
+                                  (cfg.engine.optimizer_offload.dir, cfg.engine.optimizer_offload.nvme_fraction > 0,
+                                   "engine.optimizer_offload.nvme_fraction > 0")):
+            if folder and not used:  # (a folder set for the NVMe tier, which the run does not use)
+                warnings.warn(f"{folder} is only used with {key}: this run writes nothing there", stacklevel=2)
         self.engine, self.memory_plan = build_engine(cfg, self.model, progress,
                                                      before_load=lambda plan, e: self._check_disk(plan, e, outputs))
         self.num_params = sum(u.layout.numel for u in self.engine.units)
