@@ -280,3 +280,12 @@ def test_steps_of_other_micro_batch_counts_and_lengths(tmp_path):
     losses, got = run_engine(pipeline=True, window=2, clip=0.05, steps_data=data, acts_dir=tmp_path,
                              delays={"h2d": 0.002})
     assert losses == ref_losses and same(got, ref)
+
+
+@pytest.mark.parametrize("clip", [0.05, None])
+def test_activations_and_adamw_states_on_disk_together(tmp_path, clip):
+    """Both NVMe tiers in one run (their own stores and threads): the in-memory result, bit for bit."""
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip)
+    losses, got = run_engine(pipeline=True, window=2, clip=clip, acts_dir=tmp_path / "acts",
+                             nvme=(0.5, tmp_path / "states"), delays={"updater": 0.003})
+    assert losses == ref_losses and same(got, ref)
