@@ -93,9 +93,9 @@ def test_each_wait_of_the_disk_tier_matters(tmp_path, monkeypatch, pool, drop, s
     _, ref = run_engine(pipeline=False, window=2, clip=0.05)
     when = DiskActivations._when
 
-    def impatient(self, on, after, op):
-        return when(on, tuple(a for k, a in enumerate(after) if k != drop) if on is getattr(self, pool) else after,
-                    op)
+    def impatient(self, on, after, op, label):
+        return when(self, on, tuple(a for k, a in enumerate(after) if k != drop) if on is getattr(self, pool)
+                    else after, op, label)
 
     monkeypatch.setattr(DiskActivations, "_when", impatient)
     try:
@@ -289,3 +289,29 @@ def test_activations_and_adamw_states_on_disk_together(tmp_path, clip):
     losses, got = run_engine(pipeline=True, window=2, clip=clip, acts_dir=tmp_path / "acts",
                              nvme=(0.5, tmp_path / "states"), delays={"updater": 0.003})
     assert losses == ref_losses and same(got, ref)
+
+
+def test_the_disk_tiers_reads_and_writes_are_on_the_timeline(tmp_path):
+    """Every boundary of every micro-batch is written and read once per step, and the moments of the blocks on
+    disk read and written once, each a span of the `disk` lane; their union is the step's `disk_busy_s`."""
+    torch.manual_seed(0)
+    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+        device="cpu", window=2, max_grad_norm=None, activation_offload="nvme", activation_dir=str(tmp_path / "a"),
+        nvme_fraction=0.5, nvme_dir=str(tmp_path / "s")))
+    steps = batches(seed=4, steps=2, micro=3)
+    engine.step(steps[0], lr=1e-2, normalizer=50)
+    stats = engine.step(steps[1], lr=1e-2, normalizer=50)
+    labels = [s.label for s in stats.spans if s.lane == "disk"]
+    for kind in ("write acts", "read acts"):
+        assert sorted(x for x in labels if x.startswith(kind)) == sorted(
+            f"{kind} {b}.{j}" for b in range(DEPTH) for j in range(3))
+    assert stats.timeline["disk_busy_s"] > 0
+    engine.synchronize()  # the moments' reads and write-backs may run past the step's end (no clipping)
+    for u in engine.on_disk:
+        engine.disk.wait(u)
+    late = {s.label for s in engine.timeline.spans() if s.lane == "disk"}  # (since step 2 began)
+    assert late >= {f"{kind} states {u}" for u in engine.on_disk for kind in ("read", "write")}
+    engine.close()
+    memory = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2))
+    assert memory.step(steps[0], lr=1e-2, normalizer=50).timeline["disk_busy_s"] == 0
+    memory.close()

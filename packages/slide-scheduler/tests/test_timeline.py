@@ -26,7 +26,7 @@ def test_summary_counts_what_a_cell_by_cell_count_gives(seed):
     wall = 60
     spans = []
     for lane, count in (("compute", 8), ("waits", 4), ("h2d", 5), ("land", 3), ("d2h", 4), ("store", 3),
-                        ("optimizer", 3)):
+                        ("optimizer", 3), ("disk", 3)):
         for _ in range(count):
             # (host optimizer spans may start before the step; compute and waits are inside it)
             a = rng.randrange(-5 if lane == "optimizer" else 0, wall - 14)
@@ -41,6 +41,7 @@ def test_summary_counts_what_a_cell_by_cell_count_gives(seed):
     assert got["exposed_transfer_s"] == pytest.approx(len(exposed) - len(waiting))
     assert got["copy_busy_s"] == pytest.approx(len(cells(spans, "h2d") | cells(spans, "d2h") | cells(spans, "store")))
     assert got["update_busy_s"] == pytest.approx(len(cells(spans, "optimizer")))
+    assert got["disk_busy_s"] == pytest.approx(len(cells(spans, "disk")))
 
 
 def test_a_wait_counts_only_where_the_gpu_had_nothing_to_do():

@@ -18,6 +18,7 @@ Ordering rules, each a signal or future a later operation waits for:
 from __future__ import annotations
 
 import os
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -121,7 +122,7 @@ class DiskActivations:
         copied = self.d2h.record()
         last_read = self._read.get(key)  # (only its order matters: a failed one was raised in its own step)
         written = self._when(self._writer, (copied, last_read and _settled(last_read)),
-                             lambda: self.store.write(self._name(key), data))
+                             lambda: self.store.write(self._name(key), data), f"write acts {key[0]}.{key[1]}")
         buffer.busy = self._written[key] = written
         self._layout[key] = (hidden.shape, hidden.dtype)
         return copied
@@ -153,7 +154,8 @@ class DiskActivations:
             buffer = self._free.popleft()
             data = buffer.view(*self._layout[key])
             read = self._when(self._reader, (buffer.busy, self._written[key]),
-                              lambda key=key, data=data: self.store.read(self._name(key), data))
+                              lambda key=key, data=data: self.store.read(self._name(key), data),
+                              f"read acts {key[0]}.{key[1]}")
             self._queued[key] = (buffer, data, read)
             self._read[key] = read
 
@@ -161,22 +163,31 @@ class DiskActivations:
     def _name(key: Key) -> str:
         return f"acts.{key[0]}.{key[1]}"
 
-    @staticmethod
-    def _when(pool: ThreadPoolExecutor, after, op) -> Future:
+    def _when(self, pool: ThreadPoolExecutor, after, op, label: str) -> Future:
         """A future for the store operation `op()` submitted on `pool`'s thread once everything in `after` holds
-        (signals, futures or None); the thread goes on to the next without waiting for the disk."""
+        (signals, futures or None); the thread goes on to the next without waiting for the disk. The operation
+        goes on the timeline's `disk` lane."""
         out: Future = Future()
+        timeline = self.d2h.timeline
+
+        def done(f: Future, start: float) -> None:
+            if timeline is not None:
+                timeline.add_host("disk", label, start, time.perf_counter())
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+            else:
+                out.set_result(None)
 
         def submit():
             try:
                 for item in after:
                     _hold(item)
+                start = time.perf_counter()
                 inner = op()
             except BaseException as e:  # (raised where the result is waited for)
                 out.set_exception(e)
                 return
-            inner.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() is not None
-                                    else out.set_result(None))
+            inner.add_done_callback(lambda f: done(f, start))
 
         pool.submit(submit)
         return out

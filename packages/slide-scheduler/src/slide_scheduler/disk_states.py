@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -39,8 +40,9 @@ class DiskStates:
     """m and v of `units` (flat, `numel` fp32 elements each) in an NVMe store under `directory`, staged through
     `SLOTS` host buffers."""
 
-    def __init__(self, units: list[int], numel: int, directory: str | os.PathLike[str]):
+    def __init__(self, units: list[int], numel: int, directory: str | os.PathLike[str], timeline=None):
         self.numel = numel
+        self.timeline = timeline  # a Timeline: each step's reads and writes go on its `disk` lane
         # Preflight: every unit's m and v must fit on the disk, or the run stops now with what it needs.
         self.store = NVMeStore(directory, reserve=len(units) * numel * STATE_BYTES)
         self.slots = [(host_zeros(numel, torch.float32, False), host_zeros(numel, torch.float32, False))
@@ -65,6 +67,12 @@ class DiskStates:
         for future in (op(f"m.{unit}", m), op(f"v.{unit}", v)):
             future.result()
 
+    def _timed(self, label: str, op, unit: int, m: torch.Tensor, v: torch.Tensor) -> None:
+        start = time.perf_counter()
+        self._both(op, unit, m, v)
+        if self.timeline is not None:
+            self.timeline.add_host("disk", label, start, time.perf_counter())
+
     def fetch(self, unit: int) -> None:
         """Queue the read of `unit`'s moments for its next update (called in the order updates will run; a unit
         already fetched for its next update is left as it is)."""
@@ -84,7 +92,7 @@ class DiskStates:
             future.result()  # (a failed write-back fails this read, and so the update that needs it)
         m, v = self.slots[slot]
         if unit in self._stored:
-            self._both(self.store.read, unit, m, v)
+            self._timed(f"read states {unit}", self.store.read, unit, m, v)
         else:
             m.zero_()
             v.zero_()
@@ -114,7 +122,7 @@ class DiskStates:
 
     def _write(self, unit: int, m: torch.Tensor, v: torch.Tensor, written: Future) -> None:
         try:
-            self._both(self.store.write, unit, m, v)
+            self._timed(f"write states {unit}", self.store.write, unit, m, v)
             self._stored.add(unit)
             written.set_result(None)
         except BaseException as e:  # a full disk: the next read of this unit, or of this slot, raises it

@@ -230,7 +230,8 @@ class SlidingEngine:
                                            for u in range(len(self.units))],
                                    bounds=[(tail_from,)] + [()] * self.num_blocks,
                                    external=[u in self.on_disk for u in range(len(self.units))])
-        self.disk = DiskStates(sorted(self.on_disk), block_layout.numel, config.nvme_dir) if self.on_disk else None
+        self.disk = (DiskStates(sorted(self.on_disk), block_layout.numel, config.nvme_dir, self.timeline)
+                     if self.on_disk else None)
         # Edges updated on the device update their tail-only part (final norm, untied lm head) apart from the
         # rest: its gradient is final after the tail and nothing reads it before the next tail, so without
         # clipping it updates during backward, and with clipping after the next forward's loads; only the part

@@ -73,7 +73,8 @@ def summarize(spans: list[Span], wall: float) -> dict[str, float]:
     optimizer (spans of the `waits` lane), so it could not queue more work; it counts whole even where a transfer
     was also late. The rest is exposed transfer time: compute waiting on the copy and land lanes (streamed device
     updates included), and launches. Also the busy time of the copy lanes (h2d, d2h, store) together, of the land
-    lane (its kernels; before it existed they ran inside h2d spans) and of the host optimizer."""
+    lane (its kernels; before it existed they ran inside h2d spans), of the host optimizer and of the NVMe tier's
+    reads and writes (`disk`)."""
     busy = _merged([(s.start, s.end) for s in spans if s.lane == "compute"])
     idle = _between(busy, 0.0, wall)
     waits = _merged([(s.start, s.end) for s in spans if s.lane == "waits"])
@@ -83,7 +84,8 @@ def summarize(spans: list[Span], wall: float) -> dict[str, float]:
             "exposed_transfer_s": max(0.0, exposed - exposed_update),
             "copy_busy_s": _union([(s.start, s.end) for s in spans if s.lane in ("h2d", "d2h", "store")]),
             "land_busy_s": _union([(s.start, s.end) for s in spans if s.lane == "land"]),
-            "update_busy_s": _union([(s.start, s.end) for s in spans if s.lane == "optimizer"])}
+            "update_busy_s": _union([(s.start, s.end) for s in spans if s.lane == "optimizer"]),
+            "disk_busy_s": _union([(s.start, s.end) for s in spans if s.lane == "disk"])}
 
 
 def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -150,11 +152,11 @@ def plot(spans: list[Span], path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    order = ["compute", "h2d", "land", "d2h", "store", "optimizer", "waits"]
+    order = ["compute", "h2d", "land", "d2h", "store", "disk", "optimizer", "waits"]
     lanes = [lane for lane in order if any(s.lane == lane for s in spans)]
     colors = {"forward": "tab:blue", "backward": "tab:orange", "tail": "tab:green", "head": "tab:purple",
               "params": "tab:gray", "acts": "tab:olive", "grads": "tab:red", "update": "tab:brown",
-              "waiting": "tab:pink", "store": "tab:brown"}
+              "waiting": "tab:pink", "store": "tab:brown", "read": "tab:cyan", "write": "tab:olive"}
     fig, ax = plt.subplots(figsize=(12, 0.6 + 0.5 * len(lanes)))
     for row, lane in enumerate(lanes):
         for s in spans:
