@@ -305,11 +305,12 @@ def test_the_disk_tiers_reads_and_writes_are_on_the_timeline(tmp_path):
     for kind in ("write acts", "read acts"):
         assert sorted(x for x in labels if x.startswith(kind)) == sorted(
             f"{kind} {b}.{j}" for b in range(DEPTH) for j in range(3))
-    assert stats.timeline["disk_busy_s"] > 0
+    assert 0 < stats.timeline["disk_busy_s"] <= stats.seconds  # (only what falls within the step)
     engine.synchronize()  # the moments' reads and write-backs may run past the step's end (no clipping)
     for u in engine.on_disk:
         engine.disk.wait(u)
-    late = {s.label for s in engine.timeline.spans() if s.lane == "disk"}  # (since step 2 began)
+    # they are kept until the engine reads them, as the optimizer's updates are: none is lost between steps
+    late = set(labels) | {label for label, *_ in engine.disk.spans}
     assert late >= {f"{kind} states {u}" for u in engine.on_disk for kind in ("read", "write")}
     engine.close()
     memory = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2))

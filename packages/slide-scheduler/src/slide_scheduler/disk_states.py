@@ -40,9 +40,11 @@ class DiskStates:
     """m and v of `units` (flat, `numel` fp32 elements each) in an NVMe store under `directory`, staged through
     `SLOTS` host buffers."""
 
-    def __init__(self, units: list[int], numel: int, directory: str | os.PathLike[str], timeline=None):
+    def __init__(self, units: list[int], numel: int, directory: str | os.PathLike[str]):
         self.numel = numel
-        self.timeline = timeline  # a Timeline: each step's reads and writes go on its `disk` lane
+        # (label, start, end) host times of reads and writes, for the timeline's `disk` lane: they run past the
+        # step that queued them, so the engine takes them as it does the optimizer's spans
+        self.spans: list[tuple[str, float, float]] = []
         # Preflight: every unit's m and v must fit on the disk, or the run stops now with what it needs.
         self.store = NVMeStore(directory, reserve=len(units) * numel * STATE_BYTES)
         self.slots = [(host_zeros(numel, torch.float32, False), host_zeros(numel, torch.float32, False))
@@ -70,8 +72,7 @@ class DiskStates:
     def _timed(self, label: str, op, unit: int, m: torch.Tensor, v: torch.Tensor) -> None:
         start = time.perf_counter()
         self._both(op, unit, m, v)
-        if self.timeline is not None:
-            self.timeline.add_host("disk", label, start, time.perf_counter())
+        self.spans.append((label, start, time.perf_counter()))
 
     def fetch(self, unit: int) -> None:
         """Queue the read of `unit`'s moments for its next update (called in the order updates will run; a unit

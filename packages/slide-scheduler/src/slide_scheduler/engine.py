@@ -230,8 +230,7 @@ class SlidingEngine:
                                            for u in range(len(self.units))],
                                    bounds=[(tail_from,)] + [()] * self.num_blocks,
                                    external=[u in self.on_disk for u in range(len(self.units))])
-        self.disk = (DiskStates(sorted(self.on_disk), block_layout.numel, config.nvme_dir, self.timeline)
-                     if self.on_disk else None)
+        self.disk = DiskStates(sorted(self.on_disk), block_layout.numel, config.nvme_dir) if self.on_disk else None
         # Edges updated on the device update their tail-only part (final norm, untied lm head) apart from the
         # rest: its gradient is final after the tail and nothing reads it before the next tail, so without
         # clipping it updates during backward, and with clipping after the next forward's loads; only the part
@@ -709,6 +708,10 @@ class SlidingEngine:
                 if not self.config.pipeline:  # inline updates: the engine's thread itself was busy with them
                     spans.append(Span("waits", label, start - origin, end - origin))
         del self.updater.spans[: len(seen)]
+        if self.disk is not None:  # the moments' reads and write-backs, likewise
+            seen = list(self.disk.spans)
+            spans += [Span("disk", label, start - origin, end - origin) for label, start, end in seen if end >= origin]
+            del self.disk.spans[: len(seen)]
         return spans
 
     def _memory_counters(self) -> dict[str, float]:
@@ -807,9 +810,11 @@ class SlidingEngine:
             self.synchronize()
         finally:
             try:
-                self.updater.close()
-                if self.disk is not None:
-                    self.disk.close()
+                try:
+                    self.updater.close()
+                finally:
+                    if self.disk is not None:
+                        self.disk.close()
             finally:  # (the lanes and the activations' threads and files go even when those raise)
                 for lane in self.lanes:
                     lane.close()

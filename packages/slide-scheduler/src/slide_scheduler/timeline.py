@@ -85,7 +85,8 @@ def summarize(spans: list[Span], wall: float) -> dict[str, float]:
             "copy_busy_s": _union([(s.start, s.end) for s in spans if s.lane in ("h2d", "d2h", "store")]),
             "land_busy_s": _union([(s.start, s.end) for s in spans if s.lane == "land"]),
             "update_busy_s": _union([(s.start, s.end) for s in spans if s.lane == "optimizer"]),
-            "disk_busy_s": _union([(s.start, s.end) for s in spans if s.lane == "disk"])}
+            "disk_busy_s": _union([(max(s.start, 0.0), min(s.end, wall)) for s in spans  # (within the step)
+                                   if s.lane == "disk" and s.end > 0.0 and s.start < wall])}
 
 
 def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -166,10 +166,10 @@ def build_engine(cfg: TrainConfig, model, progress: bool = False, before_load=No
     weights takes minutes: with `progress`, a bar counts the blocks as they are read; `before_load(plan,
     engine_cfg)` runs first (checks that can refuse the run without that wait)."""
     plan, engine_cfg, stack = plan_run(cfg, model)
+    for folder in default_disk_folders(cfg, engine_cfg):  # a killed run's files (before the checks count them)
+        shutil.rmtree(folder, ignore_errors=True)
     if before_load is not None:
         before_load(plan, engine_cfg)
-    for folder in default_disk_folders(cfg, engine_cfg):  # a killed run's files
-        shutil.rmtree(folder, ignore_errors=True)
     if not plan.device_is_host:  # a training run's process (not `slide-train plan`), before its first segment
         use_expandable_segments()
     with bar(total=stack.num_blocks, desc="loading weights", unit="block", show=progress) as loading:
