@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from test_engine import DEPTH, VOCAB, Model, ToyStack, batches, run_engine
+from test_engine import DEPTH, Model, ToyStack, batches, random_steps, run_engine
 
 from slide_io import NVMeStore, StoreFullError
 from slide_scheduler import EngineConfig, SlidingEngine
@@ -233,13 +233,7 @@ def test_activations_on_disk_on_cuda_give_the_in_memory_result(tmp_path, slow_di
     if not torch.cuda.is_available():
         pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
 
-    g = torch.Generator().manual_seed(0)
-
-    def step(micro, length):
-        return [{"ids": torch.randint(0, VOCAB, (3, length), generator=g).cuda(),
-                 "targets": torch.randint(0, VOCAB, (3, length), generator=g).cuda()} for _ in range(micro)]
-
-    data = [step(3, 800), step(2, 800), step(3, 1600), step(3, 1600)]
+    data = random_steps(0, [(3, 800), (2, 800), (3, 1600), (3, 1600)], "cuda")
     results = {}
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
@@ -269,13 +263,7 @@ def test_steps_of_other_micro_batch_counts_and_lengths(tmp_path):
     """Steps of 3, 2 and 4 micro-batches, of 10 and 25 tokens: the rings grow to the largest step (buffers
     re-made only once nothing reads them), keys of micro-batches a step does not have are not read, and the
     result is the in-memory run's."""
-    g = torch.Generator().manual_seed(7)
-
-    def step(micro, length):
-        return [{"ids": torch.randint(0, VOCAB, (3, length), generator=g),
-                 "targets": torch.randint(0, VOCAB, (3, length), generator=g)} for _ in range(micro)]
-
-    data = [step(3, 10), step(2, 25), step(4, 10), step(2, 10)]
+    data = random_steps(7, [(3, 10), (2, 25), (4, 10), (2, 10)])
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05, steps_data=data)
     losses, got = run_engine(pipeline=True, window=2, clip=0.05, steps_data=data, acts_dir=tmp_path,
                              delays={"h2d": 0.002})

@@ -107,6 +107,14 @@ def batches(seed: int, steps: int, micro: int):
     return out
 
 
+def random_steps(seed: int, shapes: list[tuple[int, int]], device: str = "cpu"):
+    """Steps of (micro-batches, tokens per row) each: random ids and targets, 3 rows per micro-batch."""
+    g = torch.Generator().manual_seed(seed)
+    return [[{"ids": torch.randint(0, VOCAB, (3, length), generator=g).to(device),
+              "targets": torch.randint(0, VOCAB, (3, length), generator=g).to(device)} for _ in range(micro)]
+            for micro, length in shapes]
+
+
 def run_both(window, offload, clip, tied, steps=3, micro=2):
     torch.manual_seed(0)
     model = Model(tied)
@@ -500,13 +508,7 @@ def test_a_split_update_over_shared_memory_reads_activations_and_is_caught():
 def test_shared_memory_follows_steps_of_other_shapes():
     """Fewer micro-batches re-lay the activations in the same allocation; longer ones take a new allocation
     while the previous step's updates still read gradients in the old one: the same result either way."""
-    g = torch.Generator().manual_seed(5)
-
-    def step(micro, length):
-        return [{"ids": torch.randint(0, VOCAB, (3, length), generator=g),
-                 "targets": torch.randint(0, VOCAB, (3, length), generator=g)} for _ in range(micro)]
-
-    data = [step(3, 10), step(2, 10), step(3, 40), step(3, 40)]
+    data = random_steps(5, [(3, 10), (2, 10), (3, 40), (3, 40)])
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05, steps_data=data)
     sizes, kept = [], []
 
@@ -848,13 +850,7 @@ def test_shared_memory_replaced_on_cuda_keeps_the_gradients_its_queued_copies_re
         pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
     from slide_memory.host import EXACT_PIN_BYTES
 
-    g = torch.Generator().manual_seed(5)
-
-    def step(micro, length):
-        return [{"ids": torch.randint(0, VOCAB, (3, length), generator=g).cuda(),
-                 "targets": torch.randint(0, VOCAB, (3, length), generator=g).cuda()} for _ in range(micro)]
-
-    data = [step(3, 800), step(2, 800), step(3, 1600), step(3, 1600), step(2, 800)]
+    data = random_steps(5, [(3, 800), (2, 800), (3, 1600), (3, 1600), (2, 800)], "cuda")
     results, allocations = {}, []
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)

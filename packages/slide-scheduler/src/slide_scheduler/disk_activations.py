@@ -27,17 +27,12 @@ import torch
 from slide_io import NVMeStore
 from slide_memory import host_empty
 
+from .disk_states import done_future
 from .lanes import FutureSignal, Lane, Signal
 
 SLOTS_PER_MICRO = 2  # buffers per micro-batch in each ring: two blocks' boundaries on their way (the planner's count)
 
 Key = tuple[int, int]  # (boundary, micro-batch)
-
-
-def _done() -> Future:
-    future: Future = Future()
-    future.set_result(None)
-    return future
 
 
 def _settled(future: Future) -> Future:
@@ -61,7 +56,7 @@ def _hold(item: Future | Signal | None) -> None:
 class _Buffer:
     def __init__(self):
         self.data: torch.Tensor | None = None  # flat, grown to the largest activation it has held
-        self.busy: Future | Signal = _done()  # what the next use of the buffer waits for
+        self.busy: Future | Signal = done_future()  # what the next use of the buffer waits for
 
     def view(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         numel = shape.numel()

@@ -30,7 +30,8 @@ SLOTS = 2  # staging slots of one block's m and v each (the planner counts the s
 STATE_BYTES = 8  # fp32 m and v per parameter
 
 
-def _done() -> Future:
+def done_future() -> Future:
+    """A future that is already done (what a first use waits for)."""
     future: Future = Future()
     future.set_result(None)
     return future
@@ -49,8 +50,8 @@ class DiskStates:
         self.store = NVMeStore(directory, reserve=len(units) * numel * STATE_BYTES)
         self.slots = [(host_zeros(numel, torch.float32, False), host_zeros(numel, torch.float32, False))
                       for _ in range(SLOTS)]
-        self._slot_free = [_done() for _ in self.slots]  # the write-back that last used each slot
-        self._written = {u: _done() for u in units}  # each unit's latest write-back (or its placeholder)
+        self._slot_free = [done_future() for _ in self.slots]  # the write-back that last used each slot
+        self._written = {u: done_future() for u in units}  # each unit's latest write-back (or its placeholder)
         self._landed = dict(self._written)  # each unit's latest write-back of an update that has finished
         self._stored: set[int] = set()  # units with moments on disk (before a unit's first write: zeros)
         self._fetched: dict[int, tuple[int, Future, Future]] = {}  # unit -> (slot, its read, its write-back)
