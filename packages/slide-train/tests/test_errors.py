@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import warnings
 
 import pytest
@@ -413,6 +414,31 @@ def test_a_disk_too_small_for_the_activations_is_refused_before_the_weights_load
     monkeypatch.setattr(trainer_module, "free_bytes", lambda path: int(max(plan.disk_activations, checkpoint)) + 1)
     with pytest.raises(DiskFullError, match=r"this run's checkpoint and boundary activations"):
         Trainer(cfg, progress=False)
+    # their own folder on the same disk: the message names both folders
+    acts = tmp_path / "acts"
+    both = f"the disk of {tmp_path / 'run'} and {acts}"
+    with pytest.raises(DiskFullError, match=rf"^{re.escape(both)} has .* free, but this run's checkpoint and "
+                                            r"boundary activations"):
+        Trainer(load_config(None, [*args, f"--engine.activation_dir={acts}"]), progress=False)
+
+
+def test_a_share_of_states_on_disk_that_rounds_to_no_block_is_warned_about(tmp_path):
+    """engine.optimizer_offload.nvme_fraction too small for one block would silently keep every state in RAM:
+    the warning says so and names the least share that moves one block, which then does."""
+    import slide_train.trainer as trainer_module
+
+    def plan(fraction):
+        cfg = load_config(None, [*TINY, f"--output_dir={tmp_path / 'run'}",
+                                 f"--engine.optimizer_offload.nvme_fraction={fraction}"])
+        return trainer_module.plan_run(cfg, trainer_module.load_model(cfg.model, 0, need_tokenizer=False))[0]
+
+    with pytest.warns(UserWarning, match=r"nvme_fraction=0.01 of \d+ sliding blocks is none of them") as caught:
+        assert plan(0.01).disk_states == 0
+    least = float(re.search(r"at least ([0-9.]+) keeps one block's states on disk", str(caught[0].message)).group(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        moved = plan(least)
+    assert moved.disk_states > 0
 
 
 def test_a_folder_for_the_nvme_tier_that_the_run_does_not_use_is_warned_about(tmp_path):

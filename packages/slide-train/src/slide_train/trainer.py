@@ -148,6 +148,12 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
     if assume_gpu_gib is None:  # (`slide-train plan` reports the fit itself)
         check_host(plan, host_memory(), replan=(lambda f: plan_for(plan.shared, f)) if e.states_dtype == "fp32"
                    else None)  # (states on disk are fp32)
+    fraction = e.optimizer_offload.nvme_fraction
+    if fraction and not plan.disk_states:  # the share of sliding blocks rounds to none of them
+        least = (f"at least {1 / plan.sliding:.3g} keeps one block's" if plan.sliding else
+                 "no share keeps any: every block is resident, with its")
+        warnings.warn(f"engine.optimizer_offload.nvme_fraction={fraction} of {plan.sliding} sliding blocks is none "
+                      f"of them: every AdamW state stays in host memory ({least} states on disk)", stacklevel=2)
     engine_cfg.resident, engine_cfg.held_grads, engine_cfg.window = plan.resident, plan.held, plan.window
     engine_cfg.grads_share_activations = plan.shared
     return plan, engine_cfg, stack
@@ -319,8 +325,10 @@ class Trainer:
             if needed > free and _filesystem(self.run_dir) == _filesystem(folder):  # only then walk what
                 free += sum(_bytes_under(p) for p in outputs)                         # --overwrite frees
             if needed > free:
+                folders = list(dict.fromkeys(str(f) for _, f, _ in group))
+                where = folders[0] if len(folders) == 1 else f"the disk of {' and '.join(folders)}"
                 raise DiskFullError(
-                    f"{folder} has {size_text(free)} free, but this run's {' and '.join(w for w, *_ in group)} "
+                    f"{where} has {size_text(free)} free, but this run's {' and '.join(w for w, *_ in group)} "
                     f"need about {size_text(needed)}: free some space or set output_dir (or the folder named) on "
                     "a larger disk")
 
