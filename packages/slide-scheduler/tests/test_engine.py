@@ -1168,6 +1168,40 @@ def test_a_failed_write_back_surfaces_and_close_still_stops_threads(tmp_path, mo
     assert not list(tmp_path.glob("slide-io-*")), "closing the engine removes its files"
 
 
+@pytest.mark.parametrize("broken", ["synchronize", "updater", "disk", "lane"])
+def test_close_stops_every_part_when_one_before_it_raises(tmp_path, broken):
+    """Close runs its parts in order (finish the updates, the moments' writes, the lanes, the activations'
+    files) and each one runs even when one before it raises; the error still reaches the caller."""
+    torch.manual_seed(0)
+    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+        device="cpu", window=2, max_grad_norm=None, nvme_fraction=0.5, nvme_dir=str(tmp_path / "states"),
+        activation_offload="nvme", activation_dir=str(tmp_path / "acts")))
+    engine.step(batches(seed=4, steps=1, micro=2)[0], lr=1e-2, normalizer=10)
+    order = []
+
+    def record(name, close):
+        def wrapped():
+            order.append(name)
+            close()
+            if name == broken:
+                raise RuntimeError(f"{name} broke")
+        return wrapped
+
+    engine.synchronize = record("synchronize", engine.synchronize)
+    engine.updater.close = record("updater", engine.updater.close)
+    engine.disk.close = record("disk", engine.disk.close)
+    for i, lane in enumerate(engine.lanes):
+        lane.close = record("lane" if i == 0 else f"lane {i}", lane.close)
+    engine.activations.close = record("activations", engine.activations.close)
+    with pytest.raises(RuntimeError, match=f"{broken} broke"):
+        engine.close()
+    assert order == ["synchronize", "updater", "disk", "lane", *(f"lane {i}" for i in range(1, len(engine.lanes))),
+                     "activations"]
+    threads = [engine.updater._thread, *(t for lane in engine.lanes[1:] for t in lane._pool._threads)]
+    assert threads and not any(t.is_alive() for t in threads)
+    assert not list(tmp_path.glob("*/slide-io-*")), "closing the engine removes the tiers' files"
+
+
 def test_an_engine_whose_step_failed_before_its_disk_updates_ran_still_closes(tmp_path):
     """A backward that fails after the moments' reads were queued but before any update was: the third read
     waits for the first unit's write-back, which never comes. Closing calls those updates off instead of

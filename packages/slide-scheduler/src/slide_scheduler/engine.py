@@ -31,6 +31,7 @@ the synchronous engine, kept as the reference the pipelined one is tested agains
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -806,19 +807,14 @@ class SlidingEngine:
         if self.closed:
             return
         self.closed = True
-        try:
+        with contextlib.ExitStack() as later:  # each runs, last pushed first, even when one before it raises
+            later.callback(self.activations.close)  # (its threads and files)
+            for lane in reversed(self.lanes):
+                later.callback(lane.close)
+            if self.disk is not None:  # after the updater: its last updates write their moments back
+                later.callback(self.disk.close)
+            later.callback(self.updater.close)
             self.synchronize()
-        finally:
-            try:
-                try:
-                    self.updater.close()
-                finally:
-                    if self.disk is not None:
-                        self.disk.close()
-            finally:  # (the lanes and the activations' threads and files go even when those raise)
-                for lane in self.lanes:
-                    lane.close()
-                self.activations.close()
 
 
 def device_updated(sliding: int, share: float) -> list[int]:
