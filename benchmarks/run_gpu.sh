@@ -29,6 +29,8 @@
 #                                      # 1/4 of the sliding blocks' AdamW states on it
 #   bash benchmarks/run_gpu.sh acts    # scheduler and train GPU tests; the disk under the checkout; clipped B8
 #                                      # with its boundary activations on it, and in host memory
+#   bash benchmarks/run_gpu.sh b3trace # memory, scheduler and train GPU tests; clipped B3 (peer) with the pool (the
+#                                      # default) and with a buffer each, keeping both Perfetto traces
 #   bash benchmarks/run_gpu.sh probes  # the host's CPUs and memory settings; host memory bandwidth alone and under
 #                                      # PCIe copies, and the params part's handoff (host_memory.py); copies beside
 #                                      # GEMMs (lane_probe.py); the optimizer thread beside a busy one
@@ -162,6 +164,12 @@ acts)  # boundary activations on the disk under the checkout (engine.activation_
   tail -2 "$out/disk.txt"; keep acts.tar
   bench $b8 --acts nvme --run-dir "$disk/run" --tag B8-acts-nvme; keep acts.tar
   bench $b8 --tag B8; keep acts.tar
+  ;;
+b3trace)
+  gpu_tests slide-memory slide-scheduler slide-train; keep b3trace.tar
+  bench $b3 --peer plain --tag B3; keep b3trace.tar
+  bench $b3 --peer none --share-acts 0 --tag B3-each; keep b3trace.tar
+  exit 0  # (the traces stay)
   ;;
 nvme)  # the disk the state files go to, its sequential rates; clipped B8 and B3 with some AdamW states on it
   disk="$root/.bench-run"; mkdir -p "$disk"
