@@ -31,6 +31,8 @@
 #                                      # with its boundary activations on it, and in host memory
 #   bash benchmarks/run_gpu.sh b3trace # memory, scheduler and train GPU tests; clipped B3 (peer) with the pool (the
 #                                      # default) and with a buffer each, keeping both Perfetto traces
+#   bash benchmarks/run_gpu.sh b3share # clipped B3 (peer) with the pool at device share 0.375 (the default: 7 of its
+#                                      # 21 sliding blocks), 10/21 and 9/21, alternating
 #   bash benchmarks/run_gpu.sh probes  # the host's CPUs and memory settings; host memory bandwidth alone and under
 #                                      # PCIe copies, and the params part's handoff (host_memory.py); copies beside
 #                                      # GEMMs (lane_probe.py); the optimizer thread beside a busy one
@@ -169,6 +171,14 @@ b3trace)
   gpu_tests slide-memory slide-scheduler slide-train; keep b3trace.tar
   bench $b3 --peer plain --tag B3; keep b3trace.tar
   bench $b3 --peer none --share-acts 0 --tag B3-each; keep b3trace.tar
+  exit 0  # (the traces stay)
+  ;;
+b3share)
+  bench $b3 --peer plain --tag B3; keep b3share.tar
+  bench $b3 --peer none --device-share 0.477 --tag B3-share10; keep b3share.tar
+  bench $b3 --peer none --tag B3-again; keep b3share.tar
+  bench $b3 --peer none --device-share 0.477 --tag B3-share10-again; keep b3share.tar
+  bench $b3 --peer none --device-share 0.43 --tag B3-share9; keep b3share.tar
   exit 0  # (the traces stay)
   ;;
 nvme)  # the disk the state files go to, its sequential rates; clipped B8 and B3 with some AdamW states on it
