@@ -33,6 +33,8 @@
 #                                      # default) and with a buffer each, keeping both Perfetto traces
 #   bash benchmarks/run_gpu.sh b3share # clipped B3 (peer) with the pool at device share 0.375 (the default: 7 of its
 #                                      # 21 sliding blocks), 10/21 and 9/21, alternating
+#   bash benchmarks/run_gpu.sh actsfree # unclipped B8 with its boundary activations on the disk under the checkout,
+#                                      # then in host memory (2 timed steps after 1: the host memory each takes)
 #   bash benchmarks/run_gpu.sh probes  # the host's CPUs and memory settings; host memory bandwidth alone and under
 #                                      # PCIe copies, and the params part's handoff (host_memory.py); copies beside
 #                                      # GEMMs (lane_probe.py); the optimizer thread beside a busy one
@@ -180,6 +182,13 @@ b3share)
   bench $b3 --peer none --device-share 0.477 --tag B3-share10-again; keep b3share.tar
   bench $b3 --peer none --device-share 0.43 --tag B3-share9; keep b3share.tar
   exit 0  # (the traces stay)
+  ;;
+actsfree)
+  disk="$root/.bench-run"; mkdir -p "$disk"
+  python3 "$root/benchmarks/engine.py" --out "$out" --steps 2 --warmup 1 $b8 --clip none --acts nvme \
+    --run-dir "$disk/run" --tag B8-noclip-acts-nvme 2>&1 | tail -1; keep actsfree.tar
+  python3 "$root/benchmarks/engine.py" --out "$out" --steps 2 --warmup 1 $b8 --clip none --tag B8-noclip \
+    2>&1 | tail -1; keep actsfree.tar
   ;;
 nvme)  # the disk the state files go to, its sequential rates; clipped B8 and B3 with some AdamW states on it
   disk="$root/.bench-run"; mkdir -p "$disk"
