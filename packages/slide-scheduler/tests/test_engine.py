@@ -228,7 +228,8 @@ def test_forward_runs_ready_blocks_while_a_host_update_is_still_running():
 
 def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None,
                resident: int = 0, dtype: str = "auto", device_share: float = 0.0, tied: bool = True,
-               held: int = 0, split: bool = True, shared: bool = False, steps_data=None, nvme=None, acts_dir=None):
+               held: int = 0, split: bool = True, shared: bool = False, steps_data=None, nvme=None, acts_dir=None,
+               states: str = "fp32"):
     torch.manual_seed(0)
     model = Model(tied=tied)
     engine = SlidingEngine(ToyStack(model), EngineConfig(device="cpu", window=window,
@@ -238,7 +239,7 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
                                                          optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1),
                                                          compute_dtype=dtype, device_update_share=device_share,
                                                          held_grads=held, split_update=split,
-                                                         grads_share_activations=shared,
+                                                         grads_share_activations=shared, states_dtype=states,
                                                          **({"nvme_fraction": nvme[0], "nvme_dir": str(nvme[1])}
                                                             if nvme else {})))
     for name, seconds in (delays or {}).items():
@@ -1073,6 +1074,37 @@ def test_moments_on_disk_give_the_host_memory_result(tmp_path, monkeypatch, clip
     assert not list(tmp_path.glob("slide-io-*")), "closing the engine removes its files"
 
 
+@pytest.mark.parametrize("clip", [0.05, None])
+@pytest.mark.parametrize("slow", [None, "updater"])
+def test_bf16_moments_on_disk_give_the_bf16_in_memory_result(tmp_path, clip, slow):
+    """states_dtype=bf16 with moments on disk: they are stored there in bf16 (half the bytes of fp32 ones), and
+    the result is bit for bit the synchronous engine's with bf16 states in memory."""
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip, states="bf16")
+    fp32_losses, _ = run_engine(pipeline=False, window=2, clip=clip)
+    sizes = {}
+
+    def record(engine):
+        step = engine.step
+
+        def step_and_measure(*args, **kwargs):
+            stats = step(*args, **kwargs)
+            engine.synchronize()
+            engine.disk.wait(max(engine.on_disk))
+            sizes[len(sizes)] = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+            sizes["expected"] = len(engine.on_disk) * engine.disk.numel * 2 * 2  # m and v, 2 bytes each
+            return stats
+
+        engine.step = step_and_measure
+
+    losses, got = run_engine(pipeline=True, window=2, clip=clip, states="bf16", nvme=(0.5, tmp_path),
+                             delays={slow: 0.004} if slow else None, patch=record)
+    assert ref_losses != fp32_losses  # (bf16 states round differently: they are what ran)
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+    assert sizes[0] == sizes["expected"] > 0 and sizes[2] == sizes["expected"]
+    assert not list(tmp_path.glob("slide-io-*")), "closing the engine removes its files"
+
+
 def test_a_read_that_does_not_wait_for_the_last_write_back_is_caught(tmp_path, monkeypatch):
     """The check above can fail: let a block's moments be read without waiting for the write-back of its last
     update, slow the writes down, and an update steps from stale moments."""
@@ -1092,15 +1124,16 @@ def test_a_read_that_does_not_wait_for_the_last_write_back_is_caught(tmp_path, m
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
-def test_moments_on_disk_checkpoint_like_moments_in_memory(tmp_path):
-    """optimizer_state of a unit whose moments are on disk is what the same run keeps in memory, and
-    load_optimizer_state puts it back where the next update reads it."""
+@pytest.mark.parametrize("states", ["fp32", "bf16"])
+def test_moments_on_disk_checkpoint_like_moments_in_memory(tmp_path, states):
+    """optimizer_state of a unit whose moments are on disk is what the same run keeps in memory (in the states'
+    dtype), and load_optimizer_state puts it back where the next update reads it."""
     engines = []
     for nvme in (None, (1.0, tmp_path)):
         torch.manual_seed(0)
         extra = {"nvme_fraction": nvme[0], "nvme_dir": str(nvme[1])} if nvme else {}
         engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=0.05,
-                                                                        **extra))
+                                                                        states_dtype=states, **extra))
         assert engine.optimizer_state(DEPTH) == {}, "no state before the first update"
         for step in batches(seed=4, steps=2, micro=2):
             engine.step(step, lr=1e-2, normalizer=10)
@@ -1109,7 +1142,8 @@ def test_moments_on_disk_checkpoint_like_moments_in_memory(tmp_path):
     memory, disk = engines
     for u in range(DEPTH + 1):
         a, b = memory.optimizer_state(u), disk.optimizer_state(u)
-        assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), u
+        assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].equal(b[k]) for k in a), u
+    assert disk.optimizer_state(DEPTH)["exp_avg"].dtype == engine_module.DTYPES[states]
     # swap the moments of two blocks on disk and give one a later step count (its bias correction changes):
     # the state read back, and the next step, follow
     first, last = disk.optimizer_state(1), disk.optimizer_state(DEPTH)

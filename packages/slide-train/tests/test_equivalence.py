@@ -217,24 +217,38 @@ def test_fused_kernels_in_the_blocks_match_plain_pytorch(tmp_path, family):
 
 
 def test_bf16_states_opt_in_tracks_fp32_states_and_resumes(tmp_path):
+    """bf16 AdamW states track fp32 ones; with the last blocks' states on disk (in bf16 there too) they give the
+    in-memory bf16 run bit for bit, checkpoint the same states, and resume."""
     save_tiny_model(tmp_path / "model", "llama")
     rows, labels = make_rows(seed=6, n=STEPS * MICRO * ACCUM)
     write_token_rows(tmp_path / "data.jsonl", rows, labels)
-    runs = {}
-    for dtype in ("fp32", "bf16"):
+    runs, states, paths = {}, {}, {}
+    for name, dtype, fraction in (("fp32", "fp32", 0.0), ("bf16", "bf16", 0.0), ("bf16-disk", "bf16", 0.5)):
         trainer = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
-                                       **{"engine.states_dtype": dtype, "output_dir": tmp_path / dtype}),
-                          progress=False)
-        runs[dtype] = [trainer.step()["loss"] for _ in range(STEPS)]
-        path = trainer.save_checkpoint()
-        assert trainer.engine.optimizer_state(1)["exp_avg"].dtype == getattr(torch, "bfloat16" if dtype == "bf16"
-                                                                             else "float32")
+                                       **{"engine.states_dtype": dtype, "output_dir": tmp_path / name,
+                                          "engine.optimizer_offload.nvme_fraction": fraction}), progress=False)
+        assert len(trainer.engine.on_disk) == (2 if fraction else 0)
+        runs[name] = [trainer.step()["loss"] for _ in range(STEPS)]
+        paths[name] = trainer.save_checkpoint()
+        trainer.engine.synchronize()
+        states[name] = [trainer.engine.optimizer_state(u) for u in range(len(trainer.engine.units))]
+        assert states[name][-1]["exp_avg"].dtype == getattr(torch, "bfloat16" if dtype == "bf16" else "float32")
+        trainer.close()
     assert runs["bf16"][0] == runs["fp32"][0]  # same start; the states only matter from step 2 on
     assert runs["bf16"] == pytest.approx(runs["fp32"], rel=1e-3)
-    resumed = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
-                                   **{"engine.states_dtype": "bf16", "output_dir": tmp_path / "bf16",
-                                      "resume": path}), progress=False)
-    assert resumed.step_index == STEPS
+    assert runs["bf16-disk"] == runs["bf16"]
+    for a, b in zip(states["bf16"], states["bf16-disk"]):
+        assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    for name in ("bf16", "bf16-disk"):
+        resumed = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
+                                       **{"engine.states_dtype": "bf16", "output_dir": tmp_path / name,
+                                          "engine.optimizer_offload.nvme_fraction": 0.5 if "disk" in name else 0.0,
+                                          "resume": paths[name]}), progress=False)
+        assert resumed.step_index == STEPS
+        resumed.engine.synchronize()
+        got = [resumed.engine.optimizer_state(u) for u in range(len(resumed.engine.units))]
+        assert all(a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a) for a, b in zip(got, states[name]))
+        resumed.close()
 
 
 def test_sliding_window_attention_longer_than_the_window_matches_hf(tmp_path):

@@ -174,8 +174,6 @@ def test_an_earlier_run_is_never_silently_mixed_with_a_new_one(tmp_path):
     ("--engine.activation_offload=nvme --engine.grads_share_activations=true",
      r"it needs engine.activation_offload=cpu"),
     ("--engine.activation_offload=disk", r"engine.activation_offload must be one of none, cpu, nvme"),
-    ("--engine.optimizer_offload.nvme_fraction=0.5 --engine.states_dtype=bf16 --engine.device_update_share=0",
-     "keeps fp32 AdamW states on disk"),
     ("--checkpoint.every=-2", "checkpoint.every must be 0 or more"),
     ("--schedule.min_lr_ratio=3", r"schedule.min_lr_ratio must be in \[0, 1\]"),
     ("--optimizer.eps=0", "optimizer.eps must be positive"),

@@ -216,6 +216,12 @@ def test_states_on_disk_leave_host_memory_and_the_refusal_says_how_many_would_fi
     disk = make_plan(budget_bytes=None, **shape, clip=False, nvme_fraction=0.25)
     assert free.host_total - disk.host_total == 8 * 7 * block - 16 * block  # round(0.25 * 28) = 7 blocks
     assert f"disk ~{8 * 7 * block / GIB:.1f} GiB: AdamW states of 7 sliding blocks" in disk.text()
+    # bf16 states: 4 bytes per parameter on disk, and in the staging slots
+    narrow = {**shape, "state_bytes": 4}
+    narrow_disk = make_plan(budget_bytes=None, **narrow, clip=False, nvme_fraction=0.25)
+    assert make_plan(budget_bytes=None, **narrow, clip=False).host_total - narrow_disk.host_total == \
+        4 * 7 * block - 8 * block
+    assert narrow_disk.disk_states == 4 * 7 * block
     held = make_plan(budget_bytes=1000 * GIB, **{**shape, "resident": 0}, clip=True, device_updates=True)
     all_on_disk = make_plan(budget_bytes=1000 * GIB, **{**shape, "resident": 0}, clip=True, device_updates=True,
                             nvme_fraction=1.0)
@@ -228,7 +234,7 @@ def test_states_on_disk_leave_host_memory_and_the_refusal_says_how_many_would_fi
         ram = base.ram_needed / 0.95 - 20 * block * 8
         with pytest.raises(ConfigError, match="states_dtype=bf16") as plain:
             check_host(base, ram)
-        assert "nvme_fraction" not in str(plain.value)  # without a way to replan (bf16 states), no share offered
+        assert "nvme_fraction" not in str(plain.value)  # without a way to replan, no share offered
         with pytest.raises(ConfigError, match="nvme_fraction=") as refusal:
             check_host(base, ram, replan=lambda f, run=run: make_plan(**shape, **run, nvme_fraction=f))
         fraction = float(re.search(r"nvme_fraction=([0-9.]+)", str(refusal.value)).group(1))

@@ -1,10 +1,10 @@
 """AdamW moments on the NVMe tier: the m and v of some host-updated blocks live in files, not in host memory.
 
-For a run whose states do not fit in RAM. A block's m and v (8 bytes per parameter in fp32) are read into one
-of `SLOTS` staging slots (plain host memory: only the host optimizer touches them) ahead of its update, stepped
-there by the host optimizer, and written back; the slot is reused once that write is done. Reads are queued in
-the order the updates will run (`fetch`, called by the engine when it knows that order), so they run ahead of
-the optimizer by as many slots as there are.
+For a run whose states do not fit in RAM. A block's m and v (in the states' dtype, as in memory: 8 bytes per
+parameter in fp32, 4 in bf16) are read into one of `SLOTS` staging slots (plain host memory: only the host
+optimizer touches them) ahead of its update, stepped there by the host optimizer, and written back; the slot
+is reused once that write is done. Reads are queued in the order the updates will run (`fetch`, called by the
+engine when it knows that order), so they run ahead of the optimizer by as many slots as there are.
 
 Ordering rules, each a future a later operation waits for:
 - a read of unit u waits for the write-back of u's previous update (it must see the newest moments);
@@ -27,7 +27,11 @@ from slide_io import NVMeStore
 from slide_memory import host_zeros
 
 SLOTS = 2  # staging slots of one block's m and v each (the planner counts the same)
-STATE_BYTES = 8  # fp32 m and v per parameter
+
+
+def state_bytes(dtype: torch.dtype) -> int:
+    """Bytes per parameter of m and v in `dtype`."""
+    return 2 * dtype.itemsize
 
 
 def done_future() -> Future:
@@ -38,18 +42,18 @@ def done_future() -> Future:
 
 
 class DiskStates:
-    """m and v of `units` (flat, `numel` fp32 elements each) in an NVMe store under `directory`, staged through
-    `SLOTS` host buffers."""
+    """m and v of `units` (flat, `numel` elements of `dtype` each) in an NVMe store under `directory`, staged
+    through `SLOTS` host buffers."""
 
-    def __init__(self, units: list[int], numel: int, directory: str | os.PathLike[str]):
-        self.numel = numel
+    def __init__(self, units: list[int], numel: int, directory: str | os.PathLike[str],
+                 dtype: torch.dtype = torch.float32):
+        self.numel, self.dtype = numel, dtype
         # (label, start, end) host times of reads and writes, for the timeline's `disk` lane: they run past the
         # step that queued them, so the engine takes them as it does the optimizer's spans
         self.spans: list[tuple[str, float, float]] = []
         # Preflight: every unit's m and v must fit on the disk, or the run stops now with what it needs.
-        self.store = NVMeStore(directory, reserve=len(units) * numel * STATE_BYTES)
-        self.slots = [(host_zeros(numel, torch.float32, False), host_zeros(numel, torch.float32, False))
-                      for _ in range(SLOTS)]
+        self.store = NVMeStore(directory, reserve=len(units) * numel * state_bytes(dtype))
+        self.slots = [(host_zeros(numel, dtype, False), host_zeros(numel, dtype, False)) for _ in range(SLOTS)]
         self._slot_free = [done_future() for _ in self.slots]  # the write-back that last used each slot
         self._written = {u: done_future() for u in units}  # each unit's latest write-back (or its placeholder)
         self._landed = dict(self._written)  # each unit's latest write-back of an update that has finished
@@ -141,20 +145,20 @@ class DiskStates:
         self.wait(unit)
         if unit not in self._stored:
             return None
-        m, v = torch.empty(self.numel), torch.empty(self.numel)
+        m, v = torch.empty(self.numel, dtype=self.dtype), torch.empty(self.numel, dtype=self.dtype)
         self._both(self.store.read, unit, m, v)
         return m, v
 
     def load(self, unit: int, m: torch.Tensor | None, v: torch.Tensor | None) -> None:
-        """Replace `unit`'s moments on disk (None: zeros, as before a first update); from a checkpoint, with no
-        update of the unit pending."""
+        """Replace `unit`'s moments on disk (None: zeros, as before a first update; any dtype, stored as the
+        states'); from a checkpoint, with no update of the unit pending."""
         if unit in self._fetched:
             raise RuntimeError(f"moments of unit {unit} are staged for an update: load them before it is queued")
         self.wait(unit)
         if m is None:
             self._stored.discard(unit)
             return
-        self._both(self.store.write, unit, m.float().contiguous(), v.float().contiguous())
+        self._both(self.store.write, unit, m.to(self.dtype).contiguous(), v.to(self.dtype).contiguous())
         self._stored.add(unit)
 
     def call_off(self) -> None:

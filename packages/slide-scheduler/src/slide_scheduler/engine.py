@@ -231,7 +231,8 @@ class SlidingEngine:
                                            for u in range(len(self.units))],
                                    bounds=[(tail_from,)] + [()] * self.num_blocks,
                                    external=[u in self.on_disk for u in range(len(self.units))])
-        self.disk = DiskStates(sorted(self.on_disk), block_layout.numel, config.nvme_dir) if self.on_disk else None
+        self.disk = DiskStates(sorted(self.on_disk), block_layout.numel, config.nvme_dir,
+                               DTYPES[config.states_dtype]) if self.on_disk else None
         # Edges updated on the device update their tail-only part (final norm, untied lm head) apart from the
         # rest: its gradient is final after the tail and nothing reads it before the next tail, so without
         # clipping it updates during backward, and with clipping after the next forward's loads; only the part
@@ -296,8 +297,6 @@ class SlidingEngine:
         if blocks and not self.config.nvme_dir:
             raise ValueError("nvme_fraction > 0 keeps AdamW states in files: set nvme_dir to a directory on a fast "
                              "local disk")
-        if blocks and self.config.states_dtype != "fp32":
-            raise ValueError("AdamW states on the NVMe tier are fp32: use states_dtype=fp32 with nvme_fraction")
         return {1 + b for b in blocks}
 
     def _choose_streamed(self) -> set[int]:

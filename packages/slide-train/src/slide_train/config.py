@@ -40,7 +40,8 @@ class ScheduleConfig:
 @dataclass
 class OptimizerOffloadConfig:
     # Share of the sliding blocks (the last ones) whose AdamW m and v live in files instead of host memory: 8 bytes
-    # per parameter less RAM, and each of their updates reads and writes those bytes (a fast NVMe disk matters)
+    # per parameter less RAM (4 with states_dtype bf16), and each of their updates reads and writes those bytes
+    # (a fast NVMe disk matters)
     nvme_fraction: float = 0.0
     dir: str | None = None  # where (null: <output_dir>/optimizer-states); the files are removed at the end
 
@@ -247,9 +248,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if not 0.0 <= cfg.engine.optimizer_offload.nvme_fraction <= 1.0:
         raise ConfigError("engine.optimizer_offload.nvme_fraction is the share of sliding blocks whose AdamW states "
                           f"live on disk: it must be in [0, 1], got {cfg.engine.optimizer_offload.nvme_fraction}")
-    if cfg.engine.optimizer_offload.nvme_fraction and cfg.engine.states_dtype != "fp32":
-        raise ConfigError("engine.optimizer_offload.nvme_fraction keeps fp32 AdamW states on disk: use it with "
-                          "engine.states_dtype=fp32")
     if cfg.engine.gpu_memory_limit_gb is not None and cfg.engine.gpu_memory_limit_gb <= 0:
         raise ConfigError("engine.gpu_memory_limit_gb must be positive, or null for no cap")
     if cfg.eval_every and cfg.data.eval_fraction <= 0:

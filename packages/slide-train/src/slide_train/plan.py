@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from slide_scheduler import engine
 from slide_scheduler.disk_activations import SLOTS_PER_MICRO
-from slide_scheduler.disk_states import SLOTS, STATE_BYTES
+from slide_scheduler.disk_states import SLOTS
 from slide_scheduler.pool import pool_bytes
 
 GIB = 2**30
@@ -171,7 +171,7 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
     on_device = (edge_numel if resident else 0) + max(resident - 1, 0) * block_numel  # AdamW states there
     # fp32 masters + the AdamW states kept here (those on disk pass through two fp32 staging slots of m and v)
     states_host = total * 4 + (total - on_device - on_disk * block_numel) * state_bytes
-    staging = SLOTS * STATE_BYTES * block_numel if on_disk else 0
+    staging = SLOTS * state_bytes * block_numel if on_disk else 0  # (in the states' dtype, as on disk)
     host = states_host + staging + grads + acts_host
     lines = [
         f"plan: {resident} of {num_blocks + 1} units resident on the device "

@@ -146,8 +146,7 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         check_plan(plan, "engine.gpu_memory_limit_gb" if e.gpu_memory_limit_gb else "the GPU's memory",
                    cfg.micro_batch_size, cfg.seq_len, plan.window)
     if assume_gpu_gib is None:  # (`slide-train plan` reports the fit itself)
-        check_host(plan, host_memory(), replan=(lambda f: plan_for(plan.shared, f)) if e.states_dtype == "fp32"
-                   else None)  # (states on disk are fp32)
+        check_host(plan, host_memory(), replan=lambda f: plan_for(plan.shared, f))
     fraction = e.optimizer_offload.nvme_fraction
     if fraction and not plan.disk_states:  # the share of sliding blocks rounds to none of them
         least = (f"at least {1 / plan.sliding:.3g} keeps one block's" if plan.sliding else
