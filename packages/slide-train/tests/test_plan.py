@@ -80,6 +80,9 @@ def test_plan_command_and_host_check(capsys):
     with pytest.raises(ConfigError, match=r"needs ~\d+ GiB of host memory.*has 16 GiB.*states_dtype=bf16"):
         check_host(plan, 16 * GIB)
     check_host(plan, 512 * GIB)
+    with pytest.raises(ConfigError, match="has 16 GiB") as narrow:  # bf16 already: not offered again
+        check_host(make_plan(budget_bytes=24 * GIB, **SHAPE, state_bytes=4), 16 * GIB)
+    assert "states_dtype" not in str(narrow.value) and "max_grad_norm=null" in str(narrow.value)
 
 
 def test_host_plan_is_12_bytes_per_parameter_plus_gradient_staging():
