@@ -1081,17 +1081,18 @@ def test_bf16_moments_on_disk_give_the_bf16_in_memory_result(tmp_path, clip, slo
     the result is bit for bit the synchronous engine's with bf16 states in memory."""
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip, states="bf16")
     fp32_losses, _ = run_engine(pipeline=False, window=2, clip=clip)
-    sizes = {}
+    sizes, expected = [], []
 
     def record(engine):
         step = engine.step
+        expected.append(len(engine.on_disk) * engine.disk.numel * 2 * 2)  # m and v, 2 bytes each
 
         def step_and_measure(*args, **kwargs):
             stats = step(*args, **kwargs)
             engine.synchronize()
-            engine.disk.wait(max(engine.on_disk))
-            sizes[len(sizes)] = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
-            sizes["expected"] = len(engine.on_disk) * engine.disk.numel * 2 * 2  # m and v, 2 bytes each
+            for unit in engine.on_disk:  # (each unit's write-back is on disk)
+                engine.disk.wait(unit)
+            sizes.append(sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file()))
             return stats
 
         engine.step = step_and_measure
@@ -1101,7 +1102,7 @@ def test_bf16_moments_on_disk_give_the_bf16_in_memory_result(tmp_path, clip, slo
     assert ref_losses != fp32_losses  # (bf16 states round differently: they are what ran)
     assert losses == ref_losses
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
-    assert sizes[0] == sizes["expected"] > 0 and sizes[2] == sizes["expected"]
+    assert expected[0] > 0 and sizes == expected * 3
     assert not list(tmp_path.glob("slide-io-*")), "closing the engine removes its files"
 
 
@@ -1156,6 +1157,41 @@ def test_moments_on_disk_checkpoint_like_moments_in_memory(tmp_path, states):
     memory.load_optimizer_state(DEPTH, first)
     step = batches(seed=7, steps=1, micro=2)[0]
     assert memory.step(step, lr=1e-2, normalizer=10).loss == disk.step(step, lr=1e-2, normalizer=10).loss
+    a, b = memory.named_masters(), disk.named_masters()
+    assert all(a[u][n].equal(t) for u, params in b.items() for n, t in params.items())
+    for engine in engines:
+        engine.close()
+
+
+def test_fp32_states_load_into_bf16_moments_on_disk_as_into_bf16_ones_in_memory(tmp_path):
+    """A bf16-states run resumed from an fp32 checkpoint: the states narrowed onto disk step exactly as the same
+    states narrowed into memory."""
+    torch.manual_seed(0)
+    source = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=0.05))
+    for step in batches(seed=4, steps=2, micro=2):
+        source.step(step, lr=1e-2, normalizer=10)
+    source.synchronize()
+    states = [source.optimizer_state(u) for u in range(DEPTH + 1)]
+    masters = {u: unit.master.clone() for u, unit in enumerate(source.units)}
+    source.close()
+    engines = []
+    for nvme in (None, (1.0, tmp_path)):
+        extra = {"nvme_fraction": nvme[0], "nvme_dir": str(nvme[1])} if nvme else {}
+        engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=0.05,
+                                                                        states_dtype="bf16", **extra))
+        for u, unit in enumerate(engine.units):
+            unit.master.copy_(masters[u])
+            engine.load_optimizer_state(u, states[u])
+        engine.refresh()
+        engines.append(engine)
+    memory, disk = engines
+    assert disk.on_disk and states[DEPTH]["exp_avg"].dtype == torch.float32
+    for u in range(DEPTH + 1):
+        a, b = memory.optimizer_state(u), disk.optimizer_state(u)
+        assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].equal(b[k]) for k in a), u
+    assert disk.optimizer_state(DEPTH)["exp_avg"].dtype == torch.bfloat16
+    for step in batches(seed=7, steps=2, micro=2):
+        assert memory.step(step, lr=1e-2, normalizer=10).loss == disk.step(step, lr=1e-2, normalizer=10).loss
     a, b = memory.named_masters(), disk.named_masters()
     assert all(a[u][n].equal(t) for u, params in b.items() for n, t in params.items())
     for engine in engines:

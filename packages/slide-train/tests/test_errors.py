@@ -422,21 +422,28 @@ def test_a_disk_too_small_for_the_activations_is_refused_before_the_weights_load
 
 def test_a_share_of_states_on_disk_that_rounds_to_no_block_is_warned_about(tmp_path):
     """engine.optimizer_offload.nvme_fraction too small for one block would silently keep every state in RAM:
-    the warning says so and names the least share that moves one block, which then does."""
+    the warning says so and names a share that moves one block, which then does; with every block resident it
+    says that instead."""
     import slide_train.trainer as trainer_module
 
-    def plan(fraction):
+    def plan(fraction, *extra):
         cfg = load_config(None, [*TINY, f"--output_dir={tmp_path / 'run'}",
-                                 f"--engine.optimizer_offload.nvme_fraction={fraction}"])
-        return trainer_module.plan_run(cfg, trainer_module.load_model(cfg.model, 0, need_tokenizer=False))[0]
+                                 f"--engine.optimizer_offload.nvme_fraction={fraction}", *extra])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            made = trainer_module.plan_run(cfg, trainer_module.load_model(cfg.model, 0, need_tokenizer=False))[0]
+        return made, [str(w.message) for w in caught if "nvme_fraction" in str(w.message)]
 
-    with pytest.warns(UserWarning, match=r"nvme_fraction=0.01 of \d+ sliding blocks is none of them") as caught:
-        assert plan(0.01).disk_states == 0
-    least = float(re.search(r"at least ([0-9.]+) keeps one block's states on disk", str(caught[0].message)).group(1))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        moved = plan(least)
-    assert moved.disk_states > 0
+    none, said = plan(0.01)
+    assert none.disk_states == 0 and len(said) == 1
+    found = re.search(r"nvme_fraction=0.01 puts no AdamW state on disk: it is none of the (\d+) sliding blocks "
+                      r"\(a share of ([0-9.]+) keeps one block's states there\)", said[0])
+    assert found and int(found.group(1)) == none.sliding > 1
+    moved, said = plan(float(found.group(2)))
+    assert moved.disk_states > 0 and not said
+    resident, said = plan(0.5, f"--engine.resident={none.sliding + 1}")
+    assert resident.sliding == 0 and said == ["engine.optimizer_offload.nvme_fraction=0.5 puts no AdamW state on "
+                                              "disk: every block is resident, its states on the device"]
 
 
 def test_a_folder_for_the_nvme_tier_that_the_run_does_not_use_is_warned_about(tmp_path):

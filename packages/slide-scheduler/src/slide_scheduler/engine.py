@@ -106,8 +106,8 @@ class EngineConfig:
     # device (`held_grads`) are the last device-updated blocks' rather than the first.
     grads_share_activations: bool = False
     # The share of sliding blocks (the last ones) whose AdamW m and v live on the NVMe tier in `nvme_dir` rather
-    # than in host memory (8 bytes per parameter less RAM; each update reads them in and writes them back, see
-    # disk_states.py). Those blocks update on the host, whole.
+    # than in host memory (8 bytes per parameter less RAM, 4 with bf16 states; each update reads them in and writes
+    # them back, see disk_states.py). Those blocks update on the host, whole.
     nvme_fraction: float = 0.0
     nvme_dir: str | None = None
     activation_dir: str | None = None  # where activation_offload=nvme keeps the boundary activations

@@ -170,7 +170,7 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
             where = "staging for the boundary activations on disk" if acts_disk else "boundary activations"
             host_buffers += f", {where} {acts_host / GIB:.1f}"
     on_device = (edge_numel if resident else 0) + max(resident - 1, 0) * block_numel  # AdamW states there
-    # fp32 masters + the AdamW states kept here (those on disk pass through two fp32 staging slots of m and v)
+    # fp32 masters + the AdamW states kept here (those on disk pass through two staging slots of m and v)
     states_host = total * 4 + (total - on_device - on_disk * block_numel) * state_bytes
     staging = SLOTS * state_bytes * block_numel if on_disk else 0  # (in the states' dtype, as on disk)
     host = states_host + staging + grads + acts_host

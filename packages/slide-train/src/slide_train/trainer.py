@@ -149,10 +149,9 @@ def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
         check_host(plan, host_memory(), replan=lambda f: plan_for(plan.shared, f))
     fraction = e.optimizer_offload.nvme_fraction
     if fraction and not plan.disk_states:  # the share of sliding blocks rounds to none of them
-        least = (f"at least {1 / plan.sliding:.3g} keeps one block's" if plan.sliding else
-                 "no share keeps any: every block is resident, with its")
-        warnings.warn(f"engine.optimizer_offload.nvme_fraction={fraction} of {plan.sliding} sliding blocks is none "
-                      f"of them: every AdamW state stays in host memory ({least} states on disk)", stacklevel=2)
+        warnings.warn(f"engine.optimizer_offload.nvme_fraction={fraction} puts no AdamW state on disk: " + (
+            f"it is none of the {plan.sliding} sliding blocks (a share of {1 / plan.sliding:.3g} keeps one block's "
+            "states there)" if plan.sliding else "every block is resident, its states on the device"), stacklevel=2)
     engine_cfg.resident, engine_cfg.held_grads, engine_cfg.window = plan.resident, plan.held, plan.window
     engine_cfg.grads_share_activations = plan.shared
     return plan, engine_cfg, stack
