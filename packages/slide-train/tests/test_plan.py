@@ -83,6 +83,9 @@ def test_plan_command_and_host_check(capsys):
     with pytest.raises(ConfigError, match="has 16 GiB") as narrow:  # bf16 already: not offered again
         check_host(make_plan(budget_bytes=24 * GIB, **SHAPE, state_bytes=4), 16 * GIB)
     assert "states_dtype" not in str(narrow.value) and "max_grad_norm=null" in str(narrow.value)
+    with pytest.raises(ConfigError, match="has 16 GiB") as unclipped:  # no clipping: nothing held to drop
+        check_host(make_plan(budget_bytes=24 * GIB, **SHAPE, clip=False), 16 * GIB)
+    assert "max_grad_norm" not in str(unclipped.value) and "states_dtype=bf16" in str(unclipped.value)
 
 
 def test_host_plan_is_12_bytes_per_parameter_plus_gradient_staging():

@@ -42,6 +42,7 @@ class Plan:
     disk_activations: float = 0.0  # bytes of boundary activations on the NVMe tier (activation_offload=nvme)
     disk_states: float = 0.0  # bytes of AdamW states there (optimizer_offload.nvme_fraction)
     state_bytes: int = 8  # of AdamW m and v per parameter of a host unit (8 fp32, 4 bf16)
+    clip: bool = True  # exact clipping: the host holds every sliding block's gradient until the norm is known
 
     @property
     def num_params(self) -> int:
@@ -196,7 +197,8 @@ def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, in
                 device_is_host=not cuda,
                 activations=activations, tokens_per_micro=tokens_per_micro,
                 unit_numels=(edge_numel,) + (block_numel,) * num_blocks, window=window,
-                disk_activations=acts_disk, disk_states=on_disk * block_numel * state_bytes, state_bytes=state_bytes)
+                disk_activations=acts_disk, disk_states=on_disk * block_numel * state_bytes, state_bytes=state_bytes,
+                clip=clip)
 
 
 def check_fits(plan: Plan, budget_key: str, micro_batch_size: int = 1, seq_len: int = 0, window: int = 1) -> None:
@@ -254,6 +256,7 @@ def check_host(plan: Plan, ram: float | None, replan: Callable[[float], Plan] | 
             f"this run needs ~{plan.ram_needed / GIB:.0f} GiB of host memory (fp32 masters, AdamW states, "
             f"gradient staging, boundary activations{on_cpu}); this machine has {ram / GIB:.0f} GiB. "
             + ("engine.states_dtype=bf16 saves 4 bytes per parameter, " if plan.state_bytes > 4 else "")
-            + f"max_grad_norm=null saves the 2 bytes per parameter that exact clipping holds{share}, fewer tokens "
-            "per step shrink the activations"
+            + (f"max_grad_norm=null saves the 2 bytes per parameter that exact clipping holds{share}, "
+               if plan.clip and plan.sliding else "")
+            + "fewer tokens per step shrink the activations"
             + ("" if plan.disk_activations else " (engine.activation_offload=nvme keeps them on disk)") + disk)
