@@ -226,6 +226,11 @@ def test_forward_runs_ready_blocks_while_a_host_update_is_still_running():
     assert forward["forward 1"].end < update["update 2"].end < forward["forward 2"].start
 
 
+def on_disk(nvme) -> dict:
+    """EngineConfig keys for AdamW moments on disk: `nvme` is (nvme_fraction, directory), or None for none."""
+    return {"nvme_fraction": nvme[0], "nvme_dir": str(nvme[1])} if nvme else {}
+
+
 def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None,
                resident: int = 0, dtype: str = "auto", device_share: float = 0.0, tied: bool = True,
                held: int = 0, split: bool = True, shared: bool = False, steps_data=None, nvme=None, acts_dir=None,
@@ -240,8 +245,7 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
                                                          compute_dtype=dtype, device_update_share=device_share,
                                                          held_grads=held, split_update=split,
                                                          grads_share_activations=shared, states_dtype=states,
-                                                         **({"nvme_fraction": nvme[0], "nvme_dir": str(nvme[1])}
-                                                            if nvme else {})))
+                                                         **on_disk(nvme)))
     for name, seconds in (delays or {}).items():
         getattr(engine, name).delay = seconds
     if patch:
@@ -1132,9 +1136,8 @@ def test_moments_on_disk_checkpoint_like_moments_in_memory(tmp_path, states):
     engines = []
     for nvme in (None, (1.0, tmp_path)):
         torch.manual_seed(0)
-        extra = {"nvme_fraction": nvme[0], "nvme_dir": str(nvme[1])} if nvme else {}
         engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=0.05,
-                                                                        states_dtype=states, **extra))
+                                                                        states_dtype=states, **on_disk(nvme)))
         assert engine.optimizer_state(DEPTH) == {}, "no state before the first update"
         for step in batches(seed=4, steps=2, micro=2):
             engine.step(step, lr=1e-2, normalizer=10)
@@ -1176,9 +1179,8 @@ def test_fp32_states_load_into_bf16_moments_on_disk_as_into_bf16_ones_in_memory(
     source.close()
     engines = []
     for nvme in (None, (1.0, tmp_path)):
-        extra = {"nvme_fraction": nvme[0], "nvme_dir": str(nvme[1])} if nvme else {}
         engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=0.05,
-                                                                        states_dtype="bf16", **extra))
+                                                                        states_dtype="bf16", **on_disk(nvme)))
         for u, unit in enumerate(engine.units):
             unit.master.copy_(masters[u])
             engine.load_optimizer_state(u, states[u])

@@ -701,17 +701,12 @@ class SlidingEngine:
     def _spans(self, origin: float):
         """This step's spans, plus the optimizer thread's updates that ran during it (host times)."""
         spans = self.timeline.spans()
-        seen = list(self.updater.spans)  # the worker may append meanwhile: only what was read is dropped
-        for label, start, end in seen:
-            if end >= origin:
-                spans.append(Span("optimizer", label, start - origin, end - origin))
-                if not self.config.pipeline:  # inline updates: the engine's thread itself was busy with them
-                    spans.append(Span("waits", label, start - origin, end - origin))
-        del self.updater.spans[: len(seen)]
+        for label, start, end in _drain(self.updater.spans, origin):
+            spans.append(Span("optimizer", label, start, end))
+            if not self.config.pipeline:  # inline updates: the engine's thread itself was busy with them
+                spans.append(Span("waits", label, start, end))
         if self.disk is not None:  # the moments' reads and write-backs, likewise
-            seen = list(self.disk.spans)
-            spans += [Span("disk", label, start - origin, end - origin) for label, start, end in seen if end >= origin]
-            del self.disk.spans[: len(seen)]
+            spans += [Span("disk", *span) for span in _drain(self.disk.spans, origin)]
         return spans
 
     def _memory_counters(self) -> dict[str, float]:
@@ -814,6 +809,14 @@ class SlidingEngine:
                 later.callback(self.disk.close)
             later.callback(self.updater.close)
             self.synchronize()
+
+
+def _drain(spans: list[tuple[str, float, float]], origin: float) -> list[tuple[str, float, float]]:
+    """Take the (label, start, end) host spans a worker thread has appended so far, as times from `origin`,
+    dropping those that ended before it. The worker may append meanwhile: only what was read is removed."""
+    seen = list(spans)
+    del spans[: len(seen)]
+    return [(label, start - origin, end - origin) for label, start, end in seen if end >= origin]
 
 
 def device_updated(sliding: int, share: float) -> list[int]:

@@ -312,16 +312,17 @@ class Trainer:
                 plan.num_params, export_dtype(cfg.export_dtype, self.model.dtype))),
             ("boundary activations (engine.activation_dir)", pathlib.Path(engine_cfg.activation_dir),
              plan.disk_activations),
-            ("AdamW states on disk (engine.optimizer_offload.dir)", pathlib.Path(engine_cfg.nvme_dir or "."),
+            ("AdamW states on disk (engine.optimizer_offload.dir)", pathlib.Path(engine_cfg.nvme_dir),
              plan.disk_states)) if size]
         disks: dict[int, list] = {}
         for want in wants:
             disks.setdefault(_filesystem(want[1]), []).append(want)
-        for group in disks.values():
+        run_disk = _filesystem(self.run_dir)
+        for disk, group in disks.items():
             needed, folder = sum(size for *_, size in group), group[0][1]
             free = free_bytes(folder)
-            if needed > free and _filesystem(self.run_dir) == _filesystem(folder):  # only then walk what
-                free += sum(_bytes_under(p) for p in outputs)                         # --overwrite frees
+            if needed > free and disk == run_disk:  # only then walk what --overwrite frees
+                free += sum(_bytes_under(p) for p in outputs)
             if needed > free:
                 folders = list(dict.fromkeys(str(f) for _, f, _ in group))
                 where = folders[0] if len(folders) == 1 else f"the disk of {' and '.join(folders)}"
