@@ -1,0 +1,177 @@
+"""Machine files: reading and writing them, and the cached probe of this machine that a run uses when it is
+given none (`--machine FILE` overrides it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import math
+import os
+import pathlib
+import platform
+import tempfile
+
+import torch
+import yaml
+
+from slide_io import free_bytes
+from slide_scheduler import __version__ as scheduler_version
+from slide_scheduler.machine import Disk, Machine
+from slide_scheduler.probe import host_cores, host_memory_bytes, probe, probe_disk
+
+from .errors import ConfigError
+
+GIB = 1 << 30
+PROBE_HINT = "run `slide-train probe --out FILE` to measure this machine"
+
+
+def load_machine(path: str | os.PathLike[str]) -> Machine:
+    """The machine a machine file describes; raises ConfigError naming the file (and the key) at fault."""
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"machine file {path} does not exist ({PROBE_HINT}, or pass an existing file)") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"machine file {path} cannot be read: {error}") from None
+    try:
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"machine file {path} is not valid YAML: {error}") from None
+    if values is None:
+        raise ConfigError(f"machine file {path} is empty: it needs sections gpu, host, pcie, disk ({PROBE_HINT})")
+    try:
+        machine = Machine.from_dict(values, source=f"machine file {path}")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    # from_dict takes .nan and .inf as numbers; no cost can be computed from them.
+    for section, figures in machine.to_dict().items():
+        for key, value in figures.items():
+            if not math.isfinite(value):
+                raise ConfigError(f"machine file {path}: {section}.{key} must be a finite number, got {value!r}")
+    return machine
+
+
+def save_machine(machine: Machine, path: str | os.PathLike[str], measured_by: str | None = None) -> None:
+    """Write `machine` as a machine file, with a header saying what measured it (`measured_by`, by default
+    the probe on this host) and when."""
+    _write(machine.to_dict(), path, measured_by or f"slide-scheduler {scheduler_version} probe on {_host()}")
+
+
+def fingerprint() -> str:
+    """A short hash of what identifies this machine's hardware: GPU names and count, CPU model, cores and
+    RAM. A cached probe is trusted only while it stays the same."""
+    parts = []
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        parts.append(f"gpus={len(names)}:{','.join(names)}")
+    else:
+        parts.append("gpus=0")
+    parts.append(f"cpu={_cpu_model()}")
+    parts.append(f"cores={host_cores()}")  # the figures the probe reports, so a change in them shows here
+    parts.append(f"ram_gib={round(host_memory_bytes() / GIB)}")
+    return hashlib.sha256(";".join(parts).encode()).hexdigest()[:12]
+
+
+def cache_dir() -> pathlib.Path:
+    """Where this machine's probes are kept: `$XDG_CACHE_HOME/slide`, or `~/.cache/slide`."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    return pathlib.Path(base if base else pathlib.Path.home() / ".cache") / "slide"
+
+
+def this_machine(disk_dir: str | os.PathLike[str] | None = None, refresh: bool = False) -> Machine:
+    """The last probe of this machine, measured now (a quick probe) when there is none for this hardware or
+    when `refresh`.
+
+    What is cached: `machine-<fingerprint>.yaml` holds the gpu, host and pcie figures, which belong to the
+    hardware. Disk rates belong to a folder, so they are cached per folder (`disk-<fingerprint>-<folder
+    hash>.yaml`, a machine file holding only its disk section) and only for a `disk_dir` that was given;
+    free space changes from one run to the next, so it is always read afresh. Without `disk_dir` the machine
+    has no disk tier (disk free_gib 0).
+    """
+    key = fingerprint()
+    folder = cache_dir()
+    machine_file = folder / f"machine-{key}.yaml"
+    machine = None if refresh else _cached(machine_file)
+    disk = None
+    if machine is None:
+        # Without a folder of its own the probe's disk part runs where a file can surely be written.
+        machine = probe(disk_dir=disk_dir if disk_dir is not None else tempfile.gettempdir(), quick=True)
+        sections = machine.to_dict()
+        _write({name: sections[name] for name in ("gpu", "host", "pcie")}, machine_file, _quick_probe())
+        if disk_dir is not None:
+            disk = machine.disk
+            _write({"disk": sections["disk"]}, _disk_file(folder, key, disk_dir), _quick_probe())
+    if disk_dir is None:
+        return dataclasses.replace(machine, disk=Disk(free_gib=0.0))
+    if disk is None:
+        disk_file = _disk_file(folder, key, disk_dir)
+        cached = None if refresh else _cached(disk_file)
+        if cached is None:
+            disk = probe_disk(disk_dir, quick=True)
+            _write({"disk": dataclasses.asdict(disk)}, disk_file, _quick_probe())
+        else:
+            disk = dataclasses.replace(cached.disk, free_gib=round(free_bytes(disk_dir) / GIB, 1))
+    return dataclasses.replace(machine, disk=disk)
+
+
+def resolve_machine(path: str | os.PathLike[str] | None, disk_dir: str | os.PathLike[str] | None = None) -> Machine:
+    """The machine a run plans for: the machine file at `path` when given (as it is: a file describes a
+    machine, maybe another one), else this machine's cached probe (with the disk under `disk_dir`)."""
+    if path is not None:
+        return load_machine(path)
+    return this_machine(disk_dir)
+
+
+def _write(sections: dict, path: str | os.PathLike[str], measured_by: str) -> None:
+    # Replaced whole (written beside it, then renamed): a reader, or a run started meanwhile, never sees half.
+    path = pathlib.Path(path)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = (f"# Slide machine file: measured by {measured_by}, {when}.\n"
+              "# Sizes in GiB, rates in GB/s (1e9 bytes/s), bf16_tflops of dense matrix work, adamw_gparams in\n"
+              "# billions of fp32 parameters updated per second.\n")
+    body = yaml.safe_dump(sections, default_flow_style=None, sort_keys=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(header + body)
+        os.replace(temporary, path)
+    except BaseException:
+        pathlib.Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _cached(path: pathlib.Path) -> Machine | None:
+    # A damaged or hand-broken cache entry is measured again rather than failing the run.
+    if not path.exists():
+        return None
+    try:
+        return load_machine(path)
+    except ConfigError:
+        return None
+
+
+def _disk_file(folder: pathlib.Path, key: str, disk_dir: str | os.PathLike[str]) -> pathlib.Path:
+    where = hashlib.sha256(os.path.realpath(os.fspath(disk_dir)).encode()).hexdigest()[:12]
+    return folder / f"disk-{key}-{where}.yaml"
+
+
+def _quick_probe() -> str:
+    return f"a quick slide-scheduler {scheduler_version} probe on {_host()}"
+
+
+def _host() -> str:
+    return platform.node() or "this host"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as file:
+            for line in file:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

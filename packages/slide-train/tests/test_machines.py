@@ -1,0 +1,182 @@
+"""Machine files (reading, writing, errors that name the file and key) and the cached probe of this machine."""
+
+import pytest
+
+import slide_train.machines as machines
+from slide_scheduler.machine import Disk, Gpu, Host, Machine, Pcie
+from slide_train.errors import ConfigError
+from slide_train.machines import cache_dir, fingerprint, load_machine, resolve_machine, save_machine, this_machine
+
+RTX4090_PC = """\
+gpu: {memory_gib: 24, bf16_tflops: 165}
+host: {memory_gib: 256, cores: 16, memory_gbps: 80, adamw_gparams: 1.5}
+pcie: {h2d_gbps: 25, d2h_gbps: 25, duplex_gbps: 45}
+disk: {free_gib: 3600, read_gbps: 7.0, write_gbps: 6.0}
+"""
+
+MEASURED = Machine(gpu=Gpu(memory_gib=79.2, bf16_tflops=612.0),
+                   host=Host(memory_gib=125.0, cores=16, memory_gbps=131.0, adamw_gparams=3.21),
+                   pcie=Pcie(h2d_gbps=55.5, d2h_gbps=55.3, duplex_gbps=101.7),
+                   disk=Disk(free_gib=812.0, read_gbps=1.6, write_gbps=1.4))
+
+
+def test_round_trip(tmp_path):
+    path = tmp_path / "sub" / "machine.yaml"
+    save_machine(MEASURED, path)
+    assert load_machine(path) == MEASURED
+    text = path.read_text()
+    assert text.startswith("# Slide machine file: measured by slide-scheduler")
+    assert "UTC" in text.splitlines()[0]
+    assert [p.name for p in path.parent.iterdir()] == ["machine.yaml"]  # no temporary file left beside it
+
+
+def test_header_names_what_measured(tmp_path):
+    save_machine(MEASURED, tmp_path / "m.yaml", measured_by="hand, from the vendor's sheet")
+    assert "measured by hand, from the vendor's sheet" in (tmp_path / "m.yaml").read_text()
+
+
+def test_reads_a_hand_written_file(tmp_path):
+    (tmp_path / "pc.yaml").write_text(RTX4090_PC)
+    machine = load_machine(tmp_path / "pc.yaml")
+    assert machine.gpu == Gpu(memory_gib=24.0, bf16_tflops=165.0)
+    assert machine.host.cores == 16 and isinstance(machine.host.cores, int)
+    assert machine.disk.read_gbps == 7.0
+
+
+@pytest.mark.parametrize("text, key", [
+    ("gpu: {memory_gb: 24}\n", "gpu.memory_gb"),
+    ("host: {cores: -2}\n", "host.cores"),
+    ("disk: {read_gbps: fast}\n", "disk.read_gbps"),
+    ("pcie: {h2d_gbps: .nan}\n", "pcie.h2d_gbps"),
+    ("host: {memory_gib: true}\n", "host.memory_gib"),
+    ("gpus: {memory_gib: 24}\n", "gpus"),
+])
+def test_errors_name_the_file_and_key(tmp_path, text, key):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_machine(path)
+    assert str(path) in str(caught.value) and key in str(caught.value)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("gpu: {memory_gib: 24\n", "not valid YAML"),
+    ("", "empty"),
+    ("- 1\n- 2\n", "mapping"),
+    ("gpu: 24\n", "mapping"),
+])
+def test_errors_for_files_that_are_not_machine_files(tmp_path, text, words):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=words) as caught:
+        load_machine(path)
+    assert str(path) in str(caught.value)
+
+
+def test_missing_file_says_how_to_make_one(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist.*slide-train probe") as caught:
+        load_machine(tmp_path / "nowhere.yaml")
+    assert str(tmp_path / "nowhere.yaml") in str(caught.value)
+
+
+def test_fingerprint_is_short_and_stable():
+    key = fingerprint()
+    assert key == fingerprint() and len(key) == 12 and int(key, 16) >= 0
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty cache folder under XDG_CACHE_HOME, and counting stand-ins for the probes (no measuring)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    calls = {"probe": [], "probe_disk": []}
+
+    def fake_probe(disk_dir=None, device=None, quick=False):
+        calls["probe"].append((disk_dir, quick))
+        return MEASURED
+
+    def fake_probe_disk(disk_dir=None, quick=False):
+        calls["probe_disk"].append((disk_dir, quick))
+        return Disk(free_gib=10.0, read_gbps=2.0, write_gbps=1.0)
+
+    monkeypatch.setattr(machines, "probe", fake_probe)
+    monkeypatch.setattr(machines, "probe_disk", fake_probe_disk)
+    return calls
+
+
+def test_cache_folder_follows_xdg(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "slide"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "slide"
+
+
+def test_this_machine_is_measured_once_then_read_from_the_cache(cache, tmp_path):
+    first = this_machine()
+    assert len(cache["probe"]) == 1 and cache["probe"][0][1] is True  # a quick probe
+    assert (tmp_path / "xdg" / "slide" / f"machine-{fingerprint()}.yaml").is_file()
+    second = this_machine()
+    assert len(cache["probe"]) == 1
+    assert first == second
+    assert (first.gpu, first.host, first.pcie) == (MEASURED.gpu, MEASURED.host, MEASURED.pcie)
+    assert first.disk.free_gib == 0  # no disk folder named: no disk tier
+
+
+def test_this_machine_is_measured_again_when_the_hardware_changes(cache, monkeypatch):
+    monkeypatch.setattr(machines, "fingerprint", lambda: "aaaaaaaaaaaa")
+    this_machine()
+    this_machine()
+    monkeypatch.setattr(machines, "fingerprint", lambda: "bbbbbbbbbbbb")
+    this_machine()
+    assert len(cache["probe"]) == 2
+    monkeypatch.setattr(machines, "fingerprint", lambda: "aaaaaaaaaaaa")
+    this_machine()
+    assert len(cache["probe"]) == 2  # the first machine's probe is still there
+
+
+def test_refresh_measures_again(cache):
+    this_machine()
+    this_machine(refresh=True)
+    assert len(cache["probe"]) == 2
+
+
+def test_a_damaged_cache_entry_is_measured_again(cache, tmp_path):
+    this_machine()
+    (tmp_path / "xdg" / "slide" / f"machine-{fingerprint()}.yaml").write_text("gpu: [")
+    assert this_machine().gpu == MEASURED.gpu
+    assert len(cache["probe"]) == 2
+
+
+def test_disk_rates_are_cached_per_folder(cache, tmp_path, monkeypatch):
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    fast.mkdir()
+    slow.mkdir()
+    first = this_machine(disk_dir=fast)  # a first probe measures the disk it is given
+    assert cache["probe"] == [(fast, True)] and cache["probe_disk"] == []
+    assert first.disk == MEASURED.disk
+    monkeypatch.setattr(machines, "free_bytes", lambda directory: 5 * 2**30)
+    again = this_machine(disk_dir=fast)
+    assert cache["probe_disk"] == []
+    # Rates from the cache; free space as it is now.
+    assert (again.disk.read_gbps, again.disk.write_gbps, again.disk.free_gib) == (1.6, 1.4, 5.0)
+    other = this_machine(disk_dir=slow)
+    assert cache["probe_disk"] == [(slow, True)] and other.disk.read_gbps == 2.0
+    this_machine(disk_dir=slow)
+    assert len(cache["probe"]) == 1 and len(cache["probe_disk"]) == 1
+
+
+def test_resolve_machine_prefers_the_file(cache, tmp_path):
+    (tmp_path / "pc.yaml").write_text(RTX4090_PC)
+    assert resolve_machine(str(tmp_path / "pc.yaml")).gpu.memory_gib == 24
+    assert cache["probe"] == []
+    assert resolve_machine(None).gpu == MEASURED.gpu
+    assert len(cache["probe"]) == 1
+
+
+def test_this_machine_measures_for_real(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    disk = tmp_path / "disk"
+    machine = this_machine(disk_dir=disk)
+    assert machine.host.cores >= 1 and machine.disk.read_gbps > 0
+    assert list(disk.iterdir()) == []
+    assert load_machine(tmp_path / "xdg" / "slide" / f"machine-{fingerprint()}.yaml").host == machine.host
