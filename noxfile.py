@@ -1,7 +1,7 @@
 """Sessions: `tests` per package (fresh venv, only what the package declares), `lint`, and `gpu`.
 
 `nox` with no arguments runs lint and every package's tests on the CPU, as CI does.
-The `gpu` session is meant for the lent GPU machine; it runs the tests marked `gpu`.
+The `gpu` session is for a machine with a CUDA GPU; it runs the tests marked `gpu`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session(python=False)
 def gpu(session: nox.Session) -> None:
-    """On the GPU machine (no network): its python3 with packages/*/src on PYTHONPATH, tests marked gpu."""
+    """On a GPU machine (it may have no network): its python3 with packages/*/src on PYTHONPATH, tests marked gpu."""
     paths = ":".join(str(ROOT / "packages" / p / "src") for p in PACKAGES)
     for package in PACKAGES:  # one pytest per package: each tests/ folder has its own conftest
         session.run("python3", "-m", "pytest", "-m", "gpu", f"packages/{package}/tests", *session.posargs,

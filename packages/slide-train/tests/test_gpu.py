@@ -1,4 +1,4 @@
-"""On the GPU (run on the lent H200 with `nox -s gpu` or `pytest -m gpu`): bf16 compute with fp32 masters
+"""On a CUDA GPU (`nox -s gpu` or `pytest -m gpu`): bf16 compute with fp32 masters
 tracks a GPU-resident reference (fp32 weights, bf16 autocast, torch AdamW) within bf16 noise."""
 
 from __future__ import annotations
