@@ -1,0 +1,191 @@
+"""Tables from the suites' JSON files: benchmarks/results/README.md (a table per suite) and the performance table
+between `<!-- results:start -->` and `<!-- results:end -->` in the repository's README.md.
+
+    python benchmarks/tables.py [--results DIR] [--readme FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+ORDER = ("b1", "b3", "b8", "tiny", "kernels", "io", "probe")
+BENCH_NAMES = {"b1": "B1", "b3": "B3", "b8": "B8", "tiny": "tiny (CPU check)"}
+MODE_NAMES = {"1.0": "1.0", "1e6": "1e6 (never acts)", "none": "off"}
+SHORT = {"slide": "Slide", "baseline": "Slide baseline", "plain": "plain", "liger": "plain + Liger"}
+
+
+def num(value, fmt: str = ".2f", empty: str = "-") -> str:
+    return empty if value is None else format(value, fmt)
+
+
+def entry_line(e: dict) -> str:
+    """One system's figures on a line (what run.py prints as each process ends)."""
+    if e.get("status") != "ok":
+        return f"{e.get('status')}: {e.get('reason', '')}"
+    text = (f"{e['tokens_per_s']:,.0f} tok/s, {e['tflops']:.1f} TFLOP/s, step {e['step_s']:.3f} s, "
+            f"GPU peak {e['gpu_peak_gib']:.1f} GiB, host RSS {e['host_rss_gib']:.1f} GiB")
+    if e.get("exposed_share") is not None:
+        text += f", exposed {e['exposed_share']:.1%}"
+    if e.get("predicted_step_s") is not None:
+        text += f", predicted {e['predicted_step_s']:.3f} s"
+    return text
+
+
+def header(doc: dict) -> str:
+    v = doc.get("versions", {})
+    versions = ", ".join(f"{k} {val}" for k, val in v.items() if val)
+    h = doc.get("host", {})
+    return (f"{doc.get('device') or 'unknown device'}, host of {h.get('cores')} cores and {h.get('memory_gib')} GiB "
+            f"RAM; commit `{doc.get('commit', 'unknown')[:10]}`, {doc.get('date', '')}; {versions}")
+
+
+def train_table(doc: dict) -> list[str]:
+    c = doc["config"]
+    lines = [f"{c['model']} shape, {c['grad_accum']} micro-batches of {c['micro_batch_size']} x {c['seq_len']} = "
+             f"{c['tokens_per_step']:,} tokens per step; median of {c['steps']} timed steps after {c['warmup']} "
+             f"warm-up steps; "
+             + (f"Slide capped at {c['cap_gib']:g} GiB of GPU memory" if c.get("cap_gib") else "Slide uncapped")
+             + ", peers uncapped.", "",
+             "| system | clip | tokens/s | TFLOP/s (6NT) | step s | GPU peak GiB | host RSS GiB | exposed | "
+             "predicted s |", "|---|---|---|---|---|---|---|---|---|"]
+    for e in doc["figures"]:
+        name = SHORT.get(e["system"], e["system"]) + (f" ({c['baseline']})" if e["system"] == "baseline"
+                                                      and c.get("baseline") else "")
+        mode = MODE_NAMES.get(e.get("mode"), e.get("mode"))
+        if e.get("status") != "ok":
+            lines.append(f"| {name} | {mode} | {e.get('status')}: {e.get('reason', '')[:160]} | | | | | | |")
+            continue
+        share = e.get("exposed_share")
+        lines.append(f"| {name} | {mode} | {e['tokens_per_s']:,.0f} | {e['tflops']:.1f} | {e['step_s']:.3f} | "
+                     f"{e['gpu_peak_gib']:.1f} | {e['host_rss_gib']:.1f} | {num(share, '.1%')} | "
+                     f"{num(e.get('predicted_step_s'), '.3f')} |")
+    return lines
+
+
+def kernels_table(doc: dict) -> list[str]:
+    lines = ["Forward + backward, bf16: median ms (triton.testing.do_bench) and extra peak GiB.", "",
+             "| op | shape | provider | ms | extra peak GiB |", "|---|---|---|---|---|"]
+    for e in doc["figures"]:
+        for op, r in e.get("results", {}).items():
+            for provider, f in r["providers"].items():
+                if provider.startswith("_"):
+                    continue
+                if "error" in f:
+                    lines.append(f"| {op} | {r['shape']} | {provider} | error: {f['error'][:80]} | |")
+                else:
+                    lines.append(f"| {op} | {r['shape']} | {provider} | {f['ms']:.3f} | {f['peak_gib']:.3f} |")
+    return lines
+
+
+def io_table(doc: dict) -> list[str]:
+    lines = ["slide-io's disk store (NVMeStore), one tensor per write or read, median of rounds.", "",
+             "| path | why | O_DIRECT | MiB | write GB/s | read GB/s | bytes equal |", "|---|---|---|---|---|---|---|"]
+    for e in doc["figures"]:
+        for s in e.get("sizes", []):
+            lines.append(f"| {e['path']} | {e['reason']} | {e['o_direct']} | {s['mib']} | {s['write_gbps']:.2f} | "
+                         f"{s['read_gbps']:.2f} | {s['bytes_equal']} |")
+    return lines
+
+
+def flat(d: dict, prefix: str = "") -> list[tuple[str, object]]:
+    out = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out += flat(v, f"{prefix}{k}.")
+        else:
+            out.append((prefix + k, v))
+    return out
+
+
+def probe_table(doc: dict) -> list[str]:
+    lines = ["| key | value |", "|---|---|"]
+    for e in doc["figures"]:
+        lines += [f"| {k} | {v} |" for k, v in flat({k: v for k, v in e.items() if k not in ("system", "status")})]
+    return lines
+
+
+def suite_table(doc: dict) -> str:
+    suite = doc["suite"]
+    body = {"kernels": kernels_table, "io": io_table, "probe": probe_table}.get(suite, train_table)(doc)
+    return "\n".join([f"## {BENCH_NAMES.get(suite, suite)}", "", header(doc), "", *body, ""])
+
+
+def cell(e: dict | None) -> str:
+    if e is None:
+        return "-"
+    if e.get("status") != "ok":
+        return e.get("status", "-")
+    return f"{e['tokens_per_s']:,.0f} tok/s, {e['gpu_peak_gib']:.1f} GiB"
+
+
+def main_table(docs: dict[str, dict]) -> str | None:
+    """The README's table: per bench and clip mode, the peers and Slide (tokens/s and peak GPU memory)."""
+    rows = ["| bench | clip | plain GPU-resident | plain + Liger-Kernel | Slide (GPU cap) |", "|---|---|---|---|---|"]
+    notes = []
+    for suite in ("b1", "b3", "b8"):
+        doc = docs.get(suite)
+        if doc is None:
+            continue
+        c = doc["config"]
+        by = {(e["system"], e.get("mode")): e for e in doc["figures"]}
+        for mode in ("1.0", "1e6", "none"):
+            if not any((s, mode) in by for s in ("slide", "plain", "liger")):
+                continue
+            slide = cell(by.get(("slide", mode)))
+            if slide != "-" and c.get("cap_gib"):
+                slide += f" ({c['cap_gib']:g} GiB cap)"
+            rows.append(f"| {BENCH_NAMES[suite]} {c['model']}, {c['grad_accum']} x {c['micro_batch_size']} x "
+                        f"{c['seq_len']} | {MODE_NAMES[mode]} | {cell(by.get(('plain', mode)))} | "
+                        f"{cell(by.get(('liger', mode)))} | {slide} |")
+        notes.append(f"{BENCH_NAMES[suite]}: {header(doc)}.")
+    if len(rows) == 2:
+        return None
+    return "\n".join(rows + ["", *notes, "",
+                             "Generated by `python benchmarks/tables.py` from benchmarks/results/*.json; how the "
+                             "figures are counted: benchmarks/README.md."])
+
+
+def load(results: pathlib.Path) -> dict[str, dict]:
+    docs = {}
+    for path in sorted(results.glob("*.json")):
+        doc = json.loads(path.read_text())
+        if isinstance(doc, dict) and "suite" in doc and "figures" in doc:
+            docs[doc["suite"]] = doc
+    return docs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results", type=pathlib.Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--readme", type=pathlib.Path, default=ROOT / "README.md")
+    args = p.parse_args()
+    docs = load(args.results)
+    if not docs:
+        sys.exit(f"no suite results in {args.results}: run benchmarks/run.py first")
+    order = [s for s in ORDER if s in docs] + sorted(set(docs) - set(ORDER))
+    text = "\n".join(["# Benchmark results", "",
+                      "Generated by `python benchmarks/tables.py` from the JSON files here (the latest run of each "
+                      "suite; git keeps earlier ones). How they are measured: [../README.md](../README.md).", "",
+                      *[suite_table(docs[s]) for s in order]])
+    (args.results / "README.md").write_text(text)
+    print(f"wrote {args.results / 'README.md'}")
+    table = main_table(docs)
+    readme = args.readme.read_text() if args.readme.is_file() else ""
+    if table is None:
+        print(f"no b1/b3/b8 results: {args.readme} left as it is")
+    elif START in readme and END in readme and readme.index(START) < readme.index(END):
+        head, rest = readme.split(START, 1)
+        tail = rest.split(END, 1)[1]
+        args.readme.write_text(f"{head}{START}\n{table}\n{END}{tail}")
+        print(f"updated the table in {args.readme}")
+    else:
+        print(f"{args.readme} has no '{START}' / '{END}' lines: only {args.results / 'README.md'} was written")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""One measurement in a process of its own: run.py starts this once per system and clip mode, so one system's
+memory (host or GPU) never shapes another's figures.
+
+    python benchmarks/worker.py SPEC.json RESULT.json
+
+SPEC's `job` is `slide`, `plain`, `liger` (training), `io` or `probe`; RESULT gets the figures, or a `status`
+other than "ok" with the reason.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+import common  # (first: puts the packages on the path)
+import torch
+
+GIB = 2**30
+
+
+def clip_value(mode: str) -> float | None:
+    return None if mode == "none" else float(mode)
+
+
+def read_rows(path: str) -> list[torch.Tensor]:
+    """The random-token rows of the data file every system of a suite trains on."""
+    with open(path) as f:
+        return [torch.tensor(json.loads(line)["input_ids"]) for line in f if line.strip()]
+
+
+def summary(records: list[dict], warmup: int, tokens: int, num_params: int) -> dict:
+    """Median figures over the timed steps (the warm-up steps are kept in the per-step lists only)."""
+    timed = records[warmup:]
+    step_s = statistics.median(r["step_s"] for r in timed)
+    return {"step_s": step_s, "tokens_per_s": tokens / step_s, "tflops": 6 * num_params * tokens / step_s / 1e12,
+            "gpu_peak_gib": max(r.get("gpu_peak_gib", 0.0) for r in records),
+            "host_rss_gib": max(r["host_rss_gib"] for r in records),
+            "num_params": num_params, "tokens_per_step": tokens,
+            "step_s_each": [round(r["step_s"], 4) for r in records],
+            "losses": [round(r["loss"], 5) for r in records],
+            "grad_norms": [None if r["grad_norm"] is None else round(r["grad_norm"], 5) for r in records]}
+
+
+def run_slide(spec: dict) -> dict:
+    """slide-train's Trainer, configured only with keys every version of it accepts (the baseline too)."""
+    import slide_train
+    from slide_train.config import load_config
+    from slide_train.trainer import Trainer
+
+    clip = clip_value(spec["mode"])
+    overrides = [f"--model={spec['model']}", f"--seq_len={spec['seq_len']}",
+                 f"--micro_batch_size={spec['micro_batch_size']}", f"--grad_accum={spec['grad_accum']}",
+                 f"--steps={spec['warmup'] + spec['steps']}", f"--max_grad_norm={'null' if clip is None else clip}",
+                 f"--engine.device={spec['device']}", "--checkpoint.keep=0", "--export=false",
+                 f"--output_dir={spec['run_dir']}", f"--data.path={spec['data']}", "--data.format=tokens",
+                 f"--data.pack={'true' if spec.get('pack') else 'false'}", "--data.shuffle=false",
+                 f"--seed={spec.get('seed', 0)}"]
+    if spec.get("cap_gib"):
+        overrides.append(f"--engine.gpu_memory_limit_gb={spec['cap_gib']}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="checkpoint.keep=0")  # a benchmark wants no checkpoint
+        trainer = Trainer(load_config(None, overrides), progress=False)
+    try:
+        records = [trainer.step() for _ in range(spec["warmup"] + spec["steps"])]
+    finally:
+        trainer.close()
+    timed = records[spec["warmup"]:]
+    tokens = statistics.median(r["tokens"] for r in timed)
+    out = summary(records, spec["warmup"], tokens, trainer.num_params)
+    # Exposed: GPU idle inside the engine's step, waiting for transfers or updates (the timeline's figure).
+    if all("exposed_s" in r for r in timed):
+        out["exposed_share"] = statistics.median(r["exposed_s"] / r["step_s"] for r in timed)
+    else:
+        out["exposed_share"] = None
+    predicted = [r["predicted_step_s"] for r in timed if r.get("predicted_step_s") is not None]
+    out["predicted_step_s"] = statistics.median(predicted) if predicted else None
+    if out["predicted_step_s"]:
+        out["predicted_over_measured"] = out["predicted_step_s"] / out["step_s"]
+    out["source"] = str(pathlib.Path(slide_train.__file__).resolve().parents[2])
+    return out
+
+
+def run_peer(spec: dict, liger: bool) -> dict:
+    """An HF model trained GPU-resident: fp32 weights, bf16 autocast, activation checkpointing, fused AdamW."""
+    import transformers
+
+    from slide_train.models.build import load_model
+
+    device = torch.device(spec["device"])
+    if liger:
+        try:
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+        except Exception as e:  # (a missing wheel, or one whose Triton does not load)
+            return {"status": "skipped", "reason": f"liger_kernel is not importable: {type(e).__name__}: {e}"}
+        if device.type != "cuda":
+            return {"status": "skipped", "reason": "Liger-Kernel's Triton kernels need a GPU"}
+        # Patches the Llama classes before the model is built: RMSNorm, RoPE, SwiGLU and the fused linear CE.
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True,
+                                    cross_entropy=False)
+    hf_config = load_model(spec["model"], spec.get("seed", 0), need_tokenizer=False).hf_config
+    hf_config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf_config).parameters())
+    if spec.get("peers_fit") is False:
+        states = 16 * num_params / GIB
+        return {"status": "does not fit", "num_params": num_params,
+                "reason": f"fp32 weights, gradients and AdamW moments alone take 16 bytes/param = {states:.0f} GiB "
+                          f"for {num_params / 1e9:.2f} B parameters, before activations and logits "
+                          "(not run; pass --try-peers to try)"}
+    torch.manual_seed(spec.get("seed", 0))
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).to(device)
+    # (transformers renamed gradient checkpointing to activation checkpointing; both versions are met)
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    model.config.use_cache = False
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
+    clip = clip_value(spec["mode"])
+    rows = read_rows(spec["data"])
+    micro, accum = spec["micro_batch_size"], spec["grad_accum"]
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    records, at = [], 0
+    for _ in range(spec["warmup"] + spec["steps"]):
+        batches = []
+        for _ in range(accum):
+            picked = [rows[(at + i) % len(rows)] for i in range(micro)]
+            at += micro
+            batches.append(torch.stack(picked))
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        total = 0.0
+        for ids in batches:
+            ids = ids.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                loss = model(input_ids=ids, labels=ids).loss / accum
+            loss.backward()
+            total += loss.detach()
+        # Without clipping no norm is taken at all: that pass over every gradient is part of what clipping costs.
+        norm = None if clip is None else float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+        records.append({"step_s": time.perf_counter() - start, "loss": float(total), "grad_norm": norm,
+                        "host_rss_gib": common.rss_gib(),
+                        "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else 0.0})
+    return summary(records, spec["warmup"], micro * accum * spec["seq_len"], num_params)
+
+
+def run_io(spec: dict) -> dict:
+    """slide-io's disk store: write and read rates of tensors of the given sizes, bytes checked."""
+    from slide_io import NVMeStore
+
+    cuda = torch.cuda.is_available()
+    out = {"sizes_mib": spec["sizes_mib"], "rounds": spec["rounds"], "disk_dir": spec["disk_dir"], "paths": []}
+    for want in ("auto", "posix"):
+        store = NVMeStore(spec["disk_dir"], path=want)
+        if want == "posix" and out["paths"] and out["paths"][0]["path"] == "posix":
+            store.close()
+            break  # auto took the POSIX path already
+        entry = {"want": want, "path": store.path, "reason": store.path_reason,
+                 "o_direct": bool(getattr(store, "direct", False)), "sizes": []}
+        try:
+            for mib in spec["sizes_mib"]:
+                n = mib * 2**20
+                src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+                dst = torch.empty_like(src)
+                if cuda:  # pinned, as the engine's staging buffers are
+                    src, dst = src.pin_memory(), dst.pin_memory()
+                writes, reads = [], []
+                for r in range(spec["rounds"]):
+                    key = f"t{mib}-{r}"
+                    t0 = time.perf_counter()
+                    store.write(key, src).result()
+                    writes.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    store.read(key, dst).result()
+                    reads.append(time.perf_counter() - t0)
+                    store.delete(key)
+                entry["sizes"].append({"mib": mib, "write_gbps": n / statistics.median(writes) / 1e9,
+                                       "read_gbps": n / statistics.median(reads) / 1e9,
+                                       "bytes_equal": bool(torch.equal(src, dst))})
+        finally:
+            store.close()
+        out["paths"].append(entry)
+    return out
+
+
+def run_probe(spec: dict) -> dict:
+    try:
+        from slide_scheduler.probe import probe
+    except ModuleNotFoundError as e:
+        return {"status": "failed", "reason": f"slide_scheduler.probe is not in this checkout ({e}): the probe "
+                                              "suite needs a slide-scheduler that measures machines"}
+    machine = probe(disk_dir=spec["disk_dir"])
+    return {"machine": machine.to_dict()}
+
+
+def device_name(spec: dict) -> str:
+    if spec.get("device", "cuda").startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return "cpu"
+
+
+def main() -> None:
+    spec = json.loads(pathlib.Path(sys.argv[1]).read_text())
+    jobs = {"slide": run_slide, "plain": lambda s: run_peer(s, liger=False), "liger": lambda s: run_peer(s, True),
+            "io": run_io, "probe": run_probe}
+    try:
+        result = jobs[spec["job"]](spec)
+    except torch.OutOfMemoryError as e:
+        result = {"status": "does not fit", "reason": f"out of GPU memory: {str(e).splitlines()[0]}"}
+    except MemoryError as e:
+        result = {"status": "does not fit", "reason": f"out of host memory: {e}"}
+    except Exception as e:
+        traceback.print_exc()
+        result = {"status": "failed", "reason": f"{type(e).__name__}: {e}"[:2000]}
+    result.setdefault("status", "ok")
+    result["device"] = device_name(spec)
+    gc.collect()
+    pathlib.Path(sys.argv[2]).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
