@@ -265,6 +265,9 @@ def main() -> None:
             path.write_text(json.dumps(doc, indent=1) + "\n")
             print(tables.suite_table(doc), flush=True)
             print(f"wrote {path}", flush=True)
+            # (skipped and does-not-fit entries are results; a crash is not)
+            failed += [f"{suite} {e['system']} clip {e.get('mode')}" for e in doc["figures"]
+                       if e.get("status") == "failed"]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if failed:

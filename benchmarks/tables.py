@@ -51,17 +51,22 @@ def train_table(doc: dict) -> list[str]:
              f"warm-up steps; "
              + (f"Slide capped at {c['cap_gib']:g} GiB of GPU memory" if c.get("cap_gib") else "Slide uncapped")
              + ", peers uncapped.", "",
-             "| system | clip | tokens/s | TFLOP/s (6NT) | step s | GPU peak GiB | host RSS GiB | exposed | "
-             "predicted s |", "|---|---|---|---|---|---|---|---|---|"]
+             "| system | clip | tokens/s | vs baseline | TFLOP/s (6NT) | step s | GPU peak GiB | host RSS GiB | "
+             "exposed | predicted s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    # Slide's tokens/s over the baseline's of the same mode (both measured in the same run)
+    base = {e.get("mode"): e["tokens_per_s"] for e in doc["figures"]
+            if e["system"] == "baseline" and e.get("status") == "ok"}
     for e in doc["figures"]:
         name = SHORT.get(e["system"], e["system"]) + (f" ({c['baseline']})" if e["system"] == "baseline"
                                                       and c.get("baseline") else "")
         mode = MODE_NAMES.get(e.get("mode"), e.get("mode"))
         if e.get("status") != "ok":
-            lines.append(f"| {name} | {mode} | {e.get('status')}: {e.get('reason', '')[:160]} | | | | | | |")
+            lines.append(f"| {name} | {mode} | {e.get('status')}: {e.get('reason', '')[:160]} | | | | | | | |")
             continue
         share = e.get("exposed_share")
-        lines.append(f"| {name} | {mode} | {e['tokens_per_s']:,.0f} | {e['tflops']:.1f} | {e['step_s']:.3f} | "
+        ratio = e["tokens_per_s"] / base[e.get("mode")] if e["system"] == "slide" and e.get("mode") in base else None
+        lines.append(f"| {name} | {mode} | {e['tokens_per_s']:,.0f} | {num(ratio, '.3f')} | {e['tflops']:.1f} | "
+                     f"{e['step_s']:.3f} | "
                      f"{e['gpu_peak_gib']:.1f} | {e['host_rss_gib']:.1f} | {num(share, '.1%')} | "
                      f"{num(e.get('predicted_step_s'), '.3f')} |")
     return lines
