@@ -256,8 +256,10 @@ def main() -> None:
                 print(f"{suite} failed: {e}", file=sys.stderr, flush=True)
                 failed.append(suite)
                 continue
-            partial = suite in TRAIN_SUITES and (set(args.systems) != set(SYSTEMS) - (
-                set() if args.baseline else {"baseline"}) or set(args.modes) != set(MODES))
+            # A run of some systems or modes only is merged into the suite's file instead of replacing it.
+            absent = set() if args.baseline else {"baseline"}
+            partial = suite in TRAIN_SUITES and (set(args.systems) - absent != set(SYSTEMS) - absent
+                                                 or set(args.modes) != set(MODES))
             path = out / f"{suite}.json"
             if partial:
                 doc = merge(path, doc)
