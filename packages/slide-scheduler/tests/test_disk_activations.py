@@ -8,10 +8,9 @@ import time
 
 import pytest
 import torch
-from test_engine import DEPTH, Model, ToyStack, batches, random_steps, run_engine
+from test_engine import DEPTH, Model, ToyStack, batches, make_engine, random_steps, run_engine
 
 from slide_io import NVMeStore, StoreFullError
-from slide_scheduler import EngineConfig, SlidingEngine
 from slide_scheduler.disk_activations import SLOTS_PER_MICRO, DiskActivations
 
 
@@ -71,8 +70,8 @@ def test_host_memory_holds_the_rings_and_the_disk_every_boundary(tmp_path):
     """Host buffers: SLOTS_PER_MICRO per micro-batch each way, whatever the depth; the store holds every boundary
     of every micro-batch, and a later step with as many allocates no file and no buffer."""
     torch.manual_seed(0)
-    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
-        device="cpu", window=2, activation_offload="nvme", activation_dir=str(tmp_path)))
+    engine = make_engine(ToyStack(Model(tied=True)),
+        device="cpu", window=2, activation_offload="nvme", activation_dir=str(tmp_path))
     disk = engine.activations.disk
     steps = batches(seed=4, steps=3, micro=3)
     engine.step(steps[0], lr=1e-2, normalizer=50)
@@ -134,7 +133,7 @@ def test_an_activation_leaves_only_once_it_is_made(tmp_path, tier):
 
 
 def test_reads_run_a_ring_ahead_and_fetching_out_of_backward_order_is_refused(tmp_path):
-    d2h_h2d = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2))
+    d2h_h2d = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2)
     disk = DiskActivations(tmp_path, d2h_h2d.d2h, d2h_h2d.h2d)
     disk.begin(1)  # a ring of 2 buffers each way
     for b in range(4):
@@ -151,10 +150,10 @@ def test_reads_run_a_ring_ahead_and_fetching_out_of_backward_order_is_refused(tm
 
 def test_activations_on_disk_need_a_directory(tmp_path):
     with pytest.raises(ValueError, match="activation_dir"):
-        SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", activation_offload="nvme"))
-    with pytest.raises(ValueError, match="activation_offload=cpu"):
-        SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
-            device="cpu", activation_offload="nvme", activation_dir=str(tmp_path), grads_share_activations=True))
+        make_engine(ToyStack(Model(tied=True)), device="cpu", activation_offload="nvme")
+    with pytest.raises(ValueError, match="activations on the host"):
+        make_engine(ToyStack(Model(tied=True)),
+            device="cpu", activation_offload="nvme", activation_dir=str(tmp_path), grads_share_activations=True)
 
 
 @pytest.mark.parametrize("pipeline", [True, False])
@@ -166,14 +165,14 @@ def test_a_full_disk_fails_the_step_changes_nothing_and_a_retry_gives_the_right_
     a pipelined CPU engine is not retried.)"""
     steps = batches(seed=4, steps=3, micro=3)
     torch.manual_seed(0)
-    ref = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=0.05,
-                                                                 pipeline=False))
+    ref = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, max_grad_norm=0.05,
+                                                                 pipeline=False)
     for step in steps:
         ref.step(step, lr=1e-2, normalizer=50)
     torch.manual_seed(0)
-    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+    engine = make_engine(ToyStack(Model(tied=True)),
         device="cpu", window=2, max_grad_norm=0.05, pipeline=pipeline, activation_offload="nvme",
-        activation_dir=str(tmp_path)))
+        activation_dir=str(tmp_path))
     engine.step(steps[0], lr=1e-2, normalizer=50)
     before = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}
     put, full = NVMeStore._put, {"on": True}
@@ -210,8 +209,8 @@ def test_a_disk_error_on_read_surfaces(tmp_path, monkeypatch):
         get(self, room, out)
 
     monkeypatch.setattr(NVMeStore, "_get", broken)
-    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
-        device="cpu", window=2, activation_offload="nvme", activation_dir=str(tmp_path)))
+    engine = make_engine(ToyStack(Model(tied=True)),
+        device="cpu", window=2, activation_offload="nvme", activation_dir=str(tmp_path))
     with pytest.raises(BaseException) as error:
         engine.step(batches(seed=4, steps=1, micro=2)[0], lr=1e-2, normalizer=50)
         engine.synchronize()
@@ -240,9 +239,9 @@ def test_activations_on_disk_on_cuda_give_the_in_memory_result(tmp_path, slow_di
     try:
         for tier in ("cpu", "nvme"):
             torch.manual_seed(0)
-            engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+            engine = make_engine(ToyStack(Model(tied=True)),
                 device="cuda", compute_dtype="fp32", window=2, max_grad_norm=0.05, activation_offload=tier,
-                activation_dir=str(tmp_path)))
+                activation_dir=str(tmp_path))
             losses = []
             for batch in data:
                 if stall:  # ~50 ms of GPU sleep ahead of the step's work on that lane
@@ -283,9 +282,9 @@ def test_the_disk_tiers_reads_and_writes_are_on_the_timeline(tmp_path):
     """Every boundary of every micro-batch is written and read once per step, and the moments of the blocks on
     disk read and written once, each a span of the `disk` lane; their union is the step's `disk_busy_s`."""
     torch.manual_seed(0)
-    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+    engine = make_engine(ToyStack(Model(tied=True)),
         device="cpu", window=2, max_grad_norm=None, activation_offload="nvme", activation_dir=str(tmp_path / "a"),
-        nvme_fraction=0.5, nvme_dir=str(tmp_path / "s")))
+        nvme_fraction=0.5, nvme_dir=str(tmp_path / "s"))
     steps = batches(seed=4, steps=2, micro=3)
     engine.step(steps[0], lr=1e-2, normalizer=50)
     stats = engine.step(steps[1], lr=1e-2, normalizer=50)
@@ -301,6 +300,6 @@ def test_the_disk_tiers_reads_and_writes_are_on_the_timeline(tmp_path):
     late = set(labels) | {label for label, *_ in engine.disk.spans}
     assert late >= {f"{kind} states {u}" for u in engine.on_disk for kind in ("read", "write")}
     engine.close()
-    memory = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2))
+    memory = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2)
     assert memory.step(steps[0], lr=1e-2, normalizer=50).timeline["disk_busy_s"] == 0
     memory.close()

@@ -15,8 +15,9 @@ from torch import nn
 
 import slide_memory.adamw
 from slide_memory import AdamWConfig, StagingRing
-from slide_scheduler import EngineConfig, SlidingEngine
+from slide_scheduler import EngineConfig, Options, SlidingEngine, arrange, shapes_of
 from slide_scheduler import engine as engine_module
+from slide_scheduler import placement as placement_module
 from slide_scheduler.lanes import DONE
 
 VOCAB, DIM, DEPTH = 17, 12, 4
@@ -115,13 +116,37 @@ def random_steps(seed: int, shapes: list[tuple[int, int]], device: str = "cpu"):
             for micro, length in shapes]
 
 
+PLACEMENT_KEYS = ("window", "resident", "device_update_share", "held_grads", "split_update",
+                  "grads_share_activations", "nvme_fraction")
+
+
+def make_engine(stack, **kwargs) -> SlidingEngine:
+    """An engine over `stack` with EngineConfig keys and these placement choices: `window` (2), `resident`
+    (a count: the edges, then blocks from 0; or units), `device_update_share` (0), `held_grads` (0),
+    `split_update` (True), `grads_share_activations` (False), `nvme_fraction` (0)."""
+    choices = {k: kwargs.pop(k) for k in PLACEMENT_KEYS if k in kwargs}
+    config = EngineConfig(**kwargs)
+    device = config.resolve_device()
+    options = Options(clip=bool(config.max_grad_norm), activations=config.activation_offload,
+                      compute_bytes=config.resolve_dtype(device).itemsize,
+                      state_bytes=engine_module.DTYPES[config.states_dtype].itemsize, cuda=device.type == "cuda",
+                      nvme_fraction=choices.get("nvme_fraction", 0.0))
+    resident = choices.get("resident", 0)
+    placement = arrange(shapes_of(stack), placement_module.StepShape(0, 0), options,
+                        resident=range(resident) if isinstance(resident, int) else resident,
+                        window=choices.get("window", 2), share=choices.get("device_update_share") or 0.0,
+                        shared=choices.get("grads_share_activations", False), held=choices.get("held_grads", 0),
+                        split=choices.get("split_update", True))
+    return SlidingEngine(stack, config, placement)
+
+
 def run_both(window, offload, clip, tied, steps=3, micro=2):
     torch.manual_seed(0)
     model = Model(tied)
     ref = copy.deepcopy(model)
     opt_cfg = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    engine = SlidingEngine(ToyStack(model), EngineConfig(device="cpu", window=window, activation_offload=offload,
-                                                         max_grad_norm=clip, optimizer=opt_cfg))
+    engine = make_engine(ToyStack(model), device="cpu", window=window, activation_offload=offload,
+                                                         max_grad_norm=clip, optimizer=opt_cfg)
     opt = torch.optim.AdamW(ref.parameters(), lr=opt_cfg.lr, betas=opt_cfg.betas, eps=opt_cfg.eps,
                             weight_decay=opt_cfg.weight_decay)
     stats, ref_losses, ref_norms = [], [], []
@@ -191,7 +216,7 @@ def test_forward_keeps_every_slot_loading_a_block_ahead(resident, order):
     """Every slot starts loading a sliding block at once, and each block's forward frees a slot for the next
     one; resident blocks (edges + blocks 0..1 here) need no slot, so the first sliding blocks load while they
     compute, not a window before their own turn."""
-    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, resident=resident))
+    engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, resident=resident)
     events: list[str] = []
     stage, span = engine._stage, engine.timeline.span
 
@@ -213,8 +238,8 @@ def test_forward_runs_ready_blocks_while_a_host_update_is_still_running():
     """The thread that queues the forward stages a block whose host update is still running only when nothing
     else is left to queue: resident block 0 runs while sliding block 1's clipped update is still on the host.
     (It used to wait for that update while staging block 1, before block 0's forward.)"""
-    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
-        device="cpu", window=2, resident=2, max_grad_norm=0.05, device_update_share=0.0))
+    engine = make_engine(ToyStack(Model(tied=True)),
+        device="cpu", window=2, resident=2, max_grad_norm=0.05, device_update_share=0.0)
     engine.updater.delay = 0.2  # each host update sleeps first: step 2 begins with all three still to do
     first, second = batches(seed=2, steps=2, micro=2)
     engine.step(first, lr=1e-3, normalizer=10)
@@ -237,7 +262,7 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
                states: str = "fp32"):
     torch.manual_seed(0)
     model = Model(tied=tied)
-    engine = SlidingEngine(ToyStack(model), EngineConfig(device="cpu", window=window,
+    engine = make_engine(ToyStack(model), device="cpu", window=window,
                                                          activation_offload="nvme" if acts_dir else "cpu",
                                                          activation_dir=acts_dir and str(acts_dir),
                                                          max_grad_norm=clip, pipeline=pipeline, resident=resident,
@@ -245,7 +270,7 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
                                                          compute_dtype=dtype, device_update_share=device_share,
                                                          held_grads=held, split_update=split,
                                                          grads_share_activations=shared, states_dtype=states,
-                                                         **on_disk(nvme)))
+                                                         **on_disk(nvme))
     for name, seconds in (delays or {}).items():
         getattr(engine, name).delay = seconds
     if patch:
@@ -293,7 +318,7 @@ def test_split_updates_give_the_whole_updates_result(monkeypatch, share, slow):
     that forward): the same kernel on the same inputs, so bit for bit whole updates' result, whichever worker
     is slow. Host and device-updated blocks, and host-updated edges (share 0: nothing for the store lane),
     take the split path."""
-    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05, device_share=share, split=False)
     moments = []
 
@@ -394,13 +419,13 @@ def test_the_engine_updates_on_the_device_the_blocks_the_planner_counts(share, r
     """The clipped engine updates int(sliding * share) sliding blocks on the device, the count the planner
     sizes held gradients by (`device_updated`), no two of them more than one host block apart, and never the
     first sliding block unless every block goes to the device."""
-    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
-        device="cpu", window=2, max_grad_norm=1.0, device_update_share=share, resident=resident))
+    engine = make_engine(ToyStack(Model(tied=True)),
+        device="cpu", window=2, max_grad_norm=1.0, device_update_share=share, resident=resident)
     first = max(resident - 1, 0)  # resident = 1 + k keeps the edges and blocks 0..k-1
     blocks = sorted(u - 1 - first for u in engine.streamed if u)
     engine.close()
     sliding = DEPTH - first
-    assert blocks == engine_module.device_updated(sliding, share) and len(blocks) == int(sliding * share)
+    assert blocks == placement_module.device_updated(sliding, share) and len(blocks) == int(sliding * share)
     assert all(b - a <= 2 for a, b in zip(blocks, blocks[1:])) or share < 0.5
     assert (0 in blocks) == (share == 1.0)
 
@@ -412,7 +437,7 @@ def test_clipped_updates_streamed_through_the_device_equal_host_updates(monkeypa
     """With clipping, a share of the sliding blocks updates on the device as the next forward loads them
     (master, states and gradient streamed in pieces, stored back on the store lane). Same AdamW arithmetic, so
     the result is bit for bit the host optimizer's, whichever worker is slow."""
-    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)  # many pieces per block, two buffers taking turns
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)  # many pieces per block, two buffers taking turns
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05)
     losses, got = run_engine(pipeline=True, window=2, clip=0.05, resident=resident, device_share=share,
                              delays={slow: 0.003}, patch=expect_streamed(share, resident))
@@ -425,8 +450,8 @@ def test_clipped_updates_streamed_through_the_device_equal_host_updates(monkeypa
 def test_streamed_updates_take_any_number_of_device_buffers(monkeypatch, buffers, slow):
     """With one device-update buffer every piece's copy waits for the last piece's store; with three, for the
     store three pieces back. Either way the result is the synchronous engine's, bit for bit."""
-    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
-    monkeypatch.setattr(engine_module, "STREAM_BUFFERS", buffers)
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
+    monkeypatch.setattr(placement_module, "STREAM_BUFFERS", buffers)
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05)
     losses, got = run_engine(pipeline=True, window=2, clip=0.05, device_share=1.0, delays={slow: 0.003},
                              patch=lambda engine: assert_buffers(engine, buffers))
@@ -440,7 +465,7 @@ def test_three_slots_with_device_updates_and_held_gradients_give_the_synchronous
         monkeypatch, share, held, resident, slow):
     """The planner's choice for clipped runs with room to spare: 3 slots, with blocks updated on the device (some
     keeping their gradient there) beside resident and host-updated ones; bit for bit the synchronous engine."""
-    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
     ref_losses, ref = run_engine(pipeline=False, window=3, clip=0.05, device_share=share, held=held,
                                  resident=resident)
     losses, got = run_engine(pipeline=True, window=3, clip=0.05, device_share=share, held=held,
@@ -472,7 +497,7 @@ def test_gradients_sharing_the_activations_memory_give_the_synchronous_result(mo
     forward has not written yet (`grads_share_activations`): bit for bit the synchronous engine with a gradient
     buffer each (and split updates, where these update whole), whichever worker is slow. The memory is really
     shared: some gradient lies over an activation, and only ever over a boundary above its block."""
-    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05, device_share=share, held=held,
                                  resident=resident)
     seen = []
@@ -504,7 +529,7 @@ def test_a_split_update_over_shared_memory_reads_activations_and_is_caught():
     _, ref = run_engine(pipeline=False, window=2, clip=0.05)
 
     def split_anyway(engine):
-        engine._splits = lambda unit: True
+        engine._split = lambda unit: True
 
     _, got = run_engine(pipeline=True, window=2, clip=0.05, shared=True, patch=split_anyway)
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
@@ -540,9 +565,9 @@ def test_shared_memory_follows_steps_of_other_shapes():
 
 
 def test_gradients_share_activations_needs_offloaded_activations():
-    with pytest.raises(ValueError, match="activation_offload=cpu"):
-        SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", activation_offload="none",
-                                                               max_grad_norm=1.0, grads_share_activations=True))
+    with pytest.raises(ValueError, match="activations on the host"):
+        make_engine(ToyStack(Model(tied=True)), device="cpu", activation_offload="none",
+                                                               max_grad_norm=1.0, grads_share_activations=True)
 
 
 def masters_and_states(engine):
@@ -567,7 +592,7 @@ def assert_buffers(engine, count):
 def test_gradients_held_on_the_device_for_device_updates_give_the_same_result(monkeypatch, share, held, slow):
     """With clipping, blocks updated on the device may keep their gradient there until the next forward runs
     the update: a device copy instead of the host ring, fewer ring buffers, the same result bit for bit."""
-    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05)
 
     def check(engine):
@@ -588,14 +613,14 @@ def test_a_clipped_step_with_a_non_finite_norm_changes_nothing(monkeypatch, pipe
     """With clipping every update waits for the global norm, so a step whose gradients overflowed (a NaN loss
     here) is seen before it changes anything: it reports the non-finite norm and leaves masters and AdamW states
     as they were, and the next step is the one a run without the bad step would have taken."""
-    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
     steps = list(batches(seed=4, steps=2, micro=3))
 
     def make():
         torch.manual_seed(0)
-        return SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+        return make_engine(ToyStack(Model(tied=True)),
             device="cpu", window=2, max_grad_norm=0.05, pipeline=pipeline, resident=resident,
-            device_update_share=share, held_grads=held, optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
+            device_update_share=share, held_grads=held, optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1))
 
     ref = make()
     for step in steps:
@@ -620,7 +645,7 @@ def test_a_clipped_step_with_a_non_finite_norm_changes_nothing(monkeypatch, pipe
 def test_a_held_gradient_is_what_the_device_update_reads(monkeypatch):
     """test_gradients_held_on_the_device_for_device_updates_give_the_same_result can fail: a held gradient
     zeroed before the next forward's update reads it changes the result."""
-    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
     _, ref = run_engine(pipeline=False, window=2, clip=0.05, device_share=1.0, held=2)
 
     def zero_held_before_updates(engine):
@@ -648,7 +673,7 @@ def expect_streamed(share, resident, clip=True):
 
 @pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "store", "updater"])
 def test_sliding_edges_update_on_the_device_without_clipping_too(monkeypatch, slow):
-    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=None)
     losses, got = run_engine(pipeline=True, window=2, clip=None, device_share=0.5, delays={slow: 0.003},
                              patch=expect_streamed(0.5, 0, clip=False))
@@ -659,7 +684,7 @@ def test_sliding_edges_update_on_the_device_without_clipping_too(monkeypatch, sl
 def test_a_device_update_still_on_its_way_home_is_waited_for(monkeypatch):
     """Drop the wait for a device update's store before the block's backward load, slow the store lane down,
     and the backward reads a stale master: the delay test above would see it."""
-    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
     _, ref = run_engine(pipeline=False, window=2, clip=0.05)
 
     class Forgetful(dict):
@@ -694,7 +719,7 @@ def test_a_failed_copy_on_a_worker_lane_surfaces_and_close_still_stops_threads()
         engine.units[2].master = torch.zeros(3)  # the h2d copy of block 1 will fail in the lane's thread
 
     torch.manual_seed(0)
-    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=None))
+    engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, max_grad_norm=None)
     break_block_one(engine)
     step = batches(seed=4, steps=1, micro=2)[0]
     with pytest.raises(RuntimeError, match="lane failed") as failure:  # (the land lane waits for h2d's copies)
@@ -715,8 +740,8 @@ def test_a_failed_params_part_surfaces_and_its_moments_part_does_not_hide_it(pip
     """A split update's params part that fails on the optimizer thread leaves the master as it was: the error
     must reach the training thread, not be overwritten when the moments part later runs."""
     torch.manual_seed(0)
-    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=0.05,
-                                                                    pipeline=pipeline, device_update_share=0.0))
+    engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, max_grad_norm=0.05,
+                                                                    pipeline=pipeline, device_update_share=0.0)
     step_unit = engine.optimizer.step_unit
 
     def fail_block_one_params(unit, grad, lr, grad_scale=1.0, before_chunk=None, part="all"):
@@ -740,7 +765,7 @@ def test_gradients_arrive_and_update_chunk_by_chunk(monkeypatch, clip, share):
     piece; with a slow d2h lane the result is still the synchronous engine's. Drop the per-chunk waits (keep
     only the last) and an update reads chunks that have not arrived."""
     monkeypatch.setattr(slide_memory.adamw, "CHUNK", 128)  # ~8 chunks per toy block
-    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
     _, ref = run_engine(pipeline=False, window=2, clip=clip)
 
     def chunked(engine):
@@ -763,14 +788,14 @@ def test_gradients_arrive_and_update_chunk_by_chunk(monkeypatch, clip, share):
 def test_evaluate_between_steps_applies_pending_device_updates_once(monkeypatch):
     """An evaluation right after a clipped step loads blocks whose device updates are still pending: it runs
     them (the loss it reports is the updated model's) and the next step does not run them again."""
-    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
     evaluated = []
 
     def run(share):
         torch.manual_seed(0)
-        engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+        engine = make_engine(ToyStack(Model(tied=True)),
             device="cpu", window=2, max_grad_norm=0.05, device_update_share=share,
-            optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
+            optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1))
         engine.d2h.delay = engine.store.delay = 0.002
         losses = []
         probe = batches(seed=9, steps=1, micro=2)[0]
@@ -797,9 +822,9 @@ def test_device_updates_on_cuda_track_host_updates():
     results = []
     for share, split in ((0.0, True), (1.0, True), (1.0, False)):
         torch.manual_seed(0)
-        engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+        engine = make_engine(ToyStack(Model(tied=True)),
             device="cuda", compute_dtype="fp32", window=2, max_grad_norm=0.05, device_update_share=share,
-            held_grads=2 if share else 0, split_update=split, optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
+            held_grads=2 if share else 0, split_update=split, optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1))
         assert len(engine.streamed) == (DEPTH + 1 if share else 0) and len(engine.held_grads) == (2 if share else 0)
         for step in batches(seed=4, steps=4, micro=3):
             engine.step([{k: v.cuda() for k, v in b.items()} for b in step], lr=1e-2, normalizer=10)
@@ -822,10 +847,10 @@ def test_gradients_sharing_the_activations_memory_on_cuda_give_the_same_result()
     results = {}
     for share, shared in ((0.0, False), (0.0, True), (1.0, True)):
         torch.manual_seed(0)
-        engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+        engine = make_engine(ToyStack(Model(tied=True)),
             device="cuda", compute_dtype="fp32", window=2, max_grad_norm=0.05, device_update_share=share,
             held_grads=2 if share else 0, grads_share_activations=shared,
-            optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
+            optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1))
         assert (engine.pool is not None) == shared and (engine.grad_ring is None) == shared
         engine.updater.delay = 0.005
         losses = [engine.step([{k: v.cuda() for k, v in b.items()} for b in step], lr=1e-2, normalizer=10).loss
@@ -862,10 +887,10 @@ def test_shared_memory_replaced_on_cuda_keeps_the_gradients_its_queued_copies_re
     try:
         for shared in (False, True):
             torch.manual_seed(0)
-            engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+            engine = make_engine(ToyStack(Model(tied=True)),
                 device="cuda", compute_dtype="fp32", window=2, max_grad_norm=0.05, device_update_share=1.0,
                 grads_share_activations=shared, split_update=False,
-                optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
+                optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1))
             losses = []
             for batch in data:
                 with torch.cuda.stream(engine.h2d.stream):  # ~50 ms of GPU sleep ahead of the step's copies in
@@ -890,7 +915,7 @@ def test_cuda_land_lane_runs_its_kernels_ahead_of_compute():
     of their own with the higher priority (the lower number): a copy stream never waits behind them."""
     if not torch.cuda.is_available():
         pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
-    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cuda", window=2))
+    engine = make_engine(ToyStack(Model(tied=True)), device="cuda", window=2)
     assert engine.land.stream.priority < engine.compute.stream.priority
     assert len({lane.stream for lane in engine.lanes}) == len(engine.lanes) == 5
     engine.close()
@@ -913,9 +938,9 @@ def test_cuda_landing_buffers_wait_for_the_backward_that_reads_them(monkeypatch)
     results = []
     for offload in ("none", "cpu"):
         torch.manual_seed(0)
-        engine = SlidingEngine(ToyStack(Model(tied=False)), EngineConfig(
+        engine = make_engine(ToyStack(Model(tied=False)),
             device="cuda", compute_dtype="fp32", window=1, resident=DEPTH + 1, activation_offload=offload,
-            max_grad_norm=None, optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1)))
+            max_grad_norm=None, optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1))
         losses = [engine.step([{k: v.cuda() for k, v in b.items()} for b in step], lr=1e-2, normalizer=10).loss
                   for step in batches(seed=4, steps=3, micro=3)]
         results.append((losses, {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}))
@@ -928,9 +953,9 @@ def test_cuda_landing_buffers_wait_for_the_backward_that_reads_them(monkeypatch)
 def test_a_failed_device_update_stops_the_lane_that_would_store_it(monkeypatch):
     """A piece whose step fails on the land lane must not be stored back into the host master by the store lane
     (which only waits for it): the failure stops that lane too and surfaces in the training thread."""
-    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
-    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=0.05,
-                                                                    device_update_share=1.0))
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
+    engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, max_grad_norm=0.05,
+                                                                    device_update_share=1.0)
     step = batches(seed=4, steps=1, micro=2)[0]
     engine.step(step, lr=1e-2, normalizer=10)  # leaves every block's update pending for the next loads
 
@@ -955,7 +980,7 @@ def test_the_edges_tail_only_part_updates_apart_with_the_same_result(monkeypatch
     arithmetic per element, so the result is the synchronous host-updated engine's bit for bit, whichever
     worker is slow, and every update covers each chunk exactly once."""
     monkeypatch.setattr(slide_memory.adamw, "CHUNK", 64)  # several chunks in each part of the edges
-    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip, tied=False)
     calls = []
 
@@ -967,7 +992,7 @@ def test_the_edges_tail_only_part_updates_apart_with_the_same_result(monkeypatch
         calls.append(engine)
         original = engine._update_on_device
         engine._update_on_device = lambda unit, slot, chunks=None: (
-            calls.append((unit, list(engine._pending[unit][4] if chunks is None else chunks))),
+            calls.append((unit, list(engine._pending[unit].chunks if chunks is None else chunks))),
             original(unit, slot, chunks))
 
     losses, got = run_engine(pipeline=True, window=2, clip=clip, tied=False, device_share=0.5,
@@ -991,7 +1016,7 @@ def test_the_edges_tail_only_part_updates_apart_with_the_same_result(monkeypatch
 
 def test_a_tied_output_projection_is_not_tail_only():
     """The head reads a tied embedding: only the final norm is left to update apart."""
-    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", device_update_share=1.0))
+    engine = make_engine(ToyStack(Model(tied=True)), device="cpu", device_update_share=1.0)
     names = [e.name for e in engine.edge_slot.layout.entries]
     assert names == ["embed.weight", "norm.weight", "norm.bias"]
     norm = engine.edge_slot.layout.entries[1]
@@ -1003,8 +1028,8 @@ def test_fetched_activations_land_in_the_same_buffers_every_step():
     """Backward's boundary activations come back into buffers kept per slot and micro-batch: after the first
     step no fetch allocates, and only a window's worth of them exists."""
     torch.manual_seed(0)
-    engine = SlidingEngine(ToyStack(Model(tied=False)), EngineConfig(device="cpu", window=2, resident=2,
-                                                                     activation_offload="cpu"))
+    engine = make_engine(ToyStack(Model(tied=False)), device="cpu", window=2, resident=2,
+                                                                     activation_offload="cpu")
     seen = []
     fetch = engine.activations.fetch
     engine.activations.fetch = lambda *a, **k: seen[-1].add((out := fetch(*a, **k)).data_ptr()) or out
@@ -1042,9 +1067,9 @@ def test_a_script_that_never_closes_its_engine_finishes_its_updates_and_exits_cl
         "    print('done', all(engine.updater.ready(u) for u in units))\n"
         "atexit.register(report)\n"
         "from test_engine import Model, ToyStack, batches\n"
-        "from slide_scheduler import EngineConfig, SlidingEngine\n"
-        "engine = state['engine'] = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(\n"
-        f"    device='cpu', window=2, max_grad_norm={clip}, nvme_fraction={nvme}, nvme_dir={str(tmp_path)!r}))\n"
+        "from test_engine import make_engine\n"
+        "engine = state['engine'] = make_engine(ToyStack(Model(tied=True)), \n"
+        f"    device='cpu', window=2, max_grad_norm={clip}, nvme_fraction={nvme}, nvme_dir={str(tmp_path)!r})\n"
         "engine.updater.delay = 0.2  # the last step's updates are still queued when the script ends\n"
         "engine.step(batches(seed=4, steps=1, micro=2)[0], lr=1e-2, normalizer=10)\n")
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
@@ -1062,7 +1087,7 @@ def test_moments_on_disk_give_the_host_memory_result(tmp_path, monkeypatch, clip
     """AdamW moments of the last sliding blocks kept in files (read into a staging slot ahead of each update,
     written back after): bit for bit the synchronous engine's result with every state in memory, with a slow
     lane, device updates of the other blocks and resident blocks beside them."""
-    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip, device_share=share, resident=resident)
     seen = {}
 
@@ -1136,8 +1161,8 @@ def test_moments_on_disk_checkpoint_like_moments_in_memory(tmp_path, states):
     engines = []
     for nvme in (None, (1.0, tmp_path)):
         torch.manual_seed(0)
-        engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=0.05,
-                                                                        states_dtype=states, **on_disk(nvme)))
+        engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, max_grad_norm=0.05,
+                                                                        states_dtype=states, **on_disk(nvme))
         assert engine.optimizer_state(DEPTH) == {}, "no state before the first update"
         for step in batches(seed=4, steps=2, micro=2):
             engine.step(step, lr=1e-2, normalizer=10)
@@ -1170,7 +1195,7 @@ def test_fp32_states_load_into_bf16_moments_on_disk_as_into_bf16_ones_in_memory(
     """A bf16-states run resumed from an fp32 checkpoint: the states narrowed onto disk step exactly as the same
     states narrowed into memory."""
     torch.manual_seed(0)
-    source = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=0.05))
+    source = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, max_grad_norm=0.05)
     for step in batches(seed=4, steps=2, micro=2):
         source.step(step, lr=1e-2, normalizer=10)
     source.synchronize()
@@ -1179,8 +1204,8 @@ def test_fp32_states_load_into_bf16_moments_on_disk_as_into_bf16_ones_in_memory(
     source.close()
     engines = []
     for nvme in (None, (1.0, tmp_path)):
-        engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=0.05,
-                                                                        states_dtype="bf16", **on_disk(nvme)))
+        engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, max_grad_norm=0.05,
+                                                                        states_dtype="bf16", **on_disk(nvme))
         for u, unit in enumerate(engine.units):
             unit.master.copy_(masters[u])
             engine.load_optimizer_state(u, states[u])
@@ -1202,13 +1227,13 @@ def test_fp32_states_load_into_bf16_moments_on_disk_as_into_bf16_ones_in_memory(
 
 def test_moments_on_disk_need_a_directory_with_room_for_them(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="nvme_dir"):
-        SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", nvme_fraction=0.5))
+        make_engine(ToyStack(Model(tied=True)), device="cpu", nvme_fraction=0.5)
     import slide_io.disk
 
     monkeypatch.setattr(slide_io.disk, "free_bytes", lambda directory: 1000)
     with pytest.raises(OSError, match="preflight") as error:
-        SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", nvme_fraction=0.5,
-                                                               nvme_dir=str(tmp_path)))
+        make_engine(ToyStack(Model(tied=True)), device="cpu", nvme_fraction=0.5,
+                                                               nvme_dir=str(tmp_path))
     assert str(tmp_path) in str(error.value)
 
 
@@ -1227,8 +1252,8 @@ def test_a_failed_write_back_surfaces_and_close_still_stops_threads(tmp_path, mo
         return write(self, key, tensor)
 
     monkeypatch.setattr(NVMeStore, "write", fill_up)
-    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=None,
-                                                                    nvme_fraction=1.0, nvme_dir=str(tmp_path)))
+    engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, max_grad_norm=None,
+                                                                    nvme_fraction=1.0, nvme_dir=str(tmp_path))
     with pytest.raises(RuntimeError, match="optimizer worker failed") as error:
         for step in batches(seed=4, steps=4, micro=2):
             engine.step(step, lr=1e-2, normalizer=10)
@@ -1245,9 +1270,9 @@ def test_close_stops_every_part_when_one_before_it_raises(tmp_path, broken):
     """Close runs its parts in order (finish the updates, the moments' writes, the lanes, the activations'
     files) and each one runs even when one before it raises; the error still reaches the caller."""
     torch.manual_seed(0)
-    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+    engine = make_engine(ToyStack(Model(tied=True)),
         device="cpu", window=2, max_grad_norm=None, nvme_fraction=0.5, nvme_dir=str(tmp_path / "states"),
-        activation_offload="nvme", activation_dir=str(tmp_path / "acts")))
+        activation_offload="nvme", activation_dir=str(tmp_path / "acts"))
     engine.step(batches(seed=4, steps=1, micro=2)[0], lr=1e-2, normalizer=10)
     order = []
 
@@ -1281,8 +1306,8 @@ def test_an_engine_whose_step_failed_before_its_disk_updates_ran_still_closes(tm
     import threading
 
     torch.manual_seed(0)
-    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(device="cpu", window=2, max_grad_norm=None,
-                                                                    nvme_fraction=0.75, nvme_dir=str(tmp_path)))
+    engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, max_grad_norm=None,
+                                                                    nvme_fraction=0.75, nvme_dir=str(tmp_path))
     assert len(engine.on_disk) == 3 and len(engine.disk.slots) == 2
     send = engine._send_grads
     engine._send_grads = lambda block, slot: (_ for _ in ()).throw(RuntimeError("backward broke"))
@@ -1304,8 +1329,8 @@ def test_a_step_after_one_that_failed_before_its_disk_updates_ran_gives_the_righ
     results = []
     for nvme in (0.0, 0.75):
         torch.manual_seed(0)
-        engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
-            device="cpu", window=2, max_grad_norm=None, nvme_fraction=nvme, nvme_dir=str(tmp_path)))
+        engine = make_engine(ToyStack(Model(tied=True)),
+            device="cpu", window=2, max_grad_norm=None, nvme_fraction=nvme, nvme_dir=str(tmp_path))
         send, sent = engine._send_grads, []
 
         def fail_second(block, slot, send=send, sent=sent):
@@ -1336,7 +1361,7 @@ def test_a_step_after_one_that_failed_before_its_disk_updates_ran_gives_the_righ
 def test_moments_on_disk_beside_pooled_and_held_gradients(tmp_path, monkeypatch, clip):
     """The disk tier beside held host gradients sharing the activations' memory and gradients kept on the device
     for device updates: bit for bit the synchronous engine with every state in memory."""
-    monkeypatch.setattr(engine_module, "STREAM_PIECE", 64)
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip, device_share=1.0, held=1, shared=True)
     losses, got = run_engine(pipeline=True, window=2, clip=clip, device_share=1.0, held=1, shared=True,
                              delays={"updater": 0.004}, nvme=(0.5, tmp_path))

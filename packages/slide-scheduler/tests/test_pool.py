@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from slide_scheduler.engine import DEVICE_UPDATE_SHARE, device_updated, held_on_device
+from slide_scheduler.placement import device_updated, held_on_device
 from slide_scheduler.pool import SharedPool, pool_bytes, pool_layout
 
 
@@ -37,7 +37,7 @@ def test_an_8b_clipped_run_shares_most_of_its_gradients():
     last 10 device-updated ones on the GPU) take 9.6 GB in buffers of their own; over the 8.6 GB of boundary
     activations they need 1.3 GB more."""
     grad, boundary = 218_112_000 * 2, 8 * 4096 * 4096 * 2
-    held = held_on_device(device_updated(32, DEVICE_UPDATE_SHARE), 10, shared=True)
+    held = held_on_device(device_updated(32, 0.5625), 10, shared=True)
     assert held == [15, 17, 19, 21, 23, 24, 26, 28, 30, 31]
     host = [b for b in range(32) if b not in held]
     extra = pool_bytes(host, grad, [boundary // 8] * 8, 32) - 32 * boundary
@@ -56,17 +56,3 @@ def test_views_are_where_the_layout_puts_them():
     assert pool.gradient(2).numel() == 1000 and pool.gradient(2).dtype == torch.bfloat16
     assert not pool.fit([4000, 4000]) and pool.activation(0, 1, like).data_ptr() - base == 4096
     assert pool.fit([20000])  # more than a boundary's room: a new allocation
-
-
-def test_the_device_share_left_to_the_engine_follows_the_pool():
-    """With the pool every clipped update runs whole, so fewer blocks update on the device by default."""
-    from slide_scheduler import EngineConfig
-    from slide_scheduler.engine import POOL_DEVICE_UPDATE_SHARE
-
-    assert EngineConfig().resolve_device_update_share(cuda=True) == DEVICE_UPDATE_SHARE
-    assert EngineConfig(grads_share_activations=True).resolve_device_update_share(cuda=True) == POOL_DEVICE_UPDATE_SHARE
-    assert EngineConfig(grads_share_activations=True, max_grad_norm=None).resolve_device_update_share(
-        cuda=True) == DEVICE_UPDATE_SHARE  # without clipping nothing is pooled
-    assert EngineConfig(grads_share_activations=True, device_update_share=0.5).resolve_device_update_share(
-        cuda=True) == 0.5
-    assert EngineConfig(grads_share_activations=True).resolve_device_update_share(cuda=False) == 0.0

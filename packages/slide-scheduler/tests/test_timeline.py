@@ -6,10 +6,9 @@ import random
 
 import pytest
 import torch
-from test_engine import Model, ToyStack, batches
+from test_engine import Model, ToyStack, batches, make_engine
 
 from slide_memory import AdamWConfig
-from slide_scheduler import EngineConfig, SlidingEngine
 from slide_scheduler.timeline import Span, summarize
 
 
@@ -56,9 +55,9 @@ def test_a_wait_counts_only_where_the_gpu_had_nothing_to_do():
 
 def timeline_of(slow: str, pipeline: bool = True) -> dict[str, float]:
     torch.manual_seed(0)
-    engine = SlidingEngine(ToyStack(Model(tied=True)), EngineConfig(
+    engine = make_engine(ToyStack(Model(tied=True)),
         device="cpu", window=2, max_grad_norm=0.05, device_update_share=0.0, optimizer=AdamWConfig(lr=1e-2),
-        pipeline=pipeline))
+        pipeline=pipeline)
     getattr(engine, slow).delay = 0.02
     for step in batches(seed=4, steps=2, micro=2):
         stats = engine.step(step, lr=1e-2, normalizer=10)

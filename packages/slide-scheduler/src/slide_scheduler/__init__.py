@@ -1,18 +1,67 @@
-"""slide-scheduler: the layer-sliding engine (head, blocks, tail; slots, boundary activations, host updates)."""
+"""slide-scheduler: the layer-sliding engine (head, blocks, tail; slots, boundary activations, host updates), the
+placement it executes and the cost model that prices it on a machine."""
 
 from .__about__ import __version__
 from .activations import ActivationStore
+from .cost import Estimate, price
 from .engine import EngineConfig, SlidingEngine, StepStats
+from .machine import Disk, Gpu, Host, Machine, Pcie
+from .placement import (
+    DISK,
+    GPU,
+    HOST,
+    TIERS,
+    Allocation,
+    Budgets,
+    Options,
+    Overrides,
+    Placement,
+    Shapes,
+    StepShape,
+    UnitPlacement,
+    arrange,
+    shapes_of,
+)
+from .planner import Plan, place
+from .probe import host_cores, host_memory_bytes, probe_disk
+from .probe import probe as probe_machine
 from .stack import Batch, Context, Edges, Stack
 
 __all__ = [
+    "DISK",
+    "GPU",
+    "HOST",
+    "TIERS",
     "ActivationStore",
+    "Allocation",
     "Batch",
+    "Budgets",
     "Context",
+    "Disk",
     "Edges",
     "EngineConfig",
+    "Estimate",
+    "Gpu",
+    "Host",
+    "Machine",
+    "Options",
+    "Overrides",
+    "Pcie",
+    "Placement",
+    "Plan",
+    "Shapes",
     "SlidingEngine",
     "Stack",
+    "StepShape",
     "StepStats",
+    "UnitPlacement",
     "__version__",
+    "arrange",
+    "host_cores",
+    "host_memory_bytes",
+    "place",
+    "price",
+    "probe_disk",
+    "probe_machine",
+    "shapes_of",
 ]

@@ -32,6 +32,7 @@ the synchronous engine, kept as the reference the pipelined one is tested agains
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -49,74 +50,33 @@ from slide_memory import (
     StreamedStep,
     host_zeros,
 )
-from slide_memory.adamw import CHUNK, PIECE_ALIGN
+from slide_memory.adamw import CHUNK
 
 from .activations import ActivationStore
 from .disk_states import DiskStates
 from .lanes import DONE, Lane, Signal
+from .placement import Placement, Shapes, StepShape, UnitPlacement
 from .pool import SharedPool
 from .stack import Batch, Stack
 from .timeline import Span, Timeline, summarize
 from .updater import HostUpdater
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-STREAM_PIECE = 1 << 23  # elements per device-update piece: each buffer ~150 MB on the device
-# Device-update buffers: a piece's copy in waits for the store of the piece that used its buffer last
-STREAM_BUFFERS = 2
-# Clipped sliding blocks updated on the device when the share is left to the engine (9 of every 16). Against
-# 0.5, clipped B8 ran 2.6% and 2.8% faster on two GPU machines (same-call pairs), B3 0.8% on one; 0.625 gained
-# on one machine and lost on the other (benchmarks/results/engine.md, 2026-12-01).
-DEVICE_UPDATE_SHARE = 0.5625
-# The same when held host gradients share the activations' memory: every update then runs whole, and a
-# device-updated block whose gradient is on the host costs 26 bytes per parameter over PCIe instead of 18, so
-# fewer of them pay. Clipped B8 with the pool: 290.1, 299.2 TFLOP/s at 0.625, 0.5 (one machine), 302.2, 306.2,
-# 314.9 at 0.5, 0.4375, 0.375 (another; benchmarks/results/engine.md, 2026-12-01).
-POOL_DEVICE_UPDATE_SHARE = 0.375
 
 
 @dataclass
 class EngineConfig:
+    """How the engine runs; where everything lives is the placement's (placement.py)."""
+
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     compute_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
-    window: int = 2  # GPU slots for sliding blocks
     activation_offload: str = "cpu"  # none | cpu | nvme (files in `activation_dir`, see disk_activations.py)
     max_grad_norm: float | None = 1.0
     optimizer: AdamWConfig = field(default_factory=AdamWConfig)
     pipeline: bool = True  # False: the synchronous reference schedule (everything in order on one thread)
-    # Units kept on the device for good, with their fp32 master and AdamW states there too: 0 = none,
-    # 1 = the edges, 1 + k = the edges and blocks 0..k-1. The rest slide. (slide-train sizes this from the budget.)
-    resident: int = 0
     states_dtype: str = "fp32"  # fp32 | bf16: AdamW m and v of host units stored in bf16 (half the host memory)
-    # With clipping, the share of sliding blocks whose update runs on the device while the next forward loads
-    # them (master and states streamed over PCIe) rather than on the host optimizer thread; when above 0,
-    # sliding edges update that way too (clipping or not). None: DEVICE_UPDATE_SHARE on CUDA with fp32 states
-    # (POOL_DEVICE_UPDATE_SHARE with `grads_share_activations`), else 0.
-    device_update_share: float | None = None
-    # With clipping, how many of those device-updated blocks keep their gradient on the device until the update
-    # (2 bytes per parameter of device memory each; no host copy and no PCIe round trip). slide-train sizes it.
-    held_grads: int = 0
-    # With clipping, sliding blocks' updates write the new masters first and the AdamW moments after the next
-    # forward (a host unit's two parts run the same kernel on the same inputs: bit for bit a whole update; a
-    # device-updated block's moments come from the host's kernel, its master from the device's, which agree to
-    # rounding as the two paths do anyway); False: whole updates in the forward.
-    split_update: bool = True
-    # With clipping and activations on the host, the held gradients of sliding blocks share host memory with the
-    # boundary activations (`pool.SharedPool`: the two are never live in the same place at once), which saves
-    # up to the activations' size; those blocks' clipped updates then run whole, and the gradients kept on the
-    # device (`held_grads`) are the last device-updated blocks' rather than the first.
-    grads_share_activations: bool = False
-    # The share of sliding blocks (the last ones) whose AdamW m and v live on the NVMe tier in `nvme_dir` rather
-    # than in host memory (8 bytes per parameter less RAM, 4 with bf16 states; each update reads them in and writes
-    # them back, see disk_states.py). Those blocks update on the host, whole.
-    nvme_fraction: float = 0.0
-    nvme_dir: str | None = None
+    nvme_dir: str | None = None  # where AdamW moments placed on disk live
     activation_dir: str | None = None  # where activation_offload=nvme keeps the boundary activations
-
-    @property
-    def shares_grads(self) -> bool:
-        """Whether held host gradients share the activations' memory: the option, with clipping (without it no
-        gradient waits for the norm)."""
-        return bool(self.grads_share_activations and self.max_grad_norm)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -126,22 +86,44 @@ class EngineConfig:
             raise RuntimeError("engine.device is 'cuda' but no CUDA device is available; use engine.device=cpu")
         return dev
 
-    def resolve_device_update_share(self, cuda: bool) -> float:
-        """`device_update_share`, None resolved: on CUDA with fp32 states (they stream as they are)
-        DEVICE_UPDATE_SHARE, or POOL_DEVICE_UPDATE_SHARE when clipped gradients share the activations' memory;
-        else 0."""
-        if self.device_update_share is not None:
-            return self.device_update_share
-        if not cuda or self.states_dtype != "fp32":
-            return 0.0
-        return POOL_DEVICE_UPDATE_SHARE if self.shares_grads else DEVICE_UPDATE_SHARE
-
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         if self.compute_dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         if self.compute_dtype not in DTYPES:
             raise ValueError(f"compute_dtype must be one of auto, {', '.join(DTYPES)}; got {self.compute_dtype!r}")
         return DTYPES[self.compute_dtype]
+
+    def validate(self) -> None:
+        if self.states_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"states_dtype must be fp32 or bf16, got {self.states_dtype!r}")
+        if self.activation_offload not in ("none", "cpu", "nvme"):
+            raise ValueError("activation_offload must be 'none' (keep on device), 'cpu' or 'nvme', got "
+                             f"{self.activation_offload!r}")
+        if self.activation_offload == "nvme" and not self.activation_dir:
+            raise ValueError("activations on the nvme tier go to files: set activation_dir to a directory on a fast "
+                             "local disk")
+
+
+@dataclass
+class PendingUpdate:
+    """A unit's update waiting for the unit's next load, to run on the device as it loads."""
+
+    grad: torch.Tensor
+    arrived: Signal  # the gradient is where `grad` says
+    lr: float
+    scale: float
+    chunks: list[int]  # optimizer chunks still to update
+    split: bool  # the host steps the moments afterwards (a MomentsPart)
+
+
+@dataclass
+class MomentsPart:
+    """The moments part of a split update whose params part has been queued."""
+
+    grad: torch.Tensor
+    arrived: list[Signal]  # per optimizer chunk
+    lr: float
+    scale: float
 
 
 @dataclass
@@ -167,24 +149,51 @@ class Unit:
 
 
 class SlidingEngine:
-    def __init__(self, stack: Stack, config: EngineConfig):
+    """Executes a `Placement`: allocates what it says where it says, and runs steps over it."""
+
+    def __init__(self, stack: Stack, config: EngineConfig, placement: Placement | None = None):
+        config.validate()
         self.config = config
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         self.num_blocks = stack.num_blocks
+        self.edges = stack.make_edges()
+        edge_layout, block_layout = FlatLayout(self.edges), FlatLayout(stack.make_block())
+        if placement is None:  # every unit sliding, nothing held or pooled: the simplest placement
+            placement = default_placement(stack, config)
+        self._check(placement, edge_layout, block_layout)
+        self.placement = placement
+        self._make_lanes(config)
+        self._allocate(stack, placement, edge_layout, block_layout)
+        self.closed = False
+
+    def _check(self, p: Placement, edge_layout: FlatLayout, block_layout: FlatLayout) -> None:
+        """Refuse a placement made for another model or another run."""
+        numels = (edge_layout.numel,) + (block_layout.numel,) * self.num_blocks
+        if p.shapes.unit_numels != numels:
+            raise ValueError(f"the placement is for units of {p.shapes.unit_numels[:2]}... parameters, this model's "
+                             f"are {numels[:2]}... ({len(numels)} units)")
+        run = {"clip": bool(self.config.max_grad_norm), "activations": self.config.activation_offload,
+               "compute_bytes": self.dtype.itemsize, "state_bytes": DTYPES[self.config.states_dtype].itemsize,
+               "device_is_host": self.device.type != "cuda"}
+        wrong = [f"{k}={getattr(p, k)!r} (this run: {v!r})" for k, v in run.items() if getattr(p, k) != v]
+        if wrong:
+            raise ValueError("the placement was made for another run: " + ", ".join(wrong))
+        if p.on_disk and not self.config.nvme_dir:
+            raise ValueError("the placement keeps AdamW moments on disk: set nvme_dir to a directory on a fast local "
+                             "disk")
+
+    def _make_lanes(self, config: EngineConfig) -> None:
         inline = not config.pipeline
         self.compute = Lane("compute", self.device, inline=True)
         self.h2d = Lane("h2d", self.device, inline=inline)
         self.d2h = Lane("d2h", self.device, inline=inline)
         # What lands on the device is turned into slot contents (a master narrowed to bf16, a streamed AdamW
         # step) on a lane of its own: a copy queued behind such a kernel would wait with it for SMs, which the
-        # forward's GEMMs hold up to a millisecond at a time (lane_probe.py: a device update beside GEMMs ran at
-        # 20 GB/s with its kernels on the copy stream, 45 GB/s alone). Higher priority: its kernels go first
-        # when SMs free up.
+        # forward's GEMMs hold up to a millisecond at a time. Higher priority: its kernels go first when SMs free.
         self.land = Lane("land", self.device, inline=inline, priority=-1)
-        # Device updates' results go home on a lane of their own: on d2h their copies queued behind the
-        # forward's boundary activations, each waiting for a block's forward to end, and held both device-update
-        # buffers meanwhile (GPU runs of 2026-12-01: 15-67 ms per block on two machines of three).
+        # Device updates' results go home on a lane of their own: on d2h their copies would queue behind the
+        # forward's boundary activations, each waiting for a block's forward to end, holding both buffers.
         self.store = Lane("store", self.device, inline=inline)
         self.lanes = (self.compute, self.h2d, self.land, self.d2h, self.store)
         self.timeline = Timeline(self.device)
@@ -192,46 +201,36 @@ class SlidingEngine:
             lane.timeline = self.timeline
         self._wait_update_s = 0.0
 
+    def _allocate(self, stack: Stack, p: Placement, edge_layout: FlatLayout, block_layout: FlatLayout) -> None:
+        config, numel = self.config, block_layout.numel
         # Edges: head + tail parameters, on the device in a slot of their own for the whole run.
-        self.edges = stack.make_edges()
-        edge_layout = FlatLayout(self.edges)
         self.edge_slot = Slot(edge_layout, self.edges, self.device, self.dtype)
         for module in self.edges.modules():
             for name, buf in module._buffers.items():
                 if buf is not None:
                     module._buffers[name] = buf.to(self.device)
-
-        # Blocks: fp32 masters on the host, a window of device slots to run them in.
-        block_layout = FlatLayout(stack.make_block())
+        # Every unit's fp32 master on the host; a window of device slots for the sliding blocks.
         self.units = [Unit(edge_layout)] + [Unit(block_layout) for _ in range(self.num_blocks)]
         with torch.no_grad():
             stack.load_edges(edge_layout.views(self.units[0].master))
             for i in range(self.num_blocks):
                 stack.load_block(i, block_layout.views(self.units[i + 1].master))
-        # The window of slots for sliding blocks (none when every block is resident).
-        sliding = self.num_blocks - max(config.resident - 1, 0)
-        self.slots = (SlotQueue(block_layout, stack.make_block, config.window, self.device, self.dtype)
-                      if sliding > 0 else None)
+        self.resident = p.resident
+        sliding = p.sliding_blocks
+        self.slots = SlotQueue(block_layout, stack.make_block, p.window, self.device, self.dtype) if sliding else None
         for slot in self.slots.slots if self.slots else []:
             slot.free = DONE  # compute is done with the slot's contents
             slot.drained = DONE  # the slot's gradient has been copied out
-
-        if config.states_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"states_dtype must be fp32 or bf16, got {config.states_dtype!r}")
-        if not 0 <= config.resident <= len(self.units):
-            raise ValueError(f"resident must be in [0, {len(self.units)}], got {config.resident}")
-        self.resident = config.resident
-        self.on_disk = self._choose_on_disk(sliding)
-        self.streamed = self._choose_streamed() - self.on_disk
+        self.on_disk, self.streamed = p.on_disk, p.streamed
         tail_from = _tail_only_from(self.edges, edge_layout)
         # Only the states of units updated on the device cross PCIe: only they are page-locked.
-        self.optimizer = HostAdamW([None if u < self.resident else unit.master for u, unit in enumerate(self.units)],
+        self.optimizer = HostAdamW([None if u in self.resident else unit.master for u, unit in enumerate(self.units)],
                                    config.optimizer, DTYPES[config.states_dtype],
                                    pinned=[self.device.type == "cuda" and u in self.streamed
                                            for u in range(len(self.units))],
                                    bounds=[(tail_from,)] + [()] * self.num_blocks,
                                    external=[u in self.on_disk for u in range(len(self.units))])
-        self.disk = DiskStates(sorted(self.on_disk), block_layout.numel, config.nvme_dir,
+        self.disk = DiskStates(sorted(self.on_disk), numel, config.nvme_dir,
                                DTYPES[config.states_dtype]) if self.on_disk else None
         # Edges updated on the device update their tail-only part (final norm, untied lm head) apart from the
         # rest: its gradient is final after the tail and nothing reads it before the next tail, so without
@@ -239,41 +238,36 @@ class SlidingEngine:
         # the head reads stands between one step and the next.
         edge_ranges = self.optimizer.units[0].ranges if 0 in self.streamed else []
         self._edge_tail = [k for k, (a, _) in enumerate(edge_ranges) if a >= tail_from]
-
         # Resident units: device fp32 master + AdamW on the device; resident blocks get a slot of their own.
         self.resident_slots: dict[int, Slot] = {
-            i: Slot(block_layout, stack.make_block(), self.device, self.dtype) for i in range(self.resident - 1)}
+            u - 1: Slot(block_layout, stack.make_block(), self.device, self.dtype) for u in sorted(self.resident) if u}
         self.device_optimizers: dict[int, FlatAdamW] = {}
         if self.resident:
-            largest = max(self.units[u].layout.numel for u in range(self.resident))
+            largest = max(self.units[u].layout.numel for u in self.resident)
             scratch = torch.empty(min(CHUNK, largest), dtype=torch.float32, device=self.device)
-            for u in range(self.resident):
+            for u in sorted(self.resident):
                 master = self.units[u].master.to(self.device, copy=True)
                 self.device_optimizers[u] = FlatAdamW(master, config.optimizer, scratch)
         self._edges_loaded: Signal | None = None  # set once the edges' latest parameters are queued to the device
         self._load_resident()
-        # Host gradients: blocks pass through one shared ring of pinned buffers (or the pool, below). Without
-        # clipping a block's update empties its buffer during backward, so a few suffice; exact clipping holds
-        # every gradient until the global norm is known (2 bytes per sliding parameter). A sliding edges unit has
-        # a buffer of its own.
-        # Blocks updated on the device may instead keep their gradient there (`held_grads`; which: held_on_device).
-        if config.held_grads < 0:
-            raise ValueError(f"held_grads must be >= 0, got {config.held_grads}")
-        shared = config.shares_grads and sliding > 0
-        if shared and config.activation_offload != "cpu":
-            raise ValueError("grads_share_activations shares the host memory of offloaded activations: it needs "
-                             "activation_offload=cpu")
-        held = held_on_device(sorted(u for u in self.streamed if u), config.held_grads, shared)
-        self.held_grads = {u: torch.zeros(block_layout.numel, dtype=self.dtype, device=self.device) for u in held}
-        # Clipped host gradients: a place each in the pool shared with the activations, or a ring buffer each
-        pooled = [u - 1 for u in range(len(self.units) - sliding, len(self.units)) if u not in held] if shared else []
-        self.pool = SharedPool(pooled, block_layout.numel, self.dtype, self.num_blocks) if pooled else None
-        ring = 0 if self.pool is not None else sliding - len(held) if config.max_grad_norm else min(3, sliding)
-        self.grad_ring = StagingRing(ring, block_layout.numel, self.dtype) if ring else None
-        self.updater = HostUpdater(self.optimizer, inline=inline, disk=self.disk)
-        self._setup_device_updates(block_layout.numel)
-        self.edge_grad = (host_zeros(edge_layout.numel, self.dtype)
-                          if not self.resident and 0 not in self.streamed else None)
+        # Gradients wait for their update where the placement says: held on the device, in their place in the
+        # pool shared with the boundary activations, or in a ring buffer on the host; sliding edges updated on the
+        # host have a buffer of their own.
+        self.held_grads = {u: torch.zeros(numel, dtype=self.dtype, device=self.device) for u in sorted(p.held)}
+        self.pool = SharedPool(p.pooled, numel, self.dtype, self.num_blocks) if p.pooled else None
+        self.grad_ring = StagingRing(p.ring, numel, self.dtype) if p.ring else None
+        self.updater = HostUpdater(self.optimizer, inline=not config.pipeline, disk=self.disk)
+        self.stream_buffers = [StreamedStep(p.stream_piece_numel, config.optimizer, self.device, self.dtype)
+                               for _ in range(p.stream_buffers if self.streamed else 0)]
+        for buf in self.stream_buffers:
+            buf.free = DONE  # its last store has left
+        self._next_buffer = 0
+        self._pending: dict[int, PendingUpdate] = {}  # unit -> its update, to run at its next load
+        self._written: dict[int, Signal] = {}  # unit -> what its device update stores is back on the host
+        # unit -> the moments part of its split update; submitted after the forward, last block first (the order
+        # in which backward reuses the gradient buffers, each waiting for it: _send_grads).
+        self._moments_due: dict[int, MomentsPart] = {}
+        self.edge_grad = host_zeros(edge_layout.numel, self.dtype) if p.units[0].grad == "own" else None
         self.activations = ActivationStore(config.activation_offload, self.device, self.d2h, self.h2d, self.compute,
                                            self.pool, config.activation_dir)
         # Backward fetches activations for at most window + 1 blocks at a time: that many sets of device buffers,
@@ -284,69 +278,15 @@ class SlidingEngine:
         # device as gradients are made).
         self._readout = torch.zeros(1 + len(self.units), dtype=torch.float32, device=self.device)
         self._loss, self._sq_norms = self._readout[0], self._readout[1:]
-        self.closed = False
-
-    def _choose_on_disk(self, sliding: int) -> set[int]:
-        """The units whose AdamW moments live on the NVMe tier: the last `nvme_fraction` of the sliding blocks
-        (with clipping their updates come last in the next forward, so reading their moments has the most time
-        to run ahead)."""
-        fraction = self.config.nvme_fraction
-        if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"nvme_fraction must be in [0, 1], got {fraction}")
-        blocks = on_disk_blocks(self.num_blocks, sliding, fraction)
-        if blocks and not self.config.nvme_dir:
-            raise ValueError("nvme_fraction > 0 keeps AdamW states in files: set nvme_dir to a directory on a fast "
-                             "local disk")
-        return {1 + b for b in blocks}
-
-    def _choose_streamed(self) -> set[int]:
-        """Exact clipping defers every update until the global norm is known, and the host optimizer alone cannot
-        finish them within the next forward. A share of the sliding blocks therefore updates on the device as
-        the forward loads them: master, m, v and gradient stream in (PCIe has room to spare), torch's AdamW runs
-        there, the new parameters go straight into the slot and the master streams back (and m and v, unless the
-        update is split: the host steps those). Same math as the host path, so the choice changes where the
-        work runs, not the result (beyond the devices' rounding).
-
-        Sliding edges take that path too, clipping or not: their gradient is the step's last, so their update
-        always stands between one step and the next; on the device it reads the gradient where it was made
-        (no host copy of it) and writes the parameters where they are used.
-        Returns the units updated that way (0: the edges, 1 + i: block i)."""
-        share = self.config.resolve_device_update_share(self.device.type == "cuda")
-        if not 0.0 <= share <= 1.0:
-            raise ValueError(f"device_update_share must be in [0, 1], got {share}")
-        if share and self.config.states_dtype != "fp32":
-            raise ValueError("device updates stream fp32 AdamW states: use device_update_share=0 with bf16 states")
-        first = max(self.resident - 1, 0)
-        streamed = set()
-        if self.config.max_grad_norm:  # without clipping, block updates run during backward on the host
-            streamed = {1 + first + j for j in device_updated(self.num_blocks - first, share)}
-        if share and not self.resident:
-            streamed.add(0)
-        return streamed
-
-    def _setup_device_updates(self, block_numel: int) -> None:
-        numel = max(block_numel, self.units[0].layout.numel if 0 in self.streamed else 0)
-        piece = min(STREAM_PIECE, -(-numel // PIECE_ALIGN) * PIECE_ALIGN)
-        self.stream_buffers = [StreamedStep(piece, self.config.optimizer, self.device, self.dtype)
-                               for _ in range(STREAM_BUFFERS if self.streamed else 0)]
-        for buf in self.stream_buffers:
-            buf.free = DONE  # its last store has left
-        self._next_buffer = 0
-        # unit -> (grad, grad arrived, lr, scale, optimizer chunks still to update, split): to run at its next load
-        self._pending: dict[int, tuple] = {}
-        self._written: dict[int, Signal] = {}  # unit -> what its device update stores is back on the host
-        # unit -> (host grad, its arrival per optimizer chunk, lr, scale): the moments part of a split update,
-        # whose params part has been queued; submitted after the forward, last block first (the order in which
-        # backward reuses the gradient buffers, each waiting for it: _send_grads).
-        self._moments_due: dict[int, tuple] = {}
 
     def _update_on_device(self, unit: int, slot: Slot | None, chunks: list[int] | None = None) -> None:
         """Queue unit's pending update on the device (only optimizer `chunks` of it, if given), writing the new
         parameters into `slot` (if any)."""
-        grad, arrived, lr, scale, todo, split = self._pending.pop(unit)
-        chunks = todo if chunks is None else chunks
-        if rest := [k for k in todo if k not in chunks]:
-            self._pending[unit] = (grad, arrived, lr, scale, rest, split)
+        pending = self._pending.pop(unit)
+        grad, arrived, lr, scale, split = pending.grad, pending.arrived, pending.lr, pending.scale, pending.split
+        chunks = pending.chunks if chunks is None else chunks
+        if rest := [k for k in pending.chunks if k not in chunks]:
+            self._pending[unit] = dataclasses.replace(pending, chunks=rest)
         opt = self.optimizer.units[unit]
         name = unit - 1 if unit else "edges"
         self._wait_for_update(unit)  # the host's moments part of its last update is done with m and v
@@ -369,7 +309,7 @@ class SlidingEngine:
             step += 1  # host bookkeeping of the chunk's AdamW step count (in place: the chunk's state)
         if split:  # m and v stay as they were: the host steps them once they have been read (and, so that a failed
             # device step stops the host's part too, once the steps are done)
-            self._moments_due[unit] = (grad, [self._landed()] * len(opt.ranges), lr, scale)
+            self._moments_due[unit] = MomentsPart(grad, [self._landed()] * len(opt.ranges), lr, scale)
         self._written[unit] = self.store.record()
         if slot is not None:
             slot.unit = unit - 1 if unit else None
@@ -414,7 +354,8 @@ class SlidingEngine:
     def _submit_moments(self) -> None:
         """Queue the moments parts of split updates on the optimizer thread, last block first."""
         for unit in sorted(self._moments_due, reverse=True):
-            self.updater.submit(unit, *self._moments_due.pop(unit), part="moments")
+            due = self._moments_due.pop(unit)
+            self.updater.submit(unit, due.grad, due.arrived, due.lr, due.scale, part="moments")
 
     # -- parameters ---------------------------------------------------------------------------------------------
 
@@ -438,7 +379,7 @@ class SlidingEngine:
         for i, slot in self.resident_slots.items():
             slot.load(self.units[i + 1].master, i)
             slot.free = slot.drained = DONE
-        if self.resident:
+        if 0 in self.resident:
             self.edge_slot.load(self.units[0].master)
             self._edges_loaded = DONE
 
@@ -507,7 +448,7 @@ class SlidingEngine:
         False when none is pending. (Outside `_load_edges`, the only pending edges update is that part.)"""
         if 0 not in self._pending:
             return False
-        todo = self._pending[0][4]
+        todo = self._pending[0].chunks
         self._update_on_device(0, self.edge_slot, todo if chunks is None else todo[:chunks])
         return True
 
@@ -515,7 +456,7 @@ class SlidingEngine:
         """Refresh the resident edge parameters once their pending update is done (the tail-only part of a
         device update waits: see _forward)."""
         if self._edges_loaded is None:
-            head = [k for k in self._pending[0][4] if k not in self._edge_tail] if 0 in self._pending else None
+            head = [k for k in self._pending[0].chunks if k not in self._edge_tail] if 0 in self._pending else None
             self._load(0, self.edge_slot, head)
             self._edges_loaded = self._landed()
         self.compute.wait(self._edges_loaded)
@@ -597,7 +538,8 @@ class SlidingEngine:
 
         clip = self.config.max_grad_norm
         if not clip and self._edge_tail:  # the edges' tail-only gradient is final: update it during backward
-            self._pending[0] = (self.edge_slot.grads, self.compute.record(), lr, 1.0, list(self._edge_tail), False)
+            self._pending[0] = PendingUpdate(self.edge_slot.grads, self.compute.record(), lr, 1.0,
+                                             list(self._edge_tail), False)
         arrived: dict[int, list[Signal]] = {}  # unit -> one signal per optimizer chunk of its host gradient
         host_grads: dict[int, torch.Tensor] = {}
         if not clip and self.disk:  # moments from disk, in the order backward will submit their updates
@@ -634,7 +576,7 @@ class SlidingEngine:
             self._sq_norms[0] = torch.linalg.vector_norm(self.edge_slot.grads, dtype=torch.float32).square()
         if 0 in self.streamed:  # updated on the device from the gradient where it is (kept until then)
             host_grads[0], arrived[0] = self.edge_slot.grads, [self.compute.record()]
-        elif not self.resident:
+        elif 0 not in self.resident:
             host_grads[0] = self.edge_grad
             self._wait_for_update(0)  # the last update of the edges is done reading their gradient buffer
             self.d2h.wait(self.compute.record())
@@ -675,28 +617,25 @@ class SlidingEngine:
         if clip and self.disk:  # their moments start coming in, in the order the updates below will run
             for u in sorted(self.on_disk):
                 self.disk.fetch(u)
-        for u in range(self.resident, len(self.units)):
-            split = bool(clip) and self._splits(u)
+        for u in range(len(self.units)):
+            if u in self.resident:
+                continue
+            split = self._split(u)
             if u in self.streamed:  # runs when the unit next loads
                 chunks = range(len(self.optimizer.units[u].ranges))
                 if u == 0 and not clip:  # the tail-only part is done already
                     chunks = [k for k in chunks if k not in self._edge_tail]
-                self._pending[u] = (host_grads[u], arrived[u][-1], lr, scale, list(chunks), split)
+                self._pending[u] = PendingUpdate(host_grads[u], arrived[u][-1], lr, scale, list(chunks), split)
             elif u == 0 or clip:  # without clipping, sliding blocks were submitted during backward
                 self.updater.submit(u, host_grads[u], arrived[u], lr, scale, part="params" if split else "all")
                 if split:
-                    self._moments_due[u] = (host_grads[u], arrived[u], lr, scale)
-        if not self.resident:
+                    self._moments_due[u] = MomentsPart(host_grads[u], arrived[u], lr, scale)
+        if 0 not in self.resident:
             self._edges_loaded = None
 
-    def _splits(self, unit: int) -> bool:
-        """Whether a clipped update of `unit` splits: when its gradient is in a host buffer the host can step the
-        moments from after the next forward (not held on the device, nor the streamed edges' own there, nor in
-        the pool, where that forward writes activations over it)."""
-        streamed_edges = unit == 0 and unit in self.streamed
-        pooled = self.pool is not None and unit - 1 in self.pool.blocks
-        return (self.config.split_update and unit not in self.held_grads and not streamed_edges and not pooled
-                and unit not in self.on_disk)
+    def _split(self, unit: int) -> bool:
+        """Whether a clipped update of `unit` splits: the placement's word."""
+        return self.placement.units[unit].split
 
     def _spans(self, origin: float):
         """This step's spans, plus the optimizer thread's updates that ran during it (host times)."""
@@ -819,25 +758,18 @@ def _drain(spans: list[tuple[str, float, float]], origin: float) -> list[tuple[s
     return [(label, start - origin, end - origin) for label, start, end in seen if end >= origin]
 
 
-def device_updated(sliding: int, share: float) -> list[int]:
-    """Which of `sliding` blocks (0 = the first to slide) a clipped step updates on the device at `share`:
-    int(sliding * share) of them, spread evenly over the forward order (every other block at 0.5), host blocks
-    first. The planner counts the same blocks."""
-    return [j for j in range(sliding) if int((j + 1) * share) > int(j * share)]
-
-
-def on_disk_blocks(num_blocks: int, sliding: int, fraction: float) -> list[int]:
-    """Which blocks keep their AdamW moments on disk at `nvme_fraction` `fraction`: the last round(fraction *
-    sliding) (the last sliding ones). The planner counts the same blocks."""
-    return list(range(num_blocks - round(fraction * sliding), num_blocks))
-
-
-def held_on_device(device_updated_units: list[int], count: int, shared: bool) -> list[int]:
-    """Which device-updated units (forward order) keep their clipped gradient on the device: the first `count`,
-    whose updates the next forward needs first; or, when host gradients share the activations' memory, the last,
-    which lie over the fewest boundaries and would need the most room of their own there."""
-    count = min(count, len(device_updated_units))
-    return device_updated_units[len(device_updated_units) - count:] if shared else device_updated_units[:count]
+def default_placement(stack: Stack, config: EngineConfig) -> Placement:
+    """Every unit sliding through two slots and updated on the host, gradients in the ring: the placement of an
+    engine built without one (slide-scheduler's `place` chooses for a budget and a machine)."""
+    edges, block = FlatLayout(stack.make_edges()).numel, FlatLayout(stack.make_block()).numel
+    device = config.resolve_device()
+    clip = bool(config.max_grad_norm)
+    host = UnitPlacement(False, "host", "ring", "host", split=clip)
+    units = (dataclasses.replace(host, grad="own"),) + (host,) * stack.num_blocks
+    return Placement(Shapes((edges,) + (block,) * stack.num_blocks, hidden=0), StepShape(0, 0), units, window=2,
+                     clip=clip, activations=config.activation_offload,
+                     compute_bytes=config.resolve_dtype(device).itemsize,
+                     state_bytes=DTYPES[config.states_dtype].itemsize, device_is_host=device.type != "cuda")
 
 
 def _tail_only_from(edges, layout: FlatLayout) -> int:

@@ -16,9 +16,9 @@ import torch
 import yaml
 
 from slide_io import free_bytes
+from slide_scheduler import Disk, Machine, host_cores, host_memory_bytes, probe_disk
 from slide_scheduler import __version__ as scheduler_version
-from slide_scheduler.machine import Disk, Machine
-from slide_scheduler.probe import host_cores, host_memory_bytes, probe, probe_disk
+from slide_scheduler import probe_machine as probe
 
 from .errors import ConfigError
 

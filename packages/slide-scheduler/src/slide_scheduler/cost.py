@@ -1,0 +1,203 @@
+"""The cost model: a placement's time per step on a machine, lane by lane, and what bounds it.
+
+Each lane's work per step comes from FLOPs and bytes; its time from the machine's measured rates. The overlap
+rules are the engine's: a block loads into a slot once the block `window` places before it has left that slot,
+and runs once it has loaded (and, with clipping, once its host update has written its master); the host
+optimizer works through its blocks in order; host memory carries every PCIe, AdamW and disk byte. With clipping
+the updates run under the next forward (a quarter of the compute), without it under the backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .machine import Machine
+from .placement import Placement
+
+# A decoder block's fwd+bwd runs at this share of the machine's dense bf16 matmul rate (attention, norms and
+# element-wise kernels between the GEMMs); per block, micro-batch and pass, a fixed cost of launching kernels.
+BLOCK_EFFICIENCY = 0.71
+LAUNCH_S = 1.5e-4
+CPU_FLOPS_PER_CORE = 2e10  # fp32 on a CPU device
+LANES = ("gpu", "pcie_h2d", "pcie_d2h", "host_memory", "host_adamw", "disk")
+
+
+@dataclass
+class Estimate:
+    step_s: float
+    bottleneck: str
+    lanes: dict[str, float] = field(default_factory=dict)  # busy seconds per step
+    phases: dict[str, float] = field(default_factory=dict)  # forward, tail, backward (and exposed updates)
+
+    def to_dict(self) -> dict:
+        return {"step_s": self.step_s, "bottleneck": self.bottleneck, "lanes": self.lanes, "phases": self.phases}
+
+
+@dataclass
+class _Work:
+    """Bytes and seconds of one phase, lane by lane."""
+
+    h2d: float = 0.0
+    d2h: float = 0.0
+    host_bytes: float = 0.0
+    adamw: float = 0.0
+    disk: float = 0.0
+    gpu: float = 0.0
+
+
+def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimate:
+    """Predicted seconds per step of `p` on `machine`. With clipping on, `clipping_acts` False prices a step
+    where the engine could update as if unclipped (the same today: every clipped update waits for the norm)."""
+    s, t = p.shapes, p.step
+    c = p.compute_bytes
+    n = s.num_blocks
+    tokens = t.tokens_per_micro * t.micro_batches
+    seq = t.seq_len or t.tokens_per_micro
+    gpu_rate = (machine.gpu.bf16_tflops * 1e12 * BLOCK_EFFICIENCY if not p.device_is_host and machine.has_gpu
+                else CPU_FLOPS_PER_CORE * max(1, machine.host.cores))
+    h2d = max(machine.pcie.h2d_gbps, 1e-3) * 1e9
+    d2h = max(machine.pcie.d2h_gbps, 1e-3) * 1e9
+    duplex = max(machine.pcie.duplex_gbps, machine.pcie.h2d_gbps, machine.pcie.d2h_gbps, 1e-3) * 1e9
+    mem = max(machine.host.memory_gbps, 1e-3) * 1e9
+    adamw = max(machine.host.adamw_gparams, 1e-3) * 1e9
+    disk_r, disk_w = max(machine.disk.read_gbps, 1e-3) * 1e9, max(machine.disk.write_gbps, 1e-3) * 1e9
+    pcie = not p.device_is_host  # a CPU device copies within host memory
+    act = t.tokens_per_micro * s.hidden * c * t.micro_batches  # one boundary, every micro-batch
+    offload = p.activations != "none"
+
+    def block_flops(numel: int) -> float:  # forward pass of one block over the step: GEMMs and causal attention
+        return 2 * numel * tokens + 2 * tokens * seq * s.hidden
+
+    launch = LAUNCH_S * t.micro_batches if pcie else 0.0
+    forward_c = [block_flops(s.unit_numels[u]) / gpu_rate + launch for u in range(1, n + 1)]
+    backward_c = [3 * block_flops(s.unit_numels[u]) / gpu_rate + 2 * launch for u in range(1, n + 1)]
+    vocab_numel = s.vocab * s.hidden if s.vocab else s.unit_numels[0] // 2
+    tail_s = 6 * vocab_numel * tokens / gpu_rate + 2 * tokens * s.hidden * c / mem * (not pcie)
+    clip = p.clip and clipping_acts or p.clip  # (no speculation yet: an acting clip and a silent one cost alike)
+    sb = p.state_bytes
+    adamw_bytes = 26 if sb == 4 else 18  # read master, m, v, gradient; write master, m, v
+
+    fwd, bwd = _Work(), _Work()
+    load_f, load_b, ready, update_s = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+    host_order: list[int] = []
+    for b in range(n):
+        u, up = b + 1, p.units[b + 1]
+        numel = s.unit_numels[u]
+        if up.resident:
+            continue
+        # Forward: the master crosses (with clipping, a streamed update brings m, v and the gradient along)
+        stream = clip and up.update == "stream"
+        into = numel * (4 + (8 + (0 if up.grad == "held" else c) if stream else 0))
+        back = numel * ((4 if up.split else 12) if stream else 0)
+        load_f[b] = into / h2d if pcie else 0.0
+        fwd.h2d += into
+        fwd.d2h += back
+        # Backward: the master again, the gradient home (unless held for a device update)
+        load_b[b] = numel * 4 / h2d if pcie else 0.0
+        bwd.h2d += numel * 4
+        bwd.d2h += 0 if up.grad == "held" else numel * c
+        if up.update == "host":
+            update_s[b] = numel / adamw
+            host_order.append(b)
+            work = fwd if clip else bwd
+            work.adamw += update_s[b] * (0.5 if up.split else 1.0)
+            work.host_bytes += numel * (18 if up.split else adamw_bytes)
+            if up.split:  # the moments part runs after the forward
+                bwd.adamw += update_s[b] * 0.5
+                bwd.host_bytes += numel * 22
+            if up.moments == "disk":
+                (fwd if clip else bwd).disk += 2 * sb * numel / disk_r + 2 * sb * numel / disk_w
+                (fwd if clip else bwd).host_bytes += 4 * sb * numel
+    # Edges: streamed through the device (their master and moments), or their master loaded and updated on the host
+    e, edges = s.unit_numels[0], p.units[0]
+    if not edges.resident:
+        if edges.update == "stream":
+            (fwd if clip else bwd).h2d += 12 * e
+            (fwd if clip else bwd).d2h += 12 * e
+        else:
+            fwd.h2d += 4 * e
+            bwd.d2h += c * e
+            (fwd if clip else bwd).adamw += e / adamw
+            (fwd if clip else bwd).host_bytes += e * adamw_bytes
+    if offload:  # boundaries out in the forward, back in the backward
+        fwd.d2h += n * act
+        bwd.h2d += n * act
+        if p.activations == "nvme":
+            fwd.disk += n * act / disk_w
+            bwd.disk += n * act / disk_r
+            fwd.host_bytes += n * act
+            bwd.host_bytes += n * act
+    for w in (fwd, bwd):
+        w.host_bytes += (w.h2d + w.d2h) if pcie else 0.0
+
+    # Forward: blocks load in order into `window` slots; with clipping each waits for its host update
+    host_free = 0.0
+    if clip:
+        for b in host_order:
+            host_free += update_s[b]
+            ready[b] = host_free
+    fwd_s = _slide(load_f, forward_c, ready, p.window, [p.units[b + 1].resident for b in range(n)])
+    fwd.gpu = sum(forward_c)
+    # Backward: blocks in reverse; without clipping, updates follow their gradients on the host thread
+    rev = list(reversed(range(n)))
+    bwd_s = _slide([load_b[b] for b in rev], [backward_c[b] for b in rev], [0.0] * n, p.window,
+                   [p.units[b + 1].resident for b in rev])
+    bwd.gpu = sum(backward_c)
+    exposed_updates = 0.0
+    if not clip and host_order:  # the last blocks' updates (block 0's, the edges') run after the backward
+        exposed_updates = update_s[min(host_order)] + (e / adamw if edges.update == "host" else 0.0)
+
+    phases = {}
+    bound: dict[str, float] = {lane: 0.0 for lane in LANES}
+    for name, w, sim in (("forward", fwd, fwd_s), ("backward", bwd, bwd_s)):
+        if pcie:
+            copies = max(w.h2d / h2d, w.d2h / d2h, (w.h2d + w.d2h) / duplex)
+        else:
+            copies = 0.0
+        lanes = {"gpu": sim, "pcie_h2d": w.h2d / h2d if pcie else 0.0, "pcie_d2h": w.d2h / d2h if pcie else 0.0,
+                 "host_memory": w.host_bytes / mem, "host_adamw": w.adamw, "disk": w.disk}
+        if pcie and copies > max(lanes["pcie_h2d"], lanes["pcie_d2h"]):  # duplex-bound: the busier direction
+            key = "pcie_h2d" if w.h2d >= w.d2h else "pcie_d2h"
+            lanes[key] = copies
+        phase = max(lanes.values())
+        phases[name] = phase
+        for lane, busy in lanes.items():
+            bound[lane] += busy
+        # what stretched this phase beyond the GPU's own work (its compute and the loads it waited for)
+        if phase > w.gpu * 1.02:
+            worst = max(lanes, key=lambda k: lanes[k] if k != "gpu" else -1.0)
+            culprit = worst if lanes[worst] >= sim else _wait_culprit(load_f if name == "forward" else load_b,
+                                                                   ready, w)
+            bound[f"_excess_{culprit}"] = bound.get(f"_excess_{culprit}", 0.0) + phase - w.gpu
+    phases["tail"] = tail_s
+    phases["exposed_updates"] = exposed_updates
+    step = sum(phases.values())
+    excess = {k.removeprefix("_excess_"): v for k, v in bound.items() if k.startswith("_excess_")}
+    excess["host_adamw"] = excess.get("host_adamw", 0.0) + exposed_updates
+    worst = max(excess, key=excess.get, default="gpu")
+    bottleneck = worst if excess.get(worst, 0.0) > 0.05 * step else "gpu"
+    lanes = {k: v for k, v in bound.items() if not k.startswith("_")}
+    lanes["gpu"] = fwd.gpu + bwd.gpu + tail_s
+    return Estimate(step, bottleneck, lanes, phases)
+
+
+def _wait_culprit(loads: list[float], ready: list[float], w: _Work) -> str:
+    """Which lane the GPU waited for where no lane's total exceeds the phase: the host updates, or the copies."""
+    return "host_adamw" if max(ready, default=0.0) > sum(loads) else "pcie_h2d"
+
+
+def _slide(loads: list[float], compute: list[float], ready: list[float], window: int, resident: list[bool]) -> float:
+    """When the last of these blocks (in running order) finishes: each sliding one loads after the previous load
+    and once the slot it takes (`window` sliding blocks back) is free and its update is `ready`; each runs after
+    the previous one and its own load."""
+    load_end, done = 0.0, 0.0
+    finished: list[float] = []  # compute end of each sliding block, in order
+    for load, run, at, res in zip(loads, compute, ready, resident):
+        if res:
+            done += run
+            continue
+        slot_free = finished[-window] if len(finished) >= window else 0.0
+        load_end = max(load_end, slot_free, at) + load
+        done = max(done, load_end) + run
+        finished.append(done)
+    return done

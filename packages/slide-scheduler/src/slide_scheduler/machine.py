@@ -1,0 +1,86 @@
+"""A machine as the cost model sees it: memory sizes and the measured rates of every lane a step uses.
+
+The same figures a machine file holds (`slide-train probe` measures them; docs/machines/ has examples):
+
+    gpu:  {memory_gib, bf16_tflops}
+    host: {memory_gib, cores, memory_gbps, adamw_gparams}
+    pcie: {h2d_gbps, d2h_gbps, duplex_gbps}
+    disk: {free_gib, read_gbps, write_gbps}
+
+Rates are what a step can get (GB/s are 1e9 bytes per second, TFLOP/s are dense bf16 matrix work), sizes are GiB.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Gpu:
+    memory_gib: float = 0.0  # 0: no GPU (the device is the CPU)
+    bf16_tflops: float = 0.0
+
+
+@dataclass(frozen=True)
+class Host:
+    memory_gib: float = 16.0
+    cores: int = 2
+    memory_gbps: float = 10.0  # streaming copy bandwidth of host memory (read + write counted once each)
+    adamw_gparams: float = 0.1  # fused AdamW over fp32 masters, billions of parameters per second
+
+
+@dataclass(frozen=True)
+class Pcie:
+    h2d_gbps: float = 0.0
+    d2h_gbps: float = 0.0
+    duplex_gbps: float = 0.0  # both directions at once, together
+
+
+@dataclass(frozen=True)
+class Disk:
+    free_gib: float = 0.0
+    read_gbps: float = 0.5
+    write_gbps: float = 0.5
+
+
+@dataclass(frozen=True)
+class Machine:
+    gpu: Gpu = field(default_factory=Gpu)
+    host: Host = field(default_factory=Host)
+    pcie: Pcie = field(default_factory=Pcie)
+    disk: Disk = field(default_factory=Disk)
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.gpu.memory_gib > 0
+
+    def to_dict(self) -> dict[str, dict[str, float]]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], source: str = "machine file") -> Machine:
+        """A machine from the four sections of a machine file; every key must be known and every figure a
+        non-negative number (a section or key left out keeps its default)."""
+        if not isinstance(values, dict):
+            raise ValueError(f"{source}: expected a mapping with sections gpu, host, pcie, disk")
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        kinds = {"gpu": Gpu, "host": Host, "pcie": Pcie, "disk": Disk}
+        built = {}
+        for name, body in values.items():
+            if name not in sections:
+                raise ValueError(f"{source}: unknown section {name!r} (sections: {', '.join(kinds)})")
+            if not isinstance(body, dict):
+                raise ValueError(f"{source}: section {name} must be a mapping of figures, got {body!r}")
+            kind = kinds[name]
+            known = {f.name: f for f in dataclasses.fields(kind)}
+            figures = {}
+            for key, value in body.items():
+                if key not in known:
+                    raise ValueError(f"{source}: unknown key {name}.{key} (keys: {', '.join(known)})")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                    raise ValueError(f"{source}: {name}.{key} must be a number of at least 0, got {value!r}")
+                figures[key] = int(value) if key == "cores" else float(value)
+            built[name] = kind(**figures)
+        return cls(**built)

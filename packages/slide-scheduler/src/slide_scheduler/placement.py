@@ -1,0 +1,419 @@
+"""The placement: for every unit, where its parameters, gradient, master and AdamW moments live and where its
+update runs, and every allocation that follows, with its bytes. The engine executes a placement; `place` computes
+one from the model's shapes, the step, the budgets and the cost model, and a hand-written one runs as well.
+
+Units are numbered as the engine numbers them: 0 is the edges (embedding, final norm, lm head), 1 + i is block i.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from slide_memory import FlatLayout
+from slide_memory.adamw import BLOCK_PER_THREAD, CHUNK, PIECE_ALIGN
+
+from .disk_activations import SLOTS_PER_MICRO
+from .disk_states import SLOTS as DISK_STAGING_SLOTS
+from .pool import pool_bytes
+
+GPU, HOST, DISK = "gpu", "host", "disk"
+TIERS = (GPU, HOST, DISK)
+GIB = 2**30
+STREAM_PIECE = 1 << 23  # elements per device-update piece: each buffer ~150 MB on the device
+STREAM_BUFFERS = 2  # a piece's copy in waits for the store of the piece that used its buffer last
+LOSS_CHUNK = 1 * GIB  # slide-kernels' fused cross-entropy keeps one logits chunk
+MARGIN = 1 * GIB  # allocator fragmentation, cuBLAS workspaces, small tensors
+HELD_HEADROOM = 0.05  # of the GPU budget (at least 0.5 GiB), left free when spare memory holds gradients
+
+UPDATES = ("device", "stream", "host")  # on the device for good / streamed through it as it loads / CPU AdamW
+GRADS = ("slot", "held", "pool", "ring", "own")  # where a gradient waits for its update
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the placement needs of a model: parameters per unit and the widths of a block's activations."""
+
+    unit_numels: tuple[int, ...]  # the edges, then each block
+    hidden: int
+    intermediate: int = 0
+    vocab: int = 0  # rows of the output projection (0: half the edges, for the cost model's tail)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.unit_numels) - 1
+
+    @property
+    def block_numel(self) -> int:
+        return max(self.unit_numels[1:], default=0)
+
+
+def shapes_of(stack, hidden: int = 0, intermediate: int = 0, vocab: int = 0) -> Shapes:
+    """A stack's shapes (its edges' and blocks' parameter counts; widths as given)."""
+    edges, block = FlatLayout(stack.make_edges()).numel, FlatLayout(stack.make_block()).numel
+    return Shapes((edges,) + (block,) * stack.num_blocks, hidden, intermediate, vocab)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    tokens_per_micro: int  # micro-batch size x sequence length
+    micro_batches: int
+    seq_len: int = 0  # for attention's FLOPs (0: tokens_per_micro)
+
+
+@dataclass(frozen=True)
+class UnitPlacement:
+    resident: bool  # on the device for good, fp32 master and moments there too
+    update: str  # "device" (resident), "stream" (through device buffers as it loads), "host"
+    grad: str  # "slot" (where it is made), "held" (a device buffer), "pool", "ring", "own" (a host buffer)
+    moments: str  # GPU, HOST or DISK
+    split: bool = False  # clipped: new master before the next forward, moments after it
+
+    @property
+    def master(self) -> str:
+        return GPU if self.resident else HOST
+
+
+@dataclass(frozen=True)
+class Allocation:
+    tier: str
+    kind: str
+    nbytes: int
+    transient: bool = False  # a working estimate (recompute, loss chunk, margin), not a buffer the engine holds
+
+
+@dataclass(frozen=True)
+class Placement:
+    shapes: Shapes
+    step: StepShape
+    units: tuple[UnitPlacement, ...]
+    window: int  # device slots for sliding blocks
+    clip: bool
+    activations: str = "cpu"  # none | cpu | nvme: where boundary activations wait for the backward
+    compute_bytes: int = 2  # parameters, gradients and activations on the device (bf16)
+    state_bytes: int = 4  # per AdamW moment of a host unit (fp32; 2 with bf16 states)
+    device_is_host: bool = False  # a CPU run: the "device" is host memory too
+    stream_piece: int = field(default_factory=lambda: STREAM_PIECE)  # (read when made: tests shrink them)
+    stream_buffers: int = field(default_factory=lambda: STREAM_BUFFERS)
+    threads: int = field(default_factory=torch.get_num_threads)  # host optimizer threads (its scratch)
+
+    def __post_init__(self):
+        validate(self)
+
+    # -- views by unit --------------------------------------------------------------------------------------------
+
+    def where(self, attr: str, value) -> set[int]:
+        return {u for u, p in enumerate(self.units) if getattr(p, attr) == value}
+
+    @property
+    def resident(self) -> set[int]:
+        return self.where("resident", True)
+
+    @property
+    def sliding_blocks(self) -> list[int]:
+        return [u for u in range(1, len(self.units)) if not self.units[u].resident]
+
+    @property
+    def streamed(self) -> set[int]:
+        return self.where("update", "stream")
+
+    @property
+    def on_disk(self) -> set[int]:
+        return self.where("moments", DISK)
+
+    @property
+    def held(self) -> set[int]:
+        return self.where("grad", "held")
+
+    @property
+    def pooled(self) -> list[int]:
+        """Blocks (not units) whose gradient waits in the memory shared with the boundary activations."""
+        return sorted(u - 1 for u in self.where("grad", "pool"))
+
+    @property
+    def ring(self) -> int:
+        """Host gradient buffers the sliding blocks without a place of their own take turns in: with clipping
+        one each (every gradient waits for the norm), else three (updates empty them during backward)."""
+        ringed = len(self.where("grad", "ring"))
+        return ringed if self.clip else min(3, ringed)
+
+    @property
+    def stream_piece_numel(self) -> int:
+        """Elements per device-update buffer: a piece, or the largest streamed unit if smaller."""
+        largest = max((self.shapes.unit_numels[u] for u in self.streamed), default=1)
+        return min(self.stream_piece, -(-largest // PIECE_ALIGN) * PIECE_ALIGN)
+
+    # -- allocations ----------------------------------------------------------------------------------------------
+
+    @property
+    def allocations(self) -> list[Allocation]:
+        return _allocations(self)
+
+    def bytes(self, tier: str, transient: bool = True) -> int:
+        return sum(a.nbytes for a in self.allocations if a.tier == tier and (transient or not a.transient))
+
+    def tiers(self) -> dict[str, dict[str, int]]:
+        """Tier -> kind of content -> bytes."""
+        out: dict[str, dict[str, int]] = {t: {} for t in TIERS}
+        for a in self.allocations:
+            out[a.tier][a.kind] = out[a.tier].get(a.kind, 0) + a.nbytes
+        return out
+
+    def describe(self) -> list[str]:
+        """One line per run of units placed alike."""
+        lines = []
+        for p, group in itertools.groupby(range(len(self.units)), key=lambda u: self.units[u]):
+            units = list(group)
+            name = _names(units)
+            where = ("resident" if p.resident else "sliding") + f", update on {p.update}, gradient in {p.grad}, " \
+                f"master on {p.master}, moments on {p.moments}" + (", split" if p.split else "")
+            lines.append(f"    {name}: {where}")
+        return lines
+
+
+def _names(units: list[int]) -> str:
+    names = ["edges" if u == 0 else f"block {u - 1}" for u in (units[0], units[-1])]
+    return names[0] if len(units) == 1 else f"{names[0]}..{names[1].removeprefix('block ')}"
+
+
+def validate(p: Placement) -> None:
+    """Refuse a placement the engine cannot run, saying which unit and why."""
+    if len(p.units) != len(p.shapes.unit_numels):
+        raise ValueError(f"a placement needs one entry per unit ({len(p.shapes.unit_numels)}), got {len(p.units)}")
+    if p.window < 1:
+        raise ValueError(f"the window needs at least one slot, got {p.window}")
+    if p.activations not in ("none", "cpu", "nvme"):
+        raise ValueError(f"activations must be none, cpu or nvme, got {p.activations!r}")
+    for u, unit in enumerate(p.units):
+        name = "edges" if u == 0 else f"block {u - 1}"
+        if unit.update not in UPDATES or unit.grad not in GRADS or unit.moments not in TIERS:
+            raise ValueError(f"{name}: update must be one of {UPDATES}, grad one of {GRADS}, moments one of {TIERS}")
+        if unit.resident != (unit.update == "device") or unit.resident != (unit.moments == GPU):
+            raise ValueError(f"{name}: a resident unit updates on the device with its moments there, and only it")
+        if unit.resident and unit.grad != "slot":
+            raise ValueError(f"{name}: a resident unit's gradient stays in its slot")
+        if unit.moments == DISK and (u == 0 or unit.update != "host" or unit.split):
+            raise ValueError(f"{name}: moments on disk are for sliding blocks updated on the host, whole")
+        if unit.update == "stream" and p.state_bytes != 4:
+            raise ValueError(f"{name}: updates streamed through the device need fp32 AdamW states")
+        if unit.split and (not p.clip or unit.grad not in ("ring", "own")):
+            raise ValueError(f"{name}: only a clipped update whose gradient has a host buffer of its own splits")
+        if u == 0 and not unit.resident and unit.grad != ("slot" if unit.update == "stream" else "own"):
+            raise ValueError("edges: sliding edges keep their gradient in their slot when streamed, else in a "
+                             "host buffer of their own")
+        if u > 0 and not unit.resident:
+            if unit.grad not in ("held", "pool", "ring"):
+                raise ValueError(f"{name}: a sliding block's gradient is held on the device, pooled or in the ring")
+            if unit.grad == "held" and unit.update != "stream":
+                raise ValueError(f"{name}: only a block updated on the device holds its gradient there")
+            if unit.update == "stream" and not p.clip:
+                raise ValueError(f"{name}: without clipping a block's update runs on the host during backward")
+            if unit.grad == "pool" and (not p.clip or p.activations != "cpu"):
+                raise ValueError(f"{name}: pooled gradients share the host memory of the boundary activations: "
+                                 "they need clipping and activations on the host")
+
+
+def block_range(units: Iterable[int]) -> list[int]:
+    return sorted(u - 1 for u in units if u > 0)
+
+
+# -- bytes ------------------------------------------------------------------------------------------------------------
+
+
+def _allocations(p: Placement) -> list[Allocation]:
+    """Every buffer the engine holds under `p` (as slide-memory and the engine allocate them), plus the working
+    estimates of a step on the device."""
+    s, t = p.shapes, p.step
+    c, dev = p.compute_bytes, (HOST if p.device_is_host else GPU)
+    numel = s.unit_numels
+    out: list[Allocation] = []
+
+    def add(tier: str, kind: str, nbytes: float, transient: bool = False) -> None:
+        if nbytes:
+            out.append(Allocation(tier, kind, int(nbytes), transient))
+
+    resident, sliding = sorted(p.resident), p.sliding_blocks
+    host_units = [u for u in range(len(numel)) if u not in p.resident]
+    # Host: an fp32 master per unit (resident ones keep theirs for checkpoints), moments of host units
+    add(HOST, "masters", 4 * sum(numel))
+    add(HOST, "moments", 2 * p.state_bytes * sum(numel[u] for u in host_units if u not in p.on_disk))
+    if host_units:  # the host optimizer's scratch and its three fp32 rows, shared by every unit
+        size = min(BLOCK_PER_THREAD * p.threads, CHUNK, max(numel[u] for u in host_units))
+        add(HOST, "optimizer scratch", 4 * 4 * size)
+    if p.on_disk:
+        add(DISK, "moments", 2 * p.state_bytes * sum(numel[u] for u in p.on_disk))
+        add(HOST, "moments staging", DISK_STAGING_SLOTS * 2 * p.state_bytes * s.block_numel)
+    # Device: the edges' slot, the window, resident blocks' slots, resident units' fp32 master and moments
+    add(dev, "edges", 2 * c * numel[0])
+    if sliding:
+        add(dev, "slots", p.window * 2 * c * s.block_numel)
+    add(dev, "resident blocks", 2 * c * sum(numel[u] for u in resident if u))
+    add(dev, "resident states", 12 * sum(numel[u] for u in resident))
+    if resident:  # their optimizers' scratch (and, on a CPU device, three fp32 rows each)
+        largest = max(numel[u] for u in resident)
+        scratch = min(CHUNK, largest)
+        rows = sum(3 * min(BLOCK_PER_THREAD * p.threads, CHUNK, numel[u]) for u in resident) if p.device_is_host \
+            else 0
+        add(dev, "optimizer scratch", 4 * (scratch + rows))
+    if p.streamed:  # device-update buffers: fp32 master, m, v, gradient, and the gradient as it lands
+        add(dev, "device-update buffers", p.stream_buffers * p.stream_piece_numel * (16 + c))
+    add(dev, "held gradients", c * sum(numel[u] for u in p.held))
+    add(dev, "step readout", 4 * len(numel))
+    # Host gradients: the ring, the sliding edges' own buffer, and the pool shared with the boundary activations
+    act = t.tokens_per_micro * s.hidden * c  # one micro-batch's boundary activation
+    boundaries = s.num_blocks * t.micro_batches  # block inputs 0..n-1 (the last output goes straight on)
+    add(HOST, "gradients", p.ring * c * s.block_numel)
+    if p.units[0].grad == "own":
+        add(HOST, "gradients", c * numel[0])
+    if p.pooled:
+        add(HOST, "gradients + boundary activations",
+            pool_bytes(p.pooled, c * s.block_numel, [act] * t.micro_batches, s.num_blocks))
+    elif p.activations == "cpu":
+        add(HOST, "boundary activations", boundaries * act)
+    if p.activations == "nvme":
+        add(DISK, "boundary activations", boundaries * act)
+        add(HOST, "boundary activation rings", 2 * SLOTS_PER_MICRO * t.micro_batches * act)
+    if p.activations == "none":
+        add(dev, "boundary activations", boundaries * act)
+    else:  # backward's landing buffers: a set per slot and one more (two when nothing slides), reused every step
+        sets = (p.window if sliding else 1) + 1
+        add(dev, "activation landing", min(s.num_blocks, sets) * t.micro_batches * act)
+    # The working set of one block's recompute and backward, the tail's loss chunk, the allocator's margin
+    work = 3 * t.micro_batches * act + t.tokens_per_micro * (10 * s.hidden + 4 * s.intermediate) * c
+    add(dev, "workspace", work, transient=True)
+    if not p.device_is_host:
+        add(GPU, "loss chunk + margin", LOSS_CHUNK + MARGIN, transient=True)
+    return out
+
+
+# -- choosing one -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Budgets:
+    gpu: float | None = None  # bytes the engine may use on the device (None: no limit)
+    host: float | None = None
+    disk: float | None = None
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """Expert choices the placement otherwise makes itself (engine.placement in slide-train)."""
+
+    window: int | None = None
+    resident: int | tuple[int, ...] | None = None  # a count (edges, then blocks from 0) or the units themselves
+    device_update_share: float | None = None
+    held_grads: int | None = None  # blocks whose clipped gradient waits on the device (None: what fits)
+    share_grads: bool | None = None  # pooled host gradients (None: wherever there is something to share)
+    split: bool = True
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the run asks for, beside the budgets."""
+
+    clip: bool = True
+    activations: str = "cpu"
+    compute_bytes: int = 2
+    state_bytes: int = 4
+    cuda: bool = True
+    nvme_fraction: float = 0.0
+
+
+def device_updated(sliding: int, share: float) -> list[int]:
+    """Which of `sliding` blocks (0 = the first to slide) a clipped step updates on the device at `share`:
+    int(sliding * share) of them, spread evenly over the forward order, host blocks first."""
+    return [j for j in range(sliding) if int((j + 1) * share) > int(j * share)]
+
+
+def on_disk_blocks(num_blocks: int, sliding: int, fraction: float) -> list[int]:
+    """The blocks whose AdamW moments live on disk at `fraction`: the last round(fraction * sliding) (with
+    clipping their updates come last in the next forward, so their reads have the most time to run ahead)."""
+    return list(range(num_blocks - round(fraction * sliding), num_blocks))
+
+
+def held_on_device(device_units: list[int], count: int, shared: bool) -> list[int]:
+    """Which device-updated units (forward order) keep their clipped gradient on the device: the first `count`,
+    whose updates the next forward needs first; or, when host gradients are pooled, the last, which lie over the
+    fewest boundaries and would need the most room of their own there."""
+    count = min(count, len(device_units))
+    return device_units[len(device_units) - count:] if shared else device_units[:count]
+
+
+def arrange(shapes: Shapes, step: StepShape, options: Options, *, resident: Iterable[int], window: int,
+            share: float, shared: bool, held: int, split: bool = True, threads: int | None = None) -> Placement:
+    """The placement these choices make: `resident` units on the device; of the sliding blocks, the last
+    `nvme_fraction` with moments on disk, `share` of the rest (spread out) updated on the device with clipping,
+    `held` of those keeping their gradient there, the others' gradients pooled (`shared`) or in the ring."""
+    o, n = options, shapes.num_blocks
+    resident = set(resident)
+    sliding = [u for u in range(1, n + 1) if u not in resident]
+    disk = {1 + b for b in on_disk_blocks(n, len(sliding), o.nvme_fraction)} & set(sliding)
+    streamed = {sliding[j] for j in device_updated(len(sliding), share)} - disk if o.clip else set()
+    shared = shared and o.clip and bool(sliding)  # (without clipping no gradient waits)
+    on_device = set(held_on_device(sorted(streamed), held, shared))
+    units = []
+    for u in range(n + 1):
+        if u in resident:
+            units.append(UnitPlacement(True, "device", "slot", GPU))
+        elif u == 0:
+            stream = share > 0 and o.state_bytes == 4
+            units.append(UnitPlacement(False, "stream" if stream else "host", "slot" if stream else "own", HOST,
+                                       split=o.clip and split and not stream))
+        else:
+            grad = "held" if u in on_device else "pool" if shared else "ring"
+            units.append(UnitPlacement(False, "stream" if u in streamed else "host", grad,
+                                       DISK if u in disk else HOST,
+                                       split=o.clip and split and grad == "ring" and u not in disk))
+    extra = {} if threads is None else {"threads": threads}
+    return Placement(shapes, step, tuple(units), window, o.clip, o.activations, o.compute_bytes, o.state_bytes,
+                     device_is_host=not o.cuda, **extra)
+
+
+def resident_units(resident: int | Iterable[int]) -> set[int]:
+    """A resident count (the edges, then blocks from 0) as units."""
+    return set(range(resident)) if isinstance(resident, int) else set(resident)
+
+
+def size_for_budget(shapes: Shapes, step: StepShape, options: Options, budget: float | None, *, window: int,
+                    share: float, shared: bool, overrides: Overrides | None = None,
+                    threads: int | None = None) -> Placement:
+    """The placement with as many units resident as the device budget allows (edges first, then blocks from 0),
+    and, with clipping, as many device-updated blocks' gradients held there as the room left allows."""
+    n, overrides = shapes.num_blocks, overrides or Overrides()
+
+    def make(res, held=0):
+        return arrange(shapes, step, options, resident=res, window=window, share=share, shared=shared, held=held,
+                       split=overrides.split, threads=threads)
+
+    if overrides.resident is not None:
+        chosen = make(resident_units(overrides.resident))
+    elif not options.cuda or budget is None:
+        chosen = make(set() if not options.cuda else set(range(n + 1)))
+    else:
+        every = make(set(range(n + 1)))
+        if every.bytes(GPU) <= budget:
+            chosen = every
+        else:
+            chosen = make(set())
+            for k in range(n + 1):  # residency only grows the device side: stop at the first that does not fit
+                candidate = make(set(range(k + 1)))
+                if candidate.bytes(GPU) > budget:
+                    break
+                chosen = candidate
+    if overrides.held_grads is not None:
+        return make(chosen.resident, overrides.held_grads)
+    if options.cuda and budget is not None and options.clip and chosen.streamed - {0}:
+        room = budget - chosen.bytes(GPU) - max(0.5 * GIB, HELD_HEADROOM * budget)
+        held = int(max(0.0, room) // (options.compute_bytes * shapes.block_numel))
+        chosen = make(chosen.resident, held)
+    return chosen
+
+
+def with_units(p: Placement, **changes) -> Placement:
+    """`p` with some of its fields replaced (validated again)."""
+    return dataclasses.replace(p, **changes)
