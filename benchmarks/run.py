@@ -36,6 +36,9 @@ TRAIN_SUITES = {
     # fp32 weights + gradients + AdamW moments of 8B parameters (120 GiB) leave a 141 GB card no room to train
     "b8": dict(model="llama-3.1-8b", seq_len=4096, micro_batch_size=1, grad_accum=8, cap_gib=16.0, device="cuda",
                peers_fit=False),
+    # few tokens per step under a small cap: the model predicts a step bound by host-to-device copies
+    "pcie": dict(model="llama-3.2-3b", seq_len=1024, micro_batch_size=1, grad_accum=1, cap_gib=12.0, device="cuda",
+                 peers_fit=False),
     # the harness itself on a CPU: the smallest preset, a step or two
     "tiny": dict(model="tiny-llama", seq_len=64, micro_batch_size=2, grad_accum=2, cap_gib=None, device="cpu",
                  warmup=1, steps=2),

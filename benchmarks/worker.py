@@ -80,6 +80,10 @@ def run_slide(spec: dict) -> dict:
         out["exposed_share"] = None
     predicted = [r["predicted_step_s"] for r in timed if r.get("predicted_step_s") is not None]
     out["predicted_step_s"] = statistics.median(predicted) if predicted else None
+    plan = getattr(trainer, "memory_plan", None)
+    estimate = getattr(plan, "estimate", None)  # (an older version's plan has none)
+    out["predicted_bottleneck"] = getattr(estimate, "bottleneck", None)
+    out["predicted_lanes_s"] = getattr(estimate, "lanes", None)
     if out["predicted_step_s"]:
         out["predicted_over_measured"] = out["predicted_step_s"] / out["step_s"]
     out["source"] = str(pathlib.Path(slide_train.__file__).resolve().parents[2])

@@ -28,7 +28,7 @@ def test_bf16_loss_curve_tracks_gpu_resident_reference(tmp_path, family, residen
     cfg = load_config(None, [
         f"--model={tmp_path / 'm'}", "--seq_len=128", "--micro_batch_size=4", "--grad_accum=2",
         f"--steps={STEPS}", "--optimizer.lr=3e-3", "--schedule.warmup_steps=3", "--max_grad_norm=1.0",
-        "--engine.device=cuda", f"--engine.resident={resident}", f"--output_dir={tmp_path / 'run'}",
+        "--engine.device=cuda", f"--engine.placement.resident={resident}", f"--output_dir={tmp_path / 'run'}",
         "--export=false"])
     trainer = Trainer(cfg, progress=False)
     assert (trainer.engine.pool is not None) == (resident == "1")

@@ -50,11 +50,11 @@ def _fsync(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def checkpoint_bytes(unit_numels, resident: int, states_dtype: str) -> int:
-    """About what one checkpoint takes: every unit's fp32 master and its two AdamW states (fp32 for the first
+def checkpoint_bytes(unit_numels, resident: set[int], states_dtype: str) -> int:
+    """About what one checkpoint takes: every unit's fp32 master and its two AdamW states (fp32 for the
     `resident` units, kept on the device, `states_dtype` for the rest), plus a little for the small files."""
     host_state = DTYPES[states_dtype].itemsize
-    return sum(n * (4 + 2 * (4 if i < resident else host_state)) for i, n in enumerate(unit_numels)) + (1 << 20)
+    return sum(n * (4 + 2 * (4 if i in resident else host_state)) for i, n in enumerate(unit_numels)) + (1 << 20)
 
 
 def engine_checkpoint_bytes(engine) -> int:

@@ -1,5 +1,5 @@
-"""`slide-train`: finetune | data | export | presets. Every subcommand that takes a config accepts `--key=value`
-overrides of any config key (see `slide-train finetune --help`)."""
+"""`slide-train`: finetune | data | plan | probe | export | presets. Every subcommand that takes a config
+accepts `--key=value` overrides of any config key (see `slide-train finetune --help`)."""
 
 from __future__ import annotations
 
@@ -29,10 +29,17 @@ def cmd_finetune(args, overrides) -> int:
     from .trainer import Trainer
 
     cfg = load_config(args.config, overrides)
+    machine = _machine(args.machine)
     if args.no_progress:  # checkpoints and the export included
         hide_bars()
-    Trainer(cfg, progress=not args.no_progress).fit()
+    Trainer(cfg, progress=not args.no_progress, machine=machine).fit()
     return 0
+
+
+def _machine(path: str | None):
+    from .machines import load_machine
+
+    return load_machine(path) if path else None
 
 
 def cmd_data(args, overrides) -> int:
@@ -49,23 +56,43 @@ def cmd_data(args, overrides) -> int:
 
 
 def cmd_plan(args, overrides) -> int:
+    import json
+
+    from .machines import resolve_machine
     from .models.build import check_fits, load_model
-    from .plan import host_memory
-    from .trainer import plan_run
+    from .plan import describe
+    from .trainer import nvme_dir, plan_run, uses_disk
 
     cfg = load_config(args.config, overrides)
-    model = load_model(cfg.model, cfg.seed, need_tokenizer=False)  # shapes only: no weight is read
+    machine = resolve_machine(args.machine, disk_dir=str(nvme_dir(cfg)) if uses_disk(cfg) else None)
+    model = load_model(cfg.model, cfg.seed, need_tokenizer=False, need_weights=False)  # config.json is enough
     check_fits(model, cfg.seq_len)
-    plan, _, stack = plan_run(cfg, model, assume_gpu_gib=args.gpu_gib)
-    total = sum(p.numel() for p in stack.make_block().parameters()) * stack.num_blocks
-    total += sum(p.numel() for p in stack.make_edges().parameters())
-    print(f"model: {cfg.model} ({model.hf_config.model_type}, {total / 1e9:.2f} B params, {stack.num_blocks} "
-          f"blocks); {cfg.grad_accum} x {cfg.micro_batch_size} x {cfg.seq_len} tokens per step")
-    print(plan.text())
-    ram = host_memory()
-    if ram is not None:
-        fits = "fits" if plan.fits_host(ram) else "does NOT fit"
-        print(f"  host memory here: {ram / 2**30:.0f} GiB: the run {fits}")
+    plan, _, _ = plan_run(cfg, model, machine, running=False)
+    if args.json:
+        print(json.dumps({"model": cfg.model, "params": sum(plan.placement.shapes.unit_numels),
+                          "tokens_per_step": cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum,
+                          "machine": machine.to_dict(), **plan.to_dict()}, indent=1))
+    else:
+        shapes = plan.placement.shapes
+        print(f"model: {cfg.model} ({model.hf_config.model_type}, {sum(shapes.unit_numels) / 1e9:.2f} B params, "
+              f"{shapes.num_blocks} blocks); {cfg.grad_accum} x {cfg.micro_batch_size} x {cfg.seq_len} tokens per "
+              f"step; machine: {args.machine or 'this one (last probe)'}")
+        print(describe(plan))
+    return 0 if plan.fits else 2
+
+
+def cmd_probe(args, overrides) -> int:
+    from slide_scheduler import probe_machine
+
+    from .machines import save_machine
+
+    machine = probe_machine(disk_dir=args.disk, quick=args.quick)
+    if args.out:
+        save_machine(machine, args.out)
+        print(f"wrote {args.out}")
+    import yaml
+
+    print(yaml.safe_dump(machine.to_dict(), sort_keys=False), end="")
     return 0
 
 
@@ -100,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slide-train", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     p = _config_parser(sub, "finetune", "fine-tune every parameter of a model (default: the built-in tiny demo)")
+    p.add_argument("--machine", default=None,
+                   help="a machine file for the placement (default: the last probe of this machine)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars, for training, tokenizing, weights, checkpoints or the export (logs "
                         "still go to metrics.jsonl)")
@@ -107,10 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     p = _config_parser(sub, "data", "print a few training rows as the model sees them, with the label mask")
     p.add_argument("-n", type=_positive, default=3, help="how many examples")
     p.set_defaults(func=cmd_data)
-    p = _config_parser(sub, "plan", "print the memory plan of a run (GPU residency, host memory) without training")
-    p.add_argument("--gpu-gib", type=float, default=None,
-                   help="plan for a GPU of this many GiB (default: the GPU here, or none)")
+    p = _config_parser(sub, "plan", "print a run's placement and predicted step on a machine, without training "
+                                    "(exit 0 when it fits, 2 when not)")
+    p.add_argument("--machine", default=None, help="a machine file (default: the last probe of this machine)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("probe", help="measure this machine (GPU, PCIe, host memory and AdamW, disk) as a machine file")
+    p.add_argument("--out", default=None, help="write the machine file here")
+    p.add_argument("--disk", default=None, help="measure the disk of this folder (default: the current one)")
+    p.add_argument("--quick", action="store_true", help="a few seconds, smaller transfers (rougher figures)")
+    p.set_defaults(func=cmd_probe)
     p = sub.add_parser("export", help="write a run's weights as an HF model directory")
     p.add_argument("run_dir")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")

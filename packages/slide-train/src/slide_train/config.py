@@ -38,42 +38,50 @@ class ScheduleConfig:
 
 
 @dataclass
-class OptimizerOffloadConfig:
-    # Share of the sliding blocks (the last ones) whose AdamW m and v live in files instead of host memory: 8 bytes
-    # per parameter less RAM (4 with states_dtype bf16), and each of their updates reads and writes those bytes
-    # (a fast NVMe disk matters)
-    nvme_fraction: float = 0.0
-    dir: str | None = None  # where (null: <output_dir>/optimizer-states); the files are removed at the end
+class NvmeConfig:
+    # Scratch folder of the NVMe tier: AdamW moments and boundary activations placed on disk (null:
+    # <output_dir>/nvme). Point it at a fast local NVMe drive; its files are removed at the end
+    dir: str | None = None
+    # Share of the sliding blocks (the last ones) whose AdamW m and v live on disk: 8 bytes per parameter less
+    # host memory (4 with bf16 states), read and written by every step
+    fraction: float = 0.0
 
 
 @dataclass
 class EngineSection:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    compute_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
     gpu_memory_limit_gb: float | None = None  # cap this process's GPU memory (e.g. 24 to act as a 24 GB card)
-    # GPU slots for sliding blocks. null: 3 on a GPU where the budget has room for the third at no cost to
-    # resident blocks or held gradients, else 2
-    window: int | None = None
-    resident: int | None = None  # units kept on the GPU with their optimizer (null: as many as the budget allows)
-    # Boundary activations (each block's input, per micro-batch) kept for backward: none (on the GPU) | cpu
-    # (pinned host memory) | nvme (files in activation_dir, through two small rings of host buffers)
-    activation_offload: str = "cpu"
-    activation_dir: str | None = None  # for nvme (null: <output_dir>/activations); the files are removed at the end
-    optimizer_offload: OptimizerOffloadConfig = field(default_factory=OptimizerOffloadConfig)
+    compute_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
     states_dtype: str = "fp32"  # fp32 | bf16 (opt-in: AdamW m and v on the host in bf16, half their memory)
     kernels: str = "auto"  # auto (slide-kernels' Triton RMSNorm/RoPE/SwiGLU on CUDA) | on | off
-    pipeline: bool = True  # false: the synchronous reference schedule (no overlap)
-    # Share of sliding blocks whose clipped update runs on the GPU (states streamed over PCIe) instead of the
-    # CPU; any share above 0 also updates sliding edges on the GPU, clipping or not. null: auto (on CUDA 0.5625,
-    # or 0.375 where held gradients share the activations' memory)
-    device_update_share: float | None = None
-    # With clipping, write new masters before the next forward and AdamW moments after it (same result), where
-    # gradients have buffers of their own (pooled ones update whole); false: whole updates before the forward
-    split_update: bool = True
-    # With clipping, the held host gradients share memory with the boundary activations (saves up to their size:
-    # 7.8 GiB for an 8B run; those blocks' updates then run whole, and fewer blocks update on the GPU). null: on
-    # wherever there is something to share; false: a buffer each (0-3% faster in same-machine runs, or not)
-    grads_share_activations: bool | None = None
+    # Boundary activations (each block's input, per micro-batch) kept for backward: none (on the GPU) | cpu
+    # (pinned host memory) | nvme (files in nvme.dir, through two small rings of host buffers)
+    activation_offload: str = "cpu"
+    nvme: NvmeConfig = field(default_factory=NvmeConfig)
+    # Expert overrides of the placement: window, resident, device_update_share, synchronous (docs/placement.md)
+    placement: dict = field(default_factory=dict)
+
+
+PLACEMENT_KEYS = {
+    "window": "GPU slots for sliding blocks (an integer of at least 1)",
+    "resident": "units kept on the GPU: a count (the edges, then blocks from 0) or a list such as [edges, block.3]",
+    "device_update_share": "share of the sliding blocks whose clipped update runs on the GPU (0 to 1)",
+    "synchronous": "true: the synchronous reference schedule, no overlap",
+}
+# Keys that were renamed or removed, with what replaces them.
+MOVED = {
+    "engine.window": "engine.placement.window",
+    "engine.resident": "engine.placement.resident",
+    "engine.device_update_share": "engine.placement.device_update_share",
+    "engine.pipeline": "engine.placement.synchronous (its opposite)",
+    "engine.optimizer_offload": "engine.nvme (fraction and dir)",
+    "engine.optimizer_offload.nvme_fraction": "engine.nvme.fraction",
+    "engine.optimizer_offload.dir": "engine.nvme.dir",
+    "engine.activation_dir": "engine.nvme.dir",
+    "engine.split_update": "nothing: the placement splits clipped updates wherever that is exact",
+    "engine.grads_share_activations": "nothing: the placement shares that memory wherever clipping holds gradients",
+    "engine.held_grads": "nothing: the placement holds what the GPU budget has room for",
+}
 
 
 @dataclass
@@ -126,6 +134,8 @@ def _build(cls, values: dict[str, Any], prefix: str = ""):
     for key, value in values.items():
         if not isinstance(key, str):  # YAML reads `1:` or `on:` as a number or a boolean
             raise ConfigError(f"config key {prefix}{key!r} is not a name: quote it, or check the YAML's indentation")
+        if f"{prefix}{key}" in MOVED:
+            raise ConfigError(f"config key '{prefix}{key}' was replaced by {MOVED[prefix + key]}")
         if key not in fields:
             near = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {prefix}{near[0]}?" if near else f"; valid keys: {', '.join(fields)}"
@@ -156,6 +166,10 @@ def _coerce(kind, value, key: str):
         value = value.raw if text and value.raw not in ("null", "Null", "NULL") else value.parsed()
     if dataclasses.is_dataclass(kind):
         return _build(kind, value or {}, key + ".")
+    if kind is dict:  # a free mapping (engine.placement): its values read as YAML, checked by `validate`
+        if not isinstance(value or {}, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return {k: v.parsed() if isinstance(v, _Typed) else v for k, v in (value or {}).items()}
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -202,10 +216,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         value = get_key(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got {value!r}")
-    positive = ["seq_len", "micro_batch_size", "grad_accum", "steps", "engine.window"]
+    positive = ["seq_len", "micro_batch_size", "grad_accum", "steps"]
     for key in positive:
         value = get_key(cfg, key)
-        if value is not None and value < 1:  # (None: engine.window left to the planner)
+        if value < 1:
             raise ConfigError(f"{key} must be at least 1, got {value}")
     not_negative = ["checkpoint.every", "checkpoint.keep", "schedule.warmup_steps", "eval_every",
                     "optimizer.weight_decay"]
@@ -218,17 +232,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"optimizer.eps must be positive, got {cfg.optimizer.eps}")
     if not 0 <= cfg.schedule.min_lr_ratio <= 1:
         raise ConfigError(f"schedule.min_lr_ratio must be in [0, 1], got {cfg.schedule.min_lr_ratio}")
-    if cfg.engine.resident is not None and cfg.engine.resident < 0:
-        raise ConfigError(f"engine.resident must be 0 or more (or null for the planner), got {cfg.engine.resident}")
-    if cfg.engine.grads_share_activations and cfg.engine.activation_offload != "cpu":
-        raise ConfigError("engine.grads_share_activations=true shares the host memory of offloaded activations: "
-                          "it needs engine.activation_offload=cpu")
-    share = cfg.engine.device_update_share
-    if share is not None and not 0 <= share <= 1:
-        raise ConfigError(f"engine.device_update_share must be in [0, 1] (or null for auto), got {share}")
-    if share and cfg.engine.states_dtype != "fp32":
-        raise ConfigError("engine.device_update_share streams fp32 AdamW states: set it to 0 with "
-                          "engine.states_dtype=bf16")
+    check_placement(cfg.engine.placement, cfg.engine.states_dtype)
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.engine.device):
         raise ConfigError(f"engine.device must be auto, cpu, cuda or cuda:N; got {cfg.engine.device!r}")
     if cfg.resume is not None and cfg.resume.lower() in ("on", "off", "true", "false", "yes", "no", ""):
@@ -245,15 +249,45 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("max_grad_norm must be positive, or null to disable clipping")
     if cfg.epochs is not None and cfg.epochs <= 0:
         raise ConfigError(f"epochs must be positive, got {cfg.epochs}")
-    if not 0.0 <= cfg.engine.optimizer_offload.nvme_fraction <= 1.0:
-        raise ConfigError("engine.optimizer_offload.nvme_fraction is the share of sliding blocks whose AdamW states "
-                          f"live on disk: it must be in [0, 1], got {cfg.engine.optimizer_offload.nvme_fraction}")
+    if not 0.0 <= cfg.engine.nvme.fraction <= 1.0:
+        raise ConfigError("engine.nvme.fraction is the share of sliding blocks whose AdamW states live on disk: it "
+                          f"must be in [0, 1], got {cfg.engine.nvme.fraction}")
+    if cfg.engine.nvme.dir is not None:
+        cfg.engine.nvme.dir = os.path.expanduser(cfg.engine.nvme.dir)
     if cfg.engine.gpu_memory_limit_gb is not None and cfg.engine.gpu_memory_limit_gb <= 0:
         raise ConfigError("engine.gpu_memory_limit_gb must be positive, or null for no cap")
     if cfg.eval_every and cfg.data.eval_fraction <= 0:
         raise ConfigError("eval_every needs a validation split: set data.eval_fraction (e.g. 0.05)")
     check_data_config(cfg.data, cfg.seq_len, cfg.micro_batch_size)  # also for `slide-train plan`, which reads no data
     return cfg
+
+
+def check_placement(overrides: dict, states_dtype: str) -> None:
+    """engine.placement: known keys, each of its type and range."""
+    for key in overrides:
+        if key not in PLACEMENT_KEYS:
+            raise ConfigError(f"unknown key engine.placement.{key}; the expert overrides are "
+                              + "; ".join(f"{k}: {what}" for k, what in PLACEMENT_KEYS.items()))
+    window = overrides.get("window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ConfigError(f"engine.placement.window must be an integer of at least 1, got {window!r}")
+    share = overrides.get("device_update_share")
+    if share is not None:
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise ConfigError(f"engine.placement.device_update_share must be in [0, 1], got {share!r}")
+        if share and states_dtype != "fp32":
+            raise ConfigError("engine.placement.device_update_share streams fp32 AdamW states: set it to 0 with "
+                              "engine.states_dtype=bf16")
+    resident = overrides.get("resident")
+    if resident is not None and not (
+            (isinstance(resident, int) and not isinstance(resident, bool) and resident >= 0)
+            or (isinstance(resident, list) and all(isinstance(u, str) and re.fullmatch(r"edges|block\.\d+", u)
+                                                   for u in resident))):
+        raise ConfigError(f"engine.placement.resident must be a count of at least 0 or a list of units such as "
+                          f"[edges, block.3], got {resident!r}")
+    synchronous = overrides.get("synchronous")
+    if synchronous is not None and not isinstance(synchronous, bool):
+        raise ConfigError(f"engine.placement.synchronous must be true or false, got {synchronous!r}")
 
 
 def get_key(cfg, dotted: str):
@@ -322,6 +356,9 @@ def describe_keys(cls=TrainConfig, prefix: str = "") -> list[tuple[str, str]]:
         value = getattr(default, f.name)
         if dataclasses.is_dataclass(value):
             rows += describe_keys(type(value), prefix + f.name + ".")
+        elif prefix + f.name == "engine.placement":
+            overrides = ", ".join(PLACEMENT_KEYS)
+            rows.append((prefix + f.name, f"{{}}  expert overrides: {overrides} (docs/placement.md)"))
         else:
             rows.append((prefix + f.name, repr(value)))
     return rows

@@ -118,7 +118,9 @@ def this_machine(disk_dir: str | os.PathLike[str] | None = None, refresh: bool =
 
 def resolve_machine(path: str | os.PathLike[str] | None, disk_dir: str | os.PathLike[str] | None = None) -> Machine:
     """The machine a run plans for: the machine file at `path` when given (as it is: a file describes a
-    machine, maybe another one), else this machine's cached probe (with the disk under `disk_dir`)."""
+    machine, maybe another one), then the file named by $SLIDE_MACHINE, else this machine's cached probe (with
+    the disk under `disk_dir`)."""
+    path = path if path is not None else os.environ.get("SLIDE_MACHINE") or None
     if path is not None:
         return load_machine(path)
     return this_machine(disk_dir)

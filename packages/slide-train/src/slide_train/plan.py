@@ -1,230 +1,150 @@
-"""Memory plan: what a run needs per tier, and how many units can stay resident on the device.
-
-Estimates, not measurements: the device side counts the buffers the engine allocates (slots, resident units,
-edges) exactly and the activations of one block's recompute roughly (per token: ~10 hidden-sized and 4
-intermediate-sized bf16 tensors), so a plan leaves a margin. The benchmark JSON records the measured peaks.
-"""
+"""A run's plan: slide-scheduler's placement and cost model for this model, step, budgets and machine, in the
+words of the config (what each tier holds, the predicted step, what would make a run that does not fit fit)."""
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 
-from slide_scheduler import engine
-from slide_scheduler.disk_activations import SLOTS_PER_MICRO
-from slide_scheduler.disk_states import SLOTS
-from slide_scheduler.pool import pool_bytes
+from slide_scheduler import (
+    DISK,
+    GPU,
+    HOST,
+    Budgets,
+    Machine,
+    Options,
+    Overrides,
+    Plan,
+    Shapes,
+    StepShape,
+    place,
+    shapes_of,
+)
+
+from .config import TrainConfig
+from .errors import ConfigError
 
 GIB = 2**30
-MARGIN = 1.0 * GIB  # allocator fragmentation, cuBLAS workspaces, small tensors
-LOSS_CHUNK = 1.0 * GIB  # slide-kernels' fused cross-entropy keeps one logits chunk (~820 MiB by default)
-HELD_HEADROOM = 0.05  # of the budget (at least 0.5 GiB), left free when spare memory keeps gradients for updates
+GPU_USABLE = 0.92  # of a card or a cap: the rest for the CUDA context and what the plan does not see
+HOST_USABLE = 0.95  # of host memory: the rest for the operating system and the data pipeline
+STATE_BYTES = {"fp32": 4, "bf16": 2}
 
 
-@dataclass
-class Plan:
-    budget: float
-    fixed: float  # edges params+grads, slots, activations, loss chunk, margin
-    resident: int  # units resident with their optimizer on the device (0, 1 = edges, 1 + k = edges + k blocks)
-    device_total: float
-    host_total: float
-    lines: list[str]
-    held: int = 0  # device-updated blocks whose gradient stays on the device until the update (clipping)
-    shared: bool = False  # held host gradients share the boundary activations' host memory (clipping)
-    pool: int = 0  # bytes of that shared memory
-    device_is_host: bool = False  # a CPU run: the "device" buffers are host memory too
-    activations: float = 0.0  # device bytes of activations, all proportional to the tokens per micro-batch
-    tokens_per_micro: int = 0
-    unit_numels: tuple[int, ...] = ()  # parameters per unit: the edges, then each block
-    window: int = 2  # GPU slots for sliding blocks
-    disk_activations: float = 0.0  # bytes of boundary activations on the NVMe tier (activation_offload=nvme)
-    disk_states: float = 0.0  # bytes of AdamW states there (optimizer_offload.nvme_fraction)
-    state_bytes: int = 8  # of AdamW m and v per parameter of a host unit (8 fp32, 4 bf16)
-    clip: bool = True  # exact clipping: the host holds every sliding block's gradient until the norm is known
-
-    @property
-    def num_params(self) -> int:
-        return sum(self.unit_numels)
-
-    @property
-    def sliding(self) -> int:
-        """Blocks that visit the device through the slots (the rest are resident)."""
-        return len(self.unit_numels) - 1 - max(self.resident - 1, 0)
-
-    def text(self) -> str:
-        return "\n".join(self.lines)
-
-    @property
-    def ram_needed(self) -> float:
-        """Host memory the run takes: the host side, plus, when the device is the CPU, the device side's
-        buffers (not the GPU-only headroom for the loss chunk and the allocator)."""
-        if not self.device_is_host:
-            return self.host_total
-        return self.host_total + max(0.0, self.device_total - LOSS_CHUNK - MARGIN)
-
-    def fits_host(self, ram: float) -> bool:
-        """Whether the run's host memory fits in `ram` bytes, leaving 5% for the rest of the machine."""
-        return self.ram_needed <= 0.95 * ram
+def model_shapes(model, stack) -> Shapes:
+    hf = model.hf_config
+    return shapes_of(stack, hidden=hf.hidden_size, intermediate=getattr(hf, "intermediate_size", 0) or 0,
+                     vocab=hf.vocab_size)
 
 
-def make_plan(*, window: int | None, **kwargs) -> Plan:
-    """The plan of a run (`_plan`'s arguments). `window` None picks the slots: a third where the budget has
-    room for it at no cost to resident blocks or held gradients (on a GPU), else two.
-
-    Why a third: with clipping, a block updated on the device streams its master and AdamW states in (14 bytes
-    per parameter) and a host-updated one only its master (4), so loads alternate long and short; with two
-    slots a load overlaps one block's compute, with three it overlaps two, and the long loads borrow the time
-    the short ones leave (clipped Llama-3.2-3B under 24 GiB: 5% of the step exposed with 2, 2.5% with 3)."""
-    if window is not None:
-        return _plan(window=window, **kwargs)
-    two = _plan(window=2, **kwargs)
-    if two.device_is_host or not two.sliding:  # (nothing slides: no slots at all)
-        return two
-    three = _plan(window=3, **kwargs)
-    free = (three.resident, three.held) == (two.resident, two.held) and three.device_total <= three.budget
-    return three if free else two
+def unit_of(name: str) -> int:
+    """'edges' -> 0, 'block.<i>' -> 1 + i."""
+    return 0 if name == "edges" else 1 + int(name.removeprefix("block."))
 
 
-def _plan(*, edge_numel: int, block_numel: int, num_blocks: int, hidden: int, intermediate: int,
-          tokens_per_micro: int, micro_batches: int, window: int, offload_activations: bool,
-          budget_bytes: float | None, resident: int | None, cuda: bool, state_bytes: int = 8,
-          clip: bool = True, device_updates: bool = False, device_share: float = engine.DEVICE_UPDATE_SHARE,
-          compute_bytes: int = 2, shared: bool = False, nvme_fraction: float = 0.0,
-          activations_on_disk: bool = False) -> Plan:
-    bf16 = compute_bytes  # parameters, gradients and activations in the compute dtype (bf16 on a GPU by default)
-    device_updates = device_updates and cuda  # streamed updates need a device
-    edges = edge_numel * 2 * bf16
-    slots = window * block_numel * 2 * bf16
-    act_one = tokens_per_micro * hidden * bf16
-    activations = (3 * micro_batches * act_one  # current boundary in and out, and the gradients flowing back
-                   + tokens_per_micro * (10 * hidden + 4 * intermediate) * bf16)  # one block's recompute
-    if offload_activations:  # backward's landing buffers: the current block's (above) and the window's ahead
-        activations += window * micro_batches * act_one
-    else:
-        activations += (num_blocks + 1) * micro_batches * act_one
-    # The device-update buffers (fp32 master, m, v, gradient + the bf16 gradient as it lands) when updates are
-    # streamed through the device: clipped blocks, and sliding edges (counted below once residency is known).
-    # (read when planning, so a caller that changes the engine's count changes the plan's too)
-    buffers = engine.STREAM_BUFFERS * min(engine.STREAM_PIECE, max(block_numel, edge_numel)) * 18 \
-        if device_updates else 0
-    streamed = buffers if clip else 0
-    fixed = edges + slots + activations + streamed + LOSS_CHUNK + MARGIN
-    per_edges, per_block = 12 * edge_numel, 16 * block_numel  # fp32 master + m + v (+ params, grads)
-    budget = float("inf") if budget_bytes is None else budget_bytes
-    if resident is None:
-        resident = 0
-        if cuda and fixed + per_edges <= budget:
-            resident = 1
-            spare = budget - fixed - per_edges
-            resident += min(num_blocks, int(spare // per_block))
-            # With every block resident there is no window of slots and nothing streams: that room counts too.
-            if fixed - slots - streamed + per_edges + num_blocks * per_block <= budget:
-                resident = num_blocks + 1
-    if not resident and not streamed:  # the edges slide, so they update through the buffers
-        streamed = buffers
-        fixed += buffers
-    states = (per_edges if resident else 0) + max(resident - 1, 0) * per_block  # resident units' device state
-    device = fixed + states
-    if resident - 1 >= num_blocks:  # nothing slides: no window of slots, no streamed update
-        device -= slots + streamed
-        slots = streamed = 0
-    total = edge_numel + num_blocks * block_numel
-    # Host gradients (bf16): sliding edges updated on the host have their own buffer; sliding blocks share a ring,
-    # which holds every one of them when exact clipping waits for the global norm, and three otherwise.
-    sliding = num_blocks - max(resident - 1, 0)
-    # The last sliding blocks' AdamW moments on disk (the engine's count): they update on the host, whole
-    disk_blocks = set(engine.on_disk_blocks(num_blocks, sliding, nvme_fraction))
-    on_disk = len(disk_blocks)
-    first = num_blocks - sliding
-    device_blocks = [first + j for j in engine.device_updated(sliding, device_share) if first + j not in disk_blocks] \
-        if device_updates else []
-    if streamed and resident and not device_blocks:  # every sliding block on disk: nothing streams (the engine's
-        device -= streamed                             # rule), though residency was sized with the buffers
-        fixed -= streamed
-        streamed = 0
-    edges_on_host = not resident and not device_updates  # streamed edges keep it on the device
-    # With clipping, device memory left over holds the gradients of blocks updated on the device (the engine's
-    # share of the sliding ones): 2 bytes per parameter there instead of on the host, and no PCIe round trip.
-    held = 0
-    if clip and device_updates and budget_bytes is not None:
-        room = budget - device - max(0.5 * GIB, HELD_HEADROOM * budget)
-        held = min(len(device_blocks), int(max(0.0, room) // (bf16 * block_numel)))
-        device += held * bf16 * block_numel
-    grads = bf16 * (edges_on_host * edge_numel + ((sliding - held) if clip else min(3, sliding)) * block_numel)
-    acts_host = num_blocks * micro_batches * act_one * offload_activations  # boundaries 0..n-1 (the last goes on)
-    acts_disk = 0
-    if activations_on_disk:  # they pass through two rings of host buffers on their way to and from the disk
-        acts_disk, acts_host = acts_host, 2 * SLOTS_PER_MICRO * micro_batches * act_one
-    shared = shared and clip and offload_activations and sliding > 0 and not activations_on_disk
-    if shared:  # the engine's pool, counted as it lays it out: blocks whose clipped gradient waits on the host
-        on_gpu = engine.held_on_device(device_blocks, held, True)
-        host_blocks = [b for b in range(first, num_blocks) if b not in on_gpu]
-        acts_host = pool_bytes(host_blocks, bf16 * block_numel, [act_one] * micro_batches, num_blocks)
-        grads = bf16 * edges_on_host * edge_numel
-        host_buffers = (f"gradient staging {grads / GIB:.1f}, " if grads else "") + \
-            f"held gradients sharing the boundary activations' memory {acts_host / GIB:.1f}"
-    else:
-        host_buffers = f"gradient staging {grads / GIB:.1f}{' (held for exact clipping)' if clip and sliding else ''}"
-        if offload_activations:
-            where = "staging for the boundary activations on disk" if acts_disk else "boundary activations"
-            host_buffers += f", {where} {acts_host / GIB:.1f}"
-    on_device = (edge_numel if resident else 0) + max(resident - 1, 0) * block_numel  # AdamW states there
-    # fp32 masters + the AdamW states kept here (those on disk pass through two staging slots of m and v)
-    states_host = total * 4 + (total - on_device - on_disk * block_numel) * state_bytes
-    staging = SLOTS * state_bytes * block_numel if on_disk else 0  # (in the states' dtype, as on disk)
-    host = states_host + staging + grads + acts_host
-    lines = [
-        f"plan: {resident} of {num_blocks + 1} units resident on the device "
-        f"(edges{' + blocks 0..' + str(resident - 2) if resident > 1 else ''}"
-        f"{'' if resident else ': none'}), {sliding} sliding through {window} slots",
-        f"  device ~{device / GIB:.1f} GiB of {'no cap' if budget_bytes is None else f'{budget / GIB:.1f} GiB'}: "
-        f"edges {edges / GIB:.2f}, slots {slots / GIB:.2f}, activations ~{activations / GIB:.2f}, "
-        + (f"device-update buffers {streamed / GIB:.2f}, " if streamed else "") +
-        f"resident states {states / GIB:.2f}"
-        + (f", gradients kept for device updates ({held} blocks) {held * bf16 * block_numel / GIB:.2f}"
-           if held else ""),
-        f"  host ~{host / GIB:.1f} GiB: fp32 masters + AdamW states {states_host / GIB:.1f}, {host_buffers}"
-        + (f", staging for the states on disk {staging / GIB:.1f}" if on_disk else ""),
-    ]
-    on_disk_parts = ([f"AdamW states of {on_disk} sliding blocks {on_disk * block_numel * state_bytes / GIB:.1f}"]
-                     if on_disk else []) + ([f"boundary activations {acts_disk / GIB:.1f}"] if acts_disk else [])
-    if on_disk_parts:
-        lines.append(f"  disk ~{(on_disk * block_numel * state_bytes + acts_disk) / GIB:.1f} GiB: "
-                     + ", ".join(on_disk_parts))
-    return Plan(budget, fixed, resident, device, host, lines, held, shared, acts_host if shared else 0,
-                device_is_host=not cuda,
-                activations=activations, tokens_per_micro=tokens_per_micro,
-                unit_numels=(edge_numel,) + (block_numel,) * num_blocks, window=window,
-                disk_activations=acts_disk, disk_states=on_disk * block_numel * state_bytes, state_bytes=state_bytes,
-                clip=clip)
+def overrides_of(cfg: TrainConfig, num_blocks: int) -> Overrides:
+    o = cfg.engine.placement
+    resident = o.get("resident")
+    if isinstance(resident, list):
+        resident = tuple(sorted(unit_of(name) for name in resident))
+        if resident and resident[-1] > num_blocks:
+            raise ConfigError(f"engine.placement.resident names block.{resident[-1] - 1}, but this model has blocks "
+                              f"0 to {num_blocks - 1}")
+    elif resident is not None and resident > num_blocks + 1:
+        raise ConfigError(f"engine.placement.resident={resident}, but this model has {num_blocks + 1} units (the "
+                          f"edges and {num_blocks} blocks): use at most {num_blocks + 1}")
+    return Overrides(window=o.get("window"), resident=resident, device_update_share=o.get("device_update_share"))
 
 
-def check_fits(plan: Plan, budget_key: str, micro_batch_size: int = 1, seq_len: int = 0, window: int = 1) -> None:
-    """Refuse a plan over its device budget, saying what would fit (the current micro_batch_size, seq_len and
-    engine.window let it name concrete values)."""
-    from .errors import ConfigError
+def run_options(cfg: TrainConfig, cuda: bool, nvme_fraction: float | None = None) -> Options:
+    e = cfg.engine
+    return Options(clip=bool(cfg.max_grad_norm), activations=e.activation_offload,
+                   compute_bytes=4 if e.compute_dtype == "fp32" or not cuda else 2,
+                   state_bytes=STATE_BYTES[e.states_dtype], cuda=cuda,
+                   nvme_fraction=e.nvme.fraction if nvme_fraction is None else nvme_fraction)
 
-    if plan.fixed > plan.budget:
-        room = plan.budget - (plan.fixed - plan.activations)  # activations grow with tokens per micro-batch
-        tokens = int(plan.tokens_per_micro * room / plan.activations) if room > 0 and plan.activations else 0
-        if seq_len and tokens >= seq_len and micro_batch_size > 1:
-            fits = f"micro_batch_size={tokens // seq_len} would fit (at most ~{tokens} tokens per micro-batch)"
-        elif tokens >= 64:
-            fits = (f"at most ~{tokens} tokens per micro-batch fit: e.g. micro_batch_size=1 with "
-                    f"seq_len={tokens // 64 * 64}")
-        else:
-            fits = "even short micro-batches do not fit"
-        other = " Or use engine.window=1 (fewer slots)." if window > 1 else ""
-        raise ConfigError(
-            f"this run cannot fit in {budget_key} ({plan.budget / GIB:.1f} GiB usable): the edges, the slots and "
-            f"the activations alone need ~{plan.fixed / GIB:.1f} GiB; {fits}, or raise the limit.{other}")
-    if plan.device_total > plan.budget:  # only a forced engine.resident gets here: the planner stays within
-        raise ConfigError(
-            f"engine.resident={plan.resident} keeps ~{plan.device_total / GIB:.1f} GiB on the device, more than "
-            f"the {plan.budget / GIB:.1f} GiB usable in {budget_key}: lower it, or set it to null and the planner "
-            "keeps as many units resident as fit")
+
+def budgets_for(machine: Machine, cuda: bool, cap_gib: float | None, card_gib: float | None = None) -> Budgets:
+    """Each budget is the smaller of the machine's figure and the config's cap (and, running, the card here)."""
+    gpu = None
+    if cuda:
+        sizes = [x for x in (machine.gpu.memory_gib or None, cap_gib, card_gib) if x]
+        gpu = GPU_USABLE * min(sizes) * GIB if sizes else None
+    host = HOST_USABLE * machine.host.memory_gib * GIB if machine.host.memory_gib else None
+    disk = machine.disk.free_gib * GIB if machine.disk.free_gib else None  # (0: not measured here)
+    return Budgets(gpu=gpu, host=host, disk=disk)
+
+
+def make_plan(cfg: TrainConfig, shapes: Shapes, machine: Machine, cuda: bool, budgets: Budgets,
+              nvme_fraction: float | None = None) -> Plan:
+    step = StepShape(cfg.micro_batch_size * cfg.seq_len, cfg.grad_accum, cfg.seq_len)
+    return place(shapes, step, run_options(cfg, cuda, nvme_fraction), budgets, machine,
+                 overrides_of(cfg, shapes.num_blocks))
+
+
+def describe(plan: Plan) -> str:
+    """The plan as a user reads it: residency, each tier's contents, the prediction and its bottleneck."""
+    p, b = plan.placement, plan.budgets
+    sliding = len(p.sliding_blocks)
+    tiers = p.tiers()
+
+    def tier_line(tier: str, budget: float | None) -> str:
+        parts = ", ".join(f"{kind} {nbytes / GIB:.2f}" for kind, nbytes in tiers[tier].items())
+        cap = "" if budget is None else f" of {budget / GIB:.1f} usable"
+        return f"  {tier} ~{p.bytes(tier) / GIB:.1f} GiB{cap}: {parts or 'nothing'}"
+
+    device = "host memory (CPU run)" if p.device_is_host else "the GPU"
+    lines = [f"plan: {len(p.resident)} of {len(p.units)} units resident on {device}, {sliding} sliding through "
+             f"{p.window} slots; {len(p.streamed - {0})} sliding blocks update on the GPU, {len(p.held)} hold their "
+             f"gradient there, {len(p.pooled)} share host memory with the boundary activations, "
+             f"{len(p.on_disk)} keep their AdamW moments on disk"]
+    groups = p.describe()
+    if len(groups) > 8:
+        groups = [f"    ({len(groups)} runs of units placed alike: `plan --json` lists each unit)"]
+    lines += groups
+    if not p.device_is_host:
+        lines.append(tier_line(GPU, b.gpu))
+    lines.append(tier_line(HOST, b.host))
+    if p.bytes(DISK):
+        lines.append(tier_line(DISK, b.disk))
+    e, u = plan.estimate, plan.estimate_unclipped
+    clipped = f" (clipping acts; {u.step_s:.2f} s when it does not)" if p.clip else ""
+    lines.append(f"  predicted step {e.step_s:.2f} s{clipped}, bound by {e.bottleneck}: "
+                 + ", ".join(f"{lane} {busy:.2f} s" for lane, busy in e.lanes.items()))
+    lines += [f"  does NOT fit: {problem}" for problem in plan.problems]
+    return "\n".join(lines)
+
+
+def refuse(plan: Plan, cfg: TrainConfig, replan=None) -> None:
+    """Raise a ConfigError naming what does not fit and what would. `replan(fraction)` is the same run with
+    engine.nvme.fraction `fraction`: the least share on disk that fits is offered."""
+    if plan.fits:
+        return
+    p, b = plan.placement, plan.budgets
+    fixes = []
+    if b.gpu is not None and p.bytes(GPU) > b.gpu:
+        key = "engine.gpu_memory_limit_gb" if cfg.engine.gpu_memory_limit_gb else "the GPU's memory"
+        fixes.append(f"it does not fit in {key}: fewer tokens per micro-batch (micro_batch_size, seq_len) shrink "
+                     "the activations"
+                     + (", engine.placement.window=1 leaves one slot" if p.window > 1 else ""))
+    if b.host is not None and p.bytes(HOST) > b.host:
+        host = []
+        for blocks in range(1, len(p.sliding_blocks) + 1) if replan is not None and not p.device_is_host else ():
+            fraction = math.ceil(100 * blocks / len(p.sliding_blocks)) / 100
+            if replan(fraction).fits:
+                host.append(f"engine.nvme.fraction={fraction} keeps the AdamW moments of {blocks} of the "
+                            f"{len(p.sliding_blocks)} sliding blocks on disk (engine.nvme.dir: a fast local NVMe "
+                            "drive; each step reads and writes them)")
+                break
+        if p.state_bytes > 2:
+            host.append("engine.states_dtype=bf16 saves 4 bytes per parameter")
+        if p.clip and p.sliding_blocks:
+            host.append("max_grad_norm=null saves the gradients exact clipping holds")
+        if p.activations == "cpu":
+            host.append("engine.activation_offload=nvme keeps the boundary activations on disk")
+        fixes.append("host memory: " + "; ".join(host or ["a machine with more RAM"]))
+    if b.disk is not None and p.bytes(DISK) > b.disk:
+        fixes.append("disk: a lower engine.nvme.fraction, or engine.nvme.dir on a larger drive")
+    raise ConfigError("this run cannot fit: " + "; ".join(plan.problems) + ". What would: " + ". ".join(fixes))
 
 
 def host_memory() -> float | None:
@@ -233,30 +153,3 @@ def host_memory() -> float | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-def check_host(plan: Plan, ram: float | None, replan: Callable[[float], Plan] | None = None) -> None:
-    """Refuse a run whose host state cannot fit in RAM, before it allocates 100 GB and gets killed. `replan(f)`,
-    the same run with `engine.optimizer_offload.nvme_fraction` f, finds the least share on disk that would fit."""
-    from .errors import ConfigError
-
-    if ram is not None and not plan.fits_host(ram):
-        on_cpu = " and, on a CPU run, the device side's buffers and activations" if plan.device_is_host else ""
-        share = "" if plan.shared else (" (with engine.activation_offload=cpu and engine.grads_share_activations "
-                                        "left on, most of them share the boundary activations' memory)")
-        disk = ""
-        for blocks in range(1, plan.sliding + 1) if replan is not None else ():  # (replanned: held gradients move)
-            fraction = math.ceil(100 * blocks / plan.sliding) / 100
-            if replan(fraction).fits_host(ram):
-                disk = (f", engine.optimizer_offload.nvme_fraction={fraction} keeps the AdamW states of {blocks} of "
-                        f"the {plan.sliding} sliding blocks on disk (engine.optimizer_offload.dir: a fast local "
-                        "NVMe drive; each step reads and writes them)")
-                break
-        raise ConfigError(
-            f"this run needs ~{plan.ram_needed / GIB:.0f} GiB of host memory (fp32 masters, AdamW states, "
-            f"gradient staging, boundary activations{on_cpu}); this machine has {ram / GIB:.0f} GiB. "
-            + ("engine.states_dtype=bf16 saves 4 bytes per parameter, " if plan.state_bytes > 4 else "")
-            + (f"max_grad_norm=null saves the 2 bytes per parameter that exact clipping holds{share}, "
-               if plan.clip and plan.sliding else "")
-            + "fewer tokens per step shrink the activations"
-            + ("" if plan.disk_activations else " (engine.activation_offload=nvme keeps them on disk)") + disk)

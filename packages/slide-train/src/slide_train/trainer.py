@@ -23,9 +23,8 @@ import torch
 import yaml
 
 from slide_io import free_bytes
-from slide_memory import AdamWConfig, FlatLayout
-from slide_scheduler import EngineConfig, SlidingEngine
-from slide_scheduler.engine import DTYPES
+from slide_memory import AdamWConfig
+from slide_scheduler import DISK, HOST, EngineConfig, Machine, Plan, SlidingEngine
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, to_dict
@@ -34,21 +33,21 @@ from .data.formats import IGNORE
 from .errors import ConfigError, DiskFullError, TrainingError, size_text
 from .export import MARKER as EXPORT_MARKER
 from .export import export_bytes, export_dtype, export_hf, is_earlier_export
+from .machines import resolve_machine
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics
 from .models.build import BASE_MODEL_DIR, check_fits, load_model, save_model_files
 from .models.loss import loss_rows
-from .plan import Plan, check_host, host_memory, make_plan
-from .plan import check_fits as check_plan
+from .plan import budgets_for, describe, make_plan, model_shapes, refuse
 from .progress import bar
 from .schedule import lr_at
 
 # Files a run writes into its directory, which --overwrite=true deletes; in its folders it deletes only what
 # `_earlier_outputs` names (config.yaml and base-model/ are rewritten by the new run).
 RUN_FILES = ("metrics.jsonl", "loss.png", "timeline.png", "trace.json")
-# The default home of AdamW states kept on disk (engine.optimizer_offload): scratch, whose contents the
-# checkpoints hold, so what a killed process left there is removed when the next run in the folder starts.
-STATES_DIR = "optimizer-states"  # under output_dir: the default folders of the NVMe tier
-ACTIVATIONS_DIR = "activations"
+# The default home of the NVMe tier (engine.nvme.dir), under output_dir: scratch, whose contents the checkpoints
+# hold, so what a killed process left there is removed when the next run in the folder starts.
+NVME_DIR = "nvme"
+STATES_DIR, ACTIVATIONS_DIR = "states", "activations"  # its two folders
 
 
 ALLOC_CONF = "expandable_segments:True"
@@ -83,99 +82,88 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def plan_run(cfg: TrainConfig, model, assume_gpu_gib: float | None = None):
-    """The memory plan of a run, the engine config it implies and the stack to build it on.
+def nvme_dir(cfg: TrainConfig) -> pathlib.Path:
+    return pathlib.Path(cfg.engine.nvme.dir or pathlib.Path(cfg.output_dir) / NVME_DIR)
 
-    On a CUDA device the budget is `engine.gpu_memory_limit_gb` (and the process is capped to it) or 92% of the
-    card; `assume_gpu_gib` plans for a GPU of that size without touching one (`slide-train plan --gpu-gib`).
-    """
-    e, opt = cfg.engine, cfg.optimizer
-    engine_cfg = EngineConfig(
+
+def uses_disk(cfg: TrainConfig) -> bool:
+    return cfg.engine.nvme.fraction > 0 or cfg.engine.activation_offload == "nvme"
+
+
+def engine_config(cfg: TrainConfig) -> EngineConfig:
+    e, folder = cfg.engine, nvme_dir(cfg)
+    return EngineConfig(
         device=e.device, compute_dtype=e.compute_dtype, activation_offload=e.activation_offload,
-        max_grad_norm=cfg.max_grad_norm, pipeline=e.pipeline, states_dtype=e.states_dtype,
-        device_update_share=e.device_update_share, split_update=e.split_update,
-        optimizer=AdamWConfig(**dataclasses.asdict(opt)),  # same fields; the front end has its own defaults
-        nvme_fraction=e.optimizer_offload.nvme_fraction,
-        nvme_dir=e.optimizer_offload.dir or str(pathlib.Path(cfg.output_dir) / STATES_DIR),
-        activation_dir=e.activation_dir or str(pathlib.Path(cfg.output_dir) / ACTIVATIONS_DIR),
-    )
-    budget, cuda = None, assume_gpu_gib is not None
-    if cuda:
-        budget = 0.92 * (e.gpu_memory_limit_gb or assume_gpu_gib) * 2**30
+        max_grad_norm=cfg.max_grad_norm, pipeline=not e.placement.get("synchronous", False),
+        states_dtype=e.states_dtype,
+        optimizer=AdamWConfig(**dataclasses.asdict(cfg.optimizer)),  # same fields; the front end has its defaults
+        nvme_dir=str(folder / STATES_DIR), activation_dir=str(folder / ACTIVATIONS_DIR))
+
+
+def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True) -> tuple[Plan, EngineConfig, object]:
+    """The plan of a run on `machine`, the engine config it implies and the stack to build it on.
+
+    Running, the device is this process's (`engine.device`): on CUDA the budget is the smallest of the card, the
+    machine file's GPU and `engine.gpu_memory_limit_gb` (the process is capped to that), and a run that does not
+    fit is refused. Not running (`slide-train plan`), the machine file's GPU is planned for, wherever this runs.
+    """
+    e = cfg.engine
+    card_gib = None
+    if not running:
+        cuda = machine.has_gpu and e.device != "cpu"
     elif (device := resolve_device(e.device)).type == "cuda":
         cuda = True
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         total = torch.cuda.get_device_properties(device).total_memory
-        budget = 0.92 * total
+        card_gib = total / 2**30
         if e.gpu_memory_limit_gb is not None:
             if e.gpu_memory_limit_gb * 2**30 > total:
                 raise ConfigError(f"engine.gpu_memory_limit_gb={e.gpu_memory_limit_gb} is more than the "
                                   f"{total / 2**30:.1f} GiB this GPU has")
             torch.cuda.set_per_process_memory_fraction(e.gpu_memory_limit_gb * 2**30 / total, device)
-            budget = 0.92 * e.gpu_memory_limit_gb * 2**30  # the cap is hard: plan a little under it
+    else:
+        cuda = False
     kernels = e.kernels == "on" or (e.kernels == "auto" and cuda)
     stack = model.stack(kernels=kernels)
-    if e.resident is not None and e.resident > stack.num_blocks + 1:
-        raise ConfigError(f"engine.resident={e.resident}, but this model has {stack.num_blocks + 1} units (the "
-                          f"edges and {stack.num_blocks} blocks): use at most {stack.num_blocks + 1}, or null for "
-                          "the planner")
-    hf = model.hf_config
-    shape = dict(
-        edge_numel=FlatLayout(stack.make_edges()).numel, block_numel=FlatLayout(stack.make_block()).numel,
-        num_blocks=stack.num_blocks, hidden=hf.hidden_size, intermediate=hf.intermediate_size,
-        tokens_per_micro=cfg.micro_batch_size * cfg.seq_len, micro_batches=cfg.grad_accum, window=e.window,
-        offload_activations=e.activation_offload != "none", activations_on_disk=e.activation_offload == "nvme",
-        budget_bytes=budget, resident=e.resident,
-        cuda=cuda, state_bytes=2 * DTYPES[e.states_dtype].itemsize, clip=bool(cfg.max_grad_norm),
-        nvme_fraction=e.optimizer_offload.nvme_fraction,
-        compute_bytes=4 if e.compute_dtype == "fp32" or not cuda else 2)
-
-    def plan_for(shared: bool, nvme: float = e.optimizer_offload.nvme_fraction) -> Plan:
-        # (the device share left to the engine depends on the sharing)
-        share = dataclasses.replace(engine_cfg, grads_share_activations=shared).resolve_device_update_share(cuda)
-        return make_plan(**{**shape, "nvme_fraction": nvme}, shared=shared, device_updates=share > 0,
-                         device_share=share)
-
-    # null shares wherever there is something to share (clipping, offloaded activations, sliding blocks); where
-    # there is not, the plan is the unshared one (its device share, and so the held gradients, differ)
-    wanted = e.grads_share_activations is not False
-    plan = plan_for(wanted)
-    if wanted and not plan.shared:
-        plan = plan_for(False)
-    if budget is not None:
-        check_plan(plan, "engine.gpu_memory_limit_gb" if e.gpu_memory_limit_gb else "the GPU's memory",
-                   cfg.micro_batch_size, cfg.seq_len, plan.window)
-    if assume_gpu_gib is None:  # (`slide-train plan` reports the fit itself)
-        check_host(plan, host_memory(), replan=lambda f: plan_for(plan.shared, f))
-    fraction = e.optimizer_offload.nvme_fraction
-    if fraction and not plan.disk_states:  # the share of sliding blocks rounds to none of them
-        warnings.warn(f"engine.optimizer_offload.nvme_fraction={fraction} puts no AdamW state on disk: " + (
-            f"it is none of the {plan.sliding} sliding blocks (a share of {1 / plan.sliding:.3g} keeps one block's "
-            "states there)" if plan.sliding else "every block is resident, its states on the device"), stacklevel=2)
-    engine_cfg.resident, engine_cfg.held_grads, engine_cfg.window = plan.resident, plan.held, plan.window
-    engine_cfg.grads_share_activations = plan.shared
-    return plan, engine_cfg, stack
+    shapes = model_shapes(model, stack)
+    budgets = budgets_for(machine, cuda, e.gpu_memory_limit_gb, card_gib)
+    plan = make_plan(cfg, shapes, machine, cuda, budgets)
+    if not running and budgets.host is not None and plan.placement.bytes(HOST) > budgets.host:
+        every = make_plan(cfg, shapes, machine, cuda, budgets, nvme_fraction=1.0)
+        if every.placement.bytes(HOST) > budgets.host:  # what only masters on disk would fix
+            plan.problems.append(
+                f"even with every sliding block's AdamW moments on disk (engine.nvme.fraction=1) the host needs "
+                f"~{every.placement.bytes(HOST) / 2**30:.0f} GiB, "
+                f"{every.placement.tiers()[HOST]['masters'] / 2**30:.0f} of them fp32 masters: this version keeps "
+                "every master in host memory (masters on disk are not supported yet)")
+    if running:
+        refuse(plan, cfg, replan=lambda f: make_plan(cfg, shapes, machine, cuda, budgets, nvme_fraction=f))
+        if e.nvme.fraction and not plan.placement.on_disk:  # the share of sliding blocks rounds to none
+            sliding = len(plan.placement.sliding_blocks)
+            warnings.warn(f"engine.nvme.fraction={e.nvme.fraction} puts no AdamW state on disk: " + (
+                f"it is none of the {sliding} sliding blocks (a share of {1 / sliding:.3g} keeps one block's "
+                "states there)" if sliding else "every block is resident, its states on the device"), stacklevel=2)
+    return plan, engine_config(cfg), stack
 
 
-def default_disk_folders(cfg: TrainConfig, engine_cfg: EngineConfig) -> list[str]:
-    """The run's own folders of the NVMe tier under output_dir, where it uses them: cleared at the start (a killed
-    run leaves files behind) and removed at the end. Folders of the user's choosing are left as they are."""
-    e = cfg.engine
-    return ([engine_cfg.nvme_dir] if engine_cfg.nvme_fraction and not e.optimizer_offload.dir else []) + (
-        [engine_cfg.activation_dir] if e.activation_offload == "nvme" and not e.activation_dir else [])
+def default_disk_folders(cfg: TrainConfig) -> list[str]:
+    """The run's own folder of the NVMe tier under output_dir, where it uses one: cleared at the start (a killed
+    run leaves files behind) and removed at the end. A folder of the user's choosing is left as it is."""
+    return [str(nvme_dir(cfg))] if uses_disk(cfg) and not cfg.engine.nvme.dir else []
 
 
-def build_engine(cfg: TrainConfig, model, progress: bool = False, before_load=None) -> tuple[SlidingEngine, Plan]:
-    """The engine, with as many units resident on the device as the memory plan allows. Loading an 8B model's
-    weights takes minutes: with `progress`, a bar counts the blocks as they are read; `before_load(plan,
-    engine_cfg)` runs first (checks that can refuse the run without that wait)."""
-    plan, engine_cfg, stack = plan_run(cfg, model)
-    for folder in default_disk_folders(cfg, engine_cfg):  # a killed run's files (before the checks count them)
+def build_engine(cfg: TrainConfig, model, machine: Machine, progress: bool = False,
+                 before_load=None) -> tuple[SlidingEngine, Plan]:
+    """The engine of the run's placement. Loading an 8B model's weights takes minutes: with `progress`, a bar
+    counts the blocks as they are read; `before_load(plan, engine_cfg)` runs first (checks that can refuse the
+    run without that wait)."""
+    plan, engine_cfg, stack = plan_run(cfg, model, machine)
+    for folder in default_disk_folders(cfg):  # a killed run's files (before the checks count them)
         shutil.rmtree(folder, ignore_errors=True)
     if before_load is not None:
         before_load(plan, engine_cfg)
-    if not plan.device_is_host:  # a training run's process (not `slide-train plan`), before its first segment
-        use_expandable_segments()
+    if not plan.placement.device_is_host:  # a training run's process (not `slide-train plan`), before its first
+        use_expandable_segments()           # segment
     with bar(total=stack.num_blocks, desc="loading weights", unit="block", show=progress) as loading:
         read = stack.load_block
 
@@ -185,7 +173,7 @@ def build_engine(cfg: TrainConfig, model, progress: bool = False, before_load=No
 
         stack.load_block = load_block
         try:
-            return SlidingEngine(stack, engine_cfg), plan
+            return SlidingEngine(stack, engine_cfg, plan.placement), plan
         finally:
             stack.load_block = read
 
@@ -247,7 +235,7 @@ def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, progress: bool = True):
+    def __init__(self, cfg: TrainConfig, progress: bool = True, machine: Machine | None = None):
         self.cfg = cfg
         self.progress = progress
         self.run_dir = pathlib.Path(cfg.output_dir)
@@ -271,13 +259,12 @@ class Trainer:
         if not cfg.checkpoint.keep:
             warnings.warn("checkpoint.keep=0: this run writes no checkpoint; a stopped run (Ctrl-C) keeps only its "
                           "metrics" + (", and the export is written at the end" if cfg.export else ""), stacklevel=2)
-        for folder, used, key in ((cfg.engine.activation_dir, cfg.engine.activation_offload == "nvme",
-                                   "engine.activation_offload=nvme"),
-                                  (cfg.engine.optimizer_offload.dir, cfg.engine.optimizer_offload.nvme_fraction > 0,
-                                   "engine.optimizer_offload.nvme_fraction > 0")):
-            if folder and not used:  # (a folder set for the NVMe tier, which the run does not use)
-                warnings.warn(f"{folder} is only used with {key}: this run writes nothing there", stacklevel=2)
-        self.engine, self.memory_plan = build_engine(cfg, self.model, progress,
+        if cfg.engine.nvme.dir and not uses_disk(cfg):  # (a folder set for the NVMe tier, which the run does not use)
+            warnings.warn(f"{cfg.engine.nvme.dir} is only used with engine.nvme.fraction > 0 or "
+                          "engine.activation_offload=nvme: this run writes nothing there", stacklevel=2)
+        self.machine = machine if machine is not None else resolve_machine(
+            None, disk_dir=str(nvme_dir(cfg)) if uses_disk(cfg) else None)
+        self.engine, self.memory_plan = build_engine(cfg, self.model, self.machine, progress,
                                                      before_load=lambda plan, e: self._check_disk(plan, e, outputs))
         self.num_params = sum(u.layout.numel for u in self.engine.units)
         per_step = cfg.micro_batch_size * cfg.grad_accum
@@ -305,15 +292,16 @@ class Trainer:
         states), summed where they share a filesystem (`outputs`: an earlier run's, which --overwrite is about to
         delete: their space counts)."""
         cfg = self.cfg
+        numels, on_disk = plan.placement.shapes.unit_numels, plan.placement.tiers()[DISK]
         wants = [(what, folder, int(size)) for what, folder, size in (
             ("checkpoint", self.run_dir, cfg.checkpoint.keep and ckpt.checkpoint_bytes(
-                plan.unit_numels, plan.resident, cfg.engine.states_dtype)),
+                numels, plan.placement.resident, cfg.engine.states_dtype)),
             ("export", self.run_dir, cfg.export and export_bytes(
-                plan.num_params, export_dtype(cfg.export_dtype, self.model.dtype))),
-            ("boundary activations (engine.activation_dir)", pathlib.Path(engine_cfg.activation_dir),
-             plan.disk_activations),
-            ("AdamW states on disk (engine.optimizer_offload.dir)", pathlib.Path(engine_cfg.nvme_dir),
-             plan.disk_states)) if size]
+                sum(numels), export_dtype(cfg.export_dtype, self.model.dtype))),
+            ("boundary activations (engine.nvme.dir)", pathlib.Path(engine_cfg.activation_dir),
+             on_disk.get("boundary activations", 0)),
+            ("AdamW states on disk (engine.nvme.dir)", pathlib.Path(engine_cfg.nvme_dir),
+             on_disk.get("moments", 0))) if size]
         disks: dict[int, list] = {}
         for want in wants:
             disks.setdefault(_filesystem(want[1]), []).append(want)
@@ -441,6 +429,7 @@ class Trainer:
             "tokens": tokens,
             "target_tokens": targets,
             "step_s": seconds,
+            "predicted_step_s": self.memory_plan.estimate.step_s,
             "tokens_per_s": tokens / seconds,
             # Model FLOPs only (6 per parameter per token), as peers and papers count them: no recompute.
             "tflops": 6 * self.num_params * tokens / seconds / 1e12,
@@ -494,7 +483,7 @@ class Trainer:
                 f"{cfg.seq_len} = {tokens} tokens per step\n"
                 f"engine: {e.device} {str(e.dtype).removeprefix('torch.')} compute, "
                 f"{'pipelined' if e.config.pipeline else 'synchronous'}, activations on "
-                f"{'host' if e.activations.offload else 'device'}\n{self.memory_plan.text()}\n"
+                f"{'host' if e.activations.offload else 'device'}\n{describe(self.memory_plan)}\n"
                 f"run dir: {self.run_dir}")
 
     def fit(self) -> dict | None:
@@ -555,7 +544,7 @@ class Trainer:
         """Finish pending updates and stop the engine's worker threads (which removes the state files it kept
         on disk, and the default folder of them once empty)."""
         self.engine.close()
-        for folder in default_disk_folders(self.cfg, self.engine.config):
+        for folder in default_disk_folders(self.cfg):
             with contextlib.suppress(OSError):
                 os.rmdir(folder)
 
