@@ -41,6 +41,15 @@ def save_tiny_model(directory: pathlib.Path, model_type: str, seed: int = 0) -> 
     return model
 
 
+MACHINE = pathlib.Path(__file__).with_name("machine.yaml")
+
+
+@pytest.fixture(autouse=True)
+def fixed_machine(monkeypatch):
+    """Every run plans for tests/machine.yaml, not for the host the tests happen to run on."""
+    monkeypatch.setenv("SLIDE_MACHINE", str(MACHINE))
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request) -> str:
     return request.param

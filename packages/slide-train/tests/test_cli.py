@@ -40,8 +40,13 @@ def test_default_finetune_learns_and_exports(tmp_path):
 def test_help_lists_every_key_with_default():
     out = subprocess.run([sys.executable, "-m", "slide_train.cli", "finetune", "--help"], capture_output=True,
                          text=True, check=True)
-    for key in ("engine.window", "optimizer.lr", "schedule.warmup_steps", "data.format", "checkpoint.every"):
+    for key in ("engine.placement", "optimizer.lr", "schedule.warmup_steps", "data.format", "checkpoint.every"):
         assert key in out.stdout
+    engine_keys = [line.split()[0] for line in out.stdout.splitlines() if line.strip().startswith("engine.")]
+    assert engine_keys == ["engine.device", "engine.gpu_memory_limit_gb", "engine.compute_dtype",
+                           "engine.states_dtype", "engine.kernels", "engine.activation_offload", "engine.nvme.dir",
+                           "engine.nvme.fraction", "engine.placement"]  # at most 10, each a user's choice
+    assert "docs/placement.md" in next(line for line in out.stdout.splitlines() if "engine.placement" in line)
 
 
 def test_no_progress_hides_every_bar(tmp_path, monkeypatch):

@@ -10,7 +10,6 @@ import transformers
 from conftest import save_tiny_model, write_token_rows
 
 from slide_train.config import load_config
-from slide_train.errors import ConfigError
 from slide_train.export import hf_tensors
 from slide_train.trainer import Trainer
 
@@ -89,17 +88,18 @@ def compare(trainer, ref_model, ref64=None):
         assert ours_err <= 1.5 * torch_err, f"{name}: {ours_err:.2e} from float64, torch fp32 {torch_err:.2e}"
 
 
-@pytest.mark.parametrize("window, shared", [(1, "null"), (2, "false"), (3, "null")])
-def test_three_steps_match_plain_pytorch(tmp_path, family, window, shared):
-    """Clipped: held host gradients over the activations' memory (the default), or a buffer each (split
-    updates)."""
+@pytest.mark.parametrize("window, offload", [(1, "cpu"), (2, "none"), (3, "cpu")])
+def test_three_steps_match_plain_pytorch(tmp_path, family, window, offload):
+    """Clipped: held host gradients over the activations' memory (activations on the host), or a buffer each
+    (activations on the device; split updates)."""
     model = save_tiny_model(tmp_path / "model", family)
     rows, labels = make_rows(seed=1, n=STEPS * MICRO * ACCUM)
     write_token_rows(tmp_path / "data.jsonl", rows, labels)
     cfg = slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
-                       **{"engine.window": window, "engine.grads_share_activations": shared})
+                       **{"engine.placement.window": window, "engine.activation_offload": offload})
     trainer = Trainer(cfg, progress=False)
-    assert (trainer.engine.pool is None) == (shared == "false")
+    assert trainer.engine.placement.window == window
+    assert (trainer.engine.pool is None) == (offload == "none")
     records = [trainer.step() for _ in range(STEPS)]
     ref_model, ref_losses, ref_norms = reference_run(model, rows, labels)
     assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5)
@@ -108,43 +108,20 @@ def test_three_steps_match_plain_pytorch(tmp_path, family, window, shared):
     compare(trainer, ref_model, reference_run(model, rows, labels, torch.float64)[0])
 
 
-def test_gradients_sharing_the_activations_memory_match(tmp_path, monkeypatch):
-    """engine.grads_share_activations: clipped host gradients lie over boundary activations' memory, and the
-    result is still the plain loop's; the plan counts the pool the engine allocates. null (the default) is on;
-    false gives a buffer each, which needs more RAM."""
-    from slide_train import trainer as trainer_module
-
+def test_gradients_sharing_the_activations_memory_match(tmp_path):
+    """Clipped with the activations on the host, held gradients lie over the boundary activations' memory: the
+    result is still the plain loop's, and the placement's pool is the bytes the engine allocates for it."""
     model = save_tiny_model(tmp_path / "model", "llama")
     rows, labels = make_rows(seed=5, n=STEPS * MICRO * ACCUM)
     write_token_rows(tmp_path / "data.jsonl", rows, labels)
-    cfg = slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
-                       **{"engine.grads_share_activations": "true"})
-    trainer = Trainer(cfg, progress=False)
+    trainer = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl"), progress=False)
     records = [trainer.step() for _ in range(STEPS)]
     assert all(r["grad_norm"] > CLIP for r in records)
-    shared = trainer.memory_plan
-    assert shared.shared and trainer.engine.pool.nbytes == shared.pool and trainer.engine.grad_ring is None
+    placement = trainer.memory_plan.placement
+    assert placement.pooled and trainer.engine.grad_ring is None
+    assert trainer.engine.pool.nbytes == placement.tiers()["host"]["gradients + boundary activations"]
     ref_model, _, _ = reference_run(model, rows, labels)
     compare(trainer, ref_model, reference_run(model, rows, labels, torch.float64)[0])
-
-    def plan_with(ram, **extra):
-        monkeypatch.setattr(trainer_module, "host_memory", lambda: ram)
-        cfg = slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl", **extra)
-        return trainer_module.plan_run(cfg, trainer_module.load_model(cfg.model, 0, need_tokenizer=False))[0]
-
-    default = plan_with(1e15, **{"engine.grads_share_activations": "null"})
-    assert default.shared and default.ram_needed == shared.ram_needed
-    separate = plan_with(1e15, **{"engine.grads_share_activations": "false"})
-    assert not separate.shared and separate.ram_needed > shared.ram_needed
-    between = (separate.ram_needed + shared.ram_needed) / 2 / 0.95
-    with pytest.raises(ConfigError, match="grads_share_activations left on"):
-        plan_with(between, **{"engine.grads_share_activations": "false"})
-    assert plan_with(between).shared
-    with pytest.raises(ConfigError, match=r"holds, fewer tokens"):  # (already shared: no advice to share)
-        plan_with(shared.ram_needed / 0.96)
-    with pytest.raises(ConfigError, match="needs engine.activation_offload=cpu"):
-        slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
-                     **{"engine.grads_share_activations": "true", "engine.activation_offload": "none"})
 
 
 def test_activation_offload_and_no_clipping_match(tmp_path):
@@ -226,7 +203,7 @@ def test_bf16_states_opt_in_tracks_fp32_states_and_resumes(tmp_path):
     for name, dtype, fraction in (("fp32", "fp32", 0.0), ("bf16", "bf16", 0.0), ("bf16-disk", "bf16", 0.5)):
         trainer = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
                                        **{"engine.states_dtype": dtype, "output_dir": tmp_path / name,
-                                          "engine.optimizer_offload.nvme_fraction": fraction}), progress=False)
+                                          "engine.nvme.fraction": fraction}), progress=False)
         assert len(trainer.engine.on_disk) == (2 if fraction else 0)
         runs[name] = [trainer.step()["loss"] for _ in range(STEPS)]
         paths[name] = trainer.save_checkpoint()
@@ -242,7 +219,7 @@ def test_bf16_states_opt_in_tracks_fp32_states_and_resumes(tmp_path):
     for name in ("bf16", "bf16-disk"):
         resumed = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
                                        **{"engine.states_dtype": "bf16", "output_dir": tmp_path / name,
-                                          "engine.optimizer_offload.nvme_fraction": 0.5 if "disk" in name else 0.0,
+                                          "engine.nvme.fraction": 0.5 if "disk" in name else 0.0,
                                           "resume": paths[name]}), progress=False)
         assert resumed.step_index == STEPS
         resumed.engine.synchronize()
@@ -290,7 +267,7 @@ def test_edges_updated_on_the_device_with_their_tail_apart_match(tmp_path, clip,
     rows, labels = make_rows(seed=3, n=STEPS * MICRO * ACCUM)
     write_token_rows(tmp_path / "data.jsonl", rows, labels)
     cfg = slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
-                       **{"engine.device_update_share": 1.0, "max_grad_norm": clip if clip else "null"})
+                       **{"engine.placement.device_update_share": 1.0, "max_grad_norm": clip if clip else "null"})
     trainer = Trainer(cfg, progress=False)
     engine = trainer.engine
     norm = next(e for e in engine.edge_slot.layout.entries if e.name == "norm.weight")
@@ -311,7 +288,7 @@ def test_activations_on_disk_match_plain_pytorch_and_leave_no_files(tmp_path, fo
     rows, labels = make_rows(seed=3, n=STEPS * MICRO * ACCUM)
     write_token_rows(tmp_path / "data.jsonl", rows, labels)
     own = tmp_path / "scratch"
-    extra = {"engine.activation_offload": "nvme"} | ({"engine.activation_dir": str(own)} if folder == "own" else {})
+    extra = {"engine.activation_offload": "nvme"} | ({"engine.nvme.dir": str(own)} if folder == "own" else {})
     results = []
     for options in ({}, extra):
         cfg = slide_config(tmp_path / str(len(results)), tmp_path / "model", tmp_path / "data.jsonl", **options)
@@ -320,11 +297,12 @@ def test_activations_on_disk_match_plain_pytorch_and_leave_no_files(tmp_path, fo
         results.append(([r["loss"] for r in records], dict(hf_tensors(trainer.engine.named_masters())), trainer))
     (ref_losses, ref, _), (losses, got, trainer) = results
     assert trainer.engine.activations.disk is not None and trainer.engine.pool is None
-    assert trainer.memory_plan.disk_activations > 0 and "boundary activations" in trainer.memory_plan.text()
+    assert trainer.memory_plan.placement.tiers()["disk"]["boundary activations"] > 0
+    assert "boundary activations" in trainer.plan()
     assert losses == ref_losses and all(got[name].equal(t) for name, t in ref.items())
     ref_model, _, _ = reference_run(model, rows, labels)
     compare(trainer, ref_model, reference_run(model, rows, labels, torch.float64)[0])
-    where = own if folder == "own" else tmp_path / "1" / "run" / "activations"
-    assert any(where.rglob("*.bin"))
+    where = own if folder == "own" else tmp_path / "1" / "run" / "nvme"
+    assert any((where / "activations").rglob("*.bin"))
     trainer.close()
     assert not any(where.rglob("*.bin")) and where.exists() == (folder == "own")

@@ -17,6 +17,7 @@ from slide_train.checkpoint import export_run
 from slide_train.cli import main
 from slide_train.config import load_config
 from slide_train.errors import CheckpointError, ConfigError, DiskFullError, ExportError, ModelError, TrainingError
+from slide_train.machines import resolve_machine
 from slide_train.metrics import read_metrics
 from slide_train.models.build import load_model
 from slide_train.trainer import Trainer
@@ -40,10 +41,11 @@ def test_wrong_types_and_values_name_the_key():
 
 def test_yaml_file_and_overrides(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("seq_len: 64\noptimizer:\n  lr: 1e-4\n  betas: [0.9, 0.99]\nengine:\n  window: 3\n")
-    cfg = load_config(path, ["--engine.window=1", "--max_grad_norm=null"])
+    path.write_text("seq_len: 64\noptimizer:\n  lr: 1e-4\n  betas: [0.9, 0.99]\nengine:\n  placement:\n"
+                    "    window: 3\n    resident: [edges, block.1]\n")
+    cfg = load_config(path, ["--engine.placement.window=1", "--max_grad_norm=null"])
     assert (cfg.seq_len, cfg.optimizer.lr, cfg.optimizer.betas) == (64, 1e-4, (0.9, 0.99))
-    assert cfg.engine.window == 1 and cfg.max_grad_norm is None
+    assert cfg.engine.placement == {"window": 1, "resident": ["edges", "block.1"]} and cfg.max_grad_norm is None
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
 
@@ -166,13 +168,23 @@ def test_an_earlier_run_is_never_silently_mixed_with_a_new_one(tmp_path):
     ("--steps=nan", "steps must be a finite number"),
     ("--seq_len=.inf", "seq_len must be a finite number"),
     ("--optimizer.betas=[0.9,nan]", "optimizer.betas must be a finite number"),
-    ("--engine.resident=-1", "engine.resident must be 0 or more"),
-    ("--engine.device_update_share=1.5", r"engine.device_update_share must be in \[0, 1\]"),
-    ("--engine.states_dtype=bf16 --engine.device_update_share=0.5", "set it to 0 with engine.states_dtype=bf16"),
+    ("--engine.placement.resident=-1", "engine.placement.resident must be a count of at least 0 or a list"),
+    ("--engine.placement.resident=[edges,blocks.2]", "engine.placement.resident must be a count .* or a list"),
+    ("--engine.placement.device_update_share=1.5", r"engine.placement.device_update_share must be in \[0, 1\]"),
+    ("--engine.states_dtype=bf16 --engine.placement.device_update_share=0.5",
+     "set it to 0 with engine.states_dtype=bf16"),
+    ("--engine.placement.window=0", "engine.placement.window must be an integer of at least 1"),
+    ("--engine.placement.synchronous=maybe", "engine.placement.synchronous must be true or false"),
+    ("--engine.placement.held_grads=2", "unknown key engine.placement.held_grads; the expert overrides are window"),
     ("--engine.device=gpu", "engine.device must be auto, cpu, cuda or cuda:N"),
-    ("--engine.optimizer_offload.nvme_fraction=1.5", r"nvme_fraction is the share .* in \[0, 1\], got 1.5"),
-    ("--engine.activation_offload=nvme --engine.grads_share_activations=true",
-     r"it needs engine.activation_offload=cpu"),
+    ("--engine.nvme.fraction=1.5", r"engine.nvme.fraction is the share .* in \[0, 1\], got 1.5"),
+    ("--engine.window=3", r"'engine.window' was replaced by engine.placement.window"),
+    ("--engine.resident=2", r"'engine.resident' was replaced by engine.placement.resident"),
+    ("--engine.pipeline=false", r"'engine.pipeline' was replaced by engine.placement.synchronous"),
+    ("--engine.optimizer_offload.nvme_fraction=0.5", r"'engine.optimizer_offload' was replaced by engine.nvme"),
+    ("--engine.activation_dir=/tmp/x", r"'engine.activation_dir' was replaced by engine.nvme.dir"),
+    ("--engine.grads_share_activations=true", r"'engine.grads_share_activations' was replaced by nothing: the "
+                                              "placement shares"),
     ("--engine.activation_offload=disk", r"engine.activation_offload must be one of none, cpu, nvme"),
     ("--checkpoint.every=-2", "checkpoint.every must be 0 or more"),
     ("--schedule.min_lr_ratio=3", r"schedule.min_lr_ratio must be in \[0, 1\]"),
@@ -403,56 +415,58 @@ def test_a_disk_too_small_for_the_activations_is_refused_before_the_weights_load
     args = [*TINY, f"--output_dir={tmp_path / 'run'}", "--engine.activation_offload=nvme"]
     monkeypatch.setattr(trainer_module, "free_bytes", lambda path: 1000)
     with pytest.raises(DiskFullError, match=r"0.0 MB free, but this run's boundary activations "
-                                            r"\(engine.activation_dir\) need about"):
+                                            r"\(engine.nvme.dir\) need about"):
         Trainer(load_config(None, [*args, "--checkpoint.keep=0"]), progress=False)
     cfg = load_config(None, args)
-    plan = trainer_module.plan_run(cfg, trainer_module.load_model(cfg.model, 0, need_tokenizer=False))[0]
-    checkpoint = ckpt.checkpoint_bytes(plan.unit_numels, plan.resident, "fp32")
-    assert plan.disk_activations > 0 and checkpoint > 0
-    monkeypatch.setattr(trainer_module, "free_bytes", lambda path: int(max(plan.disk_activations, checkpoint)) + 1)
+    machine = resolve_machine(None)
+    placement = trainer_module.plan_run(cfg, trainer_module.load_model(cfg.model, 0, need_tokenizer=False),
+                                        machine)[0].placement
+    checkpoint = ckpt.checkpoint_bytes(placement.shapes.unit_numels, placement.resident, "fp32")
+    acts_on_disk = placement.tiers()["disk"]["boundary activations"]
+    assert acts_on_disk > 0 and checkpoint > 0
+    monkeypatch.setattr(trainer_module, "free_bytes", lambda path: int(max(acts_on_disk, checkpoint)) + 1)
     with pytest.raises(DiskFullError, match=r"this run's checkpoint and boundary activations"):
         Trainer(cfg, progress=False)
     # their own folder on the same disk: the message names both folders
     acts = tmp_path / "acts"
-    both = f"the disk of {tmp_path / 'run'} and {acts}"
+    both = f"the disk of {tmp_path / 'run'} and {acts / 'activations'}"
     with pytest.raises(DiskFullError, match=rf"^{re.escape(both)} has .* free, but this run's checkpoint and "
                                             r"boundary activations"):
-        Trainer(load_config(None, [*args, f"--engine.activation_dir={acts}"]), progress=False)
+        Trainer(load_config(None, [*args, f"--engine.nvme.dir={acts}"]), progress=False)
 
 
 def test_a_share_of_states_on_disk_that_rounds_to_no_block_is_warned_about(tmp_path):
-    """engine.optimizer_offload.nvme_fraction too small for one block would silently keep every state in RAM:
+    """engine.nvme.fraction too small for one block would silently keep every state in RAM:
     the warning says so and names a share that moves one block, which then does; with every block resident it
     says that instead."""
     import slide_train.trainer as trainer_module
 
     def plan(fraction, *extra):
         cfg = load_config(None, [*TINY, f"--output_dir={tmp_path / 'run'}",
-                                 f"--engine.optimizer_offload.nvme_fraction={fraction}", *extra])
+                                 f"--engine.nvme.fraction={fraction}", *extra])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            made = trainer_module.plan_run(cfg, trainer_module.load_model(cfg.model, 0, need_tokenizer=False))[0]
-        return made, [str(w.message) for w in caught if "nvme_fraction" in str(w.message)]
+            made = trainer_module.plan_run(cfg, trainer_module.load_model(cfg.model, 0, need_tokenizer=False),
+                                           resolve_machine(None))[0].placement
+        return made, [str(w.message) for w in caught if "nvme.fraction" in str(w.message)]
 
     none, said = plan(0.01)
-    assert none.disk_states == 0 and len(said) == 1
-    found = re.search(r"nvme_fraction=0.01 puts no AdamW state on disk: it is none of the (\d+) sliding blocks "
+    assert not none.on_disk and len(said) == 1
+    found = re.search(r"nvme.fraction=0.01 puts no AdamW state on disk: it is none of the (\d+) sliding blocks "
                       r"\(a share of ([0-9.]+) keeps one block's states there\)", said[0])
-    assert found and int(found.group(1)) == none.sliding > 1
+    assert found and int(found.group(1)) == len(none.sliding_blocks) > 1
     moved, said = plan(float(found.group(2)))
-    assert moved.disk_states > 0 and not said
-    resident, said = plan(0.5, f"--engine.resident={none.sliding + 1}")
-    assert resident.sliding == 0 and said == ["engine.optimizer_offload.nvme_fraction=0.5 puts no AdamW state on "
-                                              "disk: every block is resident, its states on the device"]
+    assert len(moved.on_disk) == 1 and moved.bytes("disk") > 0 and not said
+    resident, said = plan(0.5, f"--engine.placement.resident={len(none.units)}")
+    assert not resident.sliding_blocks and said == ["engine.nvme.fraction=0.5 puts no AdamW state on disk: every "
+                                                    "block is resident, its states on the device"]
 
 
 def test_a_folder_for_the_nvme_tier_that_the_run_does_not_use_is_warned_about(tmp_path):
-    for key, needs in (("engine.activation_dir", "activation_offload=nvme"),
-                       ("engine.optimizer_offload.dir", "optimizer_offload.nvme_fraction > 0")):
-        with pytest.warns(UserWarning, match=f"only used with engine.{needs}"):
-            Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / key}", f"--{key}={tmp_path / 'fast'}"]),
-                    progress=False).close()
-        assert not (tmp_path / "fast").exists()
+    args = [*TINY, f"--output_dir={tmp_path / 'run'}", f"--engine.nvme.dir={tmp_path / 'fast'}"]
+    with pytest.warns(UserWarning, match="only used with engine.nvme.fraction > 0 or engine.activation_offload=nvme"):
+        Trainer(load_config(None, args), progress=False).close()
+    assert not (tmp_path / "fast").exists()
 
 
 def test_export_replaces_only_an_earlier_export(tmp_path, monkeypatch):
@@ -485,9 +499,13 @@ def test_config_shapes_and_values_found_late_are_clean_errors(tmp_path, monkeypa
     listing.write_text("- steps: 3\n")
     with pytest.raises(ConfigError, match="must map config keys to values"):
         load_config(listing, ["--steps=2"])
-    with pytest.raises(ConfigError, match=r"engine.resident=50, but this model has \d+ units"):
-        Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'r'}", "--engine.resident=50"]),
+    with pytest.raises(ConfigError, match=r"engine.placement.resident=50, but this model has \d+ units"):
+        Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'r'}", "--engine.placement.resident=50"]),
                 progress=False)
+    with pytest.raises(ConfigError, match=r"engine.placement.resident names block.9, but this model has blocks 0 "
+                                          r"to \d"):
+        Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'r'}",
+                                   "--engine.placement.resident=[edges, block.9]"]), progress=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="no CUDA device"):
         Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'c'}", "--engine.device=cuda"]),

@@ -88,6 +88,7 @@ def test_fingerprint_is_short_and_stable():
 def cache(tmp_path, monkeypatch):
     """An empty cache folder under XDG_CACHE_HOME, and counting stand-ins for the probes (no measuring)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("SLIDE_MACHINE")  # (the tests' fixed machine file)
     calls = {"probe": [], "probe_disk": []}
 
     def fake_probe(disk_dir=None, device=None, quick=False):
@@ -165,11 +166,16 @@ def test_disk_rates_are_cached_per_folder(cache, tmp_path, monkeypatch):
     assert len(cache["probe"]) == 1 and len(cache["probe_disk"]) == 1
 
 
-def test_resolve_machine_prefers_the_file(cache, tmp_path):
+def test_resolve_machine_prefers_the_file(cache, tmp_path, monkeypatch):
     (tmp_path / "pc.yaml").write_text(RTX4090_PC)
     assert resolve_machine(str(tmp_path / "pc.yaml")).gpu.memory_gib == 24
     assert cache["probe"] == []
     assert resolve_machine(None).gpu == MEASURED.gpu
+    assert len(cache["probe"]) == 1
+    (tmp_path / "other.yaml").write_text(RTX4090_PC.replace("memory_gib: 24", "memory_gib: 48"))
+    monkeypatch.setenv("SLIDE_MACHINE", str(tmp_path / "other.yaml"))  # the file $SLIDE_MACHINE names, then
+    assert resolve_machine(None).gpu.memory_gib == 48
+    assert resolve_machine(str(tmp_path / "pc.yaml")).gpu.memory_gib == 24  # --machine before it
     assert len(cache["probe"]) == 1
 
 

@@ -4,7 +4,7 @@ placement it executes and the cost model that prices it on a machine."""
 from .__about__ import __version__
 from .activations import ActivationStore
 from .cost import Estimate, price
-from .engine import EngineConfig, SlidingEngine, StepStats
+from .engine import DTYPES, EngineConfig, SlidingEngine, StepStats
 from .machine import Disk, Gpu, Host, Machine, Pcie
 from .placement import (
     DISK,
@@ -26,9 +26,12 @@ from .planner import Plan, place
 from .probe import host_cores, host_memory_bytes, probe_disk
 from .probe import probe as probe_machine
 from .stack import Batch, Context, Edges, Stack
+from .timeline import plot as plot_timeline
+from .timeline import write_trace
 
 __all__ = [
     "DISK",
+    "DTYPES",
     "GPU",
     "HOST",
     "TIERS",
@@ -60,8 +63,10 @@ __all__ = [
     "host_cores",
     "host_memory_bytes",
     "place",
+    "plot_timeline",
     "price",
     "probe_disk",
     "probe_machine",
     "shapes_of",
+    "write_trace",
 ]

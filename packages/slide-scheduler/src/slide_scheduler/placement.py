@@ -262,7 +262,7 @@ def _allocations(p: Placement) -> list[Allocation]:
     if p.streamed:  # device-update buffers: fp32 master, m, v, gradient, and the gradient as it lands
         add(dev, "device-update buffers", p.stream_buffers * p.stream_piece_numel * (16 + c))
     add(dev, "held gradients", c * sum(numel[u] for u in p.held))
-    add(dev, "step readout", 4 * len(numel))
+    add(dev, "step readout", 4 * (1 + len(numel)))  # the loss, then each unit's squared gradient norm
     # Host gradients: the ring, the sliding edges' own buffer, and the pool shared with the boundary activations
     act = t.tokens_per_micro * s.hidden * c  # one micro-batch's boundary activation
     boundaries = s.num_blocks * t.micro_batches  # block inputs 0..n-1 (the last output goes straight on)

@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from slide_scheduler.engine import DTYPES
+from slide_scheduler import DTYPES
 
 from .errors import CheckpointError, DiskFullError, size_text
 from .progress import bar

@@ -12,7 +12,7 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
-from slide_scheduler.engine import DTYPES  # the one name -> dtype table
+from slide_scheduler import DTYPES  # the one name -> dtype table
 
 from .errors import DiskFullError, ExportError, size_text
 from .models.adapter import block_hf_name, edge_hf_name

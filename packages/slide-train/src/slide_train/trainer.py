@@ -24,7 +24,7 @@ import yaml
 
 from slide_io import free_bytes
 from slide_memory import AdamWConfig
-from slide_scheduler import DISK, HOST, EngineConfig, Machine, Plan, SlidingEngine
+from slide_scheduler import DISK, HOST, EngineConfig, Machine, Plan, SlidingEngine, plot_timeline, write_trace
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, to_dict
@@ -448,14 +448,12 @@ class Trainer:
 
     def write_profile(self, stats) -> None:
         """timeline.png and trace.json of one engine step (`stats`: what `engine.step` returned) in the run dir."""
-        from slide_scheduler.timeline import plot, write_trace
-
         write_trace(stats.spans, self.run_dir / "trace.json")
         t = stats.timeline
         title = (f"step {self.step_index}: {stats.seconds * 1e3:.0f} ms, GPU busy {t['gpu_busy_s'] * 1e3:.0f} ms, "
                  f"exposed {t['exposed_s'] * 1e3:.0f} ms")
         try:
-            plot(stats.spans, self.run_dir / "timeline.png", title)
+            plot_timeline(stats.spans, self.run_dir / "timeline.png", title)
         except ImportError as e:
             warnings.warn(f"no timeline.png: {e}", stacklevel=2)
 
@@ -542,11 +540,14 @@ class Trainer:
 
     def close(self) -> None:
         """Finish pending updates and stop the engine's worker threads (which removes the state files it kept
-        on disk, and the default folder of them once empty)."""
+        on disk); the NVMe tier's folders are removed once empty, the user's own engine.nvme.dir kept."""
         self.engine.close()
-        for folder in default_disk_folders(self.cfg):
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)
+        if uses_disk(self.cfg):
+            folder = nvme_dir(self.cfg)
+            for empty in [folder / STATES_DIR, folder / ACTIVATIONS_DIR, *map(pathlib.Path,
+                                                                             default_disk_folders(self.cfg))]:
+                with contextlib.suppress(OSError):
+                    os.rmdir(empty)
 
     def export(self, directory: str | pathlib.Path | None = None) -> pathlib.Path:
         dtype = export_dtype(self.cfg.export_dtype, self.model.dtype)

@@ -25,6 +25,13 @@ PRESETS: dict[str, dict] = {
     "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
                          max_position_embeddings=131072, tie_word_embeddings=False, rms_norm_eps=1e-5),
+    "llama-3.1-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                          max_position_embeddings=131072, tie_word_embeddings=False, rms_norm_eps=1e-5),
+    "mistral-large-2": dict(model_type="mistral", hidden_size=12288, intermediate_size=28672, num_hidden_layers=88,
+                            num_attention_heads=96, num_key_value_heads=8, head_dim=128, vocab_size=32768,
+                            rope_theta=1000000.0, max_position_embeddings=131072, sliding_window=None,
+                            tie_word_embeddings=False, rms_norm_eps=1e-5),
 }
 
 

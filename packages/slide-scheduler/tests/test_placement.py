@@ -1,0 +1,341 @@
+"""The placement is what the engine allocates, and the cost model prices it: bytes counted independently of the
+placement (the storages of every tensor the engine holds, the files it writes) against the placement's own
+allocations; a hand-written placement the planner would never choose; bottlenecks that follow the machine."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import pathlib
+import threading
+import types
+
+import pytest
+import torch
+from test_engine import DEPTH, DIM, Model, ToyStack, batches
+
+from slide_memory import AdamWConfig
+from slide_scheduler import (
+    DISK,
+    GPU,
+    HOST,
+    Budgets,
+    EngineConfig,
+    Machine,
+    Options,
+    Placement,
+    Shapes,
+    SlidingEngine,
+    StepShape,
+    UnitPlacement,
+    arrange,
+    place,
+    price,
+    shapes_of,
+)
+from slide_scheduler import activations as activations_module
+from slide_scheduler import placement as placement_module
+from slide_scheduler.machine import Disk, Gpu, Host, Pcie
+
+MICRO, ROWS, LENGTH = 3, 3, 10  # test_engine.batches: 3 rows of 10 tokens per micro-batch
+
+
+def held_storages(root, skip) -> dict[str, int]:
+    """Bytes per device type of every tensor storage reachable from `root` (not through `skip`), each storage
+    once. 0-dim tensors (AdamW step counters, a few bytes per unit) are left out: the placement does not count
+    them."""
+    seen, storages, todo = {id(s) for s in skip}, {}, [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type != "meta" and obj.dim() > 0:
+                storage = obj.untyped_storage()
+                storages[(obj.device.type, storage.data_ptr())] = storage.nbytes()
+            continue
+        if isinstance(obj, (type, types.ModuleType, str, bytes, int, float, threading.Thread)):
+            continue
+        if isinstance(obj, types.FunctionType):  # what it closes over, not its module's globals
+            todo.extend(cell.cell_contents for cell in obj.__closure__ or () if cell.cell_contents is not None)
+            todo.extend(obj.__defaults__ or ())
+            continue
+        todo.extend(gc.get_referents(obj))
+    out: dict[str, int] = {}
+    for (device, _), nbytes in storages.items():
+        out[device] = out.get(device, 0) + nbytes
+    return out
+
+
+def files_bytes(*folders) -> int:
+    return sum(f.stat().st_size for folder in folders if folder for f in pathlib.Path(folder).rglob("*")
+               if f.is_file())
+
+
+def measure(engine: SlidingEngine, stack, steps: int = 2) -> dict[str, int]:
+    """The most each tier held during `steps` steps: tensors reachable from the engine (when backward fetches
+    boundary activations, and after each step) and the engine's files."""
+    folders = (engine.config.nvme_dir, engine.config.activation_dir)
+    peak: dict[str, int] = {}
+
+    def record():
+        for device, nbytes in held_storages(engine, [stack]).items():
+            tier = {"cpu": HOST, "cuda": GPU}[device]
+            peak[tier] = max(peak.get(tier, 0), nbytes)
+        peak[DISK] = max(peak.get(DISK, 0), files_bytes(*folders))
+
+    fetch = activations_module.ActivationStore.fetch
+
+    def fetch_and_record(self, *args, **kwargs):
+        record()
+        return fetch(self, *args, **kwargs)
+
+    activations_module.ActivationStore.fetch = fetch_and_record
+    try:
+        for step in batches(seed=2, steps=steps, micro=MICRO):
+            n = sum(int((b["targets"] != -100).sum()) for b in step)
+            engine.step(step, lr=1e-2, normalizer=n)
+            engine.synchronize()
+            record()
+    finally:
+        activations_module.ActivationStore.fetch = fetch
+    return peak
+
+
+def options_for(config: EngineConfig, nvme_fraction: float = 0.0) -> Options:
+    device = config.resolve_device()
+    return Options(clip=bool(config.max_grad_norm), activations=config.activation_offload,
+                   compute_bytes=config.resolve_dtype(device).itemsize,
+                   state_bytes=2 if config.states_dtype == "bf16" else 4, cuda=device.type == "cuda",
+                   nvme_fraction=nvme_fraction)
+
+
+def toy_shapes(stack) -> Shapes:
+    return dataclasses.replace(shapes_of(stack), hidden=DIM, intermediate=3 * DIM)
+
+
+STEP = StepShape(ROWS * LENGTH, MICRO, LENGTH)
+
+# name: EngineConfig keys, then the placement's choices (arrange's keywords; nvme_fraction for Options)
+MIXES = {
+    "sliding": ({}, {}),
+    "resident": ({}, {"resident": range(3)}),
+    "unclipped": ({"max_grad_norm": None}, {}),
+    "pooled": ({}, {"shared": True}),
+    "streamed, held": ({}, {"share": 0.5, "held": 1}),
+    "streamed, unclipped edges": ({"max_grad_norm": None}, {"share": 1.0}),
+    "moments on disk": ({}, {"nvme_fraction": 0.5}),
+    "bf16 states on disk": ({"states_dtype": "bf16"}, {"nvme_fraction": 0.5}),
+    "activations on disk": ({"activation_offload": "nvme"}, {"resident": range(2)}),
+    "activations on the device": ({"activation_offload": "none"}, {"window": 3}),
+}
+
+
+def build(tmp_path, device: str, config_keys: dict, choices: dict):
+    torch.manual_seed(0)
+    model = Model(tied=False)
+    stack = ToyStack(model)
+    config = EngineConfig(device=device, max_grad_norm=config_keys.get("max_grad_norm", 0.05),
+                          optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1), nvme_dir=str(tmp_path / "states"),
+                          activation_dir=str(tmp_path / "activations"),
+                          **{k: v for k, v in config_keys.items() if k != "max_grad_norm"})
+    choices = dict(choices)
+    options = options_for(config, choices.pop("nvme_fraction", 0.0))
+    placement = arrange(toy_shapes(stack), STEP, options, resident=choices.pop("resident", ()),
+                        window=choices.pop("window", 2), share=choices.pop("share", 0.0),
+                        shared=choices.pop("shared", False), held=choices.pop("held", 0))
+    return model, stack, SlidingEngine(stack, config, placement)
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_the_placements_bytes_are_what_the_engine_allocates(tmp_path, mix):
+    model, stack, engine = build(tmp_path, "cpu", *MIXES[mix])
+    p = engine.placement
+    try:
+        held = measure(engine, stack)
+    finally:
+        engine.close()
+    assert p.bytes(GPU) == 0  # a CPU run: its device side is host memory, and counted there
+    assert held[HOST] == p.bytes(HOST, transient=False), p.tiers()[HOST]
+    assert held[DISK] == p.bytes(DISK), p.tiers()[DISK]
+    if mix in ("moments on disk", "bf16 states on disk", "activations on disk"):
+        assert held[DISK] > 0
+
+
+def hand_written(stack, options: Options) -> Placement:
+    """A placement the planner never makes: block 1 resident between sliding blocks 0 and 2, block 2's moments on
+    disk, block 3 updated on the device with its gradient held there, the edges sliding and updated on the host."""
+    units = (
+        UnitPlacement(False, "host", "own", HOST, split=True),  # the edges
+        UnitPlacement(False, "host", "ring", HOST, split=True),  # block 0
+        UnitPlacement(True, "device", "slot", GPU),  # block 1
+        UnitPlacement(False, "host", "ring", DISK),  # block 2
+        UnitPlacement(False, "stream", "held", HOST),  # block 3
+    )
+    assert len(units) == DEPTH + 1
+    return Placement(toy_shapes(stack), STEP, units, window=2, clip=options.clip, activations=options.activations,
+                     compute_bytes=options.compute_bytes, state_bytes=options.state_bytes,
+                     device_is_host=not options.cuda)
+
+
+def run_hand_written(tmp_path, device: str):
+    torch.manual_seed(0)
+    model = Model(tied=False)
+    ref = copy.deepcopy(model).to(device)
+    stack = ToyStack(model)
+    opt = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    config = EngineConfig(device=device, max_grad_norm=0.05, optimizer=opt, nvme_dir=str(tmp_path / "states"))
+    placement = hand_written(stack, options_for(config))
+    engine = SlidingEngine(stack, config, placement)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                                  weight_decay=opt.weight_decay)
+    return model, ref, stack, engine, torch_opt
+
+
+def test_a_hand_written_placement_runs_and_matches_plain_pytorch(tmp_path):
+    _, ref, stack, engine, opt = run_hand_written(tmp_path, "cpu")
+    p = engine.placement
+    assert p.resident == {2} and p.on_disk == {3} and p.streamed == {4} and p.held == {4}
+    assert engine.resident == {2} and engine.on_disk == {3} and set(engine.held_grads) == {4}
+    losses, ref_losses = [], []
+    for step in batches(seed=3, steps=3, micro=MICRO):
+        n = sum(int((b["targets"] != -100).sum()) for b in step)
+        losses.append(engine.step(step, lr=1e-2, normalizer=n).loss)
+        opt.zero_grad()
+        loss = sum(ref(b, n) for b in step)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        assert norm > 0.05  # clipping acts
+        opt.step()
+        ref_losses.append(loss.item())
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    ours = engine.named_masters()
+    theirs = dict(ref.named_parameters())
+    for i in range(DEPTH):
+        for name, t in ours[f"block.{i}"].items():
+            torch.testing.assert_close(t, theirs[f"blocks.{i}.{name}"].detach(), rtol=1e-4, atol=1e-6)
+    for name, t in ours["edges"].items():
+        torch.testing.assert_close(t, theirs[f"edges.{name}"].detach(), rtol=1e-4, atol=1e-6)
+    held = measure(engine, stack, steps=1)
+    engine.close()
+    assert held[HOST] == p.bytes(HOST, transient=False) and held[DISK] == p.bytes(DISK) > 0
+
+
+def test_a_placement_the_engine_cannot_run_is_refused_naming_the_unit():
+    stack = ToyStack(Model(tied=False))
+    options = Options(clip=True, cuda=False, compute_bytes=4)
+    good = hand_written(stack, options)
+    cases = {
+        2: (UnitPlacement(False, "stream", "ring", DISK), "block 1: moments on disk are for sliding blocks updated "
+                                                          "on the host"),
+        1: (UnitPlacement(False, "host", "held", HOST), "block 0: only a block updated on the device holds"),
+        3: (UnitPlacement(True, "device", "ring", GPU), "block 2: a resident unit's gradient stays in its slot"),
+    }
+    for unit, (bad, message) in cases.items():
+        units = list(good.units)
+        units[unit] = bad
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(good, units=tuple(units))
+    with pytest.raises(ValueError, match="one entry per unit"):
+        dataclasses.replace(good, units=good.units[:-1])
+    config = EngineConfig(device="cpu", max_grad_norm=None)
+    with pytest.raises(ValueError, match=r"made for another run: clip=True \(this run: False\)"):
+        SlidingEngine(stack, config, good)
+
+
+# -- the cost model --------------------------------------------------------------------------------------------
+
+LLAMA_3B = Shapes((394_000_000,) + (100_700_000,) * 28, hidden=3072, intermediate=8192, vocab=128256)
+FAST = Machine(gpu=Gpu(memory_gib=80, bf16_tflops=800), host=Host(memory_gib=512, cores=32, memory_gbps=200,
+                                                                   adamw_gparams=8.0),
+               pcie=Pcie(h2d_gbps=55, d2h_gbps=55, duplex_gbps=100), disk=Disk(free_gib=2000, read_gbps=20.0,
+                                                                             write_gbps=20.0))
+
+
+def with_rates(machine: Machine, **sections) -> Machine:
+    return dataclasses.replace(machine, **{k: dataclasses.replace(getattr(machine, k), **v)
+                                           for k, v in sections.items()})
+
+
+def test_the_bottleneck_follows_the_machines_rates():
+    """The same 3B placement (every block sliding, 32k tokens per step, the moments of a quarter of the blocks
+    on a striped NVMe array): compute-bound on the fast machine; halve PCIe until it binds; a single slow drive
+    binds instead; so does a weak host optimizer."""
+    step = StepShape(8192, 4, 8192)
+    p = arrange(LLAMA_3B, step, Options(clip=False, nvme_fraction=0.25), resident=(), window=2, share=0.0,
+                shared=False, held=0)
+    assert len(p.on_disk) == 7
+    fast = price(p, FAST)
+    assert fast.bottleneck == "gpu" and fast.step_s == pytest.approx(max(fast.lanes.values()), rel=0.5)
+    halved = FAST
+    for _ in range(6):
+        halved = with_rates(halved, pcie={"h2d_gbps": halved.pcie.h2d_gbps / 2, "d2h_gbps": halved.pcie.d2h_gbps / 2,
+                                          "duplex_gbps": halved.pcie.duplex_gbps / 2})
+        slower = price(p, halved)
+        if slower.bottleneck.startswith("pcie"):
+            break
+    assert slower.bottleneck.startswith("pcie") and slower.step_s > fast.step_s
+    assert price(p, with_rates(halved, pcie=dataclasses.asdict(FAST.pcie))).bottleneck == "gpu"
+    slow_disk = price(p, with_rates(FAST, disk={"read_gbps": 2.0, "write_gbps": 1.5}))
+    assert slow_disk.bottleneck == "disk" and slow_disk.step_s > fast.step_s
+    weak_host = price(p, with_rates(FAST, host={"adamw_gparams": 0.2}))
+    assert weak_host.bottleneck == "host_adamw"
+
+
+def test_the_planner_takes_the_cheapest_candidate_that_fits():
+    """Among windows and device-update shares, what `place` returns is priced no higher (beyond its tie margin)
+    than any candidate that fits, and it fits."""
+    step = StepShape(8192, 4, 8192)
+    options = Options(clip=True)
+    budgets = Budgets(gpu=0.92 * 24 * 2**30, host=None)
+    plan = place(LLAMA_3B, step, options, budgets, FAST)
+    assert plan.fits and plan.placement.bytes(GPU) <= budgets.gpu
+    from slide_scheduler.planner import SHARES, TIE, WINDOWS
+
+    for window in WINDOWS:
+        for share in SHARES:
+            p = placement_module.size_for_budget(LLAMA_3B, step, options, budgets.gpu, window=window, share=share,
+                                                 shared=True)
+            if p.bytes(GPU) <= budgets.gpu:
+                assert plan.estimate.step_s <= price(p, FAST).step_s * (1 + TIE)
+    # a slower PCIe moves the choice toward fewer bytes over it (fewer updates streamed through the device)
+    slow = place(LLAMA_3B, step, options, budgets, with_rates(FAST, pcie={"h2d_gbps": 6, "d2h_gbps": 6,
+                                                                        "duplex_gbps": 10}))
+    assert len(slow.placement.streamed) <= len(plan.placement.streamed)
+
+
+# -- on the GPU ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mix", ["sliding", "resident", "pooled", "streamed, held", "moments on disk",
+                                 "activations on the device"])
+def test_the_placements_bytes_are_what_the_engine_allocates_on_cuda(tmp_path, mix):
+    """On CUDA the device side is counted twice: the storages the engine holds, and the allocator's own count
+    of what stays allocated after the steps (transient work freed)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    model, stack, engine = build(tmp_path, "cuda", *MIXES[mix])
+    p = engine.placement
+    try:
+        held = measure(engine, stack)
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated() - before
+    finally:
+        engine.close()
+    assert held[GPU] == p.bytes(GPU, transient=False), p.tiers()[GPU]
+    assert held[HOST] == p.bytes(HOST, transient=False), p.tiers()[HOST]
+    assert held[DISK] == p.bytes(DISK)
+    # the allocator rounds each block up to 512 bytes; scalars (step counters) are the rest
+    assert p.bytes(GPU, transient=False) <= allocated <= p.bytes(GPU, transient=False) + 64 * 1024
+
+
+@pytest.mark.gpu
+def test_a_hand_written_placement_runs_on_cuda(tmp_path):
+    _, ref, stack, engine, opt = run_hand_written(tmp_path, "cuda")
+    p = engine.placement
+    held = measure(engine, stack, steps=2)
+    engine.close()
+    assert held[GPU] == p.bytes(GPU, transient=False) and held[HOST] == p.bytes(HOST, transient=False)
