@@ -61,7 +61,7 @@ def load_model(name: str, seed: int = 0, need_tokenizer: bool = True, need_weigh
         if need_tokenizer:
             raise ModelError(f"cannot load the tokenizer of {path}: {e}. Put the tokenizer files next to the "
                              "weights, or use data.format=tokens with pre-tokenized data") from e
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    dtype = getattr(config, "dtype", None) or torch.float32  # (transformers maps an older torch_dtype here)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     return ModelBundle(str(path), config, weights, tokenizer, dtype)
