@@ -8,13 +8,15 @@ import sys
 
 from .config import describe_keys, load_config
 from .errors import SlideError
+from .log import console
 
 
 def _keys_help() -> str:
     rows = describe_keys()
-    width = max(len(k) for k, _ in rows)
-    return "config keys (YAML or --key=value), with defaults:\n" + "\n".join(
-        f"  {k.ljust(width)}  {v}" for k, v in rows)
+    key_width = max(len(k) for k, _, _ in rows)
+    value_width = max(len(v) for _, v, _ in rows)
+    return "config keys (YAML or --key=value), default, meaning:\n" + "\n".join(
+        f"  {k.ljust(key_width)}  {v.ljust(value_width)}  {text}" for k, v, text in rows)
 
 
 def _config_parser(sub, name: str, help: str):
@@ -166,11 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    try:
-        return args.func(args, overrides)
-    except (SlideError, OSError) as e:  # OSError: a path that cannot be read or written (read-only, ...)
-        print(f"slide-train: error: {e}", file=sys.stderr)
-        return 2
+    with console():
+        try:
+            return args.func(args, overrides)
+        except (SlideError, OSError) as e:  # OSError: a path that cannot be read or written (read-only, ...)
+            print(f"slide-train: error: {e}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

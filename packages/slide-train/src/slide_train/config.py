@@ -125,6 +125,53 @@ CHOICES = {
 }
 
 
+# One line per key for `finetune --help` (allowed values come from CHOICES); a test checks every key has one.
+KEY_HELP = {
+    "model": "a local HF model directory, or a built-in preset (`slide-train presets`)",
+    "data.path": "a dataset file (.jsonl, .json, .parquet, .arrow) or a datasets save_to_disk folder; "
+                 "null: the built-in corpus",
+    "data.format": "the rows' layout",
+    "data.text_key": "the field holding the text, for text and jsonl rows",
+    "data.roles": "other role names mapped to user, assistant or system, e.g. {usr: user}, for chat and sharegpt rows",
+    "data.shuffle": "shuffle the examples (seeded by `seed`)",
+    "data.pack": "pack short examples into seq_len rows (attention stays within each document)",
+    "data.eval_fraction": "share of the examples held out for the validation loss, in [0, 1)",
+    "data.eval_batches": "micro-batches of held-out examples per validation",
+    "seq_len": "tokens per row",
+    "micro_batch_size": "rows per micro-batch",
+    "grad_accum": "micro-batches per optimizer step",
+    "steps": "optimizer steps",
+    "epochs": "passes over the data; when set, replaces steps",
+    "optimizer.lr": "peak learning rate of AdamW",
+    "optimizer.betas": "AdamW's beta1 and beta2, each in [0, 1)",
+    "optimizer.eps": "AdamW's epsilon",
+    "optimizer.weight_decay": "decoupled weight decay",
+    "schedule.warmup_steps": "steps of linear warm-up from 0",
+    "schedule.decay": "the learning rate after warm-up",
+    "schedule.min_lr_ratio": "the last step's learning rate as a share of optimizer.lr, in [0, 1]",
+    "max_grad_norm": "clip the global gradient norm to this (exactly); null: no clipping",
+    "seed": "seed of the data order and of random initialization",
+    "output_dir": "the run's folder: config, metrics.jsonl, log.txt, checkpoints, export",
+    "engine.device": "auto, cpu, cuda or cuda:N",
+    "engine.gpu_memory_limit_gb": "cap this process's GPU memory (24: plan and run as on a 24 GB card); null: all",
+    "engine.compute_dtype": "parameters and activations on the device; auto: bf16 on CUDA, fp32 on the CPU",
+    "engine.states_dtype": "AdamW m and v on the host; bf16 halves their memory and is no longer exact AdamW",
+    "engine.kernels": "slide-kernels' Triton kernels; auto: on CUDA",
+    "engine.activation_offload": "where boundary activations wait for the backward: GPU, pinned host memory, files",
+    "engine.nvme.dir": "scratch folder for what the placement puts on disk; null: <output_dir>/nvme",
+    "engine.nvme.fraction": "share of the sliding blocks whose AdamW moments live on disk, in [0, 1]",
+    "engine.placement": "expert overrides: window, resident, device_update_share, synchronous (docs/placement.md)",
+    "checkpoint.every": "steps between checkpoints; 0: only at the end",
+    "checkpoint.keep": "the newest checkpoints kept; 0: write none",
+    "resume": "auto (the newest good checkpoint in output_dir) or a checkpoint's path; null: a new run",
+    "overwrite": "start afresh in an output_dir that holds an earlier run (deletes its checkpoints)",
+    "eval_every": "steps between validation losses (needs data.eval_fraction); 0: only at the end",
+    "profile": "write timeline.png and trace.json of step 3",
+    "export": "write an HF model directory to output_dir/export at the end",
+    "export_dtype": "the export's weights; auto: the source model's dtype",
+}
+
+
 def _build(cls, values: dict[str, Any], prefix: str = ""):
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {values!r}")
@@ -235,6 +282,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     check_placement(cfg.engine.placement, cfg.engine.states_dtype)
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.engine.device):
         raise ConfigError(f"engine.device must be auto, cpu, cuda or cuda:N; got {cfg.engine.device!r}")
+    if cfg.overwrite and cfg.resume is not None:
+        raise ConfigError(f"overwrite=true deletes the run that resume={cfg.resume} would continue: choose one")
     if cfg.resume is not None and cfg.resume.lower() in ("on", "off", "true", "false", "yes", "no", ""):
         raise ConfigError("resume must be 'auto' or the path of a checkpoint directory (or null)")
     if cfg.checkpoint.keep == 0 and cfg.resume is not None:
@@ -348,17 +397,18 @@ def _plain(value):
     return value
 
 
-def describe_keys(cls=TrainConfig, prefix: str = "") -> list[tuple[str, str]]:
-    """Every config key with its default, for `--help`."""
+def describe_keys(cls=TrainConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """Every config key with its default and a line on what it does (and its allowed values), for `--help`."""
     rows = []
     default = cls()
     for f in dataclasses.fields(cls):
         value = getattr(default, f.name)
+        key = prefix + f.name
         if dataclasses.is_dataclass(value):
-            rows += describe_keys(type(value), prefix + f.name + ".")
-        elif prefix + f.name == "engine.placement":
-            overrides = ", ".join(PLACEMENT_KEYS)
-            rows.append((prefix + f.name, f"{{}}  expert overrides: {overrides} (docs/placement.md)"))
-        else:
-            rows.append((prefix + f.name, repr(value)))
+            rows += describe_keys(type(value), key + ".")
+            continue
+        text = KEY_HELP.get(key, "")
+        if key in CHOICES:
+            text += f" (one of: {', '.join(CHOICES[key])})"
+        rows.append((key, "{}" if key == "engine.placement" else repr(value), text))
     return rows

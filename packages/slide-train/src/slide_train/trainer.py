@@ -164,7 +164,8 @@ def build_engine(cfg: TrainConfig, model, machine: Machine, progress: bool = Fal
         before_load(plan, engine_cfg)
     if not plan.placement.device_is_host:  # a training run's process (not `slide-train plan`), before its first
         use_expandable_segments()           # segment
-    with bar(total=stack.num_blocks, desc="loading weights", unit="block", show=progress) as loading:
+    with bar(total=stack.num_blocks, desc="loading weights", unit="block", show=None if progress else False) \
+            as loading:
         read = stack.load_block
 
         def load_block(index, params):
@@ -247,7 +248,7 @@ class Trainer:
             what = (f"checkpoints up to {earlier[-1].name}: continue it with --resume=auto," if earlier else
                     "metrics.jsonl, no checkpoint to continue from:")
             raise ckpt.CheckpointError(
-                f"{self.run_dir} holds an earlier run ({what} start afresh there with --overwrite=true, or choose "
+                f"{self.run_dir} holds an earlier run ({what} start afresh there with --overwrite=true), or choose "
                 "another output_dir")
         resolve_device(cfg.engine.device)  # before minutes of loading
         torch.manual_seed(cfg.seed)

@@ -1,0 +1,46 @@
+"""What a person reads: help that explains each key, warnings as one line each, contradictory flags refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from slide_train.config import CHOICES, KEY_HELP, describe_keys, load_config
+from slide_train.data import FORMATS
+from slide_train.errors import ConfigError
+
+SMALL = ["--steps=2", "--seq_len=32", "--micro_batch_size=2", "--grad_accum=1", "--export=false"]
+
+
+def test_help_gives_every_key_a_line_and_its_allowed_values():
+    rows = describe_keys()
+    assert {key for key, _, _ in rows} == set(KEY_HELP)  # no key without a line, no line for a key that went
+    out = subprocess.run([sys.executable, "-m", "slide_train.cli", "finetune", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and line.split()}
+    for key, _, text in rows:
+        assert text and KEY_HELP[key] in lines[key], key
+    for key, allowed in CHOICES.items():
+        assert f"one of: {', '.join(allowed)}" in lines[key]
+    assert all(name in lines["data.format"] for name in FORMATS)
+    top = subprocess.run([sys.executable, "-m", "slide_train.cli", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for command in ("finetune", "data", "plan", "probe", "export", "presets"):
+        assert any(line.split()[:1] == [command] and len(line.split()) > 1 for line in top.splitlines()), command
+
+
+def test_warnings_on_the_command_line_are_one_line_each(tmp_path, capsys):
+    from slide_train.cli import main
+
+    assert main(["finetune", *SMALL, "--checkpoint.keep=0", f"--output_dir={tmp_path / 'run'}"]) == 0
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if line.startswith("slide-train: warning:")]
+    assert said and "checkpoint.keep=0: this run writes no checkpoint" in said[0]
+    assert "UserWarning" not in err and ".py:" not in err and "warnings.warn" not in err
+
+
+def test_overwrite_and_resume_together_are_refused():
+    with pytest.raises(ConfigError, match="overwrite=true deletes the run that resume=auto would continue"):
+        load_config(None, ["--overwrite=true", "--resume=auto"])
