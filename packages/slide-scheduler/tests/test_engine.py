@@ -1368,3 +1368,18 @@ def test_moments_on_disk_beside_pooled_and_held_gradients(tmp_path, monkeypatch,
     assert losses == ref_losses
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
+
+
+@pytest.mark.parametrize("placement", [{}, {"device_share": 0.5}, {"resident": 2}, {"shared": True},
+                                       {"window": 3, "held": 1, "device_share": 1.0}])
+@pytest.mark.parametrize("slow", [None, "updater", "d2h"])
+def test_clipping_that_never_acts_gives_the_unclipped_result_bit_for_bit(placement, slow):
+    """Under the limit torch's clip multiplies by exactly 1: a clipped step that does not act (updates held for
+    the norm, split, run in the next forward) leaves the weights an unclipped step leaves (updates in backward)."""
+    placement = dict(placement)
+    window = placement.pop("window", 2)
+    delays = {slow: 0.003} if slow else None
+    clipped_losses, clipped = run_engine(pipeline=True, window=window, clip=1e6, delays=delays, **placement)
+    losses, unclipped = run_engine(pipeline=True, window=window, clip=None, delays=delays, **placement)
+    assert clipped_losses == losses
+    assert all(clipped[u][n].equal(t) for u, params in unclipped.items() for n, t in params.items())
