@@ -25,7 +25,7 @@ from slide_scheduler import DTYPES
 
 from .errors import CheckpointError, DiskFullError, size_text
 from .progress import bar
-from .space import write_within
+from .space import Size, safetensors_bytes, write_within
 
 MANIFEST = "manifest.json"
 
@@ -50,23 +50,69 @@ def _fsync(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def checkpoint_bytes(unit_numels, resident: set[int], states_dtype: str) -> int:
-    """About what one checkpoint takes: every unit's fp32 master and its two AdamW states (fp32 for the
-    `resident` units, kept on the device, `states_dtype` for the rest), plus a little for the small files."""
-    host_state = DTYPES[states_dtype].itemsize
-    return sum(n * (4 + 2 * (4 if i in resident else host_state)) for i, n in enumerate(unit_numels)) + (1 << 20)
+def unit_tensors(numel: int, states: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of what a unit's file holds once it has been updated: its flat fp32 master, the AdamW
+    step count and the two moments in `states`."""
+    return [("master", torch.float32, (numel,)), ("adamw.step", torch.float32, ()),
+            ("adamw.exp_avg", states, (numel,)), ("adamw.exp_avg_sq", states, (numel,))]
 
 
-def engine_checkpoint_bytes(engine) -> int:
-    return checkpoint_bytes([u.layout.numel for u in engine.units], engine.resident, engine.config.states_dtype)
+def rng_states() -> dict[str, torch.Tensor]:
+    """The generators' states a checkpoint keeps (rng.safetensors): the CPU's and every CUDA device's."""
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return rng
+
+
+def _rng_shapes() -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """What rng.safetensors holds, without reading the CUDA states (which would start a context on every GPU):
+    a CUDA generator's state is its seed and offset, 16 bytes."""
+    shapes = [("torch", torch.uint8, tuple(torch.get_rng_state().shape))]
+    if torch.cuda.is_available():
+        shapes += [(f"cuda.{i}", torch.uint8, (16,)) for i in range(torch.cuda.device_count())]
+    return shapes
+
+
+def _manifest_text(step: int, files: dict[str, dict]) -> str:
+    return json.dumps({"step": step, "files": files}, indent=2)
+
+
+def checkpoint_size(unit_numels, resident: set[int], states_dtype: str, trainer_state: dict | None = None,
+                    step: int = 0, rng: dict[str, torch.Tensor] | None = None) -> Size:
+    """What one checkpoint takes, from the bytes of its files: every unit's safetensors file (the AdamW moments
+    fp32 for the `resident` units, kept on the device, `states_dtype` for the rest), rng.safetensors,
+    trainer.json (of `trainer_state`) and the manifest."""
+    host_states = DTYPES[states_dtype]
+    sizes = {unit_file("edges" if i == 0 else f"block.{i - 1}"):
+             safetensors_bytes(unit_tensors(n, torch.float32 if i in resident else host_states))
+             for i, n in enumerate(unit_numels)}
+    sizes["rng.safetensors"] = safetensors_bytes(
+        [(k, v.dtype, tuple(v.shape)) for k, v in rng.items()] if rng is not None else _rng_shapes())
+    sizes["trainer.json"] = len(json.dumps(trainer_state or {}, indent=2).encode())
+    manifest = _manifest_text(step, {k: {"bytes": n, "sha256": "0" * 64} for k, n in sorted(sizes.items())})
+    return Size(sum(sizes.values()) + len(manifest.encode()), len(sizes) + 2)  # the manifest and the folder
+
+
+def checkpoint_bytes(unit_numels, resident: set[int], states_dtype: str, trainer_state: dict | None = None,
+                     step: int = 0) -> int:
+    """The free bytes one checkpoint asks for: `checkpoint_size` and its margin."""
+    return checkpoint_size(unit_numels, resident, states_dtype, trainer_state, step).needed
+
+
+def engine_checkpoint_bytes(engine, trainer_state: dict | None = None, step: int = 0,
+                            rng: dict[str, torch.Tensor] | None = None) -> int:
+    return checkpoint_size([u.layout.numel for u in engine.units], engine.resident, engine.config.states_dtype,
+                           trainer_state, step, rng).needed
 
 
 def save_checkpoint(root: pathlib.Path, step: int, engine, trainer_state: dict) -> pathlib.Path:
     """Write `step-<step>` under `root`; a disk too small for it raises DiskFullError before anything is written
     (or, if the disk fills while writing, after removing the partial files)."""
-    needed, tmp = engine_checkpoint_bytes(engine), root / f".step-{step}.partial"
+    rng = rng_states()
+    needed, tmp = engine_checkpoint_bytes(engine, trainer_state, step, rng), root / f".step-{step}.partial"
     return write_within(root, needed, tmp,
-                        lambda: _write(root, tmp, root / f"step-{step}", step, engine, trainer_state),
+                        lambda: _write(root, tmp, root / f"step-{step}", step, engine, trainer_state, rng),
                         lambda free: _disk_full(root, step, needed, free))
 
 
@@ -80,7 +126,7 @@ def _disk_full(root: pathlib.Path, step: int, needed: int, free: int) -> DiskFul
 
 
 def _write(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int, engine,
-           trainer_state: dict) -> pathlib.Path:
+           trainer_state: dict, rng: dict[str, torch.Tensor]) -> pathlib.Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -89,14 +135,11 @@ def _write(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int
         tensors = {"master": engine.units[index].master}
         tensors.update({f"adamw.{k}": v for k, v in engine.optimizer_state(index).items()})
         save_file(tensors, str(tmp / unit_file(name)))
-    rng = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     save_file(rng, str(tmp / "rng.safetensors"))
     (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=2))
     files = sorted(p for p in tmp.iterdir() if p.is_file())
     manifest = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
-    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=2))
+    (tmp / MANIFEST).write_text(_manifest_text(step, manifest))
     for p in [*files, tmp / MANIFEST]:
         _fsync(p)
     # A step written again (a stop right after a periodic checkpoint, a redone step) sets the old copy aside and
@@ -226,12 +269,21 @@ def read_masters(path: pathlib.Path, layouts: dict[str, object]) -> dict[str, di
     return out
 
 
-def export_run(run_dir: str | os.PathLike, step: int | None = None, out: str | None = None) -> pathlib.Path:
-    """Export a run's checkpoint (the newest, or `step`) as an HF model directory."""
+def unit_layouts(stack) -> dict[str, object]:
+    """Unit name -> the `FlatLayout` of its master, as the engine lays out `stack`'s units."""
     from slide_memory import FlatLayout
 
+    block = FlatLayout(stack.make_block())
+    layouts = {"edges": FlatLayout(stack.make_edges())}
+    layouts.update({f"block.{i}": block for i in range(stack.num_blocks)})
+    return layouts
+
+
+def export_run(run_dir: str | os.PathLike, step: int | None = None, out: str | None = None) -> pathlib.Path:
+    """Export a run's checkpoint (the newest, or `step`) as an HF model directory, with the generation config,
+    tokenizer and chat template files of its base model (as the run saved them, or from its model directory)."""
     from .config import load_config
-    from .export import export_dtype, export_hf
+    from .export import base_dir, export_dtype, export_hf
     from .models.build import load_model, saved_model_source
 
     run = pathlib.Path(run_dir)
@@ -251,11 +303,9 @@ def export_run(run_dir: str | os.PathLike, step: int | None = None, out: str | N
             have = ", ".join(p.name for p in list_checkpoints(root)) or "none"
             raise CheckpointError(f"no checkpoint for step {step} in {root} (have: {have})")
         verify(path)
-    model = load_model(saved_model_source(run, cfg.model), cfg.seed, need_tokenizer=False, need_weights=False)
-    stack = model.stack()
-    block = FlatLayout(stack.make_block())
-    layouts = {"edges": FlatLayout(stack.make_edges())}
-    layouts.update({f"block.{i}": block for i in range(stack.num_blocks)})
+    source = saved_model_source(run, cfg.model)
+    model = load_model(source, cfg.seed, need_tokenizer=False, need_weights=False)
     dtype = export_dtype(cfg.export_dtype, model.dtype)
-    return export_hf(out or run / "export", model.hf_config, read_masters(path, layouts), model.tokenizer,
-                     dtype)
+    hint = f"free some space there or choose another --out; {path} is unchanged"
+    return export_hf(out or run / "export", model.hf_config, read_masters(path, unit_layouts(model.stack())),
+                     model.tokenizer, dtype, source=base_dir(source), hint=hint)

@@ -1,13 +1,16 @@
-"""Export: an HF model directory (config.json, safetensors shards, tokenizer files) that
-`transformers.AutoModelForCausalLM.from_pretrained` loads."""
+"""Export: an HF model directory that `transformers.AutoModelForCausalLM.from_pretrained` loads: config.json and
+the safetensors shards, with the base model directory's generation config, tokenizer files and chat template
+copied byte for byte (a built-in preset's tokenizer is written by its `save_pretrained`)."""
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import pathlib
 import shutil
+import tempfile
 
 import torch
 from safetensors.torch import save_file
@@ -16,11 +19,25 @@ from slide_scheduler import DTYPES  # the one name -> dtype table
 
 from .errors import DiskFullError, ExportError, size_text
 from .models.adapter import block_hf_name, edge_hf_name
+from .models.build import save_model_files
+from .models.presets import PRESETS
 from .progress import bar
-from .space import write_within
+from .space import Size, files_size, safetensors_bytes, write_within
 
 SHARD_BYTES = 5 * 2**30
 MARKER = ".slide-export"  # marks a directory this module wrote: only such a directory is ever replaced
+MARKER_TEXT = "written by slide-train export; a later export may replace this directory\n"
+METADATA = {"format": "pt"}
+
+# What a user loads from a model directory besides its config and weights: the generation defaults (stop tokens,
+# sampling), the tokenizer (the files of every tokenizer kind transformers reads) and the chat template, which
+# lives in tokenizer_config.json, chat_template.jinja, chat_template.json or additional_chat_templates/.
+GENERATION_CONFIG = "generation_config.json"
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "merges.txt",
+                   "vocab.txt", "tokenizer.tiktoken")
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
 
 
 def hf_tensors(masters: dict[str, dict[str, torch.Tensor]]):
@@ -39,23 +56,129 @@ def hf_tensors(masters: dict[str, dict[str, torch.Tensor]]):
             yield edge_hf_name(name), t
 
 
-def export_bytes(numel: int, dtype: torch.dtype) -> int:
-    """About what an export of `numel` parameters in `dtype` takes: the tensors, config and tokenizer files."""
-    return numel * dtype.itemsize + (16 << 20)
+def base_dir(model: str) -> pathlib.Path | None:
+    """The model directory whose files an export carries over; None for a built-in preset (it has none)."""
+    return None if model in PRESETS else pathlib.Path(model).expanduser()
 
 
-def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype: torch.dtype) -> pathlib.Path:
-    """Write the model in HF layout, one shard at a time (at most SHARD_BYTES of tensors in memory). A disk too
-    small for it raises DiskFullError before anything is written (or after removing the partial files)."""
+def model_files(source: pathlib.Path, tokenizer=None) -> list[str]:
+    """The files of model directory `source` that an export carries over, as paths under it: the generation
+    config, the tokenizer's files (with those its class names, `tokenizer`'s if given) and the chat templates."""
+    names = [GENERATION_CONFIG, *TOKENIZER_FILES, *CHAT_TEMPLATE_FILES,
+             *(n for n in getattr(tokenizer, "vocab_files_names", {}).values() if isinstance(n, str))]
+    found = [n for n in dict.fromkeys(names) if (source / n).is_file()]
+    templates = source / CHAT_TEMPLATE_DIR
+    return found + sorted(f"{CHAT_TEMPLATE_DIR}/{p.name}" for p in templates.glob("*.jinja") if p.is_file())
+
+
+def copy_model_files(source: pathlib.Path, dest: pathlib.Path, tokenizer=None) -> None:
+    """Make `dest`'s carried-over files byte copies of `source`'s: ones `source` lacks (written by a tokenizer's
+    `save_pretrained`, say) are removed, so that `dest` loads as `source` does."""
+    carried = model_files(source, tokenizer)
+    for name in model_files(dest, tokenizer):
+        if name not in carried:
+            (dest / name).unlink()
+    for name in carried:
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source / name, dest / name)
+
+
+def save_base_files(bundle, directory: pathlib.Path) -> bool:
+    """`save_model_files` (the base model's config and tokenizer, for `slide-train export` to read later), with
+    the base directory's generation config, tokenizer and chat template files as byte copies: a tokenizer's
+    `save_pretrained` rewrites them, and generation_config.json is not among them."""
+    if not save_model_files(bundle, directory):
+        return False
+    source = base_dir(bundle.name)
+    if source is not None and directory.is_dir():
+        copy_model_files(source, directory, bundle.tokenizer)
+    return True
+
+
+def layout_tensors(layouts: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) of every tensor an export of units with these `FlatLayout`s writes, in its order."""
+    masters = {name: layout.views(torch.empty(layout.numel, device="meta")) for name, layout in layouts.items()}
+    return [(name, tuple(t.shape)) for name, t in hf_tensors(masters)]
+
+
+def _shards(tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> list[list[int]]:
+    """Indices into `tensors`, shard by shard: a shard takes tensors in order until the next would pass
+    SHARD_BYTES (one larger than that alone gets a shard of its own)."""
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, (_, shape) in enumerate(tensors):
+        nbytes = math.prod(shape) * dtype.itemsize
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += nbytes
+    return shards
+
+
+def _shard_name(index: int, count: int) -> str:
+    return "model.safetensors" if count == 1 else f"model-{index + 1:05d}.safetensors"
+
+
+def _index_text(tensors: list[tuple[str, tuple]], shards: list[list[int]], dtype: torch.dtype) -> str:
+    weight_map = {tensors[i][0]: _shard_name(k, len(shards)) for k, shard in enumerate(shards) for i in shard}
+    total = sum(math.prod(shape) for _, shape in tensors) * dtype.itemsize
+    return json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+
+
+def _export_config(hf_config, dtype: torch.dtype):
+    cfg = copy.deepcopy(hf_config)
+    # transformers 5 calls it `dtype`, 4.x `torch_dtype`
+    setattr(cfg, "dtype" if "dtype" in cfg.to_dict() else "torch_dtype", dtype)
+    cfg.architectures = [type_name(cfg)]
+    return cfg
+
+
+def export_size(tensors: list[tuple[str, tuple[int, ...]]], hf_config, dtype: torch.dtype, tokenizer=None,
+                source: pathlib.Path | None = None) -> Size:
+    """What an export of `tensors` ((HF name, shape), in order) takes, from the bytes of its files: each shard
+    with its safetensors header, the index of a sharded one, config.json, the files carried over from `source`
+    (or, without one, those the tokenizer's `save_pretrained` writes) and the marker."""
+    shards = _shards(tensors, dtype)
+    size = Size(sum(safetensors_bytes([(tensors[i][0], dtype, tensors[i][1]) for i in shard], METADATA)
+                    for shard in shards), len(shards))
+    if len(shards) > 1:
+        size += Size(len(_index_text(tensors, shards, dtype).encode()), 1)
+    size += Size(len(_export_config(hf_config, dtype).to_json_string(use_diff=True).encode()), 1)
+    if source is not None:
+        carried = model_files(source, tokenizer)
+        size += files_size(source / name for name in carried)
+        size += Size(0, int(any(name.startswith(f"{CHAT_TEMPLATE_DIR}/") for name in carried)))  # its folder
+    elif tokenizer is not None:  # a few kilobytes, written aside to count them
+        with tempfile.TemporaryDirectory() as scratch:
+            tokenizer.save_pretrained(scratch)
+            size += files_size(pathlib.Path(scratch).iterdir())
+    return size + Size(len(MARKER_TEXT.encode()), 2)  # the marker and the folder
+
+
+def export_bytes(tensors: list[tuple[str, tuple[int, ...]]], hf_config, dtype: torch.dtype, tokenizer=None,
+                 source: pathlib.Path | None = None) -> int:
+    """The free bytes an export asks for: `export_size` and its margin."""
+    return export_size(tensors, hf_config, dtype, tokenizer, source).needed
+
+
+def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype: torch.dtype,
+              source: str | os.PathLike | None = None, hint: str | None = None) -> pathlib.Path:
+    """Write the model in HF layout, one shard at a time (at most SHARD_BYTES of tensors in memory), with the
+    files `model_files` finds in the base model directory `source` (None: a preset, whose `tokenizer` is saved).
+    A disk too small for it raises DiskFullError before anything is written (or after removing the partial
+    files); `hint` says there what to do instead."""
     out = pathlib.Path(directory).resolve()
     _check_replaceable(out)
     tmp = out.with_name(out.name + ".partial")
+    source = pathlib.Path(source) if source is not None else None
     tensors = list(hf_tensors(masters))  # (name, view): walked once for the size, once more to write
-    numel = sum(t.numel() for _, t in tensors)
-    tensor_bytes, needed = numel * dtype.itemsize, export_bytes(numel, dtype)
+    shapes = [(name, tuple(t.shape)) for name, t in tensors]
+    needed = export_bytes(shapes, hf_config, dtype, tokenizer, source)
     return write_within(out.parent, needed, tmp,
-                        lambda: _write(out, tmp, hf_config, tensors, tokenizer, dtype, tensor_bytes),
-                        lambda free: _disk_full(out, needed, free))
+                        lambda: _write(out, tmp, hf_config, tensors, _shards(shapes, dtype), tokenizer, source,
+                                       dtype),
+                        lambda free: _disk_full(out, needed, free, hint))
 
 
 def is_earlier_export(out: pathlib.Path) -> bool:
@@ -77,52 +200,34 @@ def _check_replaceable(out: pathlib.Path) -> None:
                           "replaces its directory, so choose a new or empty --out")
 
 
-def _disk_full(out: pathlib.Path, needed: int, free: int) -> DiskFullError:
+def _disk_full(out: pathlib.Path, needed: int, free: int, hint: str | None) -> DiskFullError:
+    hint = hint or ("free some space or export elsewhere (`slide-train export RUN_DIR --out DIR` exports any "
+                    "checkpoint later)")
     return DiskFullError(f"the export to {out} needs about {size_text(needed)}, but only {size_text(free)} "
-                         "are free there: free some space or export elsewhere (`slide-train export RUN_DIR --out "
-                         "DIR` exports any checkpoint later). Nothing of the export was left behind")
+                         f"are free there: {hint}. Nothing of the export was left behind")
 
 
-def _write(out: pathlib.Path, tmp: pathlib.Path, hf_config, tensors: list, tokenizer, dtype: torch.dtype,
-           total: int) -> pathlib.Path:
+def _write(out: pathlib.Path, tmp: pathlib.Path, hf_config, tensors: list, shards: list[list[int]], tokenizer,
+           source: pathlib.Path | None, dtype: torch.dtype) -> pathlib.Path:
     if tmp.exists():  # left by an export that crashed: none of it may leak into this one
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    weight_map = {}
-    names = []
-
-    def flush():
-        index = len(names) + 1
-        name = f"model-{index:05d}.safetensors"
-        save_file(shards[-1], str(tmp / name), metadata={"format": "pt"})
-        for key in shards[-1]:
-            weight_map[key] = name
-        names.append(name)
-        shards[-1] = {}
-
-    for hf_name, tensor in bar(tensors, desc=f"exporting to {out.name}", unit="tensor"):
-        nbytes = tensor.numel() * dtype.itemsize
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            flush()
-            size = 0
-        shards[-1][hf_name] = tensor.to(dtype).contiguous()
-        size += nbytes
-    flush()
-    if len(names) == 1:
-        (tmp / names[0]).rename(tmp / "model.safetensors")
-    else:
+    last = {shard[-1]: k for k, shard in enumerate(shards) if shard}  # a shard's last tensor -> the shard
+    part: dict[str, torch.Tensor] = {}  # the export dtype's copies of one shard are all that is held
+    for i, (name, tensor) in enumerate(bar(tensors, desc=f"exporting to {out.name}", unit="tensor")):
+        part[name] = tensor.to(dtype).contiguous()
+        if i in last:
+            save_file(part, str(tmp / _shard_name(last[i], len(shards))), metadata=METADATA)
+            part = {}
+    if len(shards) > 1:
         (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    cfg = copy.deepcopy(hf_config)
-    # transformers 5 calls it `dtype`, 4.x `torch_dtype`
-    setattr(cfg, "dtype" if "dtype" in cfg.to_dict() else "torch_dtype", dtype)
-    cfg.architectures = [type_name(cfg)]
-    cfg.save_pretrained(tmp)
-    if tokenizer is not None:
+            _index_text([(name, tuple(t.shape)) for name, t in tensors], shards, dtype))
+    _export_config(hf_config, dtype).save_pretrained(tmp)
+    if source is not None:
+        copy_model_files(source, tmp, tokenizer)
+    elif tokenizer is not None:
         tokenizer.save_pretrained(tmp)
-    (tmp / MARKER).write_text("written by slide-train export; a later export may replace this directory\n")
+    (tmp / MARKER).write_text(MARKER_TEXT)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

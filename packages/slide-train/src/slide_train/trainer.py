@@ -32,14 +32,15 @@ from .data import build_data
 from .data.formats import IGNORE
 from .errors import ConfigError, DiskFullError, TrainingError, size_text
 from .export import MARKER as EXPORT_MARKER
-from .export import export_bytes, export_dtype, export_hf, is_earlier_export
+from .export import base_dir, export_dtype, export_hf, export_size, is_earlier_export, layout_tensors, save_base_files
 from .machines import resolve_machine
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics
-from .models.build import BASE_MODEL_DIR, check_fits, load_model, save_model_files
+from .models.build import BASE_MODEL_DIR, check_fits, load_model, saved_model_source
 from .models.loss import loss_rows
 from .plan import budgets_for, describe, make_plan, model_shapes, refuse
 from .progress import bar
 from .schedule import lr_at
+from .space import Size
 
 # Files a run writes into its directory, which --overwrite=true deletes; in its folders it deletes only what
 # `_earlier_outputs` names (config.yaml and base-model/ are rewritten by the new run).
@@ -279,7 +280,7 @@ class Trainer:
         self._replaces_after = ckpt.step_of(self.resumed_from) if self.resumed_from is not None else None
         # Written once the run is known to go ahead: a refused resume leaves the run's config as it was.
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        if not save_model_files(self.model, self.run_dir / BASE_MODEL_DIR):  # what `slide-train export` reads
+        if not save_base_files(self.model, self.run_dir / BASE_MODEL_DIR):  # what `slide-train export` reads
             warnings.warn(f"{self.run_dir / BASE_MODEL_DIR} was not written by slide-train: left alone; "
                           f"`slide-train export` will read {cfg.model} instead", stacklevel=2)
         self.log = MetricsLog(self.run_dir, first_step=self.step_index + 1)
@@ -291,34 +292,46 @@ class Trainer:
         """Disks too small for what the run will write are refused before the weights load, not after training:
         the last checkpoint and the export in output_dir, and the NVMe tier's files (boundary activations, AdamW
         states), summed where they share a filesystem (`outputs`: an earlier run's, which --overwrite is about to
-        delete: their space counts)."""
+        delete: their space counts). Checkpoint and export are counted from the bytes of their files."""
         cfg = self.cfg
         numels, on_disk = plan.placement.shapes.unit_numels, plan.placement.tiers()[DISK]
-        wants = [(what, folder, int(size)) for what, folder, size in (
-            ("checkpoint", self.run_dir, cfg.checkpoint.keep and ckpt.checkpoint_bytes(
-                numels, plan.placement.resident, cfg.engine.states_dtype)),
-            ("export", self.run_dir, cfg.export and export_bytes(
-                sum(numels), export_dtype(cfg.export_dtype, self.model.dtype))),
+        checkpoint = export = Size(0)
+        if cfg.checkpoint.keep:
+            state = {"step": cfg.steps, "total_steps": cfg.steps, "data": self.data.train.state_dict(),
+                     "model": self.model.identity, "config": to_dict(cfg)}  # trainer.json, as a checkpoint has it
+            checkpoint = ckpt.checkpoint_size(numels, plan.placement.resident, cfg.engine.states_dtype, state,
+                                              cfg.steps)
+        if cfg.export:
+            export = export_size(layout_tensors(ckpt.unit_layouts(self.model.stack())), self.model.hf_config,
+                                 export_dtype(cfg.export_dtype, self.model.dtype), self.model.tokenizer,
+                                 base_dir(self.model.name))
+        wants = [(what, folder, size) for what, folder, size in (
+            ("checkpoint", self.run_dir, checkpoint),
+            ("export", self.run_dir, export),
             ("boundary activations (engine.nvme.dir)", pathlib.Path(engine_cfg.activation_dir),
-             on_disk.get("boundary activations", 0)),
+             Size(int(on_disk.get("boundary activations", 0)))),
             ("AdamW states on disk (engine.nvme.dir)", pathlib.Path(engine_cfg.nvme_dir),
-             on_disk.get("moments", 0))) if size]
+             Size(int(on_disk.get("moments", 0))))) if size.nbytes]
         disks: dict[int, list] = {}
         for want in wants:
             disks.setdefault(_filesystem(want[1]), []).append(want)
         run_disk = _filesystem(self.run_dir)
         for disk, group in disks.items():
-            needed, folder = sum(size for *_, size in group), group[0][1]
+            needed, folder = sum((size for *_, size in group), Size(0)).needed, group[0][1]
             free = free_bytes(folder)
             if needed > free and disk == run_disk:  # only then walk what --overwrite frees
                 free += sum(_bytes_under(p) for p in outputs)
             if needed > free:
                 folders = list(dict.fromkeys(str(f) for _, f, _ in group))
                 where = folders[0] if len(folders) == 1 else f"the disk of {' and '.join(folders)}"
+                later = ""
+                if len(group) > 1 and sum((s for w, _, s in group if w != "export"), Size(0)).needed <= free:
+                    later = (f", or set export=false and export the last checkpoint to another disk after the run "
+                             f"(`slide-train export {self.run_dir} --out DIR`)")
                 raise DiskFullError(
                     f"{where} has {size_text(free)} free, but this run's {' and '.join(w for w, *_ in group)} "
                     f"need about {size_text(needed)}: free some space or set output_dir (or the folder named) on "
-                    "a larger disk")
+                    f"a larger disk{later}")
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
@@ -551,7 +564,22 @@ class Trainer:
                     os.rmdir(empty)
 
     def export(self, directory: str | pathlib.Path | None = None) -> pathlib.Path:
+        """The current weights as an HF model directory (default RUN_DIR/export), with the base model's generation
+        config, tokenizer and chat template files (from the run's copy of them)."""
         dtype = export_dtype(self.cfg.export_dtype, self.model.dtype)
         directory = directory or self.run_dir / "export"
         self._check_weights("export")
-        return export_hf(directory, self.model.hf_config, self.engine.named_masters(), self.model.tokenizer, dtype)
+        # On a disk too small for the export the checkpoints stay as they are: say how to finish it elsewhere.
+        latest = ckpt.list_checkpoints(self.checkpoints)
+        later = f"`slide-train export {self.run_dir} --out DIR`"
+        if latest and ckpt.step_of(latest[-1]) == self.step_index:
+            hint = (f"checkpoint {latest[-1]} holds these weights and is intact: finish the export on a disk with "
+                    f"room with {later}")
+        elif self.cfg.checkpoint.keep:
+            hint = f"free some space, export elsewhere, or save a checkpoint and export it with {later}"
+        else:
+            hint = ("free some space or export elsewhere: this run keeps no checkpoint (checkpoint.keep=0) for "
+                    f"{later} to read")
+        source = base_dir(saved_model_source(self.run_dir, self.model.name))
+        return export_hf(directory, self.model.hf_config, self.engine.named_masters(), self.model.tokenizer, dtype,
+                         source=source, hint=hint)
