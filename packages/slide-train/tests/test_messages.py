@@ -44,3 +44,20 @@ def test_warnings_on_the_command_line_are_one_line_each(tmp_path, capsys):
 def test_overwrite_and_resume_together_are_refused():
     with pytest.raises(ConfigError, match="overwrite=true deletes the run that resume=auto would continue"):
         load_config(None, ["--overwrite=true", "--resume=auto"])
+
+
+def test_without_a_terminal_progress_is_plain_lines_and_the_run_keeps_a_log(tmp_path):
+    """Piped into a file: no bar and no carriage return, a step line now and then; the warning and what the run
+    printed are in the run's log.txt, the warning with its category."""
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "slide_train.cli", "finetune", *SMALL, "--steps=4",
+                           "--checkpoint.keep=0", f"--output_dir={run}"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith("step ")] == [f"step {i}/4" for i in (1, 2, 3, 4)]
+    assert all("loss " in line and "tok/s" in line for line in lines if line.startswith("step "))
+    log = (run / "log.txt").read_text()
+    assert "warning: checkpoint.keep=0: this run writes no checkpoint" in log and "[UserWarning at " in log
+    assert "info: plan: " in log or "plan: " in log
+    assert "step 4/4: loss" in log and "done: 4 steps" in log

@@ -51,50 +51,79 @@ def _show(message, category, filename, lineno, file=None, line=None) -> None:
     logger().warning("%s", message, extra={"origin": f"{category.__name__} at {filename}:{lineno}"})
 
 
+class _RunFile(logging.Handler):
+    """The run's log.txt: records wait here until the run knows its folder (`open_run_log`), then go there."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.setFormatter(_Detailed())
+        self.waiting: list[logging.LogRecord] = []
+        self.file = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.file is None:
+            self.waiting.append(record)
+            return
+        try:
+            self.file.write(self.format(record) + "\n")
+            self.file.flush()
+        except Exception:
+            self.handleError(record)
+
+    def open(self, path: pathlib.Path) -> None:
+        self.close_file()
+        self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the run; appended on resume)
+        for record in self.waiting:
+            self.emit(record)
+        self.waiting.clear()
+
+    def close_file(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
 @contextlib.contextmanager
 def console():
-    """While the command runs: warnings as `slide-train: warning: ...` lines, once per message."""
+    """While the command runs: warnings as `slide-train: warning: ...` lines (each distinct one once), and
+    everything the logger hears kept for the run's log.txt."""
     log = logger()
-    handler = _Console()
-    handler.setFormatter(_OneLine())
-    handler.setLevel(logging.INFO)
+    screen = _Console()
+    screen.setFormatter(_OneLine())
+    screen.setLevel(logging.WARNING)
+    run_file = _RunFile()
     previous = log.level, log.propagate
-    log.addHandler(handler)
+    log.addHandler(screen)
+    log.addHandler(run_file)
     log.setLevel(logging.INFO)
     log.propagate = False
     with warnings.catch_warnings():
-        warnings.simplefilter("default")  # each distinct warning once, as Python shows them
+        warnings.simplefilter("default")
         warnings.showwarning = _show
         try:
             yield log
         finally:
-            log.removeHandler(handler)
+            log.removeHandler(screen)
+            log.removeHandler(run_file)
+            run_file.close_file()
             log.setLevel(previous[0])
             log.propagate = previous[1]
 
 
-@contextlib.contextmanager
-def run_log(run_dir: str | pathlib.Path):
-    """Append what the `slide_train` logger says, in detail, to `<run_dir>/log.txt` while the block runs."""
-    path = pathlib.Path(run_dir) / LOG_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path, encoding="utf-8")
-    handler.setFormatter(_Detailed())
-    handler.setLevel(logging.DEBUG)
-    log = logger()
-    log.addHandler(handler)
-    try:
-        yield path
-    finally:
-        log.removeHandler(handler)
-        handler.close()
+def open_run_log(run_dir: str | pathlib.Path) -> pathlib.Path | None:
+    """Send what the command line has logged, and will log, to `<run_dir>/log.txt` (nothing outside it)."""
+    for handler in logger().handlers:
+        if isinstance(handler, _RunFile):
+            path = pathlib.Path(run_dir) / LOG_FILE
+            handler.open(path)
+            return path
+    return None
 
 
 def say(text: str) -> None:
-    """A line for the user: on stdout as it is (printed above a progress bar), and into the run's log.txt."""
+    """A line for the user: on stdout (above a progress bar, if one shows), and in the run's log.txt."""
     tqdm.write(text, file=sys.stdout)
     sys.stdout.flush()
-    log = logger()
-    for handler in log.handlers:  # only the run's file: the console already has it on stdout
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(log.makeRecord(LOGGER, logging.INFO, "", 0, text, None, None))
+    for handler in logger().handlers:
+        if isinstance(handler, _RunFile):
+            handler.handle(logger().makeRecord(LOGGER, logging.INFO, "", 0, text, None, None))

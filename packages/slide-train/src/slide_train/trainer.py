@@ -16,6 +16,7 @@ import os
 import pathlib
 import shutil
 import signal
+import sys
 import time
 import warnings
 
@@ -33,6 +34,7 @@ from .data.formats import IGNORE
 from .errors import ConfigError, DiskFullError, TrainingError, size_text
 from .export import MARKER as EXPORT_MARKER
 from .export import base_dir, export_dtype, export_hf, export_size, is_earlier_export, layout_tensors, save_base_files
+from .log import LOG_FILE, open_run_log, say
 from .machines import resolve_machine
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics
 from .models.build import BASE_MODEL_DIR, check_fits, load_model, saved_model_source
@@ -44,7 +46,7 @@ from .space import Size
 
 # Files a run writes into its directory, which --overwrite=true deletes; in its folders it deletes only what
 # `_earlier_outputs` names (config.yaml and base-model/ are rewritten by the new run).
-RUN_FILES = ("metrics.jsonl", "loss.png", "timeline.png", "trace.json")
+RUN_FILES = ("metrics.jsonl", "loss.png", "timeline.png", "trace.json", LOG_FILE)
 # The default home of the NVMe tier (engine.nvme.dir), under output_dir: scratch, whose contents the checkpoints
 # hold, so what a killed process left there is removed when the next run in the folder starts.
 NVME_DIR = "nvme"
@@ -275,6 +277,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for path in outputs:  # --overwrite: cleared only now that the new run could be built
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        open_run_log(self.run_dir)  # (the command line's: what it said so far, then the rest)
         self.resumed_from = self._resume() if cfg.resume else None
         # Checkpoints after the one resumed from belong to a course this run replaces: deleted at its first save.
         self._replaces_after = ckpt.step_of(self.resumed_from) if self.resumed_from is not None else None
@@ -499,9 +502,9 @@ class Trainer:
                 f"run dir: {self.run_dir}")
 
     def fit(self) -> dict | None:
-        print(self.plan(), flush=True)
+        say(self.plan())
         if self.resumed_from is not None:
-            print(f"resumed from {self.resumed_from} at step {self.step_index}", flush=True)
+            say(f"resumed from {self.resumed_from} at step {self.step_index}")
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             return self._loop()
@@ -515,19 +518,25 @@ class Trainer:
 
         cfg = self.cfg
         last = None
-        steps = tqdm(total=self.total_steps, initial=self.step_index, disable=not self.progress, unit="step",
-                   dynamic_ncols=True)
+        # A bar on a terminal; elsewhere (a log file, CI) a plain line every `line_every` steps, first and last too.
+        bar_shown = self.progress and sys.stderr.isatty()
+        steps = tqdm(total=self.total_steps, initial=self.step_index, disable=not bar_shown, unit="step",
+                     dynamic_ncols=True)
+        line_every = max(1, self.total_steps // 20)
         start = time.perf_counter()
         while self.step_index < self.total_steps:
             last = self.step()
             steps.update(1)
-            steps.set_postfix_str(f"loss {last['loss']:.3f} | {last['tokens_per_s']:,.0f} tok/s | "
-                                f"{last['tflops']:.2f} TFLOP/s | gpu {last['gpu_peak_gib']:.1f} GiB | "
-                                f"host {last['host_rss_gib']:.1f} GiB")
+            figures = (f"loss {last['loss']:.3f} | {last['tokens_per_s']:,.0f} tok/s | "
+                       f"{last['tflops']:.2f} TFLOP/s | gpu {last['gpu_peak_gib']:.1f} GiB | "
+                       f"host {last['host_rss_gib']:.1f} GiB")
+            steps.set_postfix_str(figures)
+            i = self.step_index
+            if self.progress and not bar_shown and (i % line_every == 0 or i == self.total_steps or i == 1):
+                say(f"step {i}/{self.total_steps}: {figures}")
             if cfg.eval_every and self.step_index % cfg.eval_every == 0:
                 ev = self.evaluate()
-                steps.write(f"step {self.step_index}: validation loss {ev['eval_loss']:.4f} "
-                          f"(ppl {ev['eval_ppl']:.2f})")
+                say(f"step {self.step_index}: validation loss {ev['eval_loss']:.4f} (ppl {ev['eval_ppl']:.2f})")
             every, stop = cfg.checkpoint.every, self._stop_signal is not None
             if stop or (every and self.step_index % every == 0 and self.step_index < self.total_steps):
                 path = self.save_checkpoint(required=stop)  # a periodic one may be skipped; the last one below
@@ -537,7 +546,7 @@ class Trainer:
                     name = signal.Signals(self._stop_signal).name
                     saved = "no checkpoint (checkpoint.keep=0)" if not cfg.checkpoint.keep else \
                         f"checkpoint {path} (continue with --resume=auto)"
-                    print(f"{name}: stopped after step {self.step_index}; {saved}", flush=True)
+                    say(f"{name}: stopped after step {self.step_index}; {saved}")
                     raise SystemExit(128 + self._stop_signal)
         steps.close()
         self.save_checkpoint()
@@ -545,11 +554,10 @@ class Trainer:
             self.evaluate()
         self.log.close()
         plot_loss(self.log.path, self.run_dir / "loss.png")
-        print(f"done: {self.step_index} steps in {time.perf_counter() - start:.1f}s; "
-              f"metrics in {self.log.path}", flush=True)
+        say(f"done: {self.step_index} steps in {time.perf_counter() - start:.1f}s; metrics in {self.log.path}")
         if cfg.export:
             out = self.export()
-            print(f"exported to {out}", flush=True)
+            say(f"exported to {out}")
         return last
 
     def close(self) -> None:
