@@ -29,7 +29,7 @@ def test_missing_file(tmp_path):
 
 def test_unknown_format_lists_the_valid_ones(tmp_path):
     with pytest.raises(
-        DataError, match=r"unknown format 'csv'; valid formats: text, jsonl, alpaca, chat, tokens"
+        DataError, match=r"unknown format 'csv'; valid formats: text, jsonl, alpaca, chat, sharegpt, tokens"
     ):
         build(write(tmp_path / "a.txt", "x"), fmt="csv")
 
@@ -150,7 +150,8 @@ def test_chat_template_that_raises(tmp_path):
 
 
 def test_non_json_extension_for_row_formats(tmp_path):
-    with pytest.raises(DataError, match=r"a\.txt: format 'alpaca' reads \.jsonl or \.json files"):
+    with pytest.raises(DataError, match=r"a\.txt: format 'alpaca' reads \.jsonl, \.json, \.parquet, \.arrow files "
+                                        r"or a folder written by datasets' save_to_disk"):
         build(write(tmp_path / "a.txt", "x"), fmt="alpaca")
 
 

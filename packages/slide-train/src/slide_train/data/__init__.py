@@ -1,4 +1,7 @@
-"""slide_train.data: datasets (text, alpaca, chat, tokens) tokenized, packed and served as micro-batches.
+"""slide_train.data: datasets tokenized, packed and served as micro-batches.
+
+Files: .jsonl, .json, .parquet, .arrow, a `save_to_disk` folder, or plain text (sources.py). Row layouts
+(`data.format`): text, jsonl, alpaca, chat, sharegpt, tokens (formats.py, conversations.py).
 
     data = build_data(DataConfig(path="chat.jsonl", format="chat"), tokenizer, seq_len=2048,
                       micro_batch_size=4, seed=0)
@@ -7,7 +10,7 @@
 Built-ins that need no download: `builtin_tokenizer()` (bytes) and `builtin_corpus_path()` (corpus.txt).
 """
 
-from .config import FORMATS, DataConfig, DataError
+from .config import FORMATS, ROLES, DataConfig, DataError
 from .corpus import builtin_corpus_path
 from .formats import IGNORE
 from .loader import Loader, TokenData, build_data
@@ -18,6 +21,7 @@ from .tokenizer import builtin_tokenizer
 __all__ = [
     "FORMATS",
     "IGNORE",
+    "ROLES",
     "DataConfig",
     "DataError",
     "Loader",

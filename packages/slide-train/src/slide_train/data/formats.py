@@ -1,12 +1,17 @@
 """Turning records into token examples: ids, labels (-100 where no loss) and whether they may be split.
 
+Records come from sources.py (any file type); chat and sharegpt rows become messages in conversations.py.
+
 Truncation policy, per format:
 - `text` / `jsonl`: a document is `[bos] + tokens + [eos]` (each only when the tokenizer has it). A document
   longer than seq_len is never cut off: packing splits it at row boundaries, and each part trains.
 - `tokens`: rows are used exactly as given (no bos/eos added); a row longer than seq_len is split into
   seq_len chunks, each its own example.
-- `alpaca` / `chat`: an example longer than seq_len is truncated to seq_len (its end is lost) and counted;
-  build_data warns with the count. An example left with no loss token is dropped and counted.
+- `alpaca` / `chat` / `sharegpt`: an example longer than seq_len is truncated to seq_len (its end is lost) and
+  counted; build_data warns with the count.
+
+An example left with no loss token (a conversation with no assistant turn, say) is dropped and counted, and its
+row kept for the warning: rows lost that way often mean the wrong format or role names.
 
 Every example's first label is -100: the loss shifts by one, so the first token of a document would be
 predicted from the previous document's last token, which its attention cannot see once packed.
@@ -14,21 +19,26 @@ predicted from the previous document's last token, which its attention cannot se
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 import torch
 
 from ..progress import bar
 from .config import DataConfig, DataError
+from .conversations import SHAREGPT_ROLES, RoleMap, chat_messages, sharegpt_messages
 from .corpus import builtin_corpus_path
-from .sources import JSON_SUFFIXES, check_file, get_key, read_documents, read_rows
+from .sources import ROW_FILES, Record, Records, check_file, get_key, has_rows, read_documents, read_rows
 
 IGNORE = -100
 ENCODE_BATCH = 1024  # documents per tokenizer call: parallel inside a call, progress shown between calls
+DROPPED_SHOWN = 5  # rows of dropped examples named in messages
+CHAT_FORMATS = ("chat", "sharegpt")
 
 
-def _progress(items, total: int, what: str, show: bool | None):
+def _progress(items, total: int | None, what: str, show: bool | None):
     """A progress bar over a dataset's records while they are tokenized (`show` None: on a terminal only)."""
     return bar(items, total=total, desc=f"tokenizing {what}", unit="row", show=show)
 
@@ -37,8 +47,9 @@ def _progress(items, total: int, what: str, show: bool | None):
 class Example:
     input_ids: torch.Tensor  # long [n]
     labels: torch.Tensor  # long [n], IGNORE where no loss
-    where: str  # file:line, for messages and `slide-train data`
+    where: str  # "file:line" or "file row N", for messages and `slide-train data`
     splittable: bool  # may be cut at a row boundary when packing (plain text)
+    row: int = 0  # the record's number in its file (1-based), for messages about dropped examples
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -49,16 +60,48 @@ class ExampleSet:
     source: Path
     examples: list[Example] = field(default_factory=list)
     records: int = 0  # documents or rows read
-    truncated: int = 0  # alpaca/chat examples cut to seq_len
+    truncated: int = 0  # alpaca/chat/sharegpt examples cut to seq_len
     dropped: int = 0  # examples with no loss token (empty, or all cut off by truncation)
+    dropped_rows: list[int] = field(default_factory=list)  # the first DROPPED_SHOWN rows of dropped examples
+    unit: str = "row"  # what the record numbers count: "line" (jsonl, text) or "row"
+
+    def add(self, ids: list[int], labels: list[int], record: Record, splittable: bool = False) -> None:
+        """One example of the record, or a drop when none of its tokens has a loss (e.g. a conversation with no
+        assistant turn, or `tokens` labels all -100): checked here, so drops are met in file order."""
+        labels = list(labels)
+        if labels:
+            labels[0] = IGNORE
+        if all(t == IGNORE for t in labels):
+            self.drop(record.number)
+            return
+        self.examples.append(Example(torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long),
+                                     record.where, splittable, record.number))
+
+    def drop(self, row: int) -> None:
+        self.dropped += 1
+        if len(self.dropped_rows) < DROPPED_SHOWN and row not in self.dropped_rows:
+            self.dropped_rows.append(row)
+
+    def dropped_where(self) -> str:
+        """ "lines 2, 5, 9" (or "rows ..."), "..." past the first DROPPED_SHOWN; "" when none was dropped."""
+        if not self.dropped_rows:
+            return ""
+        more = ", ..." if self.dropped > len(self.dropped_rows) else ""
+        unit = self.unit if len(self.dropped_rows) == 1 and not more else self.unit + "s"
+        return f"{unit} {', '.join(map(str, self.dropped_rows))}{more}"
 
 
-def _example(ids: list[int], labels: list[int], where: str, splittable: bool = False) -> Example:
-    labels = list(labels)
-    labels[0] = IGNORE
-    return Example(
-        torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long), where, splittable
-    )
+def _counted(out: ExampleSet, records: Iterable[Record]) -> Iterator[Record]:
+    """The records, counted into out.records as they are read (an arrow-backed file is read once, lazily)."""
+    for record in records:
+        out.records += 1
+        yield record
+
+
+def _batched(items: Iterable, n: int) -> Iterator[list]:
+    items = iter(items)
+    while batch := list(islice(items, n)):
+        yield batch
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -73,29 +116,18 @@ def _eos(tokenizer) -> list[int]:
     return [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
 
 
-def _text_examples(out: ExampleSet, cfg: DataConfig, tokenizer, progress: bool | None) -> None:
-    path = out.source
-    if cfg.format == "jsonl" or path.suffix in JSON_SUFFIXES:
-        docs = [(where, get_key(row, cfg.text_key, where)) for where, row in read_rows(path)]
-    else:
-        docs = read_documents(path)
-    out.records = len(docs)
-    if not docs:
-        return
+def _text_examples(out: ExampleSet, records: Records, cfg: DataConfig, tokenizer, progress: bool | None) -> None:
+    batches = -(-records.total // ENCODE_BATCH) if records.total is not None else None
     # Batched calls: tokenizers encodes each batch in parallel, which matters for large corpora.
-    batches = (docs[i : i + ENCODE_BATCH] for i in range(0, len(docs), ENCODE_BATCH))
-    encoded = [ids for batch in _progress(batches, -(-len(docs) // ENCODE_BATCH), f"{path.name} (batches)",
-                                          progress)
-               for ids in tokenizer([text for _, text in batch], add_special_tokens=False)["input_ids"]]
-    for (where, _), ids in zip(docs, encoded):
-        if not ids:  # an empty document: bos then eos would teach only that documents can be empty
-            out.dropped += 1
-            continue
-        ids = _bos(tokenizer) + list(ids) + _eos(tokenizer)
-        if len(ids) < 2:  # one token, no bos/eos: nothing to predict
-            out.dropped += 1
-            continue
-        out.examples.append(_example(ids, ids, where, splittable=True))
+    for batch in _progress(_batched(_counted(out, records), ENCODE_BATCH), batches,
+                           f"{records.path.name} (batches)", progress):
+        texts = [r.value if isinstance(r.value, str) else get_key(r.value, cfg.text_key, r.where) for r in batch]
+        for record, ids in zip(batch, tokenizer(texts, add_special_tokens=False)["input_ids"]):
+            if not ids:  # an empty document: bos then eos would teach only that documents can be empty
+                out.drop(record.number)
+                continue
+            ids = _bos(tokenizer) + list(ids) + _eos(tokenizer)
+            out.add(ids, ids, record, splittable=True)  # (one token, no bos/eos: nothing to predict, dropped)
 
 
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n{input}### Response:\n"
@@ -151,7 +183,7 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, where:
         raise DataError(f"{where}: the tokenizer's chat template failed on this conversation ({e})") from e
 
 
-def _chat_example(row: dict, where: str, tokenizer) -> tuple[list[int], list[int]]:
+def _chat_example(messages: list[dict], where: str, tokenizer) -> tuple[list[int], list[int]]:
     """Loss on assistant turns only, found by rendering prefixes of the conversation.
 
     Assistant turn i spans from the end of render(messages[:i], add_generation_prompt=True) to the end
@@ -159,12 +191,6 @@ def _chat_example(row: dict, where: str, tokenizer) -> tuple[list[int], list[int
     that render a conversation turn by turn. The whole rendering is tokenized once and the tokens within
     those spans are trained (`_trained_spans`).
     """
-    messages = get_key(row, "messages", where, list)
-    for j, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise DataError(f"{where}: messages[{j}] must be an object with 'role' and 'content'")
-        get_key(m, "role", f"{where} messages[{j}]")
-        get_key(m, "content", f"{where} messages[{j}]")
     full = _render(tokenizer, messages, False, where)
     spans = []
     for i, m in enumerate(messages):
@@ -182,12 +208,13 @@ def _chat_example(row: dict, where: str, tokenizer) -> tuple[list[int], list[int
     return _trained_spans(tokenizer, full, spans)
 
 
-def _tokens_examples(out: ExampleSet, rows: list[tuple[str, dict]], tokenizer, seq_len: int,
+def _tokens_examples(out: ExampleSet, records: Iterable[Record], tokenizer, seq_len: int,
                      vocab_size: int | None) -> None:
     # The model's vocabulary bounds the ids (its embedding); else the tokenizer's; with neither, only negative
     # ids can be caught here. JSON true/false are not ids (bool is an int subclass in Python).
     vocab = vocab_size or (len(tokenizer) if tokenizer is not None else float("inf"))
-    for where, row in rows:
+    for record in records:
+        row, where = record.value, record.where
         ids = get_key(row, "input_ids", where, list)
         labels = get_key(row, "labels", where, list, required=False)
         if labels is None:
@@ -201,10 +228,30 @@ def _tokens_examples(out: ExampleSet, rows: list[tuple[str, dict]], tokenizer, s
         if not all(type(t) is int and (t == IGNORE or 0 <= t < vocab) for t in labels):
             raise DataError(f"{where}: 'labels' must be integers in [0, {vocab}) or -100")
         if not ids:
-            out.dropped += 1
+            out.drop(record.number)
             continue
         for a in range(0, len(ids), seq_len):
-            out.examples.append(_example(ids[a : a + seq_len], labels[a : a + seq_len], where))
+            out.add(ids[a : a + seq_len], labels[a : a + seq_len], record)
+
+
+def _row_examples(out: ExampleSet, records: Records, cfg: DataConfig, tokenizer, seq_len: int,
+                  progress: bool | None) -> None:
+    """alpaca, chat and sharegpt rows: one example each, truncated to seq_len."""
+    if cfg.format == "alpaca":
+        make = _alpaca_example
+    else:
+        roles = RoleMap(cfg.roles, SHAREGPT_ROLES if cfg.format == "sharegpt" else None)
+        messages = chat_messages if cfg.format == "chat" else sharegpt_messages
+
+        def make(row, where, tokenizer):
+            return _chat_example(messages(row, where, roles), where, tokenizer)
+
+    for record in _progress(_counted(out, records), records.total, records.path.name, progress):
+        ids, labels = make(record.value, record.where, tokenizer)
+        if len(ids) > seq_len:
+            ids, labels = ids[:seq_len], labels[:seq_len]
+            out.truncated += 1
+        out.add(ids, labels, record)
 
 
 def load_examples(cfg: DataConfig, tokenizer, seq_len: int, vocab_size: int | None = None,
@@ -218,34 +265,22 @@ def load_examples(cfg: DataConfig, tokenizer, seq_len: int, vocab_size: int | No
         raise DataError(
             f"data.format {cfg.format!r} needs a tokenizer; only format 'tokens' runs without one"
         )
-    out = ExampleSet(source=path)
-    if cfg.format in ("text", "jsonl"):
-        _text_examples(out, cfg, tokenizer, progress)
+    text = cfg.format in ("text", "jsonl")
+    if not text and not has_rows(path):
+        raise DataError(f"{path}: format {cfg.format!r} reads {ROW_FILES}")
+    if cfg.format in CHAT_FORMATS and not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"data.format {cfg.format!r} needs a tokenizer with a chat template, and this tokenizer has none: "
+            "use a model directory whose tokenizer defines one, or format 'alpaca' or 'text'"
+        )
+    records = read_rows(path) if cfg.format == "jsonl" or has_rows(path) else read_documents(path)
+    out = ExampleSet(source=path, unit=records.unit)
+    if text:
+        _text_examples(out, records, cfg, tokenizer, progress)
+    elif cfg.format == "tokens":
+        _tokens_examples(out, _counted(out, records), tokenizer, seq_len, vocab_size)
     else:
-        if path.suffix not in JSON_SUFFIXES:
-            raise DataError(f"{path}: format {cfg.format!r} reads .jsonl or .json files")
-        if cfg.format == "chat" and not getattr(tokenizer, "chat_template", None):
-            raise DataError(
-                "data.format 'chat' needs a tokenizer with a chat template, and this tokenizer has none: "
-                "use a model directory whose tokenizer defines one, or format 'alpaca' or 'text'"
-            )
-        rows = read_rows(path)
-        out.records = len(rows)
-        if cfg.format == "tokens":
-            _tokens_examples(out, rows, tokenizer, seq_len, vocab_size)
-        else:
-            make = _alpaca_example if cfg.format == "alpaca" else _chat_example
-            for where, row in _progress(rows, len(rows), path.name, progress):
-                ids, labels = make(row, where, tokenizer)
-                if len(ids) > seq_len:
-                    ids, labels = ids[:seq_len], labels[:seq_len]
-                    out.truncated += 1
-                if ids:
-                    out.examples.append(_example(ids, labels, where))
-    # Examples can also have no loss token (e.g. `tokens` rows whose labels are all -100): drop them too.
-    kept = [ex for ex in out.examples if bool((ex.labels != IGNORE).any())]
-    out.dropped += len(out.examples) - len(kept)
-    out.examples = kept
+        _row_examples(out, records, cfg, tokenizer, seq_len, progress)
     if not out.examples:
         raise DataError(_empty_reason(out, cfg, seq_len))
     return out
@@ -261,6 +296,6 @@ def _empty_reason(out: ExampleSet, cfg: DataConfig, seq_len: int) -> str:
         reason += (
             f"; {out.truncated} were truncated to seq_len={seq_len}, which cut off the part with the loss"
         )
-    if cfg.format == "chat":
+    if cfg.format in CHAT_FORMATS:
         reason += "; only assistant turns carry a loss"
     return f"{out.source}: the dataset yields no tokens to train on ({reason})"

@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass
 
 from .config import DataConfig, DataError, check_config
-from .formats import Example, ExampleSet, load_examples
+from .formats import CHAT_FORMATS, Example, ExampleSet, load_examples
 from .packing import Row, collate, pack_rows, pad_id
 
 
@@ -130,7 +130,8 @@ class TokenData:
         if self.eval is not None:
             text += f"; {s['eval_examples']} eval examples in {len(self.eval)} micro-batches"
         if s["truncated"] or s["dropped"]:
-            text += f"; {s['truncated']} truncated, {s['dropped']} dropped (no loss token)"
+            text += f"; {s['truncated']} truncated, {s['dropped']} dropped (no loss token"
+            text += f": {self.loaded.dropped_where()})" if s["dropped"] else ")"
         return text
 
 
@@ -157,6 +158,13 @@ def build_data(cfg: DataConfig, tokenizer, seq_len: int, micro_batch_size: int, 
         warnings.warn(
             f"{loaded.source}: {loaded.truncated} of {loaded.records} examples are longer than "
             f"seq_len={seq_len} and were truncated (their ends are not trained on)",
+            stacklevel=2,
+        )
+    if loaded.dropped:
+        hint = "; only assistant turns carry a loss" if cfg.format in CHAT_FORMATS else ""
+        warnings.warn(
+            f"{loaded.source}: {loaded.dropped} examples have no token with a loss and were dropped "
+            f"({loaded.dropped_where()}){hint}",
             stacklevel=2,
         )
     train_idx, eval_idx = split_eval(len(loaded.examples), cfg.eval_fraction, seed, loaded.source)

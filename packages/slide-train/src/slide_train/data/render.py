@@ -40,7 +40,8 @@ def render_examples(cfg: DataConfig, tokenizer, seq_len: int, n: int = 3, loaded
     lines = [
         f"{loaded.source} (format {cfg.format}): {len(loaded.examples)} examples "
         f"from {loaded.records} records; "
-        f"{loaded.truncated} truncated to seq_len={seq_len}, {loaded.dropped} dropped (no loss token)",
+        f"{loaded.truncated} truncated to seq_len={seq_len}, {loaded.dropped} dropped (no loss token"
+        + (f": {loaded.dropped_where()})" if loaded.dropped else ")"),
         f"text inside {OPEN} {CLOSE} has no loss (label -100); the rest is trained on",
     ]
     for ex in loaded.examples[:n]:
