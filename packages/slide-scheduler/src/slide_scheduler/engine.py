@@ -157,6 +157,8 @@ class SlidingEngine:
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         self.num_blocks = stack.num_blocks
+        # What each block sees of the head's context (its layer's mask and rotary tables); the whole of it without.
+        self._block_context = getattr(stack, "block_context", None)
         self.edges = stack.make_edges()
         edge_layout, block_layout = FlatLayout(self.edges), FlatLayout(stack.make_block())
         if placement is None:  # every unit sliding, nothing held or pooled: the simplest placement
@@ -556,7 +558,7 @@ class SlidingEngine:
                 slot.grads.zero_()
                 for j, ctx in enumerate(contexts):
                     h = acts[j].detach().requires_grad_()
-                    slot.module(h, ctx).backward(grads[j])
+                    slot.module(h, self._context(i, ctx)).backward(grads[j])
                     grads[j] = h.grad
                 self._sq_norms[i + 1] = torch.linalg.vector_norm(slot.grads, dtype=torch.float32).square()
             slot.free = self._act_landing[i % len(self._act_landing)].free = self.compute.record()
@@ -699,7 +701,7 @@ class SlidingEngine:
                 tail_ready = self._landed()
             self.compute.wait(slot.ready)
             with self.timeline.span("compute", f"forward {i}", self.compute.stream):
-                hidden = [slot.module(h, ctx) for h, ctx in zip(hidden, contexts)]
+                hidden = [slot.module(h, self._context(i, ctx)) for h, ctx in zip(hidden, contexts)]
             slot.free = self.compute.record()
             acts.release()  # this block's inputs (all that is held): compute has queued its last read of them
             if keep and i + 1 < n:  # the last output goes straight to the tail; backward never reads it
@@ -711,6 +713,10 @@ class SlidingEngine:
         if tail_ready is not None:  # the tail reads it
             self.compute.wait(tail_ready)
         return hidden, contexts
+
+    def _context(self, index: int, ctx):
+        """The context block `index` runs with: the stack's `block_context` of the head's, where it has one."""
+        return ctx if self._block_context is None else self._block_context(index, ctx)
 
     def _prefetch(self, staged: dict[int, tuple], first: int) -> None:
         """Stage forward blocks from `first` on until every slot holds one not yet run. Resident blocks need no

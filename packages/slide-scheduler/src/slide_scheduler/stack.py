@@ -33,6 +33,14 @@ class Edges(Protocol):
 
 
 class Stack(Protocol):
+    """Blocks are structurally identical (one module per slot serves every block index), but a block may depend on
+    its index through what it is given: optionally a stack has `block_context(index, ctx) -> ctx`, and the engine
+    then calls block `index` with `block_context(index, ctx)` instead of the head's `ctx` (a model whose layers
+    alternate sliding-window and global attention passes each layer its own mask and rotary tables). It is
+    called for every block and micro-batch, in the forward and again in the backward's recompute, and must give
+    the same context for the same arguments (cheap: a lookup, not a computation).
+    """
+
     num_blocks: int
 
     def make_edges(self) -> nn.Module:
