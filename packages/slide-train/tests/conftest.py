@@ -15,7 +15,32 @@ FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
 VOCAB = 320  # the byte tokenizer's 259 tokens, padded
 
 
+# The families added through the declarative table (models/families.py): hidden 64, windows shorter than the
+# tests' 24-token rows where the family slides one, soft-capping on for Gemma 2, pad ids the data contains (the
+# pad row gets no gradient in HF) and non-trivial multipliers for Granite.
+NEW_FAMILIES = ["phi3", "olmo2", "granite", "gemma2", "gemma3_text"]
+NEW_FAMILY_CONFIGS = {
+    "phi3": dict(num_key_value_heads=2, sliding_window=8, pad_token_id=9, bos_token_id=1, eos_token_id=2,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    "olmo2": dict(num_key_value_heads=2, pad_token_id=11, bos_token_id=1, eos_token_id=2),
+    "granite": dict(num_key_value_heads=2, tie_word_embeddings=True, embedding_multiplier=12.0,
+                    residual_multiplier=0.22, attention_multiplier=0.1, logits_scaling=8.0),
+    "gemma2": dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                   sliding_window=6, attn_logit_softcapping=5.0, final_logit_softcapping=3.0, pad_token_id=13),
+    "gemma3_text": dict(num_hidden_layers=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+                        sliding_window=6, pad_token_id=13,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                            "rope_theta": 1000000.0}}),
+}
+
+
 def tiny_config(model_type: str) -> transformers.PretrainedConfig:
+    if model_type in NEW_FAMILY_CONFIGS:
+        spec = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                    vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-5)
+        return transformers.AutoConfig.for_model(model_type, **(spec | NEW_FAMILY_CONFIGS[model_type]))
     extra = {"tie_word_embeddings": model_type == "qwen2"}  # cover tied and untied embeddings
     if model_type == "qwen3":
         extra["head_dim"] = 16
@@ -29,13 +54,19 @@ def tiny_config(model_type: str) -> transformers.PretrainedConfig:
 def save_tiny_model(directory: pathlib.Path, model_type: str, seed: int = 0) -> transformers.PreTrainedModel:
     torch.manual_seed(seed)
     config = tiny_config(model_type)
-    config._attn_implementation = "sdpa"
+    # (SDPA has no attention soft-capping: Gemma 2 runs HF's eager attention)
+    config._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     if model_type == "qwen2":  # HF zero-inits biases; random ones make the test see whether they are loaded
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_proj.bias.normal_(0, 0.02)
                 layer.self_attn.v_proj.bias.normal_(0, 0.02)
+    if model_type in NEW_FAMILY_CONFIGS:  # HF inits norms neutral; random ones show each is loaded and applied
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0 if config.model_type.startswith("gemma") else 1.0, 0.1)
     model.save_pretrained(directory, safe_serialization=True)
     builtin_tokenizer().save_pretrained(directory)
     return model

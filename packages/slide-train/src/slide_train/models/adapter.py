@@ -1,11 +1,20 @@
 """Hugging Face decoder-only models as a `Stack`: edges (embedding, final norm, lm head) and decoder blocks.
 
 Every supported family has the same outer shape (`model.embed_tokens`, `model.layers`, `model.norm`,
-`model.rotary_emb`, `lm_head`); what differs inside a decoder layer (Qwen2 biases, Qwen3 q/k norms) is left to
-the HF layer class itself, so one adapter serves them all.
+`model.rotary_emb`, `lm_head`); what differs inside a decoder layer (Qwen2 biases, q/k norms, Phi-3's fused
+projections, post-norms, multipliers, soft-capping) is left to the HF layer class itself, and what differs around
+the layers is one entry in `families.FAMILIES`, so one adapter serves them all.
+
+Blocks are structurally identical, but a layer's attention may depend on its index (sliding window or global,
+and for Gemma 3 its own rotary base): the head builds one context per layer type, and `HFStack.block_context`
+hands each block the one of its layer.
 """
 
 from __future__ import annotations
+
+import copy
+import inspect
+import warnings
 
 import torch
 import transformers
@@ -14,49 +23,39 @@ from torch import nn
 import slide_kernels
 
 from ..data import document_attention_mask
-from ..errors import ModelError
+from .families import FAMILIES, Family, family_of, kernel_note, layer_types, supported_text
 from .loss import causal_lm_loss
 
-# model_type -> notes; the HF classes do the family-specific work.
-FAMILIES = {
-    "llama": "Llama 2 / 3.x",
-    "mistral": "Mistral",
-    "qwen2": "Qwen2 / Qwen2.5",
-    "qwen3": "Qwen3 (dense)",
-}
+__all__ = ["FAMILIES", "DecoderBlock", "Edges", "HFStack", "attention_mask", "block_hf_name", "check_supported",
+           "edge_hf_name", "supported_text"]
 
-# Edge parameter name -> HF checkpoint name.
-EDGE_PREFIXES = {"embed_tokens.": "model.embed_tokens.", "norm.": "model.norm.", "lm_head.": "lm_head."}
+DEFAULT_FAMILY = FAMILIES["llama"]  # the usual checkpoint names
 
 
-def check_supported(config: transformers.PretrainedConfig) -> None:
-    model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
-        names = ", ".join(f"{k} ({v})" for k, v in FAMILIES.items())
-        raise ModelError(f"model_type {model_type!r} has no adapter yet; supported: {names}")
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types and len(set(layer_types)) > 1:
-        raise ModelError(f"{model_type} with mixed layer types {sorted(set(layer_types))} is not supported yet: "
-                         "the engine runs structurally identical blocks")
-
-
-def sliding_window(config: transformers.PretrainedConfig) -> int | None:
-    """The attention window all layers use, or None for full causal attention."""
-    window = getattr(config, "sliding_window", None)
-    if config.model_type == "mistral":
-        return window
-    layer_types = getattr(config, "layer_types", None) or []
-    return window if layer_types and layer_types[0] == "sliding_attention" else None
+def check_supported(config: transformers.PretrainedConfig) -> Family:
+    """The config's family; a ModelError naming the supported families when it has none."""
+    return family_of(config)
 
 
 class Edges(nn.Module):
-    """Embedding + rotary tables (head) and final norm + lm head + loss (tail)."""
+    """Embedding + rotary tables (head) and final norm + lm head + loss (tail).
 
-    def __init__(self, embed_tokens: nn.Embedding, rotary: nn.Module, norm: nn.Module, lm_head: nn.Linear,
-                 window: int | None):
+    `windows`: each layer type's attention window (None: full causal attention); left out, every layer is a
+    full-attention layer. The head's context holds one entry per layer type.
+    """
+
+    def __init__(self, embed_tokens: nn.Embedding, rotary: nn.Module | None, norm: nn.Module, lm_head: nn.Linear,
+                 windows: dict[str, int | None] | None = None, *, embed_scale: float | None = None,
+                 embed_scale_rounded: bool = False, logits_divisor: float | None = None, softcap: float | None = None,
+                 eager: bool = False):
         super().__init__()
         self.embed_tokens, self.rotary, self.norm, self.lm_head = embed_tokens, rotary, norm, lm_head
-        self.window = window
+        self.windows = dict(windows) if windows else {"full_attention": None}
+        self.embed_scale, self.embed_scale_rounded = embed_scale, embed_scale_rounded
+        self.logits_divisor, self.softcap = logits_divisor, softcap
+        self.eager = eager  # HF's eager attention adds its mask: a float mask, always given
+        # Gemma 3 keeps a rotary table per layer type (local and global bases)
+        self.rotary_per_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
         # Read by the tail only: the engine may update them while backward runs (a tied lm head is left out).
         self.tail_only = tuple(name for name, _ in self.named_parameters(remove_duplicate=False)
                                if name.startswith(("norm.", "lm_head.")))
@@ -64,12 +63,24 @@ class Edges(nn.Module):
     def head(self, batch):
         ids = batch["input_ids"]
         hidden = self.embed_tokens(ids)
+        if self.embed_scale is not None:
+            # Gemma rounds sqrt(hidden) to the activations' dtype first (55.43 is 55.5 in bf16), Granite does not
+            scale = torch.tensor(self.embed_scale).to(hidden.dtype) if self.embed_scale_rounded else self.embed_scale
+            hidden = hidden * scale
         positions = batch["position_ids"]
-        ctx = {
-            "position_embeddings": self.rotary(hidden, positions),
-            "position_ids": positions,
-            "attention_mask": attention_mask(batch.get("document_ids"), self.window, ids.shape[1], ids.device),
-        }
+        documents = batch.get("document_ids")
+        shared = None if self.rotary_per_type else self.rotary(hidden, positions)
+        masks: dict[int | None, torch.Tensor | None] = {}
+        ctx = {}
+        for kind, window in self.windows.items():
+            if window not in masks:
+                mask = attention_mask(documents, window, ids.shape[1], ids.device)
+                masks[window] = additive_mask(mask, ids.shape[1], hidden.dtype, ids.device) if self.eager else mask
+            ctx[kind] = {
+                "position_embeddings": self.rotary(hidden, positions, kind) if self.rotary_per_type else shared,
+                "position_ids": positions,
+                "attention_mask": masks[window],
+            }
         return hidden, ctx
 
     def tail(self, hidden, batch, normalizer: float):
@@ -77,7 +88,11 @@ class Edges(nn.Module):
         if "loss_rows" in batch:  # only the tokens with a target go through the norm and the lm head
             rows = batch["loss_rows"]
             hidden, targets = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows), targets.reshape(-1)[rows]
-        return causal_lm_loss(self.norm(hidden), self.lm_head.weight, targets) / normalizer
+        hidden = self.norm(hidden)
+        if self.logits_divisor is not None:  # (h @ W.T) / s as (h / s) @ W.T: the fused loss takes no logit scale
+            hidden = hidden / self.logits_divisor
+        return causal_lm_loss(hidden, self.lm_head.weight, targets, bias=self.lm_head.bias,
+                              softcap=self.softcap) / normalizer
 
 
 def attention_mask(document_ids: torch.Tensor | None, window: int | None, seq: int, device) -> torch.Tensor | None:
@@ -98,6 +113,15 @@ def attention_mask(document_ids: torch.Tensor | None, window: int | None, seq: i
     return allowed
 
 
+def additive_mask(allowed: torch.Tensor | None, seq: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The float mask HF's eager attention adds to its scores: 0 where `allowed`, the dtype's minimum elsewhere
+    (causal where `allowed` is None). Eager attention applies no causal mask of its own."""
+    if allowed is None:
+        q = torch.arange(seq, device=device)
+        allowed = (q[:, None] >= q[None, :])[None, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
 class DecoderBlock(nn.Module):
     """One HF decoder layer with the engine's block signature: forward(hidden, ctx) -> hidden."""
 
@@ -114,28 +138,49 @@ class HFStack:
     """`slide_scheduler.Stack` for an HF causal LM given its config and a weight source."""
 
     def __init__(self, config: transformers.PretrainedConfig, weights, kernels: bool = False):
-        check_supported(config)
-        self.kernels = kernels  # swap slide-kernels' fused RMSNorm / RoPE / SwiGLU into every block
-        config._attn_implementation = "sdpa"  # masks above are for SDPA; eager would ignore a None mask
+        self.family = family = check_supported(config)
+        if kernels and not family.kernels:
+            warnings.warn(f"engine.kernels: {family.title} ({family.model_type}) runs {kernel_note(family)}",
+                          stacklevel=2)
+        self.kernels = kernels and family.kernels  # slide-kernels' fused RMSNorm / RoPE / SwiGLU in every block
+        self.softcap = getattr(config, family.final_softcap, None) if family.final_softcap else None
+        self.eager = bool(family.attn_softcap and getattr(config, family.attn_softcap, None) is not None)
+        # SDPA takes the boolean masks below; soft-capped attention is only in HF's eager path (on CUDA too: no
+        # fused kernel soft-caps yet), which adds a float mask.
+        config._attn_implementation = "eager" if self.eager else "sdpa"
         self.config = config
         self.weights = weights
         self.num_blocks = config.num_hidden_layers
+        self.layer_types = layer_types(config, family)
+        window = getattr(config, "sliding_window", None)
+        self.windows = {kind: window if kind == "sliding_attention" else None
+                        for kind in dict.fromkeys(self.layer_types)}
         with torch.device("meta"):
             skeleton = transformers.AutoModelForCausalLM.from_config(config)
-        self._layer_cls = type(skeleton.model.layers[0])
-        self._rotary_cls = type(skeleton.model.rotary_emb)
+        self._layer_cls = type(skeleton.get_submodule(family.layers)[0])
         self._skeleton = skeleton
 
     def make_edges(self) -> Edges:
-        cfg = self.config
+        cfg, family, skeleton = self.config, self.family, self._skeleton
+        hf_embed, hf_head = skeleton.get_submodule(family.embed), skeleton.get_submodule(family.lm_head)
         with torch.device("meta"):
-            embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-            norm = type(self._skeleton.model.norm)(cfg.hidden_size, eps=cfg.rms_norm_eps)
-            lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            # (padding_idx as HF's: the pad token's row gets no gradient)
+            embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=hf_embed.padding_idx)
+            norm = copy.deepcopy(skeleton.get_submodule(family.norm))
+            lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=hf_head.bias is not None)
         if cfg.tie_word_embeddings:
             lm_head.weight = embed.weight
-        rotary = self._rotary_cls(config=cfg)  # real buffers (inv_freq), built on the host
-        edges = Edges(embed, rotary, norm, lm_head, sliding_window(cfg))
+        rotary = type(skeleton.get_submodule(family.rotary))(config=cfg)  # real buffers (inv_freq), on the host
+        scale = None
+        if family.embed_sqrt_hidden:
+            scale = cfg.hidden_size**0.5
+        elif family.embed_multiplier and getattr(cfg, family.embed_multiplier, 1.0) != 1.0:
+            scale = float(getattr(cfg, family.embed_multiplier))
+        divisor = getattr(cfg, family.logits_divisor, 1.0) if family.logits_divisor else 1.0
+        edges = Edges(embed, rotary, norm, lm_head, self.windows, embed_scale=scale,
+                      embed_scale_rounded=family.embed_sqrt_hidden,
+                      logits_divisor=float(divisor) if divisor != 1.0 else None, softcap=self.softcap,
+                      eager=self.eager)
         if self.kernels:
             slide_kernels.apply_to(_Patchable(cfg, edges))
         return edges
@@ -147,14 +192,17 @@ class HFStack:
             slide_kernels.apply_to(_Patchable(self.config, block))
         return block
 
+    def block_context(self, index: int, ctx: dict) -> dict:
+        """Block `index`'s share of the head's context: the mask and rotary tables of its layer's type."""
+        return ctx[self.layer_types[index]]
+
     def load_edges(self, params: dict[str, torch.Tensor]) -> None:
         for name, view in params.items():
-            self.weights.read_into(edge_hf_name(name), view)
+            self.weights.read_into(edge_hf_name(name, self.family), view)
 
     def load_block(self, index: int, params: dict[str, torch.Tensor]) -> None:
         for name, view in params.items():
-            self.weights.read_into(block_hf_name(index, name), view)
-
+            self.weights.read_into(block_hf_name(index, name, self.family), view)
 
 
 class _Patchable(nn.Module):
@@ -166,12 +214,14 @@ class _Patchable(nn.Module):
         self.inner = module
 
 
-def edge_hf_name(name: str) -> str:
-    for ours, theirs in EDGE_PREFIXES.items():
+def edge_hf_name(name: str, family: Family | None = None) -> str:
+    """An edge parameter's checkpoint name ('norm.weight' -> 'model.norm.weight')."""
+    family = family or DEFAULT_FAMILY
+    for ours, theirs in (("embed_tokens.", family.embed), ("norm.", family.norm), ("lm_head.", family.lm_head)):
         if name.startswith(ours):
-            return theirs + name[len(ours) :]
+            return f"{theirs}.{name[len(ours):]}"
     raise KeyError(name)
 
 
-def block_hf_name(index: int, name: str) -> str:
-    return f"model.layers.{index}." + name.removeprefix("layer.")
+def block_hf_name(index: int, name: str, family: Family | None = None) -> str:
+    return f"{(family or DEFAULT_FAMILY).layers}.{index}." + name.removeprefix("layer.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import shutil
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import transformers
 from ..data import builtin_tokenizer
 from ..errors import ConfigError, ModelError
 from .adapter import HFStack, check_supported
+from .families import FAMILIES, supported_text
 from .presets import PRESETS, preset_config
 from .random_init import RandomWeights
 from .weights import SafetensorsWeights
@@ -48,6 +50,7 @@ def load_model(name: str, seed: int = 0, need_tokenizer: bool = True, need_weigh
                          "directory; give the path of a local HF model directory")
     if not (path / "config.json").is_file():
         raise ModelError(f"{path} has no config.json: is it a Hugging Face model directory?")
+    refuse_remote_code(path / "config.json")
     try:
         config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as e:
@@ -65,6 +68,21 @@ def load_model(name: str, seed: int = 0, need_tokenizer: bool = True, need_weigh
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     return ModelBundle(str(path), config, weights, tokenizer, dtype)
+
+
+def refuse_remote_code(config_json: pathlib.Path) -> None:
+    """A config whose `auto_map` points at Python code shipped with the checkpoint, for a model_type without a
+    family here, is refused: no code from a model directory is run. A supported model_type that also carries an
+    `auto_map` (early Phi-3 uploads) loads with transformers' own classes, as `from_pretrained` does by default."""
+    try:
+        raw = json.loads(config_json.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot read {config_json}: {e}") from e
+    if not isinstance(raw, dict) or not raw.get("auto_map") or raw.get("model_type") in FAMILIES:
+        return
+    raise ModelError(f"{config_json} names its own modeling code (auto_map, model_type "
+                     f"{raw.get('model_type')!r}): models that need remote code are not supported, and no code "
+                     f"from a model directory is run. Supported families: {supported_text()}")
 
 
 def check_fits(bundle: ModelBundle, seq_len: int) -> None:

@@ -13,10 +13,15 @@ from slide_kernels import linear_cross_entropy
 from ..data.formats import IGNORE
 
 
-def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum over tokens of cross-entropy(hidden @ weight.T, targets); targets of IGNORE (-100) are ignored."""
+def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None = None,
+                   softcap: float | None = None) -> torch.Tensor:
+    """Sum over tokens of cross-entropy(hidden @ weight.T + bias, targets); targets of IGNORE (-100) are ignored.
+    With `softcap` c the logits are c * tanh(logits / c) first (Gemma 2's final soft-capping)."""
+    extra = {"bias": bias} if bias is not None else {}
+    if softcap is not None:
+        extra["softcap"] = softcap
     return linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
-                                reduction="sum")
+                                reduction="sum", **extra)
 
 
 def loss_rows(targets: torch.Tensor) -> torch.Tensor:

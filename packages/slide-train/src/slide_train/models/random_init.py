@@ -10,10 +10,12 @@ import torch
 import transformers
 
 from ..errors import ModelError
+from .families import FAMILIES
 
 
 class RandomWeights:
-    """HF-style init: normal(0, initializer_range) for matrices and embeddings, ones for norms, zeros for biases."""
+    """HF-style init: normal(0, initializer_range) for matrices and embeddings, the family's neutral weight for
+    norms (ones; zeros for Gemma's 1 + weight), zeros for biases."""
 
     def __init__(self, config: transformers.PretrainedConfig, seed: int):
         with torch.device("meta"):
@@ -21,6 +23,8 @@ class RandomWeights:
         self.shapes = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
         self.std = getattr(config, "initializer_range", 0.02)
         self.seed = seed
+        family = FAMILIES.get(config.model_type)
+        self.norm_value = family.norm_init if family is not None else 1.0
 
     def __contains__(self, name: str) -> bool:
         return name in self.shapes
@@ -36,7 +40,7 @@ class RandomWeights:
         if tuple(out.shape) != self.shapes[name]:
             raise ModelError(f"{name} has shape {self.shapes[name]} in this config, not {tuple(out.shape)}")
         if name.endswith("norm.weight"):
-            out.fill_(1.0)
+            out.fill_(self.norm_value)
         elif name.endswith(".bias"):
             out.zero_()
         else:

@@ -1,0 +1,120 @@
+"""The model families the adapter serves: one entry each, saying what differs around the decoder layers.
+
+Every family here keeps the usual layout of an HF causal LM: `model.embed_tokens`, `model.layers[i]`,
+`model.norm`, `model.rotary_emb` and `lm_head`. The decoder layer is always the HF class itself, so what happens
+inside it (fused qkv and gate/up projections, q/k norms, post-norms, residual and attention multipliers,
+attention soft-capping, query_pre_attn_scalar) needs no entry. An entry declares what the adapter does outside
+the layers: the embedding's scale, the logits' divisor and soft-cap, the norm's neutral weight, and whether
+attention needs HF's eager path. Which layers slide a window, and with which rotary base, comes from the
+config's `layer_types` (or, with `window_everywhere`, from `sliding_window` alone).
+
+Adding a family with that layout is one entry in FAMILIES (see docs/models.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import transformers
+
+from ..errors import ModelError
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    title: str  # the checkpoints' own name for them, in messages and docs
+    # Module paths in the HF model, which are also the checkpoint's tensor name prefixes.
+    embed: str = "model.embed_tokens"
+    layers: str = "model.layers"
+    norm: str = "model.norm"
+    lm_head: str = "lm_head"
+    rotary: str = "model.rotary_emb"
+    # The embedding times sqrt(hidden_size), that factor first rounded to the activations' dtype (Gemma).
+    embed_sqrt_hidden: bool = False
+    # Config attributes (None: the family has none).
+    embed_multiplier: str | None = None  # the embedding is multiplied by it (Granite)
+    logits_divisor: str | None = None  # the logits are divided by it (Granite's logits_scaling)
+    final_softcap: str | None = None  # logits -> c * tanh(logits / c) before the loss (Gemma 2)
+    attn_softcap: str | None = None  # set: attention runs HF's eager path (SDPA has no soft-capping)
+    # Without `layer_types`, `sliding_window` applies to every layer (Mistral, Phi-3).
+    window_everywhere: bool = False
+    # A norm weight's neutral value, for random init: Gemma's norms scale by (1 + weight).
+    norm_init: float = 1.0
+    # slide-kernels' `apply_to` patches exactly this family's modules (RMSNorm, SwiGLU MLP, RoPE): on CUDA its
+    # fused kernels run in the blocks; otherwise the family runs the torch path.
+    kernels: bool = False
+
+    def describe(self) -> str:
+        return f"{self.model_type} ({self.title})"
+
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("llama", "Llama 2 / 3.x", kernels=True),
+    Family("mistral", "Mistral", window_everywhere=True, kernels=True),
+    Family("qwen2", "Qwen2 / Qwen2.5", kernels=True),
+    Family("qwen3", "Qwen3 (dense)", kernels=True),
+    Family("phi3", "Phi-3 / Phi-3.5 / Phi-4", window_everywhere=True),
+    Family("olmo2", "OLMo 2"),
+    Family("granite", "Granite 3.x", embed_multiplier="embedding_multiplier", logits_divisor="logits_scaling"),
+    Family("gemma2", "Gemma 2", embed_sqrt_hidden=True, final_softcap="final_logit_softcapping",
+           attn_softcap="attn_logit_softcapping", norm_init=0.0),
+    Family("gemma3_text", "Gemma 3 text", embed_sqrt_hidden=True, final_softcap="final_logit_softcapping",
+           attn_softcap="attn_logit_softcapping", norm_init=0.0),
+)}
+
+# Model types that are known and deliberately refused, with the reason.
+REFUSED = {
+    "gemma3": "Gemma 3 multimodal checkpoints (Gemma3ForConditionalGeneration, model_type gemma3) are not "
+              "supported: only the text models are (model_type gemma3_text, Gemma3ForCausalLM, such as "
+              "gemma-3-1b); the vision tower and the image-text model around the layers are not adapted",
+}
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# Dropout would draw different masks in a block's forward and in the recompute its backward runs.
+DROPOUT_KEYS = ("attention_dropout", "resid_pdrop")  # what the HF layers of these families read
+
+
+def supported_text() -> str:
+    return ", ".join(f.describe() for f in FAMILIES.values())
+
+
+def family_of(config: transformers.PretrainedConfig) -> Family:
+    """The config's family, or a ModelError saying why it is not supported (and what is)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in REFUSED:
+        raise ModelError(f"{REFUSED[model_type]}. Supported: {supported_text()}")
+    if model_type not in FAMILIES:
+        raise ModelError(f"model_type {model_type!r} has no adapter yet; supported: {supported_text()}")
+    family = FAMILIES[model_type]
+    types = getattr(config, "layer_types", None) or []
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise ModelError(f"{model_type} with layer types {unknown} is not supported: only full and sliding-window "
+                         "attention layers are")
+    if getattr(config, "use_bidirectional_attention", None):
+        raise ModelError(f"{model_type} with use_bidirectional_attention=true is an encoder, not a causal LM; only "
+                         "causal attention is supported")
+    dropout = {k: getattr(config, k) for k in DROPOUT_KEYS if (getattr(config, k, 0) or 0) > 0}
+    if dropout:
+        shown = ", ".join(f"{k}={v}" for k, v in dropout.items())
+        raise ModelError(f"{model_type} with dropout ({shown}) is not supported: each block's backward recomputes "
+                         "its forward, which would draw other dropout masks; set them to 0 in config.json")
+    return family
+
+
+def layer_types(config: transformers.PretrainedConfig, family: Family) -> list[str]:
+    """Each layer's attention type, 'full_attention' or 'sliding_attention'."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)[: config.num_hidden_layers]
+    sliding = family.window_everywhere and getattr(config, "sliding_window", None)
+    return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+
+
+def kernel_note(family: Family) -> str:
+    """What runs in the blocks on CUDA with engine.kernels on."""
+    if family.kernels:
+        return "slide-kernels' fused RMSNorm, RoPE and SwiGLU"
+    fused = ", ".join(f.model_type for f in FAMILIES.values() if f.kernels)
+    return f"the torch path (slide-kernels' fused kernels are verified for {fused} only)"
