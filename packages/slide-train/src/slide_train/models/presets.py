@@ -1,7 +1,7 @@
 """Built-in model shapes: random-initialized from a transformers config, so nothing is downloaded.
 
 `tiny-*` are for the quick start and tests (byte-level tokenizer). The public shapes (`llama-3.2-1b`, ...) are for
-benchmarks; their dimensions are the published configs' dimensions.
+benchmarks and plans; their dimensions are the published configs' dimensions (Gemma, Phi-3 and OLMo 2 included).
 """
 
 from __future__ import annotations
@@ -32,6 +32,24 @@ PRESETS: dict[str, dict] = {
                             num_attention_heads=96, num_key_value_heads=8, head_dim=128, vocab_size=32768,
                             rope_theta=1000000.0, max_position_embeddings=131072, sliding_window=None,
                             tie_word_embeddings=False, rms_norm_eps=1e-5),
+    "phi-3-mini-4k": dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=32, vocab_size=32064, rope_theta=10000.0,
+                          max_position_embeddings=4096, original_max_position_embeddings=4096, sliding_window=2047,
+                          pad_token_id=32000, tie_word_embeddings=False, rms_norm_eps=1e-5),
+    "olmo-2-7b": dict(model_type="olmo2", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, vocab_size=100352, rope_theta=500000.0,
+                      max_position_embeddings=4096, pad_token_id=100277, tie_word_embeddings=False,
+                      rms_norm_eps=1e-6),
+    "gemma-2-2b": dict(model_type="gemma2", hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=256000,
+                       rope_theta=10000.0, max_position_embeddings=8192, sliding_window=4096,
+                       query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                       tie_word_embeddings=True, rms_norm_eps=1e-6),
+    "gemma-3-1b": dict(model_type="gemma3_text", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                       rope_theta=1000000.0, rope_local_base_freq=10000.0, max_position_embeddings=32768,
+                       sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
+                       tie_word_embeddings=True, rms_norm_eps=1e-6),
 }
 
 
