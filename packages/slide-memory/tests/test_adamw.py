@@ -239,3 +239,28 @@ def test_external_states_bound_before_each_step_give_the_same_steps():
     assert other.master.equal(own.master) and m.equal(own.exp_avg) and v.equal(own.exp_avg_sq)
     with pytest.raises(ValueError, match="bound states"):
         other.bind_states(torch.zeros(999), v)
+
+
+@pytest.mark.parametrize("states", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("into", [torch.float32, torch.bfloat16])
+def test_a_speculative_step_writes_the_next_steps_parameters_and_changes_nothing(states, into):
+    """"speculate" writes the parameters the following whole step (same gradient, lr, scale) will give, rounded
+    to `into`'s dtype, and leaves master, m, v and the step count as they were: bit for bit, across chunks cut at
+    a bound, for every step of a run."""
+    torch.manual_seed(0)
+    cfg = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = FlatAdamW(torch.randn(3000), cfg, chunk=1024, states_dtype=states, bounds=(1500,))
+    for k in range(3):
+        grad = torch.randn(3000).bfloat16()
+        lr = 1e-2 / (k + 1)
+        before = [t.clone() for t in (opt.master, opt.exp_avg, opt.exp_avg_sq)]
+        guess = torch.empty(3000, dtype=into)
+        opt.step(grad, lr, part="speculate", into=guess)
+        assert all(t.equal(b) for t, b in zip((opt.master, opt.exp_avg, opt.exp_avg_sq), before))
+        assert opt.step_count == k
+        opt.step(grad, lr)
+        assert guess.equal(opt.master.to(into)) and not guess.equal(before[0].to(into))
+    with pytest.raises(ValueError, match="speculative step"):
+        opt.step(grad, lr, part="speculate")
+    with pytest.raises(ValueError, match="speculative step"):
+        opt.step(grad, lr, into=guess)

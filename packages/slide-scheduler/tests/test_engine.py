@@ -117,13 +117,13 @@ def random_steps(seed: int, shapes: list[tuple[int, int]], device: str = "cpu"):
 
 
 PLACEMENT_KEYS = ("window", "resident", "device_update_share", "held_grads", "split_update",
-                  "grads_share_activations", "nvme_fraction")
+                  "grads_share_activations", "nvme_fraction", "speculate")
 
 
 def make_engine(stack, **kwargs) -> SlidingEngine:
     """An engine over `stack` with EngineConfig keys and these placement choices: `window` (2), `resident`
     (a count: the edges, then blocks from 0; or units), `device_update_share` (0), `held_grads` (0),
-    `split_update` (True), `grads_share_activations` (False), `nvme_fraction` (0)."""
+    `split_update` (True), `grads_share_activations` (False), `nvme_fraction` (0), `speculate` (False)."""
     choices = {k: kwargs.pop(k) for k in PLACEMENT_KEYS if k in kwargs}
     config = EngineConfig(**kwargs)
     device = config.resolve_device()
@@ -136,7 +136,7 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
                         resident=range(resident) if isinstance(resident, int) else resident,
                         window=choices.get("window", 2), share=choices.get("device_update_share") or 0.0,
                         shared=choices.get("grads_share_activations", False), held=choices.get("held_grads", 0),
-                        split=choices.get("split_update", True))
+                        split=choices.get("split_update", True), speculate=choices.get("speculate", False))
     return SlidingEngine(stack, config, placement)
 
 
@@ -259,7 +259,7 @@ def on_disk(nvme) -> dict:
 def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None,
                resident: int = 0, dtype: str = "auto", device_share: float = 0.0, tied: bool = True,
                held: int = 0, split: bool = True, shared: bool = False, steps_data=None, nvme=None, acts_dir=None,
-               states: str = "fp32"):
+               states: str = "fp32", speculate: bool = False):
     torch.manual_seed(0)
     model = Model(tied=tied)
     engine = make_engine(ToyStack(model), device="cpu", window=window,
@@ -270,7 +270,7 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
                                                          compute_dtype=dtype, device_update_share=device_share,
                                                          held_grads=held, split_update=split,
                                                          grads_share_activations=shared, states_dtype=states,
-                                                         **on_disk(nvme))
+                                                         speculate=speculate, **on_disk(nvme))
     for name, seconds in (delays or {}).items():
         getattr(engine, name).delay = seconds
     if patch:

@@ -130,6 +130,8 @@ MIXES = {
     "bf16 states on disk": ({"states_dtype": "bf16"}, {"nvme_fraction": 0.5}),
     "activations on disk": ({"activation_offload": "nvme"}, {"resident": range(2)}),
     "activations on the device": ({"activation_offload": "none"}, {"window": 3}),
+    "speculating": ({}, {"speculate": True, "resident": range(2)}),
+    "some speculating": ({}, {"speculate": 2, "share": 0.5}),
 }
 
 
@@ -145,7 +147,8 @@ def build(tmp_path, device: str, config_keys: dict, choices: dict):
     options = options_for(config, choices.pop("nvme_fraction", 0.0))
     placement = arrange(toy_shapes(stack), STEP, options, resident=choices.pop("resident", ()),
                         window=choices.pop("window", 2), share=choices.pop("share", 0.0),
-                        shared=choices.pop("shared", False), held=choices.pop("held", 0))
+                        shared=choices.pop("shared", False), held=choices.pop("held", 0),
+                        speculate=choices.pop("speculate", False))
     return model, stack, SlidingEngine(stack, config, placement)
 
 
@@ -311,7 +314,7 @@ def test_the_planner_takes_the_cheapest_candidate_that_fits():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mix", ["sliding", "resident", "pooled", "streamed, held", "moments on disk",
-                                 "activations on the device"])
+                                 "activations on the device", "speculating"])
 def test_the_placements_bytes_are_what_the_engine_allocates_on_cuda(tmp_path, mix):
     """On CUDA the device side is counted twice: the storages the engine holds, and the allocator's own count
     of what stays allocated after the steps (transient work freed)."""

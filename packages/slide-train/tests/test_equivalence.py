@@ -306,3 +306,29 @@ def test_activations_on_disk_match_plain_pytorch_and_leave_no_files(tmp_path, fo
     assert any((where / "activations").rglob("*.bin"))
     trainer.close()
     assert not any(where.rglob("*.bin")) and where.exists() == (folder == "own")
+
+
+def test_speculation_matches_plain_pytorch_and_logs_what_it_did(tmp_path, monkeypatch):
+    """engine.placement.speculate: clipped host updates also run during backward; steps whose clipping acts
+    discard that, the others keep it. The result is the plain loop's either way, and metrics.jsonl says which."""
+    from slide_train.metrics import read_metrics
+
+    model = save_tiny_model(tmp_path / "model", "llama")
+    rows, labels = make_rows(seed=1, n=STEPS * MICRO * ACCUM)
+    write_token_rows(tmp_path / "data.jsonl", rows, labels)
+    monkeypatch.setitem(globals(), "CLIP", 1e9)
+    _, _, norms = reference_run(model, rows, labels)
+    limit = (sorted(norms)[0] + sorted(norms)[1]) / 2  # the loop's clipping acts on some steps, not others
+    monkeypatch.setitem(globals(), "CLIP", limit)
+    ref_model, ref_losses, ref_norms = reference_run(model, rows, labels)
+    assert min(ref_norms) < limit < max(ref_norms)
+    trainer = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
+                                   **{"engine.placement.speculate": "true", "max_grad_norm": limit}), progress=False)
+    assert trainer.engine.placement.speculated
+    records = [trainer.step() for _ in range(STEPS)]
+    assert [r["speculation"] for r in records] == ["held" if n <= limit else "discarded" for n in ref_norms]
+    assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5)
+    compare(trainer, ref_model, reference_run(model, rows, labels, torch.float64)[0])
+    trainer.log.close()
+    logged = [r["speculation"] for r in read_metrics(trainer.run_dir / "metrics.jsonl") if "loss" in r]
+    assert logged == [r["speculation"] for r in records]

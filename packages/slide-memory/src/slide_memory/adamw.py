@@ -17,6 +17,10 @@ and dropped), "moments" later writes only the new m and v (the master is stepped
 same kernel on the same inputs, so together they leave exactly the state one whole step leaves; what they buy
 is time: the part the next forward waits for moves 18 bytes per parameter (reads 14, writes 4) instead of 26,
 and run on a device it sends back 4 bytes per parameter instead of 12.
+
+A "speculate" part changes no state: it steps master, m and v in scratch and writes only the new parameters,
+rounded to the dtype of `into`. Run before the step's clip factor is known, as if it were 1, it gives the exact
+parameters of the update that follows whenever clipping does not act: the same kernel on the same inputs.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ def host_block(chunk: int) -> int:
 # Pieces of a chunk start at multiples of this, where the CPU kernel's vector loops would split it anyway: a
 # piece cut elsewhere sends a few elements through scalar code, which can round differently (FMA).
 PIECE_ALIGN = 64
-PARTS = ("all", "params", "moments")
+PARTS = ("all", "params", "moments", "speculate")
 
 
 @dataclass
@@ -121,21 +125,29 @@ class FlatAdamW:
         return int(self.steps[0])
 
     def step(self, grad: torch.Tensor, lr: float, grad_scale: float = 1.0,
-             before_chunk: Callable[[int], None] | None = None, part: str = "all") -> None:
+             before_chunk: Callable[[int], None] | None = None, part: str = "all",
+             into: torch.Tensor | None = None) -> None:
         """One AdamW step from `grad` (flat, same length as the master), scaled first by `grad_scale`.
 
-        `part`: "all"; or "params" then "moments", with the same gradient, scale and lr (see the module notes).
-        `before_chunk(k)` runs before chunk k (`ranges[k]`) is read: e.g. to wait until it has arrived."""
+        `part`: "all"; or "params" then "moments", with the same gradient, scale and lr; or "speculate", which
+        writes the new parameters `into` (flat, the master's length) and leaves the state as it was (see the
+        module notes). `before_chunk(k)` runs before chunk k (`ranges[k]`) is read: e.g. to wait until it has
+        arrived."""
         if part not in PARTS:
             raise ValueError(f"part must be one of {PARTS}, got {part!r}")
         if part != "all" and self.master.device.type != "cpu":
-            raise ValueError("split steps run on host masters (a device unit steps whole)")
+            raise ValueError("split and speculative steps run on host masters (a device unit steps whole)")
+        if (part == "speculate") != (into is not None) or (into is not None and into.shape != self.master.shape):
+            raise ValueError("a speculative step, and only it, writes `into`, a flat tensor of the master's length")
         block = self.block
-        keep_params, keep_moments = part != "moments", part != "params"
+        speculate = part == "speculate"
+        keep_params, keep_moments = part in ("all", "params"), part in ("all", "moments")
         for k, ((a, b), step) in enumerate(zip(self.ranges, self.steps)):
             if before_chunk is not None:
                 before_chunk(k)
-            if keep_params:  # the "moments" part is the same update: it counts no step
+            if speculate:  # the update's number, counted in a copy
+                step = step + 1
+            elif keep_params:  # the "moments" part is the same update: it counts no step
                 step += 1
             for start in range(a, b, block):
                 end = min(start + block, b)
@@ -148,7 +160,11 @@ class FlatAdamW:
                 if self.narrow or not keep_moments:  # widened for the step (rounded back after), or dropped
                     m, v = self._wide[0, :n].copy_(m), self._wide[1, :n].copy_(v)
                 p = self.master[start:end] if keep_params else self._wide[2, :n]
+                if speculate:
+                    p.copy_(self.master[start:end])
                 _adamw_kernel(p, g, m, v, step, lr, self.config)
+                if speculate:
+                    into[start:end].copy_(p)
                 if self.narrow and keep_moments:
                     self.exp_avg[start:end].copy_(m)
                     self.exp_avg_sq[start:end].copy_(v)
@@ -252,9 +268,10 @@ class HostAdamW:
                       for m, pin, cut, ext in zip(masters, pinned, bounds, external)]
 
     def step_unit(self, unit: int, grad: torch.Tensor, lr: float, grad_scale: float = 1.0,
-                  before_chunk: Callable[[int], None] | None = None, part: str = "all") -> None:
+                  before_chunk: Callable[[int], None] | None = None, part: str = "all",
+                  into: torch.Tensor | None = None) -> None:
         """Update one unit's master from its gradient (any dtype), scaled by `grad_scale` (e.g. clipping)."""
-        self.units[unit].step(grad, lr, grad_scale, before_chunk, part)
+        self.units[unit].step(grad, lr, grad_scale, before_chunk, part, into)
 
     def state_tensors(self, unit: int) -> dict[str, torch.Tensor]:
         return self.units[unit].state_tensors()

@@ -47,7 +47,8 @@ class _Work:
 
 def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimate:
     """Predicted seconds per step of `p` on `machine`. With clipping on, `clipping_acts` False prices a step
-    where the engine could update as if unclipped (the same today: every clipped update waits for the norm)."""
+    where it does not act: the blocks that speculate then load their speculated parameters and wait for no update
+    (the others cost what they cost when it acts)."""
     s, t = p.shapes, p.step
     c = p.compute_bytes
     n = s.num_blocks
@@ -73,11 +74,12 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
     backward_c = [3 * block_flops(s.unit_numels[u]) / gpu_rate + 2 * launch for u in range(1, n + 1)]
     vocab_numel = s.vocab * s.hidden if s.vocab else s.unit_numels[0] // 2
     tail_s = 6 * vocab_numel * tokens / gpu_rate + 2 * tokens * s.hidden * c / mem * (not pcie)
-    clip = p.clip and clipping_acts or p.clip  # (no speculation yet: an acting clip and a silent one cost alike)
+    clip = p.clip
     sb = p.state_bytes
     adamw_bytes = 26 if sb == 4 else 18  # read master, m, v, gradient; write master, m, v
 
     fwd, bwd = _Work(), _Work()
+    anywhere = _Work()  # host work nothing waits for within the step (updates behind held speculation)
     load_f, load_b, ready, update_s = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
     host_order: list[int] = []
     for b in range(n):
@@ -85,18 +87,27 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
         numel = s.unit_numels[u]
         if up.resident:
             continue
+        # Speculation that holds: loads take the speculated parameters (compute dtype), and nothing waits for the
+        # update proper, which runs whole under the next forward; one that is discarded only adds its pass.
+        held = clip and up.speculate and not clipping_acts
         # Forward: the master crosses (with clipping, a streamed update brings m, v and the gradient along)
         stream = clip and up.update == "stream"
-        into = numel * (4 + (8 + (0 if up.grad == "held" else c) if stream else 0))
+        into = numel * (c if held else 4 + (8 + (0 if up.grad == "held" else c) if stream else 0))
         back = numel * ((4 if up.split else 12) if stream else 0)
         load_f[b] = into / h2d if pcie else 0.0
         fwd.h2d += into
         fwd.d2h += back
         # Backward: the master again, the gradient home (unless held for a device update)
-        load_b[b] = numel * 4 / h2d if pcie else 0.0
-        bwd.h2d += numel * 4
+        load_b[b] = numel * (c if held else 4) / h2d if pcie else 0.0
+        bwd.h2d += numel * (c if held else 4)
         bwd.d2h += 0 if up.grad == "held" else numel * c
-        if up.update == "host":
+        if clip and up.speculate:  # the speculative pass, under the backward
+            bwd.adamw += numel / adamw
+            bwd.host_bytes += numel * (14 + c)
+        if held:
+            anywhere.adamw += numel / adamw
+            anywhere.host_bytes += numel * adamw_bytes
+        elif up.update == "host":
             update_s[b] = numel / adamw
             host_order.append(b)
             work = fwd if clip else bwd
@@ -171,6 +182,16 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
             bound[f"_excess_{culprit}"] = bound.get(f"_excess_{culprit}", 0.0) + phase - w.gpu
     phases["tail"] = tail_s
     phases["exposed_updates"] = exposed_updates
+    if anywhere.adamw:  # fits in whatever the phases leave the host thread and its memory, or lengthens the step
+        span = phases["forward"] + phases["backward"]
+        room = max(anywhere.adamw - (span - fwd.adamw - bwd.adamw),
+                   (anywhere.host_bytes - (span * mem - fwd.host_bytes - bwd.host_bytes)) / mem)
+        phases["host_backlog"] = max(0.0, room)
+        bound["host_adamw"] += anywhere.adamw
+        bound["host_memory"] += anywhere.host_bytes / mem
+        if phases["host_backlog"]:
+            lane = "host_adamw" if anywhere.adamw - (span - fwd.adamw - bwd.adamw) >= room else "host_memory"
+            bound[f"_excess_{lane}"] = bound.get(f"_excess_{lane}", 0.0) + phases["host_backlog"]
     step = sum(phases.values())
     excess = {k.removeprefix("_excess_"): v for k, v in bound.items() if k.startswith("_excess_")}
     excess["host_adamw"] = excess.get("host_adamw", 0.0) + exposed_updates

@@ -25,6 +25,10 @@ buffers; device-updated blocks then send back only their master (4 bytes per par
 host gradients share memory with the boundary activations (`grads_share_activations`, `pool.py`), and those
 blocks update whole instead.
 
+Blocks the placement marks `speculate` also run their clipped update during backward, as if clipping will
+not act, writing only new parameters; when it does not act their next loads take those, and the update proper
+runs whole on the optimizer thread before the block's next gradient needs its buffer.
+
 `pipeline=False` runs the very same schedule with every lane inline and the optimizer on the calling thread:
 the synchronous engine, kept as the reference the pipelined one is tested against.
 """
@@ -134,6 +138,7 @@ class StepStats:
     phases: dict[str, float]  # host time between the schedule's phase boundaries
     timeline: dict[str, float]  # GPU busy vs exposed time, time spent waiting for updates, memory counters
     spans: list | None = None  # every lane's spans of this step (Timeline.spans), when asked for
+    speculation: str = "off"  # clipped steps with speculating blocks: "held" (clipping did not act) or "discarded"
 
 
 class Unit:
@@ -258,6 +263,11 @@ class SlidingEngine:
         self.held_grads = {u: torch.zeros(numel, dtype=self.dtype, device=self.device) for u in sorted(p.held)}
         self.pool = SharedPool(p.pooled, numel, self.dtype, self.num_blocks) if p.pooled else None
         self.grad_ring = StagingRing(p.ring, numel, self.dtype) if p.ring else None
+        # Speculating blocks: the parameters their update gives if clipping does not act, written during backward;
+        # `_from_speculation` are the blocks whose loads take them (the step's clipping did not act), until their
+        # next update.
+        self.speculative = {u: host_zeros(numel, self.dtype) for u in sorted(p.speculated)}
+        self._from_speculation: set[int] = set()
         self.updater = HostUpdater(self.optimizer, inline=not config.pipeline, disk=self.disk)
         self.stream_buffers = [StreamedStep(p.stream_piece_numel, config.optimizer, self.device, self.dtype)
                                for _ in range(p.stream_buffers if self.streamed else 0)]
@@ -372,6 +382,7 @@ class SlidingEngine:
         """After host masters were changed from outside (a checkpoint load): rebuild every copy of them."""
         self._flush_device_updates()
         self.updater.wait_all()
+        self._from_speculation = set()
         for u, opt in self.device_optimizers.items():
             opt.master.copy_(self.units[u].master)
         self._edges_loaded = None
@@ -424,9 +435,14 @@ class SlidingEngine:
         if unit in self._pending:
             self._update_on_device(unit, slot, chunks)
             return
+        block = unit - 1 if unit else None
+        if unit in self._from_speculation:  # the update's parameters, already in the compute dtype
+            self._wait_for_update(unit, speculated=True)
+            self.h2d.run(slot.params.copy_, self.speculative[unit], True, label=f"params {block} (speculated)")
+            slot.unit = block
+            return
         self._wait_for_update(unit, params_only=True)
         self.h2d.wait(self._written.get(unit, DONE))
-        block = unit - 1 if unit else None
         master, label = self.units[unit].master, f"params {'edges' if unit == 0 else block}"
         if not slot.narrow:
             self.h2d.run(slot.params.copy_, master, True, label=label)
@@ -485,11 +501,15 @@ class SlidingEngine:
     def window(self) -> int:
         return len(self.slots) if self.slots else 1
 
-    def _wait_for_update(self, unit: int, params_only: bool = False) -> None:
-        """Block until unit's last host update is done (`params_only`: its params part); the time goes on the
-        timeline's `waits` lane, where the GPU running out of work counts as exposed CPU-update time."""
+    def _wait_for_update(self, unit: int, params_only: bool = False, speculated: bool = False) -> None:
+        """Block until unit's last host update is done (`params_only`: its params part; `speculated`: its
+        speculated parameters); the time goes on the timeline's `waits` lane, where the GPU running out of work
+        counts as exposed CPU-update time."""
         start = time.perf_counter()
-        self.updater.wait(unit, params_only)
+        if speculated:
+            self.updater.speculated[unit].wait_host()
+        else:
+            self.updater.wait(unit, params_only)
         end = time.perf_counter()
         self._wait_update_s += end - start
         # (most loads find their update done; inline, the updates themselves are the waits, from _spans, and a
@@ -567,6 +587,9 @@ class SlidingEngine:
                 slot.drained = arrived[i + 1][-1]
                 if not clip:  # no clipping: the update starts as soon as its first piece is on the host
                     self.updater.submit(i + 1, host_grads[i + 1], arrived[i + 1], lr, 1.0)
+                elif i + 1 in self.speculative:  # as if clipping will not act: only new parameters are written
+                    self.updater.submit(i + 1, host_grads[i + 1], arrived[i + 1], lr, 1.0, part="speculate",
+                                        into=self.speculative[i + 1])
             for k in range(i - 1, max(i - window - 1, -1), -1):  # prefetch: every slot not in use
                 if k not in staged:
                     staged[k] = self._stage(k, k, m)
@@ -590,8 +613,13 @@ class SlidingEngine:
         grad_norm = math.sqrt(sum(sq))
         # A clipped step has changed no weight yet: with a non-finite norm it leaves every weight and AdamW state
         # as it was (without clipping, sliding blocks were updated during backward already).
+        scale = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
+        # Clipping that does not act multiplies by exactly 1: the speculated parameters are the update's own
+        held = set(self.speculative) if clip and math.isfinite(grad_norm) and scale == 1.0 else set()
+        speculation = "off" if not (clip and self.speculative) else "held" if held else "discarded"
         if not clip or math.isfinite(grad_norm):
-            self._queue_updates(host_grads, arrived, lr, min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0)
+            self._queue_updates(host_grads, arrived, lr, scale, held)
+        self._from_speculation = held
         if not self.config.pipeline:
             self.synchronize()
         for lane in self.lanes:  # the spans of every lane are complete (and a failed copy raises here)
@@ -604,12 +632,13 @@ class SlidingEngine:
         timeline["wait_update_s"] = self._wait_update_s
         timeline.update(memory)
         return StepStats(loss=loss_value, grad_norm=grad_norm, seconds=clock.total, phases=clock.laps,
-                         timeline=timeline, spans=spans)
+                         timeline=timeline, spans=spans, speculation=speculation)
 
     def _queue_updates(self, host_grads: dict[int, torch.Tensor], arrived: dict[int, list[Signal]], lr: float,
-                       scale: float) -> None:
+                       scale: float, speculated: set[int]) -> None:
         """Queue the step's updates once the gradients are final (scaled by `scale`): resident units' now on
-        the compute lane, the others on the optimizer thread or at their next load."""
+        the compute lane, the others on the optimizer thread or at their next load. The `speculated` units' next
+        loads take their speculated parameters: their updates run whole, whenever the thread gets to them."""
         clip = self.config.max_grad_norm
         with self.timeline.span("compute", "update resident", self.compute.stream):
             for u, opt in self.device_optimizers.items():
@@ -628,6 +657,8 @@ class SlidingEngine:
                 if u == 0 and not clip:  # the tail-only part is done already
                     chunks = [k for k in chunks if k not in self._edge_tail]
                 self._pending[u] = PendingUpdate(host_grads[u], arrived[u][-1], lr, scale, list(chunks), split)
+            elif u in speculated:
+                self.updater.submit(u, host_grads[u], arrived[u], lr, scale)
             elif u == 0 or clip:  # without clipping, sliding blocks were submitted during backward
                 self.updater.submit(u, host_grads[u], arrived[u], lr, scale, part="params" if split else "all")
                 if split:
@@ -739,6 +770,8 @@ class SlidingEngine:
         """Whether the host is done with what loading `block` waits for: its update's params part, or, for a
         pending device update, its last moments part (resident blocks update on the compute lane)."""
         unit = block + 1
+        if unit in self._from_speculation:
+            return self.updater.speculated[unit].is_set()
         return block in self.resident_slots or self.updater.ready(unit, params_only=unit not in self._pending)
 
     def close(self) -> None:

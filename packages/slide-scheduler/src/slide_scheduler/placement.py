@@ -72,6 +72,9 @@ class UnitPlacement:
     grad: str  # "slot" (where it is made), "held" (a device buffer), "pool", "ring", "own" (a host buffer)
     moments: str  # GPU, HOST or DISK
     split: bool = False  # clipped: new master before the next forward, moments after it
+    # clipped: its update also runs during backward as if clipping did not act, writing only the new parameters;
+    # when it does not act, the next loads take those and the update proper runs whenever the host gets to it
+    speculate: bool = False
 
     @property
     def master(self) -> str:
@@ -130,6 +133,10 @@ class Placement:
         return self.where("grad", "held")
 
     @property
+    def speculated(self) -> set[int]:
+        return self.where("speculate", True)
+
+    @property
     def pooled(self) -> list[int]:
         """Blocks (not units) whose gradient waits in the memory shared with the boundary activations."""
         return sorted(u - 1 for u in self.where("grad", "pool"))
@@ -170,7 +177,8 @@ class Placement:
             units = list(group)
             name = _names(units)
             where = ("resident" if p.resident else "sliding") + f", update on {p.update}, gradient in {p.grad}, " \
-                f"master on {p.master}, moments on {p.moments}" + (", split" if p.split else "")
+                f"master on {p.master}, moments on {p.moments}" + (", split" if p.split else "") \
+                + (", speculates" if p.speculate else "")
             lines.append(f"    {name}: {where}")
         return lines
 
@@ -202,6 +210,11 @@ def validate(p: Placement) -> None:
             raise ValueError(f"{name}: updates streamed through the device need fp32 AdamW states")
         if unit.split and (not p.clip or unit.grad not in ("ring", "own")):
             raise ValueError(f"{name}: only a clipped update whose gradient has a host buffer of its own splits")
+        if unit.speculate and (not p.clip or u == 0 or unit.update != "host" or unit.grad != "ring"
+                               or unit.moments != HOST):
+            raise ValueError(f"{name}: only a clipped sliding block updated on the host, its gradient in the ring "
+                             "and its moments in host memory, speculates (a pooled gradient lies under the next "
+                             "forward's activations, which cannot wait for a late update)")
         if u == 0 and not unit.resident and unit.grad != ("slot" if unit.update == "stream" else "own"):
             raise ValueError("edges: sliding edges keep their gradient in their slot when streamed, else in a "
                              "host buffer of their own")
@@ -267,6 +280,7 @@ def _allocations(p: Placement) -> list[Allocation]:
     act = t.tokens_per_micro * s.hidden * c  # one micro-batch's boundary activation
     boundaries = s.num_blocks * t.micro_batches  # block inputs 0..n-1 (the last output goes straight on)
     add(HOST, "gradients", p.ring * c * s.block_numel)
+    add(HOST, "speculative parameters", c * sum(numel[u] for u in p.speculated))
     if p.units[0].grad == "own":
         add(HOST, "gradients", c * numel[0])
     if p.pooled:
@@ -310,6 +324,7 @@ class Overrides:
     held_grads: int | None = None  # blocks whose clipped gradient waits on the device (None: what fits)
     share_grads: bool | None = None  # pooled host gradients (None: wherever there is something to share)
     split: bool = True
+    speculate: bool | None = None  # clipped host updates speculated during backward (None: off for now)
 
 
 @dataclass(frozen=True)
@@ -345,10 +360,13 @@ def held_on_device(device_units: list[int], count: int, shared: bool) -> list[in
 
 
 def arrange(shapes: Shapes, step: StepShape, options: Options, *, resident: Iterable[int], window: int,
-            share: float, shared: bool, held: int, split: bool = True, threads: int | None = None) -> Placement:
+            share: float, shared: bool, held: int, split: bool = True, speculate: bool | int = False,
+            threads: int | None = None) -> Placement:
     """The placement these choices make: `resident` units on the device; of the sliding blocks, the last
     `nvme_fraction` with moments on disk, `share` of the rest (spread out) updated on the device with clipping,
-    `held` of those keeping their gradient there, the others' gradients pooled (`shared`) or in the ring."""
+    `held` of those keeping their gradient there, the others' gradients pooled (`shared`) or in the ring, where
+    with `speculate` their clipped updates speculate (a number: only the first that many such blocks, whose
+    loads the next forward needs soonest)."""
     o, n = options, shapes.num_blocks
     resident = set(resident)
     sliding = [u for u in range(1, n + 1) if u not in resident]
@@ -356,6 +374,8 @@ def arrange(shapes: Shapes, step: StepShape, options: Options, *, resident: Iter
     streamed = {sliding[j] for j in device_updated(len(sliding), share)} - disk if o.clip else set()
     shared = shared and o.clip and bool(sliding)  # (without clipping no gradient waits)
     on_device = set(held_on_device(sorted(streamed), held, shared))
+    eligible = [u for u in sliding if o.clip and not shared and u not in streamed and u not in disk]
+    speculating = set(eligible if speculate is True else eligible[:int(speculate)])
     units = []
     for u in range(n + 1):
         if u in resident:
@@ -366,9 +386,10 @@ def arrange(shapes: Shapes, step: StepShape, options: Options, *, resident: Iter
                                        split=o.clip and split and not stream))
         else:
             grad = "held" if u in on_device else "pool" if shared else "ring"
-            units.append(UnitPlacement(False, "stream" if u in streamed else "host", grad,
-                                       DISK if u in disk else HOST,
-                                       split=o.clip and split and grad == "ring" and u not in disk))
+            host = u not in streamed
+            units.append(UnitPlacement(False, "host" if host else "stream", grad, DISK if u in disk else HOST,
+                                       split=o.clip and split and grad == "ring" and u not in disk,
+                                       speculate=u in speculating))
     extra = {} if threads is None else {"threads": threads}
     return Placement(shapes, step, tuple(units), window, o.clip, o.activations, o.compute_bytes, o.state_bytes,
                      device_is_host=not o.cuda, **extra)
@@ -381,14 +402,15 @@ def resident_units(resident: int | Iterable[int]) -> set[int]:
 
 def size_for_budget(shapes: Shapes, step: StepShape, options: Options, budget: float | None, *, window: int,
                     share: float, shared: bool, overrides: Overrides | None = None,
-                    threads: int | None = None) -> Placement:
+                    threads: int | None = None, speculate: bool | int | None = None) -> Placement:
     """The placement with as many units resident as the device budget allows (edges first, then blocks from 0),
     and, with clipping, as many device-updated blocks' gradients held there as the room left allows."""
     n, overrides = shapes.num_blocks, overrides or Overrides()
 
     def make(res, held=0):
         return arrange(shapes, step, options, resident=res, window=window, share=share, shared=shared, held=held,
-                       split=overrides.split, threads=threads)
+                       split=overrides.split, threads=threads,
+                       speculate=bool(overrides.speculate) if speculate is None else speculate)
 
     if overrides.resident is not None:
         chosen = make(resident_units(overrides.resident))

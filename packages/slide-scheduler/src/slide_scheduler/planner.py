@@ -30,6 +30,7 @@ from .placement import (
 
 SHARES = (0.0, 0.25, 0.375, 0.5, 0.5625, 0.625, 0.75, 1.0)
 WINDOWS = (2, 3)
+SPECULATED = (0.75, 0.5, 0.25)  # shares of the blocks tried where speculating for every block does not fit
 TIE = 0.05
 
 
@@ -83,17 +84,24 @@ def place(shapes: Shapes, step: StepShape, options: Options, budgets: Budgets, m
     poolable = options.clip and options.activations == "cpu"
     # Held host gradients share the boundary activations' memory wherever clipping holds them: up to the
     # activations' size less host memory, at the speed of a buffer each (docs/findings.md)
-    pooled = (poolable if o.share_grads is None else o.share_grads and poolable,)
-    best: tuple[float, float, Placement, Estimate] | None = None
-    for window, share, shared in itertools.product(windows, shares, pooled):
+    # Speculation needs each held gradient in a buffer of its own (see placement.validate)
+    pooled = (poolable if o.share_grads is None and not o.speculate else bool(o.share_grads) and poolable,)
+    # Speculation takes host memory (the speculated parameters, a gradient buffer each): where the host cannot
+    # afford it for every block, it speculates for the first blocks it can
+    speculation = [True, *(round(f * shapes.num_blocks) for f in SPECULATED)] if o.speculate else [False]
+    best: tuple[bool, bool, float, float, Placement, Estimate] | None = None
+    for window, share, shared, speculate in itertools.product(windows, shares, pooled, speculation):
         p = size_for_budget(shapes, step, options, budgets.gpu, window=window, share=share, shared=shared,
-                            overrides=o)
-        fits = budgets.gpu is None or p.bytes(GPU) <= budgets.gpu
+                            overrides=o, speculate=speculate)
+        gpu_fits = budgets.gpu is None or p.bytes(GPU) <= budgets.gpu
+        host_fits = budgets.host is None or p.bytes(HOST) <= budgets.host
         est = price(p, machine)
-        key = (not fits, est.step_s, p.bytes(HOST))
-        if best is None or _better(key, best[:3]):
+        # Speculating, the step that matters is the usual one of a fine-tune: clipping does not act
+        ranked = price(p, machine, clipping_acts=False) if p.speculated else est
+        key = (not gpu_fits, not host_fits, ranked.step_s, p.bytes(HOST))
+        if best is None or _better(key, best[:4]):
             best = (*key, p, est)
-    _, _, _, placement, estimate = best
+    placement, estimate = best[4:]
     unclipped = price(placement, machine, clipping_acts=False) if options.clip else estimate
     plan = Plan(placement, estimate, unclipped, budgets)
     plan.problems = _problems(plan, options)
@@ -101,12 +109,13 @@ def place(shapes: Shapes, step: StepShape, options: Options, budgets: Budgets, m
 
 
 def _better(key: tuple, than: tuple) -> bool:
-    """Fitting first; then faster by more than TIE; among near-equals, less host memory."""
-    if key[0] != than[0]:
-        return key[0] < than[0]
-    if abs(key[1] - than[1]) > TIE * min(key[1], than[1]):
-        return key[1] < than[1]
-    return key[2] < than[2]
+    """Fitting the GPU, then the host, first; then faster by more than TIE; among near-equals, less host
+    memory."""
+    if key[:2] != than[:2]:
+        return key[:2] < than[:2]
+    if abs(key[2] - than[2]) > TIE * min(key[2], than[2]):
+        return key[2] < than[2]
+    return key[3] < than[3]
 
 
 def _problems(plan: Plan, options: Options) -> list[str]:

@@ -3,8 +3,9 @@
 A unit's update waits for its gradient to arrive on the host (a lane signal), runs AdamW over its fp32 master
 and then sets the unit's signals: `params` (the master is new), which every later load of the unit waits for, and
 `done` (the AdamW states too), which every later reuse of its gradient buffer waits for. A split update sets
-them one part at a time (`FlatAdamW.step`'s "params", later "moments"). One thread, because torch's CPU AdamW
-already uses every core inside one call.
+them one part at a time (`FlatAdamW.step`'s "params", later "moments"). A speculative update ("speculate") changes
+no state and sets the unit's `speculated` signal once the parameters it wrote are ready. One thread, because
+torch's CPU AdamW already uses every core inside one call; jobs run in the order they were submitted.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class HostUpdater:
         self.disk = disk  # DiskStates: units whose m and v are brought from disk for each update
         self.params = [HostSignal() for _ in optimizer.units]
         self.done = [HostSignal() for _ in optimizer.units]
+        self.speculated = [HostSignal() for _ in optimizer.units]
         self.delay = 0.0  # tests: seconds each update sleeps first
         self.spans: list[tuple[str, float, float]] = []  # (label, start, end) host times, for the timeline
         self._queue: queue.Queue | None = None
@@ -53,17 +55,21 @@ class HostUpdater:
             _running.add(self)
 
     def submit(self, index: int, grad: torch.Tensor, arrived: list[Signal], lr: float, grad_scale: float,
-               part: str = "all") -> None:
+               part: str = "all", into: torch.Tensor | None = None) -> None:
         """Update unit `index` from the host tensor `grad`; `arrived[k]` holds once the unit's optimizer chunk k
         is in it, and each chunk waits only for its own. `part` "params" leaves `done` clear until the unit's
-        "moments" part (a later submit, nothing else in between may need the unit's states) is done."""
-        if part != "moments":
-            self.params[index].clear()
-        self.done[index].clear()
-        if self._queue is None:
-            self._apply(index, grad, arrived, lr, grad_scale, part)
+        "moments" part (a later submit, nothing else in between may need the unit's states) is done;
+        "speculate" writes the parameters `into` and touches only the `speculated` signal."""
+        if part == "speculate":
+            self.speculated[index].clear()
         else:
-            self._queue.put((index, grad, arrived, lr, grad_scale, part))
+            if part != "moments":
+                self.params[index].clear()
+            self.done[index].clear()
+        if self._queue is None:
+            self._apply(index, grad, arrived, lr, grad_scale, part, into)
+        else:
+            self._queue.put((index, grad, arrived, lr, grad_scale, part, into))
 
     def wait(self, index: int, params_only: bool = False) -> None:
         """Until unit `index`'s last submitted update is done (`params_only`: its master is)."""
@@ -74,7 +80,7 @@ class HostUpdater:
         return (self.params if params_only else self.done)[index].is_set()
 
     def wait_all(self) -> None:
-        for signal in self.done:
+        for signal in (*self.done, *self.speculated):
             signal.wait_host()
 
     def _loop(self) -> None:
@@ -85,9 +91,12 @@ class HostUpdater:
             self._apply(*item)
 
     def _apply(self, index: int, grad: torch.Tensor, arrived: list[Signal], lr: float, grad_scale: float,
-               part: str) -> None:
+               part: str, into: torch.Tensor | None = None) -> None:
         if part == "moments" and self.params[index].error is not None:  # its params part failed: keep the error
             self.done[index].set(error=self.params[index].error)
+            return
+        if part == "speculate":
+            self._speculate(index, grad, arrived, lr, grad_scale, into)
             return
         on_disk = self.disk is not None and index in self.disk
         try:
@@ -111,6 +120,20 @@ class HostUpdater:
                 self.disk.finish(index, e)
             self.params[index].set(error=e)
             self.done[index].set(error=e)
+
+    def _speculate(self, index: int, grad: torch.Tensor, arrived: list[Signal], lr: float, grad_scale: float,
+                   into: torch.Tensor) -> None:
+        try:
+            arrived[0].wait_host()
+            if self.delay:
+                time.sleep(self.delay)
+            start = time.perf_counter()
+            self.optimizer.step_unit(index, grad, lr, grad_scale, before_chunk=lambda k: arrived[k].wait_host(),
+                                     part="speculate", into=into)
+            self.spans.append((f"speculate {index - 1 if index else 'edges'}", start, time.perf_counter()))
+            self.speculated[index].set()
+        except BaseException as e:  # (a failed speculation surfaces where its parameters are waited for)
+            self.speculated[index].set(error=e)
 
     def close(self) -> None:
         """Finish what was submitted, then stop the worker; later submits (an engine closed after the exit

@@ -58,7 +58,8 @@ class EngineSection:
     # (pinned host memory) | nvme (files in nvme.dir, through two small rings of host buffers)
     activation_offload: str = "cpu"
     nvme: NvmeConfig = field(default_factory=NvmeConfig)
-    # Expert overrides of the placement: window, resident, device_update_share, synchronous (docs/placement.md)
+    # Expert overrides of the placement: window, resident, device_update_share, speculate, synchronous
+    # (docs/placement.md)
     placement: dict = field(default_factory=dict)
 
 
@@ -66,6 +67,8 @@ PLACEMENT_KEYS = {
     "window": "GPU slots for sliding blocks (an integer of at least 1)",
     "resident": "units kept on the GPU: a count (the edges, then blocks from 0) or a list such as [edges, block.3]",
     "device_update_share": "share of the sliding blocks whose clipped update runs on the GPU (0 to 1)",
+    "speculate": "true: clipped host updates also run during backward as if clipping will not act (the same "
+                 "result bit for bit, more host memory)",
     "synchronous": "true: the synchronous reference schedule, no overlap",
 }
 # Keys that were renamed or removed, with what replaces them.
@@ -160,7 +163,8 @@ KEY_HELP = {
     "engine.activation_offload": "where boundary activations wait for the backward: GPU, pinned host memory, files",
     "engine.nvme.dir": "scratch folder for what the placement puts on disk; null: <output_dir>/nvme",
     "engine.nvme.fraction": "share of the sliding blocks whose AdamW moments live on disk, in [0, 1]",
-    "engine.placement": "expert overrides: window, resident, device_update_share, synchronous (docs/placement.md)",
+    "engine.placement": "expert overrides: window, resident, device_update_share, speculate, synchronous "
+                        "(docs/placement.md)",
     "checkpoint.every": "steps between checkpoints; 0: only at the end",
     "checkpoint.keep": "the newest checkpoints kept; 0: write none",
     "resume": "auto (the newest good checkpoint in output_dir) or a checkpoint's path; null: a new run",
@@ -334,9 +338,10 @@ def check_placement(overrides: dict, states_dtype: str) -> None:
                                                    for u in resident))):
         raise ConfigError(f"engine.placement.resident must be a count of at least 0 or a list of units such as "
                           f"[edges, block.3], got {resident!r}")
-    synchronous = overrides.get("synchronous")
-    if synchronous is not None and not isinstance(synchronous, bool):
-        raise ConfigError(f"engine.placement.synchronous must be true or false, got {synchronous!r}")
+    for key in ("synchronous", "speculate"):
+        value = overrides.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"engine.placement.{key} must be true or false, got {value!r}")
 
 
 def get_key(cfg, dotted: str):

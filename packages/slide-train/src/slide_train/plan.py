@@ -52,7 +52,8 @@ def overrides_of(cfg: TrainConfig, num_blocks: int) -> Overrides:
     elif resident is not None and resident > num_blocks + 1:
         raise ConfigError(f"engine.placement.resident={resident}, but this model has {num_blocks + 1} units (the "
                           f"edges and {num_blocks} blocks): use at most {num_blocks + 1}")
-    return Overrides(window=o.get("window"), resident=resident, device_update_share=o.get("device_update_share"))
+    return Overrides(window=o.get("window"), resident=resident, device_update_share=o.get("device_update_share"),
+                     speculate=o.get("speculate"))
 
 
 def run_options(cfg: TrainConfig, cuda: bool, nvme_fraction: float | None = None) -> Options:
@@ -96,7 +97,8 @@ def describe(plan: Plan) -> str:
     lines = [f"plan: {len(p.resident)} of {len(p.units)} units resident on {device}, {sliding} sliding through "
              f"{p.window} slots; {len(p.streamed - {0})} sliding blocks update on the GPU, {len(p.held)} hold their "
              f"gradient there, {len(p.pooled)} share host memory with the boundary activations, "
-             f"{len(p.on_disk)} keep their AdamW moments on disk"]
+             f"{len(p.on_disk)} keep their AdamW moments on disk"
+             + (f", {len(p.speculated)} speculate" if p.speculated else "")]
     groups = p.describe()
     if len(groups) > 8:
         groups = [f"    ({len(groups)} runs of units placed alike: `plan --json` lists each unit)"]
@@ -135,6 +137,9 @@ def refuse(plan: Plan, cfg: TrainConfig, replan=None) -> None:
                             f"{len(p.sliding_blocks)} sliding blocks on disk (engine.nvme.dir: a fast local NVMe "
                             "drive; each step reads and writes them)")
                 break
+        if p.speculated:
+            host.append("engine.placement.speculate=false saves the speculated parameters and lets gradients "
+                        "share the activations' memory")
         if p.state_bytes > 2:
             host.append("engine.states_dtype=bf16 saves 4 bytes per parameter")
         if p.clip and p.sliding_blocks:

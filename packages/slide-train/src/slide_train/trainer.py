@@ -443,10 +443,12 @@ class Trainer:
             "loss": stats.loss,
             "lr": lr,
             "grad_norm": stats.grad_norm,
+            "speculation": stats.speculation,
             "tokens": tokens,
             "target_tokens": targets,
             "step_s": seconds,
-            "predicted_step_s": self.memory_plan.estimate.step_s,
+            "predicted_step_s": (self.memory_plan.estimate_unclipped if stats.speculation == "held"
+                                 else self.memory_plan.estimate).step_s,
             "tokens_per_s": tokens / seconds,
             # Model FLOPs only (6 per parameter per token), as peers and papers count them: no recompute.
             "tflops": 6 * self.num_params * tokens / seconds / 1e12,

@@ -1,0 +1,101 @@
+"""Speculative updates: a clipped step's host updates also run during backward as if clipping will not act,
+writing only new parameters; when it does not act the next loads take them and the updates proper run later.
+Whatever the clipping does, the result is bit for bit the engine's without speculation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_engine import DEPTH, Model, ToyStack, batches, make_engine
+
+from slide_memory import AdamWConfig
+from slide_scheduler import HOST, Options, UnitPlacement, arrange, shapes_of
+from slide_scheduler import placement as placement_module
+
+STEPS = 5
+
+
+def run(clip, speculate: bool, pipeline: bool = True, slow: str | None = None, **choices):
+    """Losses, speculation outcomes and final masters of STEPS steps on the toy stack."""
+    torch.manual_seed(0)
+    engine = make_engine(ToyStack(Model(tied=True)), device="cpu", max_grad_norm=clip, pipeline=pipeline,
+                         optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1), speculate=speculate, **choices)
+    if slow:
+        getattr(engine, slow).delay = 0.003
+    losses, outcomes = [], []
+    for step in batches(seed=4, steps=STEPS, micro=3):
+        n = sum(int((b["targets"] != -100).sum()) for b in step)
+        stats = engine.step(step, lr=1e-2, normalizer=n)
+        losses.append(stats.loss)
+        outcomes.append(stats.speculation)
+    masters = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}
+    states = [{k: v.clone() for k, v in engine.optimizer_state(u).items()} for u in range(len(engine.units))]
+    engine.close()
+    return losses, outcomes, masters, states
+
+
+def same(a, b) -> bool:
+    (la, _, ma, sa), (lb, _, mb, sb) = a, b
+    return la == lb and all(ma[u][n].equal(t) for u, p in mb.items() for n, t in p.items()) and all(
+        x.keys() == y.keys() and all(x[k].equal(y[k]) for k in x) for x, y in zip(sa, sb))
+
+
+def mixed_clip() -> float:
+    """A limit some of the run's steps' norms exceed and others do not."""
+    norms = []
+    torch.manual_seed(0)
+    engine = make_engine(ToyStack(Model(tied=True)), device="cpu", max_grad_norm=None,
+                         optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1))
+    for step in batches(seed=4, steps=STEPS, micro=3):
+        n = sum(int((b["targets"] != -100).sum()) for b in step)
+        norms.append(engine.step(step, lr=1e-2, normalizer=n).grad_norm)
+    engine.close()
+    return sorted(norms)[len(norms) // 2]
+
+
+@pytest.mark.parametrize("slow", [None, "h2d", "land", "d2h", "updater"])
+@pytest.mark.parametrize("clips", ["always", "never", "mixed"])
+def test_speculation_gives_the_result_without_it_bit_for_bit(clips, slow):
+    clip = {"always": 0.05, "never": 1e6, "mixed": mixed_clip()}[clips]
+    reference = run(clip, speculate=False)
+    synchronous = run(clip, speculate=True, pipeline=False)
+    speculated = run(clip, speculate=True, slow=slow)
+    assert same(speculated, reference) and same(synchronous, reference)
+    outcomes = set(speculated[1])
+    assert outcomes == {"always": {"discarded"}, "never": {"held"}, "mixed": {"held", "discarded"}}[clips]
+    assert synchronous[1] == speculated[1] and set(reference[1]) == {"off"}
+
+
+@pytest.mark.parametrize("choices", [{"resident": 2}, {"device_update_share": 0.5, "held_grads": 1},
+                                     {"window": 3}, {"window": 1}])
+@pytest.mark.parametrize("slow", [None, "updater", "d2h"])
+def test_speculating_blocks_beside_resident_and_device_updated_ones(choices, slow):
+    clip = mixed_clip()
+    assert same(run(clip, True, slow=slow, **choices), run(clip, False, **choices))
+
+
+def test_speculation_needs_a_gradient_buffer_of_its_own():
+    """A pooled gradient lies under the next forward's activations, which cannot wait for an update that runs
+    late: such blocks do not speculate, and a placement that says they do is refused."""
+    stack = ToyStack(Model(tied=True))
+    options = Options(clip=True, cuda=False, compute_bytes=4)
+    shapes = shapes_of(stack)
+    step = placement_module.StepShape(30, 3, 10)
+    pooled = arrange(shapes, step, options, resident=(), window=2, share=0.0, shared=True, held=0, speculate=True)
+    assert not pooled.speculated
+    ringed = arrange(shapes, step, options, resident=(), window=2, share=0.0, shared=False, held=0, speculate=True)
+    assert ringed.speculated == set(range(1, DEPTH + 1))
+    assert ringed.tiers()[HOST]["speculative parameters"] == 4 * DEPTH * shapes.block_numel
+    units = list(pooled.units)
+    units[1] = dataclasses.replace(units[1], speculate=True)
+    with pytest.raises(ValueError, match="block 0: only a clipped sliding block updated on the host"):
+        dataclasses.replace(pooled, units=tuple(units))
+    unclipped = arrange(shapes, step, dataclasses.replace(options, clip=False), resident=(), window=2, share=0.0,
+                        shared=False, held=0, speculate=True)
+    assert not unclipped.speculated
+    with pytest.raises(ValueError, match="speculates"):
+        dataclasses.replace(unclipped, units=(unclipped.units[0],
+                                              UnitPlacement(False, "host", "ring", HOST, speculate=True),
+                                              *unclipped.units[2:]))
