@@ -18,13 +18,18 @@ VOCAB = 320  # the byte tokenizer's 259 tokens, padded
 # The families added through the declarative table (models/families.py): hidden 64, windows shorter than the
 # tests' 24-token rows where the family slides one, soft-capping on for Gemma 2, pad ids the data contains (the
 # pad row gets no gradient in HF) and non-trivial multipliers for Granite.
-NEW_FAMILIES = ["phi3", "olmo2", "granite", "gemma2", "gemma3_text"]
+NEW_FAMILIES = ["phi3", "olmo2", "olmo3", "granite", "gemma", "gemma2", "gemma3_text"]
 NEW_FAMILY_CONFIGS = {
     "phi3": dict(num_key_value_heads=2, sliding_window=8, pad_token_id=9, bos_token_id=1, eos_token_id=2,
                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
     "olmo2": dict(num_key_value_heads=2, pad_token_id=11, bos_token_id=1, eos_token_id=2),
+    "olmo3": dict(num_hidden_layers=4, num_key_value_heads=2, sliding_window=6, pad_token_id=11, bos_token_id=1,
+                  eos_token_id=2,
+                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}),
     "granite": dict(num_key_value_heads=2, tie_word_embeddings=True, embedding_multiplier=12.0,
                     residual_multiplier=0.22, attention_multiplier=0.1, logits_scaling=8.0),
+    "gemma": dict(num_key_value_heads=2, head_dim=16, pad_token_id=13),
     "gemma2": dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
                    sliding_window=6, attn_logit_softcapping=5.0, final_logit_softcapping=3.0, pad_token_id=13),
     "gemma3_text": dict(num_hidden_layers=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,

@@ -1,7 +1,7 @@
-"""The families of the declarative table (Phi-3, OLMo 2, Granite, Gemma 2, Gemma 3 text) against transformers:
-three clipped, accumulated steps equal a plain PyTorch loop over the HF model with HF's own loss; the export
-loads with `from_pretrained` and gives the trained masters' logits; a resumed run is the uninterrupted one bit for
-bit; unsupported checkpoints are refused with the reason."""
+"""The families of the declarative table (Phi-3, OLMo 2 and 3, Granite, Gemma, Gemma 2, Gemma 3 text) against
+transformers: three clipped, accumulated steps equal a plain PyTorch loop over the HF model with HF's own loss;
+the export loads with `from_pretrained` and gives the trained masters' logits; a resumed run is the uninterrupted
+one bit for bit; unsupported checkpoints are refused with the reason."""
 
 from __future__ import annotations
 
