@@ -22,9 +22,12 @@ def build(path, fmt="text", tokenizer=None, seq_len=64, **kw):
     return build_data(DataConfig(path=path, format=fmt, **kw), tokenizer, seq_len, 2, 0)
 
 
-def test_missing_file(tmp_path):
+def test_missing_file(tmp_path, monkeypatch):
     with pytest.raises(DataError, match=r"data\.path: file not found: .*nope\.txt"):
         build(str(tmp_path / "nope.txt"))
+    monkeypatch.chdir(tmp_path)  # a relative path: the message says where it was looked for
+    with pytest.raises(DataError, match=rf"file not found: nope\.txt \(looked for {tmp_path}/nope\.txt\)"):
+        build("nope.txt")
 
 
 def test_unknown_format_lists_the_valid_ones(tmp_path):

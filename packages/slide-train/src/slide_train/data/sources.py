@@ -48,8 +48,9 @@ def has_rows(path: Path) -> bool:
 
 
 def check_file(path: Path) -> None:
-    if not path.exists():
-        raise DataError(f"data.path: file not found: {path}")
+    if not path.exists():  # a relative path is read from the current folder: say which one that was
+        where = "" if path.is_absolute() else f" (looked for {path.absolute()})"
+        raise DataError(f"data.path: file not found: {path}{where}")
     if not (path.is_file() or path.is_dir()):
         raise DataError(f"data.path: not a file: {path}")
 
