@@ -73,7 +73,8 @@ def test_a_machine_file_with_less_host_memory_plans_as_that_host_and_the_refusal
     assert not plan.fits and plan.placement.bytes(HOST) > budgets.host == pytest.approx(0.95 * 32 * GIB)
     assert any(problem.startswith("host: needs ~") for problem in plan.problems)
     with pytest.raises(ConfigError, match=r"this run cannot fit: host: needs .*What would: host memory: "
-                                          r"engine.nvme.fraction=([0-9.]+) keeps the AdamW moments of (\d+) of") as no:
+                                          r"engine.nvme.fraction=([0-9.]+) \(or auto\) keeps the AdamW moments of "
+                                          r"(\d+) of") as no:
         refuse(plan, cfg, replan=lambda f: make_plan(cfg, shapes, small, True, budgets, nvme_fraction=f))
     assert "engine.states_dtype=bf16" in str(no.value) and "max_grad_norm=null" in str(no.value)
     fraction = float(re.search(r"engine.nvme.fraction=([0-9.]+)", str(no.value)).group(1))
@@ -81,6 +82,13 @@ def test_a_machine_file_with_less_host_memory_plans_as_that_host_and_the_refusal
     assert fixed.fits and fixed.placement.on_disk and fixed.placement.bytes("disk") > 0
     less = make_plan(cfg, shapes, small, True, budgets, nvme_fraction=fraction - 1 / len(shapes.unit_numels))
     assert not less.fits  # the least share that fits
+    auto = load_config(None, ["--model=llama-3.2-3b", "--seq_len=4096", "--micro_batch_size=2", "--grad_accum=4",
+                              "--engine.nvme.fraction=auto"])
+    chosen = make_plan(auto, shapes, small, True, budgets)  # auto: that same least share
+    assert chosen.fits and chosen.placement.on_disk == fixed.placement.on_disk
+    roomy = make_plan(auto, shapes, machine_with(gpu={"memory_gib": 24}, host={"memory_gib": 512}), True,
+                      budgets_for(machine_with(host={"memory_gib": 512}), True, 24.0))
+    assert roomy.fits and not roomy.placement.on_disk  # nothing on disk where RAM holds it all
     big = make_plan(cfg, shapes, machine_with(gpu={"memory_gib": 24}, host={"memory_gib": 512}), True,
                     budgets_for(machine_with(host={"memory_gib": 512}), True, 24.0))
     assert big.fits

@@ -43,8 +43,8 @@ class NvmeConfig:
     # <output_dir>/nvme). Point it at a fast local NVMe drive; its files are removed at the end
     dir: str | None = None
     # Share of the sliding blocks (the last ones) whose AdamW m and v live on disk: 8 bytes per parameter less
-    # host memory (4 with bf16 states), read and written by every step
-    fraction: float = 0.0
+    # host memory (4 with bf16 states), read and written by every step; auto: the least share that fits
+    fraction: float | str = 0.0
 
 
 @dataclass
@@ -162,7 +162,8 @@ KEY_HELP = {
     "engine.kernels": "slide-kernels' Triton kernels; auto: on CUDA",
     "engine.activation_offload": "where boundary activations wait for the backward: GPU, pinned host memory, files",
     "engine.nvme.dir": "scratch folder for what the placement puts on disk; null: <output_dir>/nvme",
-    "engine.nvme.fraction": "share of the sliding blocks whose AdamW moments live on disk, in [0, 1]",
+    "engine.nvme.fraction": "share of the sliding blocks whose AdamW moments live on disk, in [0, 1]; auto: the "
+                            "least share that fits the host's memory",
     "engine.placement": "expert overrides: window, resident, device_update_share, speculate, synchronous "
                         "(docs/placement.md)",
     "checkpoint.every": "steps between checkpoints; 0: only at the end",
@@ -225,8 +226,11 @@ def _coerce(kind, value, key: str):
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(inner, value, key)
+        inner = [a for a in args if a is not type(None)]
+        for kind in inner[:-1]:  # a number or a word (`0.25` or `auto`): the first reading that works
+            with contextlib.suppress(ConfigError):
+                return _coerce(kind, value, key)
+        return _coerce(inner[-1], value, key)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key} must be a list of {len(args)} numbers, got {value!r}")
@@ -302,9 +306,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("max_grad_norm must be positive, or null to disable clipping")
     if cfg.epochs is not None and cfg.epochs <= 0:
         raise ConfigError(f"epochs must be positive, got {cfg.epochs}")
-    if not 0.0 <= cfg.engine.nvme.fraction <= 1.0:
+    fraction = cfg.engine.nvme.fraction
+    if fraction != "auto" and (isinstance(fraction, str) or not 0.0 <= fraction <= 1.0):
         raise ConfigError("engine.nvme.fraction is the share of sliding blocks whose AdamW states live on disk: it "
-                          f"must be in [0, 1], got {cfg.engine.nvme.fraction}")
+                          f"must be in [0, 1], or auto, got {fraction}")
     if cfg.engine.nvme.dir is not None:
         cfg.engine.nvme.dir = os.path.expanduser(cfg.engine.nvme.dir)
     if cfg.engine.gpu_memory_limit_gb is not None and cfg.engine.gpu_memory_limit_gb <= 0:

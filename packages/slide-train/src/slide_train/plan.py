@@ -77,6 +77,13 @@ def budgets_for(machine: Machine, cuda: bool, cap_gib: float | None, card_gib: f
 
 def make_plan(cfg: TrainConfig, shapes: Shapes, machine: Machine, cuda: bool, budgets: Budgets,
               nvme_fraction: float | None = None) -> Plan:
+    """The run's plan; with engine.nvme.fraction `auto`, at the least share on disk that fits host memory."""
+    if nvme_fraction is None and cfg.engine.nvme.fraction == "auto":
+        plan = make_plan(cfg, shapes, machine, cuda, budgets, 0.0)
+        if budgets.host is None or plan.placement.bytes(HOST) <= budgets.host:
+            return plan
+        found = least_disk_share(plan, lambda f: make_plan(cfg, shapes, machine, cuda, budgets, f))
+        return make_plan(cfg, shapes, machine, cuda, budgets, found[0]) if found else plan
     step = StepShape(cfg.micro_batch_size * cfg.seq_len, cfg.grad_accum, cfg.seq_len)
     return place(shapes, step, run_options(cfg, cuda, nvme_fraction), budgets, machine,
                  overrides_of(cfg, shapes.num_blocks))
@@ -116,6 +123,17 @@ def describe(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def least_disk_share(plan: Plan, replan) -> tuple[float, int] | None:
+    """The least engine.nvme.fraction at which `replan(fraction)` fits, and the blocks it puts on disk; None
+    where even every sliding block's moments on disk leave the run too large."""
+    sliding = len(plan.placement.sliding_blocks)
+    for blocks in range(1, sliding + 1) if not plan.placement.device_is_host else ():
+        fraction = math.ceil(100 * blocks / sliding) / 100
+        if replan(fraction).fits:
+            return fraction, blocks
+    return None
+
+
 def refuse(plan: Plan, cfg: TrainConfig, replan=None) -> None:
     """Raise a ConfigError naming what does not fit and what would. `replan(fraction)` is the same run with
     engine.nvme.fraction `fraction`: the least share on disk that fits is offered."""
@@ -130,13 +148,12 @@ def refuse(plan: Plan, cfg: TrainConfig, replan=None) -> None:
                      + (", engine.placement.window=1 leaves one slot" if p.window > 1 else ""))
     if b.host is not None and p.bytes(HOST) > b.host:
         host = []
-        for blocks in range(1, len(p.sliding_blocks) + 1) if replan is not None and not p.device_is_host else ():
-            fraction = math.ceil(100 * blocks / len(p.sliding_blocks)) / 100
-            if replan(fraction).fits:
-                host.append(f"engine.nvme.fraction={fraction} keeps the AdamW moments of {blocks} of the "
-                            f"{len(p.sliding_blocks)} sliding blocks on disk (engine.nvme.dir: a fast local NVMe "
-                            "drive; each step reads and writes them)")
-                break
+        found = least_disk_share(plan, replan) if replan is not None and cfg.engine.nvme.fraction != "auto" else None
+        if found:
+            fraction, blocks = found
+            host.append(f"engine.nvme.fraction={fraction} (or auto) keeps the AdamW moments of {blocks} of the "
+                        f"{len(p.sliding_blocks)} sliding blocks on disk (engine.nvme.dir: a fast local NVMe "
+                        "drive; each step reads and writes them)")
         if p.speculated:
             host.append("engine.placement.speculate=false saves the speculated parameters and lets gradients "
                         "share the activations' memory")

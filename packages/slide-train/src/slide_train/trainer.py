@@ -90,7 +90,8 @@ def nvme_dir(cfg: TrainConfig) -> pathlib.Path:
 
 
 def uses_disk(cfg: TrainConfig) -> bool:
-    return cfg.engine.nvme.fraction > 0 or cfg.engine.activation_offload == "nvme"
+    fraction = cfg.engine.nvme.fraction
+    return fraction == "auto" or fraction > 0 or cfg.engine.activation_offload == "nvme"
 
 
 def engine_config(cfg: TrainConfig) -> EngineConfig:
@@ -141,7 +142,7 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True) ->
                 "every master in host memory (masters on disk are not supported yet)")
     if running:
         refuse(plan, cfg, replan=lambda f: make_plan(cfg, shapes, machine, cuda, budgets, nvme_fraction=f))
-        if e.nvme.fraction and not plan.placement.on_disk:  # the share of sliding blocks rounds to none
+        if e.nvme.fraction not in (0, "auto") and not plan.placement.on_disk:  # the share rounds to no block
             sliding = len(plan.placement.sliding_blocks)
             warnings.warn(f"engine.nvme.fraction={e.nvme.fraction} puts no AdamW state on disk: " + (
                 f"it is none of the {sliding} sliding blocks (a share of {1 / sliding:.3g} keeps one block's "
