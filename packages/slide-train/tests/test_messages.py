@@ -61,3 +61,22 @@ def test_without_a_terminal_progress_is_plain_lines_and_the_run_keeps_a_log(tmp_
     assert "warning: checkpoint.keep=0: this run writes no checkpoint" in log and "[UserWarning at " in log
     assert "info: plan: " in log or "plan: " in log
     assert "step 4/4: loss" in log and "done: 4 steps" in log
+
+
+def test_scratch_a_stopped_run_left_in_the_users_own_folder_is_named_and_kept(tmp_path):
+    """engine.nvme.dir of the user's choosing is never cleared: what a killed run left there is said, not
+    removed (the run's own default folder is cleared at its start)."""
+    from slide_train.trainer import Trainer
+
+    own = tmp_path / "fast"
+    stale = own / "states" / "slide-io-x1y2"
+    stale.mkdir(parents=True)
+    (stale / "block.3").write_bytes(b"\0" * 4096)
+    cfg = load_config(None, [*SMALL, "--engine.device=cpu", "--engine.nvme.fraction=0.5",
+                             f"--engine.nvme.dir={own}", f"--output_dir={tmp_path / 'run'}"])
+    with pytest.warns(UserWarning, match=rf"{own} holds 1 scratch folder\(s\) an earlier run left when it was "
+                                         r"stopped \(0\.0 MB: slide-io-x1y2\); this run leaves them alone"):
+        trainer = Trainer(cfg, progress=False)
+    trainer.step()
+    trainer.close()
+    assert (stale / "block.3").stat().st_size == 4096 and [p.name for p in (own / "states").iterdir()] == [stale.name]

@@ -156,6 +156,15 @@ def default_disk_folders(cfg: TrainConfig) -> list[str]:
     return [str(nvme_dir(cfg))] if uses_disk(cfg) and not cfg.engine.nvme.dir else []
 
 
+def leftovers(cfg: TrainConfig) -> list[pathlib.Path]:
+    """Scratch stores a killed run left in a folder of the user's own (engine.nvme.dir), which is not cleared:
+    the slide-io store folders under its states/ and activations/ folders."""
+    if not cfg.engine.nvme.dir:
+        return []
+    folder = pathlib.Path(cfg.engine.nvme.dir)
+    return sorted(p for sub in (STATES_DIR, ACTIVATIONS_DIR) for p in (folder / sub).glob("slide-io-*"))
+
+
 def build_engine(cfg: TrainConfig, model, machine: Machine, progress: bool = False,
                  before_load=None) -> tuple[SlidingEngine, Plan]:
     """The engine of the run's placement. Loading an 8B model's weights takes minutes: with `progress`, a bar
@@ -164,6 +173,10 @@ def build_engine(cfg: TrainConfig, model, machine: Machine, progress: bool = Fal
     plan, engine_cfg, stack = plan_run(cfg, model, machine)
     for folder in default_disk_folders(cfg):  # a killed run's files (before the checks count them)
         shutil.rmtree(folder, ignore_errors=True)
+    if left := leftovers(cfg):  # the user's own folder: said, not removed
+        warnings.warn(f"{cfg.engine.nvme.dir} holds {len(left)} scratch folder(s) an earlier run left when it was "
+                      f"stopped ({size_text(sum(_bytes_under(p) for p in left))}: {', '.join(p.name for p in left)}"
+                      "); this run leaves them alone: delete them to free the space", stacklevel=2)
     if before_load is not None:
         before_load(plan, engine_cfg)
     if not plan.placement.device_is_host:  # a training run's process (not `slide-train plan`), before its first
