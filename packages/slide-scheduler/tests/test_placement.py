@@ -342,3 +342,23 @@ def test_a_hand_written_placement_runs_on_cuda(tmp_path):
     held = measure(engine, stack, steps=2)
     engine.close()
     assert held[GPU] == p.bytes(GPU, transient=False) and held[HOST] == p.bytes(HOST, transient=False)
+
+
+def test_asked_to_speculate_the_planner_speculates_where_it_pays_and_the_host_has_room():
+    """On an H200-like host clipped 3B updates outrun the forward: speculating, the step where clipping does not
+    act is priced faster, and the plan speculates; on a host fast enough that the GPU binds anyway, and where the
+    host's budget cannot hold what speculation needs, it does not (and still fits)."""
+    from slide_scheduler import Overrides
+
+    step, gib = StepShape(8192, 4, 4096), 2**30
+    h200 = with_rates(FAST, host={"memory_gbps": 132, "adamw_gparams": 3.68, "cores": 16})
+    budgets = Budgets(gpu=0.92 * 24 * gib)
+    plain = place(LLAMA_3B, step, Options(clip=True), budgets, h200)
+    asked = place(LLAMA_3B, step, Options(clip=True), budgets, h200, Overrides(speculate=True))
+    assert not plain.placement.speculated and asked.placement.speculated
+    assert asked.estimate_unclipped.step_s < plain.estimate_unclipped.step_s
+    assert asked.placement.bytes(HOST) > plain.placement.bytes(HOST)
+    assert not place(LLAMA_3B, step, Options(clip=True), budgets, FAST, Overrides(speculate=True)).placement.speculated
+    tight = Budgets(gpu=budgets.gpu, host=(plain.placement.bytes(HOST) + asked.placement.bytes(HOST)) / 2)
+    fallback = place(LLAMA_3B, step, Options(clip=True), tight, h200, Overrides(speculate=True))
+    assert fallback.fits and fallback.placement.bytes(HOST) <= tight.host

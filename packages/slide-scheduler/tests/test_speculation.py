@@ -5,6 +5,8 @@ Whatever the clipping does, the result is bit for bit the engine's without specu
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 
 import pytest
 import torch
@@ -73,7 +75,73 @@ def test_speculation_gives_the_result_without_it_bit_for_bit(clips, slow):
 @pytest.mark.parametrize("slow", [None, "updater", "d2h"])
 def test_speculating_blocks_beside_resident_and_device_updated_ones(choices, slow):
     clip = mixed_clip()
-    assert same(run(clip, True, slow=slow, **choices), run(clip, False, **choices))
+    speculated = run(clip, True, slow=slow, **choices)
+    assert same(speculated, run(clip, False, **choices)) and set(speculated[1]) == {"held", "discarded"}
+
+
+def slow_after_writing(monkeypatch):
+    """A speculative pass that lingers after writing its parameters, before it says it is done."""
+    from slide_memory import HostAdamW
+
+    step_unit = HostAdamW.step_unit
+
+    def lingering(self, *args, **kwargs):
+        step_unit(self, *args, **kwargs)
+        if kwargs.get("part") == "speculate":
+            time.sleep(0.02)
+
+    monkeypatch.setattr(HostAdamW, "step_unit", lingering)
+
+
+@pytest.mark.parametrize("resident", [0, 1])
+def test_a_non_finite_step_between_speculating_ones_changes_nothing(monkeypatch, resident):
+    """A non-finite norm queues no update behind the step's speculation: the next step's gradient must still wait
+    for it to finish reading its buffer, and its late finish must not pass for the next speculation's."""
+    slow_after_writing(monkeypatch)
+
+    def steps(speculate):
+        torch.manual_seed(0)
+        engine = make_engine(ToyStack(Model(tied=True)), device="cpu", max_grad_norm=1e6, resident=resident,
+                             optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1), speculate=speculate)
+        losses, outcomes = [], []
+        for k, step in enumerate(batches(seed=4, steps=4, micro=3)):
+            n = sum(int((b["targets"] != -100).sum()) for b in step)
+            stats = engine.step(step, lr=1e-2, normalizer=0.0 if k == 1 else n)  # step 1: an infinite loss
+            losses.append(stats.loss)
+            outcomes.append(stats.speculation)
+        masters = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}
+        engine.close()
+        return losses, outcomes, masters
+
+    (losses, outcomes, masters), (ref_losses, _, ref) = steps(True), steps(False)
+    assert outcomes == ["held", "discarded", "held", "held"] and not math.isfinite(losses[1])
+    assert losses[2:] == ref_losses[2:] and all(masters[u][n].equal(t) for u, p in ref.items() for n, t in p.items())
+
+
+def test_a_step_that_fails_after_speculating_leaves_the_masters_in_charge(monkeypatch):
+    """A step that raises once its blocks have speculated (their loads took the last step's speculated
+    parameters): what loads next is the master, as without speculation."""
+    def after_failure(speculate):
+        torch.manual_seed(0)
+        engine = make_engine(ToyStack(Model(tied=True)), device="cpu", max_grad_norm=1e6,
+                             optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1), speculate=speculate)
+        data = batches(seed=4, steps=3, micro=3)
+        n = [sum(int((b["targets"] != -100).sum()) for b in step) for step in data]
+        assert engine.step(data[0], lr=1e-2, normalizer=n[0]).speculation == ("held" if speculate else "off")
+        queue = engine._queue_updates
+
+        def fail(*args):
+            raise RuntimeError("stopped before its updates")
+
+        engine._queue_updates = fail
+        with pytest.raises(RuntimeError, match="stopped before its updates"):
+            engine.step(data[1], lr=1e-2, normalizer=n[1])
+        engine._queue_updates = queue
+        loss = engine.evaluate(data[2], normalizer=n[2])
+        engine.close()
+        return loss
+
+    assert after_failure(True) == after_failure(False)
 
 
 def test_speculation_needs_a_gradient_buffer_of_its_own():

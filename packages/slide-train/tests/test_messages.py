@@ -80,3 +80,14 @@ def test_scratch_a_stopped_run_left_in_the_users_own_folder_is_named_and_kept(tm
     trainer.step()
     trainer.close()
     assert (stale / "block.3").stat().st_size == 4096 and [p.name for p in (own / "states").iterdir()] == [stale.name]
+
+
+def test_speculation_asked_for_where_none_can_run_is_said(tmp_path):
+    from slide_train.trainer import Trainer
+
+    cfg = load_config(None, [*SMALL, "--engine.device=cpu", "--max_grad_norm=null", "--engine.placement.speculate=true",
+                             f"--output_dir={tmp_path / 'run'}"])
+    with pytest.warns(UserWarning, match="engine.placement.speculate=true, but no block speculates: without clipping"):
+        trainer = Trainer(cfg, progress=False)
+    assert trainer.step()["speculation"] == "off"
+    trainer.close()

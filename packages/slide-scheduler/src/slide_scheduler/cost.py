@@ -103,7 +103,7 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
         bwd.d2h += 0 if up.grad == "held" else numel * c
         if clip and up.speculate:  # the speculative pass, under the backward
             bwd.adamw += numel / adamw
-            bwd.host_bytes += numel * (14 + c)
+            bwd.host_bytes += numel * (4 + 2 * sb + 2 * c)  # reads master, m, v, gradient; writes parameters
         if held:
             anywhere.adamw += numel / adamw
             anywhere.host_bytes += numel * adamw_bytes

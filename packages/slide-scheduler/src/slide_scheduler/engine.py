@@ -350,8 +350,9 @@ class SlidingEngine:
             buffer = self.pool.gradient(block)
             return buffer, self._copy_out(unit, buffer, slot.grads, f"grads {block}")
         buffer, previous = self.grad_ring.take(unit)
-        if previous is not None:  # the buffer's last gradient has been used by its update (both parts)
-            self._wait_for_update(previous)
+        if previous is not None:  # the buffer's last gradient has been used by its update (both parts), and by its
+            self._wait_for_update(previous)  # speculation (which, after a non-finite step, no update follows)
+            self._wait_for_update(previous, speculated=True)
         return buffer, self._copy_out(unit, buffer, slot.grads, f"grads {block}")
 
     def _flush_device_updates(self) -> None:
@@ -588,6 +589,8 @@ class SlidingEngine:
                 if not clip:  # no clipping: the update starts as soon as its first piece is on the host
                     self.updater.submit(i + 1, host_grads[i + 1], arrived[i + 1], lr, 1.0)
                 elif i + 1 in self.speculative:  # as if clipping will not act: only new parameters are written
+                    # (over the ones its loads took: until this step says otherwise, later loads take the master)
+                    self._from_speculation.discard(i + 1)
                     self.updater.submit(i + 1, host_grads[i + 1], arrived[i + 1], lr, 1.0, part="speculate",
                                         into=self.speculative[i + 1])
             for k in range(i - 1, max(i - window - 1, -1), -1):  # prefetch: every slot not in use
@@ -658,11 +661,14 @@ class SlidingEngine:
                     chunks = [k for k in chunks if k not in self._edge_tail]
                 self._pending[u] = PendingUpdate(host_grads[u], arrived[u][-1], lr, scale, list(chunks), split)
             elif u in speculated:
-                self.updater.submit(u, host_grads[u], arrived[u], lr, scale)
+                continue  # below, after the updates the next forward waits for
             elif u == 0 or clip:  # without clipping, sliding blocks were submitted during backward
                 self.updater.submit(u, host_grads[u], arrived[u], lr, scale, part="params" if split else "all")
                 if split:
                     self._moments_due[u] = MomentsPart(host_grads[u], arrived[u], lr, scale)
+        # Whole, last block first: the next backward reuses the last block's gradient buffer first
+        for u in sorted(speculated, reverse=True):
+            self.updater.submit(u, host_grads[u], arrived[u], lr, scale)
         if 0 not in self.resident:
             self._edges_loaded = None
 

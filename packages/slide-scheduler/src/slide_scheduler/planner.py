@@ -84,13 +84,13 @@ def place(shapes: Shapes, step: StepShape, options: Options, budgets: Budgets, m
     poolable = options.clip and options.activations == "cpu"
     # Held host gradients share the boundary activations' memory wherever clipping holds them: up to the
     # activations' size less host memory, at the speed of a buffer each (docs/findings.md)
-    # Speculation needs each held gradient in a buffer of its own (see placement.validate)
-    pooled = (poolable if o.share_grads is None and not o.speculate else bool(o.share_grads) and poolable,)
-    # Speculation takes host memory (the speculated parameters, a gradient buffer each): where the host cannot
-    # afford it for every block, it speculates for the first blocks it can
-    speculation = [True, *(round(f * shapes.num_blocks) for f in SPECULATED)] if o.speculate else [False]
+    pooled = poolable if o.share_grads is None else bool(o.share_grads) and poolable
+    # Asked to speculate: every block, or the first ones where the host cannot afford all (each speculating block
+    # needs its speculated parameters and a gradient buffer of its own), or none where it prices no better
+    kinds = [(pooled, False)] + ([(False, True), *((False, round(f * shapes.num_blocks)) for f in SPECULATED)]
+                                 if o.speculate and options.clip else [])
     best: tuple[bool, bool, float, float, Placement, Estimate] | None = None
-    for window, share, shared, speculate in itertools.product(windows, shares, pooled, speculation):
+    for window, share, (shared, speculate) in itertools.product(windows, shares, kinds):
         p = size_for_budget(shapes, step, options, budgets.gpu, window=window, share=share, shared=shared,
                             overrides=o, speculate=speculate)
         gpu_fits = budgets.gpu is None or p.bytes(GPU) <= budgets.gpu

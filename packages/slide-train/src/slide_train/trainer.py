@@ -142,6 +142,11 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True) ->
                 "every master in host memory (masters on disk are not supported yet)")
     if running:
         refuse(plan, cfg, replan=lambda f: make_plan(cfg, shapes, machine, cuda, budgets, nvme_fraction=f))
+        if e.placement.get("speculate") and not plan.placement.speculated:
+            why = ("without clipping nothing waits for the norm" if not cfg.max_grad_norm else
+                   "the cost model prices it no faster on this machine, or the host's memory budget has no room "
+                   "for it")
+            warnings.warn(f"engine.placement.speculate=true, but no block speculates: {why}", stacklevel=2)
         if e.nvme.fraction not in (0, "auto") and not plan.placement.on_disk:  # the share rounds to no block
             sliding = len(plan.placement.sliding_blocks)
             warnings.warn(f"engine.nvme.fraction={e.nvme.fraction} puts no AdamW state on disk: " + (
