@@ -117,7 +117,8 @@ def describe(plan: Plan) -> str:
         lines.append(tier_line(DISK, b.disk))
     e, u = plan.estimate, plan.estimate_unclipped
     clipped = f" (clipping acts; {u.step_s:.2f} s when it does not)" if p.clip else ""
-    lines.append(f"  predicted step {e.step_s:.2f} s{clipped}, bound by {e.bottleneck}: "
+    bound = "compute" if p.device_is_host and e.bottleneck == "gpu" else e.bottleneck  # (a CPU run's device)
+    lines.append(f"  predicted step {e.step_s:.2f} s{clipped}, bound by {bound}: "
                  + ", ".join(f"{lane} {busy:.2f} s" for lane, busy in e.lanes.items()))
     lines += [f"  does NOT fit: {problem}" for problem in plan.problems]
     return "\n".join(lines)
