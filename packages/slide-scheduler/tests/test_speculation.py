@@ -167,3 +167,29 @@ def test_speculation_needs_a_gradient_buffer_of_its_own():
         dataclasses.replace(unclipped, units=(unclipped.units[0],
                                               UnitPlacement(False, "host", "ring", HOST, speculate=True),
                                               *unclipped.units[2:]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("clip", [1e6, 0.05])
+def test_speculation_on_cuda_gives_the_result_without_it_bit_for_bit(clip):
+    """On CUDA the speculated parameters are rounded to bf16 on the host, where a load without speculation
+    narrows the fp32 master on the device: both round to nearest even, so the two runs are equal bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
+    results = []
+    for speculate in (False, True):
+        torch.manual_seed(0)
+        engine = make_engine(ToyStack(Model(tied=True)), device="cuda", max_grad_norm=clip, speculate=speculate,
+                             optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1))
+        assert bool(engine.speculative) == speculate and engine.dtype == torch.bfloat16
+        losses, outcomes = [], []
+        for step in batches(seed=4, steps=STEPS, micro=3):
+            stats = engine.step([{k: v.cuda() for k, v in b.items()} for b in step], lr=1e-2, normalizer=10)
+            losses.append(stats.loss)
+            outcomes.append(stats.speculation)
+        masters = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}
+        engine.close()
+        results.append((losses, outcomes, masters))
+    (ref_losses, _, ref), (losses, outcomes, got) = results
+    assert set(outcomes) == {"held" if clip > 1 else "discarded"}
+    assert losses == ref_losses and all(got[u][n].equal(t) for u, p in ref.items() for n, t in p.items())
