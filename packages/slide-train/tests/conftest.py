@@ -98,3 +98,18 @@ def write_token_rows(path: pathlib.Path, rows: list[list[int]], labels: list[lis
             if labels is not None:
                 row["labels"] = labels[i]
             f.write(json.dumps(row) + "\n")
+
+
+# Mixture-of-experts families (top-2 routing, every layer sparse): Qwen3-MoE with normalized top-k weights,
+# Mixtral with a window shorter than the rows, OLMoE with unnormalized ones. save_pretrained writes one tensor per
+# expert, so training from these directories also reads experts the way released checkpoints store them.
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "olmoe"]
+MOE_CONFIGS = {
+    "qwen3_moe": dict(num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, pad_token_id=11),
+    "mixtral": dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+                    sliding_window=8, pad_token_id=11),
+    "olmoe": dict(num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                  norm_topk_prob=False, pad_token_id=11, bos_token_id=1, eos_token_id=2),
+}
+NEW_FAMILY_CONFIGS.update(MOE_CONFIGS)

@@ -8,6 +8,10 @@ the layers is one entry in `families.FAMILIES`, so one adapter serves them all.
 Blocks are structurally identical, but a layer's attention may depend on its index (sliding window or global,
 and for Gemma 3 its own rotary base): the head builds one context per layer type, and `HFStack.block_context`
 hands each block the one of its layer.
+
+A mixture-of-experts layer (Qwen3-MoE, Mixtral, OLMoE) is one block too: transformers' router and experts run
+inside it (the experts through transformers' experts implementation, grouped matmuls), and the block holds all of
+its layer's experts. Checkpoints that store one tensor per expert are fused while loading (`Family.checkpoint`).
 """
 
 from __future__ import annotations
@@ -159,6 +163,8 @@ class HFStack:
             skeleton = transformers.AutoModelForCausalLM.from_config(config)
         self._layer_cls = type(skeleton.get_submodule(family.layers)[0])
         self._skeleton = skeleton
+        if family.experts:  # the experts implementation transformers chose for the skeleton, for the blocks too
+            config._experts_implementation = skeleton.config._experts_implementation
 
     def make_edges(self) -> Edges:
         cfg, family, skeleton = self.config, self.family, self._skeleton
@@ -201,8 +207,21 @@ class HFStack:
             self.weights.read_into(edge_hf_name(name, self.family), view)
 
     def load_block(self, index: int, params: dict[str, torch.Tensor]) -> None:
+        stored = dict(self.family.checkpoint)
         for name, view in params.items():
-            self.weights.read_into(block_hf_name(index, name, self.family), view)
+            hf = block_hf_name(index, name, self.family)
+            sources = stored.get(name.removeprefix("layer."))
+            if sources is None or hf in self.weights:
+                self.weights.read_into(hf, view)
+                continue
+            prefix = f"{self.family.layers}.{index}."
+            if "{e}" not in sources[0]:  # the same tensor under another name
+                self.weights.read_into(prefix + sources[0], view)
+                continue
+            rows = view.shape[1] // len(sources)  # each expert's slice: its tensors one after the other
+            for e in range(view.shape[0]):
+                for k, source in enumerate(sources):
+                    self.weights.read_into(prefix + source.format(e=e), view[e, k * rows:(k + 1) * rows])
 
 
 class _Patchable(nn.Module):

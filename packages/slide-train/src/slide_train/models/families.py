@@ -44,10 +44,30 @@ class Family:
     # slide-kernels' `apply_to` patches exactly this family's modules (RMSNorm, SwiGLU MLP, RoPE): on CUDA its
     # fused kernels run in the blocks; otherwise the family runs the torch path.
     kernels: bool = False
+    # Mixture of experts: the config attribute holding the number of experts (None: a dense family). The layer's
+    # router and experts are transformers' own; a block holds all of its layer's experts.
+    experts: str | None = None
+    # Where a checkpoint stores a block parameter under other names (released checkpoints, and transformers 5's
+    # save_pretrained, keep one tensor per expert; the layer fuses them): our name -> the checkpoint's tensors,
+    # concatenated along dim 0 of each expert's slice, `{e}` the expert's index. Read only when the block's own
+    # name is not in the checkpoint.
+    checkpoint: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def describe(self) -> str:
         return f"{self.model_type} ({self.title})"
 
+
+# Experts as Qwen2/3-MoE and OLMoE checkpoints store them (transformers' conversion mapping fuses gate and up).
+PER_EXPERT = (
+    ("mlp.experts.gate_up_proj", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight")),
+    ("mlp.experts.down_proj", ("mlp.experts.{e}.down_proj.weight",)),
+)
+# Mixtral's checkpoints: w1 gate, w3 up, w2 down, under `block_sparse_moe`.
+MIXTRAL_EXPERTS = (
+    ("mlp.experts.gate_up_proj", ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight")),
+    ("mlp.experts.down_proj", ("block_sparse_moe.experts.{e}.w2.weight",)),
+    ("mlp.gate.weight", ("block_sparse_moe.gate.weight",)),
+)
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "Llama 2 / 3.x", kernels=True),
@@ -63,6 +83,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            attn_softcap="attn_logit_softcapping", norm_init=0.0),
     Family("gemma3_text", "Gemma 3 text", embed_sqrt_hidden=True, final_softcap="final_logit_softcapping",
            attn_softcap="attn_logit_softcapping", norm_init=0.0),
+    Family("qwen3_moe", "Qwen3 MoE", window_everywhere=True, experts="num_experts", checkpoint=PER_EXPERT),
+    Family("mixtral", "Mixtral", window_everywhere=True, experts="num_local_experts", checkpoint=MIXTRAL_EXPERTS),
+    Family("olmoe", "OLMoE", experts="num_experts", checkpoint=PER_EXPERT),
 )}
 
 # Model types that are known and deliberately refused, with the reason.
@@ -102,7 +125,28 @@ def family_of(config: transformers.PretrainedConfig) -> Family:
         shown = ", ".join(f"{k}={v}" for k, v in dropout.items())
         raise ModelError(f"{model_type} with dropout ({shown}) is not supported: each block's backward recomputes "
                          "its forward, which would draw other dropout masks; set them to 0 in config.json")
+    if family.experts:
+        check_experts(config, family)
     return family
+
+
+def check_experts(config: transformers.PretrainedConfig, family: Family) -> None:
+    """Refuse what a mixture-of-experts config asks that the engine cannot train exactly."""
+    name = family.model_type
+    sparse_step = getattr(config, "decoder_sparse_step", 1) or 1
+    dense = list(getattr(config, "mlp_only_layers", None) or [])
+    if dense or sparse_step != 1:
+        raise ModelError(f"{name} with dense layers among the sparse ones (mlp_only_layers={dense}, "
+                         f"decoder_sparse_step={sparse_step}) is not supported: the engine runs one block shape per "
+                         "GPU slot, so every layer must be a mixture-of-experts layer (mlp_only_layers [] and "
+                         "decoder_sparse_step 1)")
+    if (getattr(config, "router_jitter_noise", 0) or 0) > 0:
+        raise ModelError(f"{name} with router_jitter_noise={config.router_jitter_noise} is not supported: each "
+                         "block's backward recomputes its forward, which would draw other noise and may route "
+                         "tokens to other experts; set it to 0 in config.json")
+    if getattr(config, "output_router_logits", False):
+        raise ModelError(f"{name} with output_router_logits=true: the load-balancing loss is not supported yet; set "
+                         "output_router_logits false to train without it (router_aux_loss_coef is then unused)")
 
 
 def layer_types(config: transformers.PretrainedConfig, family: Family) -> list[str]:

@@ -1,7 +1,8 @@
 """Built-in model shapes: random-initialized from a transformers config, so nothing is downloaded.
 
 `tiny-*` are for the quick start and tests (byte-level tokenizer). The public shapes (`llama-3.2-1b`, ...) are for
-benchmarks and plans; their dimensions are the published configs' dimensions (Gemma, Phi-3 and OLMo 2 included).
+benchmarks and plans; their dimensions are the published configs' dimensions (Gemma, Phi-3 and OLMo 2 included;
+the mixtures of experts OLMoE-1B-7B and Qwen3-30B-A3B with every expert: 6.9B and 30.5B parameters).
 """
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ PRESETS: dict[str, dict] = {
                        rope_theta=1000000.0, rope_local_base_freq=10000.0, max_position_embeddings=32768,
                        sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
                        tie_word_embeddings=True, rms_norm_eps=1e-6),
+    "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                        num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+                        norm_topk_prob=False, vocab_size=50304, rope_theta=10000.0, max_position_embeddings=4096,
+                        pad_token_id=1, eos_token_id=50279, tie_word_embeddings=False, rms_norm_eps=1e-5),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936,
+                          rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+                          rms_norm_eps=1e-6),
 }
 
 

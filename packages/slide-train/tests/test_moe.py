@@ -1,0 +1,135 @@
+"""Mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE) against transformers: three clipped, accumulated steps
+equal a plain PyTorch loop over the HF model with HF's own loss; the export loads with `from_pretrained` and gives
+the trained masters' logits, and trains again; a resumed run is the uninterrupted one bit for bit; what the engine
+cannot train exactly is refused with the reason."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from conftest import MOE_FAMILIES, save_tiny_model, tiny_config, write_token_rows
+from test_equivalence import ACCUM, CLIP, MICRO, SEQ, STEPS, compare, make_rows, reference_run, slide_config
+from test_families import eval_batch
+
+from slide_train.errors import ModelError
+from slide_train.export import hf_tensors
+from slide_train.models.adapter import HFStack
+from slide_train.trainer import Trainer
+
+
+def float64_reference(model, rows, labels):
+    """The plain loop in float64: transformers' grouped matmul takes no float64, its eager experts loop does."""
+    model = copy.deepcopy(model)
+    model.set_experts_implementation("eager")
+    return reference_run(model, rows, labels, torch.float64)[0]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_three_steps_match_plain_pytorch_and_the_export_loads(tmp_path, family):
+    model = save_tiny_model(tmp_path / "model", family)
+    rows, labels = make_rows(seed=1, n=STEPS * MICRO * ACCUM)
+    rows[0][SEQ // 2] = rows[5][3] = model.config.pad_token_id  # the pad row's gradient is zero in HF
+    write_token_rows(tmp_path / "data.jsonl", rows, labels)
+    trainer = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
+                                   **{"engine.placement.window": 2}), progress=False)
+    experts = trainer.engine.slots.slots[0].module.layer.mlp.experts
+    assert experts.config._experts_implementation == "grouped_mm"  # transformers' own, not a loop over experts
+    records = [trainer.step() for _ in range(STEPS)]
+    ref_model, ref_losses, ref_norms = reference_run(model, rows, labels)
+    assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5)
+    assert [r["grad_norm"] for r in records] == pytest.approx(ref_norms, rel=1e-5)
+    assert all(r["grad_norm"] > CLIP for r in records), "clipping must be active in this test"
+    compare(trainer, ref_model, float64_reference(model, rows, labels))
+
+    out = trainer.export(tmp_path / "export")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert loaded.config.model_type == family and type(loaded).__name__ == type(model).__name__
+    state = dict(hf_tensors(trainer.engine.named_masters()))
+    fresh = transformers.AutoModelForCausalLM.from_config(loaded.config).float()
+    missing, unexpected = fresh.load_state_dict(state, strict=False)
+    assert not unexpected and not missing
+    ids, lab, micro, n = eval_batch(rows, labels)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, fresh(ids).logits, rtol=1e-5, atol=1e-5)
+        hf_loss = loaded(ids, labels=lab).loss.item()
+    assert trainer.engine.evaluate(micro, normalizer=n) == pytest.approx(hf_loss, rel=1e-5)
+    trainer.close()
+    # The export (fused experts) is a model slide-train starts from too.
+    again = Trainer(slide_config(tmp_path, out, tmp_path / "data.jsonl", output_dir=tmp_path / "again"),
+                    progress=False)
+    assert again.engine.evaluate(micro, normalizer=n) == pytest.approx(hf_loss, rel=1e-5)
+    again.close()
+
+
+def test_resume_bit_for_bit(tmp_path):
+    """Two steps, a checkpoint and one resumed step give the three-step run's masters and AdamW states exactly."""
+    save_tiny_model(tmp_path / "model", "qwen3_moe")
+    rows, labels = make_rows(seed=4, n=STEPS * MICRO * ACCUM)
+    write_token_rows(tmp_path / "data.jsonl", rows, labels)
+    whole = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
+                                 output_dir=tmp_path / "whole"), progress=False)
+    for _ in range(2):
+        whole.step()
+    path = whole.save_checkpoint()
+    whole.step()
+    whole.engine.synchronize()
+    resumed = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
+                                   output_dir=tmp_path / "resumed", resume=path), progress=False)
+    assert resumed.step_index == 2
+    resumed.step()
+    resumed.engine.synchronize()
+    want, got = dict(hf_tensors(whole.engine.named_masters())), dict(hf_tensors(resumed.engine.named_masters()))
+    assert want.keys() == got.keys() and all(got[k].equal(t) for k, t in want.items())
+    for u in range(len(whole.engine.units)):
+        a, b = whole.engine.optimizer_state(u), resumed.engine.optimizer_state(u)
+        assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    whole.close()
+    resumed.close()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(mlp_only_layers=[1]), r"dense layers among the sparse ones \(mlp_only_layers=\[1\].*one block shape per "
+                                r"GPU slot"),
+    (dict(decoder_sparse_step=2), r"decoder_sparse_step=2\) is not supported: the engine runs one block shape"),
+    (dict(output_router_logits=True), r"the load-balancing loss is not supported yet; set output_router_logits "
+                                      r"false to train without it"),
+])
+def test_what_cannot_be_trained_exactly_is_refused(change, message):
+    config = tiny_config("qwen3_moe")
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ModelError, match=message):
+        HFStack(config, None)
+
+
+def test_mixtral_router_noise_is_refused():
+    """Jitter noise is drawn again in the backward's recompute, and could route tokens to other experts."""
+    config = tiny_config("mixtral")
+    config.router_jitter_noise = 0.1
+    with pytest.raises(ModelError, match=r"router_jitter_noise=0.1 is not supported: each block's backward "
+                                         r"recomputes its forward"):
+        HFStack(config, None)
+
+
+@pytest.mark.parametrize("preset, total, block", [("olmoe-1b-7b", 6_919_161_856, 419_569_664),
+                                                  ("qwen3-30b-a3b", 30_532_122_624, 623_120_640)])
+def test_presets_have_the_published_size_and_the_plan_counts_every_expert(capsys, preset, total, block):
+    """Built on the meta device: OLMoE-1B-7B's 6.9B and Qwen3-30B-A3B's 30.5B parameters; the plan's blocks hold
+    every expert of their layer."""
+    import json
+
+    from slide_train.cli import main
+    from slide_train.models.presets import preset_config
+
+    config = preset_config(preset)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == total
+    stack = HFStack(config, None)
+    assert sum(p.numel() for p in stack.make_block().parameters()) == block
+    main(["plan", f"--model={preset}", "--seq_len=1024", "--micro_batch_size=1", "--json"])  # fits or not
+    out = capsys.readouterr().out
+    assert json.loads(out[out.index("{"):])["params"] == total
