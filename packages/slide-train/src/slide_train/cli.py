@@ -62,7 +62,7 @@ def cmd_plan(args, overrides) -> int:
 
     from .machines import resolve_machine
     from .models.build import check_fits, load_model
-    from .plan import describe
+    from .plan import describe, params_text
     from .trainer import nvme_dir, plan_run, uses_disk
 
     cfg = load_config(args.config, overrides)
@@ -76,7 +76,7 @@ def cmd_plan(args, overrides) -> int:
                           "machine": machine.to_dict(), **plan.to_dict()}, indent=1))
     else:
         shapes = plan.placement.shapes
-        print(f"model: {cfg.model} ({model.hf_config.model_type}, {sum(shapes.unit_numels) / 1e9:.2f} B params, "
+        print(f"model: {cfg.model} ({model.hf_config.model_type}, {params_text(sum(shapes.unit_numels))} params, "
               f"{shapes.num_blocks} blocks); {cfg.grad_accum} x {cfg.micro_batch_size} x {cfg.seq_len} tokens per "
               f"step; machine: {args.machine or 'this one (last probe)'}")
         print(describe(plan))

@@ -30,6 +30,11 @@ HOST_USABLE = 0.95  # of host memory: the rest for the operating system and the 
 STATE_BYTES = {"fp32": 4, "bf16": 2}
 
 
+def params_text(count: int) -> str:
+    """A parameter count as people say it: 0.8M, 124.4M, 8.03B."""
+    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+
+
 def model_shapes(model, stack) -> Shapes:
     hf = model.hf_config
     return shapes_of(stack, hidden=hf.hidden_size, intermediate=getattr(hf, "intermediate_size", 0) or 0,

@@ -39,7 +39,7 @@ from .machines import resolve_machine
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics
 from .models.build import BASE_MODEL_DIR, check_fits, load_model, saved_model_source
 from .models.loss import loss_rows
-from .plan import budgets_for, describe, make_plan, model_shapes, refuse
+from .plan import budgets_for, describe, make_plan, model_shapes, params_text, refuse
 from .progress import bar
 from .schedule import lr_at
 from .space import Size
@@ -513,7 +513,7 @@ class Trainer:
     def plan(self) -> str:
         cfg, e = self.cfg, self.engine
         tokens = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len
-        return (f"model: {self.model.name} ({self.model.hf_config.model_type}, {self.num_params / 1e6:.1f}M "
+        return (f"model: {self.model.name} ({self.model.hf_config.model_type}, {params_text(self.num_params)} "
                 f"params, {e.num_blocks} blocks)\n{self.data.summary()}\n"
                 f"steps: {self.total_steps} x {cfg.grad_accum} micro-batches of {cfg.micro_batch_size} x "
                 f"{cfg.seq_len} = {tokens} tokens per step\n"
