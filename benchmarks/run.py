@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -128,6 +130,28 @@ def merge(old_path: pathlib.Path, doc: dict) -> dict:
     return doc
 
 
+# Documents of long-tailed lengths, as fine-tuning corpora have them: log-normal, median DOC_MEDIAN tokens, within
+# [DOC_MIN, seq_len]; a fixed seed, so every system of a run and every run trains on the same documents.
+DOC_MEDIAN, DOC_SIGMA, DOC_MIN = 600, 1.0, 64
+
+
+def random_documents(path: pathlib.Path, vocab: int, seq_len: int, tokens: int, seed: int = 0) -> list[int]:
+    """jsonl documents of random token ids (one per line, as data format `tokens` reads them) until `tokens`
+    tokens; returns their lengths."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths, total = [], 0
+    with path.open("w") as f:
+        while total < tokens:
+            drawn = DOC_MEDIAN * math.exp(DOC_SIGMA * float(torch.randn(1, generator=g)))
+            length = int(min(seq_len, max(DOC_MIN, drawn)))
+            f.write(json.dumps({"input_ids": torch.randint(0, vocab, (length,), generator=g).tolist()}) + "\n")
+            lengths.append(length)
+            total += length
+    return lengths
+
+
 def run_train_suite(suite: str, args, work: pathlib.Path) -> dict:
     shape = dict(TRAIN_SUITES[suite])
     warmup = args.warmup if args.warmup is not None else shape.pop("warmup", 2)
@@ -138,12 +162,21 @@ def run_train_suite(suite: str, args, work: pathlib.Path) -> dict:
     from slide_train.models.build import load_model
 
     vocab = load_model(shape["model"], 0, need_tokenizer=False).hf_config.vocab_size
-    data = work / f"{suite}-rows.jsonl"
-    random_rows(data, vocab, shape["seq_len"], (warmup + steps) * shape["micro_batch_size"] * shape["grad_accum"])
-    base = {**shape, "warmup": warmup, "steps": steps, "data": str(data), "seed": 0}
+    rows = (warmup + steps) * shape["micro_batch_size"] * shape["grad_accum"]
+    if args.data == "documents":  # packed into seq_len rows by each system (a tenth more: rows end part-filled)
+        data = work / f"{suite}-documents.jsonl"
+        lengths = random_documents(data, vocab, shape["seq_len"], int(1.1 * rows * shape["seq_len"]))
+        described = (f"{len(lengths)} documents of uniform random token ids, log-normal lengths (median "
+                     f"{DOC_MEDIAN}, {DOC_MIN} to seq_len tokens; mean {statistics.mean(lengths):.0f}), packed "
+                     "into seq_len rows with attention kept within each document")
+    else:
+        data = work / f"{suite}-rows.jsonl"
+        random_rows(data, vocab, shape["seq_len"], rows)
+        described = "uniform random token ids, rows of exactly seq_len (unpacked)"
+    base = {**shape, "warmup": warmup, "steps": steps, "data": str(data), "seed": 0,
+            "pack": args.data == "documents"}
     config = {**shape, "tokens_per_step": shape["seq_len"] * shape["micro_batch_size"] * shape["grad_accum"],
-              "warmup": warmup, "steps": steps, "data": "uniform random token ids, rows of exactly seq_len (unpacked)",
-              "baseline": args.baseline_name}
+              "warmup": warmup, "steps": steps, "data": described, "baseline": args.baseline_name}
     figures, device = [], None
     plan = []  # old and new engines alternate per mode, so a drift of the machine touches both alike
     for mode in args.modes:
@@ -173,7 +206,7 @@ def run_train_suite(suite: str, args, work: pathlib.Path) -> dict:
         device = device or (r.get("device") if r.get("status") == "ok" else None)
         figures.append(entry)
         print(f"  {name}: {tables.entry_line(entry)}", flush=True)
-    return suite_doc(suite, config, figures, device)
+    return suite_doc(suite + ("-documents" if args.data == "documents" else ""), config, figures, device)
 
 
 def run_kernels_suite(args, work: pathlib.Path) -> dict:
@@ -228,6 +261,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds of the io and kernels suites (median)")
     p.add_argument("--work", type=pathlib.Path, help="scratch folder for run directories and data (default: temp)")
     p.add_argument("--quiet", action="store_true", help="do not echo each process's output")
+    p.add_argument("--data", choices=("rows", "documents"), default="rows",
+                   help="training suites: unpacked rows of exactly seq_len (default), or documents of long-tailed "
+                        "lengths packed into rows (results in <suite>-documents.json)")
     args = p.parse_args()
     args.systems = [s for s in args.systems.split(",") if s]
     args.modes = [m for m in args.modes.split(",") if m]
@@ -263,7 +299,7 @@ def main() -> None:
             absent = set() if args.baseline else {"baseline"}
             partial = suite in TRAIN_SUITES and (set(args.systems) - absent != set(SYSTEMS) - absent
                                                  or set(args.modes) != set(MODES))
-            path = out / f"{suite}.json"
+            path = out / f"{doc['suite']}.json"
             if partial:
                 doc = merge(path, doc)
             out.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,26 @@ def read_rows(path: str) -> list[torch.Tensor]:
         return [torch.tensor(json.loads(line)["input_ids"]) for line in f if line.strip()]
 
 
+def packed_rows(documents: list[torch.Tensor], seq_len: int) -> list[dict[str, torch.Tensor]]:
+    """Documents laid end to end into rows of seq_len (a document that does not fit goes on in the next row),
+    with position ids that restart at every document and row start, and no label on a document's first token
+    (it would be predicted from the previous document). HF attention keeps to each document from the ids."""
+    ids = torch.cat(documents)
+    positions = torch.cat([torch.arange(len(d)) for d in documents])
+    labels = ids.clone()
+    labels[positions == 0] = -100
+    rows = []
+    for start in range(0, len(ids) - seq_len + 1, seq_len):
+        pos = positions[start:start + seq_len].clone()
+        if pos[0] != 0:  # a document cut at the row's start goes on from position 0 here
+            first = int((pos == 0).nonzero()[0]) if bool((pos == 0).any()) else seq_len
+            pos[:first] = torch.arange(first)
+        row_labels = labels[start:start + seq_len].clone()
+        row_labels[0] = -100
+        rows.append({"input_ids": ids[start:start + seq_len], "position_ids": pos, "labels": row_labels})
+    return rows
+
+
 def summary(records: list[dict], warmup: int, tokens: int, num_params: int) -> dict:
     """Median figures over the timed steps (the warm-up steps are kept in the per-step lists only)."""
     timed = records[warmup:]
@@ -108,7 +128,10 @@ def run_peer(spec: dict, liger: bool) -> dict:
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True,
                                     cross_entropy=False)
     hf_config = load_model(spec["model"], spec.get("seed", 0), need_tokenizer=False).hf_config
-    hf_config._attn_implementation = "sdpa"
+    # Packed documents: on CUDA FlexAttention, whose block mask follows the documents (SDPA would need a dense
+    # mask, as Slide's own attention does); on a CPU SDPA with the mask HF derives from the position ids.
+    packed = bool(spec.get("pack"))
+    hf_config._attn_implementation = "flex_attention" if packed and device.type == "cuda" else "sdpa"
     with torch.device("meta"):
         num_params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(hf_config).parameters())
     if spec.get("peers_fit") is False:
@@ -126,6 +149,7 @@ def run_peer(spec: dict, liger: bool) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     clip = clip_value(spec["mode"])
     rows = read_rows(spec["data"])
+    rows = packed_rows(rows, spec["seq_len"]) if packed else [{"input_ids": r, "labels": r} for r in rows]
     micro, accum = spec["micro_batch_size"], spec["grad_accum"]
     cuda = device.type == "cuda"
     if cuda:
@@ -136,15 +160,15 @@ def run_peer(spec: dict, liger: bool) -> dict:
         for _ in range(accum):
             picked = [rows[(at + i) % len(rows)] for i in range(micro)]
             at += micro
-            batches.append(torch.stack(picked))
+            batches.append({k: torch.stack([r[k] for r in picked]) for k in picked[0]})
         if cuda:
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         total = 0.0
-        for ids in batches:
-            ids = ids.to(device, non_blocking=True)
+        for batch in batches:
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                loss = model(input_ids=ids, labels=ids).loss / accum
+                loss = model(**batch).loss / accum
             loss.backward()
             total += loss.detach()
         # Without clipping no norm is taken at all: that pass over every gradient is part of what clipping costs.
