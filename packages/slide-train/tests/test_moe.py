@@ -94,8 +94,6 @@ def test_resume_bit_for_bit(tmp_path):
     (dict(mlp_only_layers=[1]), r"dense layers among the sparse ones \(mlp_only_layers=\[1\].*one block shape per "
                                 r"GPU slot"),
     (dict(decoder_sparse_step=2), r"decoder_sparse_step=2\) is not supported: the engine runs one block shape"),
-    (dict(output_router_logits=True), r"the load-balancing loss is not supported yet; set output_router_logits "
-                                      r"false to train without it"),
 ])
 def test_what_cannot_be_trained_exactly_is_refused(change, message):
     config = tiny_config("qwen3_moe")
@@ -133,3 +131,65 @@ def test_presets_have_the_published_size_and_the_plan_counts_every_expert(capsys
     main(["plan", f"--model={preset}", "--seq_len=1024", "--micro_batch_size=1", "--json"])  # fits or not
     out = capsys.readouterr().out
     assert json.loads(out[out.index("{"):])["params"] == total
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_load_balancing_loss_matches_transformers(tmp_path, family):
+    """output_router_logits on: HF's loss adds router_aux_loss_coef times a loss pooled over every layer's routing.
+    Three clipped, accumulated steps still equal the plain loop with HF's loss, which includes it; the step record
+    carries the loss and the experts' least and most load."""
+    model = save_tiny_model(tmp_path / "model", family)
+    model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.5  # large enough to matter
+    model.config.save_pretrained(tmp_path / "model")
+    model.router_aux_loss_coef = 0.5  # (the HF model copies it from its config when built)
+    rows, labels = make_rows(seed=2, n=STEPS * MICRO * ACCUM)
+    write_token_rows(tmp_path / "data.jsonl", rows, labels)
+    trainer = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl"), progress=False)
+    records = [trainer.step() for _ in range(STEPS)]
+    ref_model, ref_losses, ref_norms = reference_run(model, rows, labels)
+    assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5)
+    assert [r["grad_norm"] for r in records] == pytest.approx(ref_norms, rel=1e-5)
+    assert all(r["grad_norm"] > CLIP for r in records), "clipping must be active in this test"
+    compare(trainer, ref_model, float64_reference(model, rows, labels))
+    for r in records:
+        assert r["aux_loss"] > 1.9  # top-k (2) where routing is perfectly even, more where it is not
+        assert 0 <= r["expert_load_min"] <= 1.0 <= r["expert_load_max"]
+    ids, lab, micro, n = eval_batch(rows, labels)
+    with torch.no_grad():
+        out = ref_model(ids, labels=lab)
+        without = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), lab[:, 1:].flatten())
+    assert abs(out.loss.item() - without.item()) > 0.1  # the auxiliary term counts in this test
+    assert trainer.engine.evaluate(micro, normalizer=n) == pytest.approx(out.loss.item(), rel=1e-5)
+    trainer.close()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_router_stats_give_transformers_load_balancing_loss_and_its_gradient(padded):
+    """What the blocks record and the tail computes, against transformers' `load_balancing_loss_func` over all
+    layers at once (padding excluded through its attention mask): the loss, and the gradient w.r.t. every layer's
+    router logits from the closed form the blocks' backward applies."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from slide_train.models.adapter import RouterStats
+
+    layers, batch, seq, experts, top_k, coef = 3, 2, 12, 8, 2, 0.3
+    g = torch.Generator().manual_seed(0)
+    logits = [torch.randn(batch * seq, experts, generator=g, requires_grad=True) for _ in range(layers)]
+    mask = torch.ones(batch, seq)
+    if padded:
+        mask[1, 7:] = 0
+    want = load_balancing_loss_func(tuple(logits), experts, top_k, mask if padded else None)
+    (coef * want).backward()
+    stats = RouterStats(mask.reshape(-1) if padded else None)
+    sums = []
+    for index, layer_logits in enumerate(logits):
+        counts, prob_sums, rows = stats.sums(layer_logits.detach().requires_grad_(), top_k, experts)
+        stats.layers[index] = (counts, prob_sums.detach(), rows)
+        sums.append((layer_logits, counts, rows))
+    got, _ = stats.loss(coef, experts)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    for layer_logits, _, _ in sums:
+        mine = layer_logits.detach().requires_grad_()
+        _, prob_sums, _ = stats.sums(mine, top_k, experts)
+        prob_sums.backward(stats.grad)
+        torch.testing.assert_close(mine.grad, layer_logits.grad, rtol=1e-5, atol=1e-8)

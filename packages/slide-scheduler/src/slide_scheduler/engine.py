@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -165,6 +166,8 @@ class SlidingEngine:
         # What each block sees of the head's context (its layer's mask and rotary tables); the whole of it without.
         self._block_context = getattr(stack, "block_context", None)
         self.edges = stack.make_edges()
+        # A tail that takes `ctx` gets its micro-batch's head context (what the blocks recorded there)
+        self._tail_ctx = "ctx" in inspect.signature(self.edges.tail).parameters
         edge_layout, block_layout = FlatLayout(self.edges), FlatLayout(stack.make_block())
         if placement is None:  # every unit sliding, nothing held or pooled: the simplest placement
             placement = default_placement(stack, config)
@@ -552,7 +555,7 @@ class SlidingEngine:
             grads = []
             for j, batch in enumerate(batches):
                 h = hidden[j].detach().requires_grad_()
-                share = self.edges.tail(h, batch, normalizer)
+                share = self._tail(h, batch, normalizer, contexts[j])
                 share.backward()
                 self._loss += share.detach().float()
                 grads.append(h.grad)
@@ -699,9 +702,10 @@ class SlidingEngine:
         """The loss over `micro_batches` (normalized by `normalizer`) with no gradient and no update."""
         batches = self._to_device(micro_batches)
         with torch.no_grad():
-            hidden, _ = self._forward(batches, keep=False)
+            hidden, contexts = self._forward(batches, keep=False)
             self._submit_moments()
-            loss = sum(self.edges.tail(h, batch, normalizer).float() for h, batch in zip(hidden, batches))
+            loss = sum(self._tail(h, batch, normalizer, ctx).float()
+                       for h, batch, ctx in zip(hidden, batches, contexts))
         return float(loss)  # one read for all micro-batches
 
     def _to_device(self, micro_batches: list[Batch]) -> list[Batch]:
@@ -750,6 +754,11 @@ class SlidingEngine:
         if tail_ready is not None:  # the tail reads it
             self.compute.wait(tail_ready)
         return hidden, contexts
+
+    def _tail(self, hidden, batch: Batch, normalizer: float, ctx):
+        if self._tail_ctx:
+            return self.edges.tail(hidden, batch, normalizer, ctx=ctx)
+        return self.edges.tail(hidden, batch, normalizer)
 
     def _context(self, index: int, ctx):
         """The context block `index` runs with: the stack's `block_context` of the head's, where it has one."""

@@ -29,7 +29,13 @@ class Edges(Protocol):
         """Token ids -> first boundary activation, plus what every block needs (positions, masks)."""
 
     def tail(self, hidden: torch.Tensor, batch: Batch, normalizer: float) -> torch.Tensor:
-        """Last boundary activation -> this micro-batch's share of the step loss: sum of token losses / normalizer."""
+        """Last boundary activation -> this micro-batch's share of the step loss: sum of token losses / normalizer.
+
+        A tail with a `ctx` keyword parameter is also given the micro-batch's context from `head` (the same
+        object the blocks' contexts came from), after every block's forward and before any backward. Blocks may
+        record statistics there in their forward for a loss term the tail computes over all of them (a mixture of
+        experts' load-balancing loss), and read what the tail derived from them in their backward's recompute.
+        """
 
 
 class Stack(Protocol):

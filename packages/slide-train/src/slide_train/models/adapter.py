@@ -12,6 +12,12 @@ hands each block the one of its layer.
 A mixture-of-experts layer (Qwen3-MoE, Mixtral, OLMoE) is one block too: transformers' router and experts run
 inside it (the experts through transformers' experts implementation, grouped matmuls), and the block holds all of
 its layer's experts. Checkpoints that store one tensor per expert are fused while loading (`Family.checkpoint`).
+
+Their load-balancing loss (`output_router_logits`) pools every layer's routing of a micro-batch, so it travels
+beside the blocks: the head puts a `RouterStats` in each micro-batch's context, each block's forward records its
+layer's expert counts and router-probability sums there, the tail (which the engine hands the context) computes
+the loss and its gradient w.r.t. each layer's probability sums, and each block's backward recompute passes that
+gradient to its router (`_RouterGradient`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,57 @@ def check_supported(config: transformers.PretrainedConfig) -> Family:
     return family_of(config)
 
 
+ROUTER = "router"  # the head's context entry with the micro-batch's RouterStats
+LAYER = "layer"  # a block's index, in its context where routing is recorded
+
+
+class RouterStats:
+    """One micro-batch's routing, as transformers' load-balancing loss pools it over all layers: per layer the
+    number of top-k picks of each expert, the sum of each expert's router probability, and the rows counted
+    (padding excluded, as transformers excludes it given an attention mask)."""
+
+    def __init__(self, valid: torch.Tensor | None):
+        self.valid = valid  # float [rows] (1: a token, 0: padding), or None: every row counts
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | float]] = {}
+        self.grad: torch.Tensor | None = None  # d(coef * loss) / d(a layer's probability sums), the same for all
+
+    def sums(self, logits: torch.Tensor, top_k: int, experts: int):
+        """(top-k counts, probability sums, rows) of one layer's router logits, as transformers computes them."""
+        probs = torch.softmax(logits, dim=-1)  # in the logits' dtype, as there
+        picked = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
+        if self.valid is None:
+            counts = torch.bincount(picked, minlength=experts).float()
+            return counts, probs.float().sum(dim=0), float(probs.shape[0])
+        counts = torch.zeros(experts, dtype=torch.float32, device=logits.device)
+        counts.scatter_add_(0, picked, self.valid.repeat_interleave(top_k))
+        return counts, (probs.float() * self.valid.unsqueeze(-1)).sum(dim=0), self.valid.sum()
+
+    def loss(self, coef: float, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch's load-balancing loss and its expert counts; sets `grad` for the blocks' backward."""
+        counts = probs = rows = 0.0
+        for index in sorted(self.layers):  # in layer order, as transformers adds them up
+            c, p, r = self.layers[index]
+            counts, probs, rows = counts + c, probs + p, rows + r
+        tokens_per_expert, prob_per_expert = counts / rows, probs / rows
+        # The loss is sum_e T_e * P_e * experts / rows^2 with the counts T constant (top-k has no gradient).
+        self.grad = coef * experts * tokens_per_expert / rows
+        return torch.sum(tokens_per_expert * prob_per_expert) * experts, counts
+
+
+class _RouterGradient(torch.autograd.Function):
+    """The identity on a block's output whose backward also gives the layer's router-probability sums the
+    load-balancing loss's gradient, known only once the tail has seen every layer's routing."""
+
+    @staticmethod
+    def forward(ctx, hidden, prob_sums, stats):
+        ctx.stats = stats
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, ctx.stats.grad.to(grad.device), None
+
+
 class Edges(nn.Module):
     """Embedding + rotary tables (head) and final norm + lm head + loss (tail).
 
@@ -51,8 +108,11 @@ class Edges(nn.Module):
     def __init__(self, embed_tokens: nn.Embedding, rotary: nn.Module | None, norm: nn.Module, lm_head: nn.Linear,
                  windows: dict[str, int | None] | None = None, *, embed_scale: float | None = None,
                  embed_scale_rounded: bool = False, logits_divisor: float | None = None, softcap: float | None = None,
-                 eager: bool = False):
+                 eager: bool = False, aux_loss: tuple[float, int] | None = None):
         super().__init__()
+        # (router_aux_loss_coef, number of experts) where the load-balancing loss is on
+        self.aux_loss = aux_loss
+        self._routing: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's (loss, expert counts)
         self.embed_tokens, self.rotary, self.norm, self.lm_head = embed_tokens, rotary, norm, lm_head
         self.windows = dict(windows) if windows else {"full_attention": None}
         self.embed_scale, self.embed_scale_rounded = embed_scale, embed_scale_rounded
@@ -85,9 +145,12 @@ class Edges(nn.Module):
                 "position_ids": positions,
                 "attention_mask": masks[window],
             }
+        if self.aux_loss is not None and not torch.is_grad_enabled():  # the forward, not the head's backward
+            valid = None if documents is None else (documents >= 0).reshape(-1).float()
+            ctx[ROUTER] = RouterStats(valid)
         return hidden, ctx
 
-    def tail(self, hidden, batch, normalizer: float):
+    def tail(self, hidden, batch, normalizer: float, ctx=None):
         targets = batch["targets"]
         if "loss_rows" in batch:  # only the tokens with a target go through the norm and the lm head
             rows = batch["loss_rows"]
@@ -95,8 +158,29 @@ class Edges(nn.Module):
         hidden = self.norm(hidden)
         if self.logits_divisor is not None:  # (h @ W.T) / s as (h / s) @ W.T: the fused loss takes no logit scale
             hidden = hidden / self.logits_divisor
-        return causal_lm_loss(hidden, self.lm_head.weight, targets, bias=self.lm_head.bias,
+        loss = causal_lm_loss(hidden, self.lm_head.weight, targets, bias=self.lm_head.bias,
                               softcap=self.softcap) / normalizer
+        stats = (ctx or {}).get(ROUTER)
+        if stats is None or not stats.layers:
+            return loss
+        coef, experts = self.aux_loss
+        aux, counts = stats.loss(coef, experts)
+        if torch.is_grad_enabled():  # a training step's, not an evaluation's
+            self._routing.append((aux.detach(), counts))
+        # transformers' loss: the language-model loss plus coef times this micro-batch's load-balancing loss
+        return loss + coef * aux.to(loss.dtype)
+
+    def routing_summary(self) -> dict[str, float] | None:
+        """The last step's load-balancing loss (mean over its micro-batches, before router_aux_loss_coef) and
+        each expert's share of the top-k picks over all layers, as a multiple of an even share (1.0)."""
+        if not self._routing:
+            return None
+        losses, counts = zip(*self._routing)
+        self._routing.clear()
+        total = torch.stack(counts).sum(dim=0)
+        load = (total * total.numel() / total.sum()).tolist()
+        return {"aux_loss": torch.stack(losses).mean().item(), "expert_load_min": min(load),
+                "expert_load_max": max(load)}
 
 
 def attention_mask(document_ids: torch.Tensor | None, window: int | None, seq: int, device) -> torch.Tensor | None:
@@ -127,15 +211,38 @@ def additive_mask(allowed: torch.Tensor | None, seq: int, dtype: torch.dtype, de
 
 
 class DecoderBlock(nn.Module):
-    """One HF decoder layer with the engine's block signature: forward(hidden, ctx) -> hidden."""
+    """One HF decoder layer with the engine's block signature: forward(hidden, ctx) -> hidden.
 
-    def __init__(self, layer: nn.Module):
+    `router`: (the layer's router module, the index of the logits in its output, top-k, number of experts) where
+    the load-balancing loss is on; the router's logits are then kept by a forward hook (in transformers 5 the
+    layer does not return them) and recorded in, or given their gradient from, the context's RouterStats.
+    """
+
+    def __init__(self, layer: nn.Module, router: tuple[nn.Module, int, int, int] | None = None):
         super().__init__()
         self.layer = layer
+        self._logits = None
+        self._routing = None
+        if router is not None:
+            module, index, top_k, experts = router
+            self._routing = (top_k, experts)
+            module.register_forward_hook(lambda _m, _i, out: setattr(self, "_logits", out[index]))
 
     def forward(self, hidden: torch.Tensor, ctx: dict) -> torch.Tensor:
+        stats = ctx.get(ROUTER) if self._routing is not None else None
+        if stats is not None:
+            index = ctx[LAYER]
+            ctx = {k: v for k, v in ctx.items() if k not in (ROUTER, LAYER)}
         out = self.layer(hidden, **ctx)
-        return out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
+        out = out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
+        logits, self._logits = self._logits, None
+        if stats is None:
+            return out
+        counts, prob_sums, rows = stats.sums(logits, *self._routing)
+        if torch.is_grad_enabled():  # the backward's recompute: the tail has set the gradient
+            return _RouterGradient.apply(out, prob_sums, stats)
+        stats.layers[index] = (counts, prob_sums, rows)
+        return out
 
 
 class HFStack:
@@ -163,8 +270,12 @@ class HFStack:
             skeleton = transformers.AutoModelForCausalLM.from_config(config)
         self._layer_cls = type(skeleton.get_submodule(family.layers)[0])
         self._skeleton = skeleton
+        self.aux_loss = None
         if family.experts:  # the experts implementation transformers chose for the skeleton, for the blocks too
             config._experts_implementation = skeleton.config._experts_implementation
+            if getattr(config, "output_router_logits", False):
+                self.aux_loss = (float(config.router_aux_loss_coef), int(getattr(config, family.experts)))
+                self._router = type(skeleton)._can_record_outputs["router_logits"]
 
     def make_edges(self) -> Edges:
         cfg, family, skeleton = self.config, self.family, self._skeleton
@@ -186,21 +297,29 @@ class HFStack:
         edges = Edges(embed, rotary, norm, lm_head, self.windows, embed_scale=scale,
                       embed_scale_rounded=family.embed_sqrt_hidden,
                       logits_divisor=float(divisor) if divisor != 1.0 else None, softcap=self.softcap,
-                      eager=self.eager)
+                      eager=self.eager, aux_loss=self.aux_loss)
         if self.kernels:
             slide_kernels.apply_to(_Patchable(cfg, edges))
         return edges
 
     def make_block(self) -> DecoderBlock:
         with torch.device("meta"):
-            block = DecoderBlock(self._layer_cls(self.config, layer_idx=0))
+            layer = self._layer_cls(self.config, layer_idx=0)
+        router = None
+        if self.aux_loss is not None:
+            recorder = self._router
+            module = next(m for m in layer.modules() if isinstance(m, recorder.target_class))
+            router = (module, recorder.index, int(self.config.num_experts_per_tok), self.aux_loss[1])
+        block = DecoderBlock(layer, router)
         if self.kernels:
             slide_kernels.apply_to(_Patchable(self.config, block))
         return block
 
     def block_context(self, index: int, ctx: dict) -> dict:
-        """Block `index`'s share of the head's context: the mask and rotary tables of its layer's type."""
-        return ctx[self.layer_types[index]]
+        """Block `index`'s share of the head's context: the mask and rotary tables of its layer's type (and, with
+        the load-balancing loss on, the micro-batch's RouterStats and the block's index)."""
+        own = ctx[self.layer_types[index]]
+        return own if ROUTER not in ctx else {**own, ROUTER: ctx[ROUTER], LAYER: index}
 
     def load_edges(self, params: dict[str, torch.Tensor]) -> None:
         for name, view in params.items():

@@ -144,9 +144,6 @@ def check_experts(config: transformers.PretrainedConfig, family: Family) -> None
         raise ModelError(f"{name} with router_jitter_noise={config.router_jitter_noise} is not supported: each "
                          "block's backward recomputes its forward, which would draw other noise and may route "
                          "tokens to other experts; set it to 0 in config.json")
-    if getattr(config, "output_router_logits", False):
-        raise ModelError(f"{name} with output_router_logits=true: the load-balancing loss is not supported yet; set "
-                         "output_router_logits false to train without it (router_aux_loss_coef is then unused)")
 
 
 def layer_types(config: transformers.PretrainedConfig, family: Family) -> list[str]:
