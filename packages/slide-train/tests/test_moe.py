@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import test_equivalence as eq
 import torch
 import transformers
 from conftest import MOE_FAMILIES, save_tiny_model, tiny_config, write_token_rows
@@ -193,3 +194,41 @@ def test_router_stats_give_transformers_load_balancing_loss_and_its_gradient(pad
         _, prob_sums, _ = stats.sums(mine, top_k, experts)
         prob_sums.backward(stats.grad)
         torch.testing.assert_close(mine.grad, layer_logits.grad, rtol=1e-5, atol=1e-8)
+
+
+def test_the_load_balancing_loss_leaves_padding_out_as_transformers_attention_mask_does(tmp_path):
+    """Rows shorter than seq_len are padded (document id -1): the load-balancing loss counts their tokens only,
+    as transformers does given the attention mask. Three steps equal the plain loop that passes that mask."""
+    model = save_tiny_model(tmp_path / "model", "olmoe")
+    model.config.output_router_logits, model.config.router_aux_loss_coef = True, 0.5
+    model.config.save_pretrained(tmp_path / "model")
+    model.router_aux_loss_coef = 0.5
+    rows, labels = make_rows(seed=3, n=STEPS * MICRO * ACCUM)
+    lengths = [SEQ if i % 3 else SEQ - 7 for i in range(len(rows))]
+    write_token_rows(tmp_path / "data.jsonl", [r[:n] for r, n in zip(rows, lengths)],
+                     [x[:n] for x, n in zip(labels, lengths)])
+    trainer = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl"), progress=False)
+    records = [trainer.step() for _ in range(STEPS)]
+
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=eq.LR, betas=eq.BETAS, eps=eq.EPS, weight_decay=eq.WD)
+    ids, lab = torch.tensor(rows), torch.tensor(labels)
+    mask = (torch.arange(SEQ)[None, :] < torch.tensor(lengths)[:, None]).long()
+    lab = lab.masked_fill(mask == 0, -100)
+    losses = []
+    for step in range(STEPS):
+        chunk = slice(step * MICRO * ACCUM, (step + 1) * MICRO * ACCUM)
+        n_items = int((lab[chunk][:, 1:] != -100).sum())
+        opt.zero_grad()
+        total = 0.0
+        for m in range(ACCUM):
+            mb = slice(chunk.start + m * MICRO, chunk.start + (m + 1) * MICRO)
+            out = ref(input_ids=ids[mb], attention_mask=mask[mb], labels=lab[mb], num_items_in_batch=n_items)
+            out.loss.backward()
+            total += out.loss.item()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        opt.step()
+        losses.append(total)
+    assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-5)
+    compare(trainer, ref)
+    trainer.close()
