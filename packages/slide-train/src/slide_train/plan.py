@@ -37,8 +37,10 @@ def params_text(count: int) -> str:
 
 def model_shapes(model, stack) -> Shapes:
     hf = model.hf_config
-    return shapes_of(stack, hidden=hf.hidden_size, intermediate=getattr(hf, "intermediate_size", 0) or 0,
-                     vocab=hf.vocab_size)
+    intermediate = getattr(hf, "moe_intermediate_size", None) or getattr(hf, "intermediate_size", 0) or 0
+    # A mixture of experts: each token's MLP activations are those of the experts it is routed to
+    intermediate *= getattr(hf, "num_experts_per_tok", None) or 1
+    return shapes_of(stack, hidden=hf.hidden_size, intermediate=intermediate, vocab=hf.vocab_size)
 
 
 def unit_of(name: str) -> int:
