@@ -41,6 +41,14 @@ TRAIN_SUITES = {
     # few tokens per step under a small cap: the model predicts a step bound by host-to-device copies
     "pcie": dict(model="llama-3.2-3b", seq_len=1024, micro_batch_size=1, grad_accum=1, cap_gib=12.0, device="cuda",
                  peers_fit=False),
+    # a mixture of experts (6.9B parameters, 1.3B active) at 32k and 256k tokens per step: every parameter crosses
+    # PCIe and the host optimizer each step, and only the active ones compute
+    "moe": dict(model="olmoe-1b-7b", seq_len=4096, micro_batch_size=1, grad_accum=8, cap_gib=24.0, device="cuda"),
+    "moe-256k": dict(model="olmoe-1b-7b", seq_len=4096, micro_batch_size=1, grad_accum=64, cap_gib=24.0,
+                     device="cuda"),
+    # soft-capped attention (transformers' eager path); bf16 AdamW states, as the plan asks on a 125 GiB host
+    "gemma2": dict(model="gemma-2-9b", seq_len=4096, micro_batch_size=1, grad_accum=8, cap_gib=24.0, device="cuda",
+                   peers_fit=False, slide_args=("--engine.states_dtype=bf16",)),
     # the harness itself on a CPU: the smallest preset, a step or two
     "tiny": dict(model="tiny-llama", seq_len=64, micro_batch_size=2, grad_accum=2, cap_gib=None, device="cpu",
                  warmup=1, steps=2),
@@ -159,6 +167,7 @@ def run_train_suite(suite: str, args, work: pathlib.Path) -> dict:
     shape.pop("warmup", None)
     shape.pop("steps", None)
     peers_fit = shape.pop("peers_fit", True) or args.try_peers
+    slide_args = list(shape.pop("slide_args", ()))
     from slide_train.models.build import load_model
 
     vocab = load_model(shape["model"], 0, need_tokenizer=False).hf_config.vocab_size
@@ -189,7 +198,7 @@ def run_train_suite(suite: str, args, work: pathlib.Path) -> dict:
         print(f"  {name} ...", flush=True)
         spec = {**base, "mode": mode, "run_dir": str(work / name)}
         if system == "slide" or system == "baseline":
-            spec["job"] = "slide"
+            spec.update(job="slide", extra=slide_args)
         else:
             spec.update(job=system, device=shape["device"], cap_gib=None, peers_fit=peers_fit)
         pythonpath = baseline_pythonpath(args.baseline) if system == "baseline" else None

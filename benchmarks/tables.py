@@ -13,11 +13,12 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
-TRAIN = ("b1", "b3", "b8", "b1-documents", "b3-documents", "b8-documents")
+TRAIN = ("b1", "b3", "b8", "b1-documents", "b3-documents", "b8-documents", "moe", "moe-256k", "gemma2")
 ORDER = (*TRAIN, "tiny", "tiny-documents", "kernels", "io", "probe")
 BENCH_NAMES = {"b1": "B1", "b3": "B3", "b8": "B8", "tiny": "tiny (CPU check)", "b1-documents": "B1 packed documents",
                "b3-documents": "B3 packed documents", "b8-documents": "B8 packed documents",
-               "tiny-documents": "tiny packed documents (CPU check)"}
+               "tiny-documents": "tiny packed documents (CPU check)", "moe": "MoE", "moe-256k": "MoE 256k tokens",
+               "gemma2": "Gemma 2"}
 MODE_NAMES = {"1.0": "1.0", "1e6": "1e6 (never acts)", "none": "off"}
 SHORT = {"slide": "Slide", "baseline": "Slide baseline", "plain": "plain", "liger": "plain + Liger"}
 

@@ -83,6 +83,7 @@ def run_slide(spec: dict) -> dict:
                  f"--seed={spec.get('seed', 0)}"]
     if spec.get("cap_gib"):
         overrides.append(f"--engine.gpu_memory_limit_gb={spec['cap_gib']}")
+    overrides += spec.get("extra", [])  # the suite's own settings (bf16 states for a model the host cannot hold)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="checkpoint.keep=0")  # a benchmark wants no checkpoint
         trainer = Trainer(load_config(None, overrides), progress=False)
@@ -118,6 +119,10 @@ def run_peer(spec: dict, liger: bool) -> dict:
 
     device = torch.device(spec["device"])
     if liger:
+        model_type = load_model(spec["model"], 0, need_tokenizer=False).hf_config.model_type
+        if model_type != "llama":  # (the patches applied below are Llama's)
+            return {"status": "skipped",
+                    "reason": f"this harness applies Liger-Kernel to Llama models, not to {model_type}"}
         try:
             from liger_kernel.transformers import apply_liger_kernel_to_llama
         except Exception as e:  # (a missing wheel, or one whose Triton does not load)
