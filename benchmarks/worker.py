@@ -54,11 +54,13 @@ def packed_rows(documents: list[torch.Tensor], seq_len: int) -> list[dict[str, t
     return rows
 
 
-def summary(records: list[dict], warmup: int, tokens: int, num_params: int) -> dict:
-    """Median figures over the timed steps (the warm-up steps are kept in the per-step lists only)."""
+def summary(records: list[dict], warmup: int, tokens: int, num_params: int, active: int | None = None) -> dict:
+    """Median figures over the timed steps (the warm-up steps are kept in the per-step lists only); TFLOP/s
+    count the `active` parameters a token computes with (a mixture of experts' routed experts), by default all."""
     timed = records[warmup:]
     step_s = statistics.median(r["step_s"] for r in timed)
-    return {"step_s": step_s, "tokens_per_s": tokens / step_s, "tflops": 6 * num_params * tokens / step_s / 1e12,
+    flops = 6 * (active or num_params) * tokens
+    return {"step_s": step_s, "tokens_per_s": tokens / step_s, "tflops": flops / step_s / 1e12,
             "gpu_peak_gib": max(r.get("gpu_peak_gib", 0.0) for r in records),
             "host_rss_gib": max(r["host_rss_gib"] for r in records),
             "num_params": num_params, "tokens_per_step": tokens,
@@ -93,7 +95,7 @@ def run_slide(spec: dict) -> dict:
         trainer.close()
     timed = records[spec["warmup"]:]
     tokens = statistics.median(r["tokens"] for r in timed)
-    out = summary(records, spec["warmup"], tokens, trainer.num_params)
+    out = summary(records, spec["warmup"], tokens, trainer.num_params, getattr(trainer, "active_params", None))
     # Exposed: GPU idle inside the engine's step, waiting for transfers or updates (the timeline's figure).
     if all("exposed_s" in r for r in timed):
         out["exposed_share"] = statistics.median(r["exposed_s"] / r["step_s"] for r in timed)
@@ -109,6 +111,17 @@ def run_slide(spec: dict) -> dict:
         out["predicted_over_measured"] = out["predicted_step_s"] / out["step_s"]
     out["source"] = str(pathlib.Path(slide_train.__file__).resolve().parents[2])
     return out
+
+
+def active_params(model: str) -> int:
+    """The parameters a token computes with, as slide-train's plan counts them (all of them but a mixture of
+    experts' experts it is not routed to)."""
+    from slide_train.models.build import load_model
+    from slide_train.plan import model_shapes
+
+    bundle = load_model(model, 0, need_tokenizer=False, need_weights=False)
+    s = model_shapes(bundle, bundle.stack(kernels=False))
+    return s.unit_numels[0] + s.num_blocks * (s.active_block_numel or s.block_numel)
 
 
 def run_peer(spec: dict, liger: bool) -> dict:
@@ -185,7 +198,7 @@ def run_peer(spec: dict, liger: bool) -> dict:
         records.append({"step_s": time.perf_counter() - start, "loss": float(total), "grad_norm": norm,
                         "host_rss_gib": common.rss_gib(),
                         "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else 0.0})
-    return summary(records, spec["warmup"], micro * accum * spec["seq_len"], num_params)
+    return summary(records, spec["warmup"], micro * accum * spec["seq_len"], num_params, active_params(spec["model"]))
 
 
 def run_io(spec: dict) -> dict:

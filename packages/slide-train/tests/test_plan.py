@@ -211,3 +211,26 @@ def test_plan_checks_the_data_settings_too(capsys):
 
     assert main(["plan", "--data.eval_fraction=1.5"]) == 2
     assert "data.eval_fraction: must be in [0, 1), got 1.5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset, total, active", [("olmoe-1b-7b", 6.92e9, 1.28e9), ("qwen3-30b-a3b", 30.53e9, 3.35e9),
+                                                   ("llama-3.1-8b", 8.03e9, 8.03e9)])
+def test_a_mixture_of_experts_is_priced_by_the_experts_a_token_is_routed_to(preset, total, active):
+    """The published active counts (OLMoE-1B-7B: 1.3B of 6.9B; Qwen3-30B-A3B: 3.3B of 30.5B): the plan prices
+    compute, and metrics count TFLOP/s, with those; a dense model's active count is all of it."""
+    import dataclasses as dc
+
+    from slide_scheduler import price
+
+    model = load_model(preset, 0, need_tokenizer=False, need_weights=False)
+    shapes = model_shapes(model, model.stack(kernels=False))
+    counted = shapes.unit_numels[0] + shapes.num_blocks * (shapes.active_block_numel or shapes.block_numel)
+    assert sum(shapes.unit_numels) == pytest.approx(total, rel=1e-3) and counted == pytest.approx(active, rel=1e-2)
+    machine = load_machine(TEST_MACHINE)
+    plan = plan_for(machine, model=preset)
+    everything = dc.replace(plan.placement, shapes=dc.replace(plan.placement.shapes, active_block_numel=0))
+    compute, all_experts = price(plan.placement, machine), price(everything, machine)
+    if active < total:
+        assert compute.lanes["gpu"] < 0.5 * all_experts.lanes["gpu"]
+    else:
+        assert compute.lanes["gpu"] == all_experts.lanes["gpu"]

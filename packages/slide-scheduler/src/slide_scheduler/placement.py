@@ -42,6 +42,8 @@ class Shapes:
     hidden: int
     intermediate: int = 0
     vocab: int = 0  # rows of the output projection (0: half the edges, for the cost model's tail)
+    active_block_numel: int = 0  # a block's parameters one token computes with (a mixture of experts' routed
+    #                              experts; 0: all of them)
 
     @property
     def num_blocks(self) -> int:

@@ -3,6 +3,7 @@ words of the config (what each tier holds, the predicted step, what would make a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -23,6 +24,7 @@ from slide_scheduler import (
 
 from .config import TrainConfig
 from .errors import ConfigError
+from .models.families import family_of
 
 GIB = 2**30
 GPU_USABLE = 0.92  # of a card or a cap: the rest for the CUDA context and what the plan does not see
@@ -38,9 +40,17 @@ def params_text(count: int) -> str:
 def model_shapes(model, stack) -> Shapes:
     hf = model.hf_config
     intermediate = getattr(hf, "moe_intermediate_size", None) or getattr(hf, "intermediate_size", 0) or 0
-    # A mixture of experts: each token's MLP activations are those of the experts it is routed to
-    intermediate *= getattr(hf, "num_experts_per_tok", None) or 1
-    return shapes_of(stack, hidden=hf.hidden_size, intermediate=intermediate, vocab=hf.vocab_size)
+    # A mixture of experts: each token's MLP activations and FLOPs are those of the experts it is routed to
+    routed = getattr(hf, "num_experts_per_tok", None) or 1
+    intermediate *= routed
+    shapes = shapes_of(stack, hidden=hf.hidden_size, intermediate=intermediate, vocab=hf.vocab_size)
+    family = family_of(hf)
+    if family.experts:
+        experts = getattr(hf, family.experts)
+        pooled = sum(t.numel() for name, t in stack.make_block().named_parameters() if ".experts." in name)
+        active = shapes.block_numel - pooled + pooled * routed // experts
+        shapes = dataclasses.replace(shapes, active_block_numel=active)
+    return shapes
 
 
 def unit_of(name: str) -> int:

@@ -290,6 +290,9 @@ class Trainer:
         self.engine, self.memory_plan = build_engine(cfg, self.model, self.machine, progress,
                                                      before_load=lambda plan, e: self._check_disk(plan, e, outputs))
         self.num_params = sum(u.layout.numel for u in self.engine.units)
+        shapes = self.memory_plan.placement.shapes  # (a mixture of experts computes with its routed experts only)
+        self.active_params = shapes.unit_numels[0] + shapes.num_blocks * (shapes.active_block_numel or
+                                                                            shapes.block_numel)
         per_step = cfg.micro_batch_size * cfg.grad_accum
         self.total_steps = math.ceil(self.data.train.rows_in(cfg.epochs) / per_step) if cfg.epochs else cfg.steps
         self.step_index = 0
@@ -469,8 +472,8 @@ class Trainer:
             "predicted_step_s": (self.memory_plan.estimate_unclipped if stats.speculation == "held"
                                  else self.memory_plan.estimate).step_s,
             "tokens_per_s": tokens / seconds,
-            # Model FLOPs only (6 per parameter per token), as peers and papers count them: no recompute.
-            "tflops": 6 * self.num_params * tokens / seconds / 1e12,
+            # Model FLOPs only (6 per active parameter per token), as peers and papers count them: no recompute.
+            "tflops": 6 * self.active_params * tokens / seconds / 1e12,
             # The engine's own step, and the rest of the step (the GPU idles then): preparing the data,
             # reading the step's timeline.
             "engine_step_s": stats.seconds,
