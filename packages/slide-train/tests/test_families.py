@@ -32,6 +32,28 @@ def eval_batch(rows, labels):
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
+def assert_resumes_bit_for_bit(tmp_path, whole: Trainer) -> None:
+    """Two steps of `whole` (a run on tmp_path's model and data), a checkpoint and a third step; a run resumed
+    from the checkpoint ends its third step with the same masters and AdamW states, bit for bit."""
+    for _ in range(2):
+        whole.step()
+    path = whole.save_checkpoint()
+    whole.step()
+    whole.engine.synchronize()
+    resumed = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
+                                   output_dir=tmp_path / "resumed", resume=path), progress=False)
+    assert resumed.step_index == 2
+    resumed.step()
+    resumed.engine.synchronize()
+    want, got = dict(hf_tensors(whole.engine.named_masters())), dict(hf_tensors(resumed.engine.named_masters()))
+    assert want.keys() == got.keys() and all(got[k].equal(t) for k, t in want.items())
+    for u in range(len(whole.engine.units)):
+        a, b = whole.engine.optimizer_state(u), resumed.engine.optimizer_state(u)
+        assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    whole.close()
+    resumed.close()
+
+
 def test_three_steps_match_plain_pytorch_and_the_export_loads(tmp_path, family):
     model = save_tiny_model(tmp_path / "model", family)
     rows, labels = make_rows(seed=1, n=STEPS * MICRO * ACCUM)
@@ -77,23 +99,7 @@ def test_mixed_layer_types_resume_bit_for_bit(tmp_path, family):
                                  output_dir=tmp_path / "whole"), progress=False)
     stack = HFStack(whole.model.hf_config, None)
     assert len(set(stack.layer_types)) == 2 and stack.windows["sliding_attention"] < SEQ
-    for _ in range(2):
-        whole.step()
-    path = whole.save_checkpoint()
-    whole.step()
-    whole.engine.synchronize()
-    resumed = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
-                                   output_dir=tmp_path / "resumed", resume=path), progress=False)
-    assert resumed.step_index == 2
-    resumed.step()
-    resumed.engine.synchronize()
-    want, got = dict(hf_tensors(whole.engine.named_masters())), dict(hf_tensors(resumed.engine.named_masters()))
-    assert want.keys() == got.keys() and all(got[k].equal(t) for k, t in want.items())
-    for u in range(len(whole.engine.units)):
-        a, b = whole.engine.optimizer_state(u), resumed.engine.optimizer_state(u)
-        assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
-    whole.close()
-    resumed.close()
+    assert_resumes_bit_for_bit(tmp_path, whole)
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))

@@ -13,7 +13,7 @@ import torch
 import transformers
 from conftest import MOE_FAMILIES, save_tiny_model, tiny_config, write_token_rows
 from test_equivalence import ACCUM, CLIP, MICRO, SEQ, STEPS, compare, make_rows, reference_run, slide_config
-from test_families import eval_batch
+from test_families import assert_resumes_bit_for_bit, eval_batch
 
 from slide_train.errors import ModelError
 from slide_train.export import hf_tensors
@@ -72,23 +72,7 @@ def test_resume_bit_for_bit(tmp_path):
     write_token_rows(tmp_path / "data.jsonl", rows, labels)
     whole = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
                                  output_dir=tmp_path / "whole"), progress=False)
-    for _ in range(2):
-        whole.step()
-    path = whole.save_checkpoint()
-    whole.step()
-    whole.engine.synchronize()
-    resumed = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
-                                   output_dir=tmp_path / "resumed", resume=path), progress=False)
-    assert resumed.step_index == 2
-    resumed.step()
-    resumed.engine.synchronize()
-    want, got = dict(hf_tensors(whole.engine.named_masters())), dict(hf_tensors(resumed.engine.named_masters()))
-    assert want.keys() == got.keys() and all(got[k].equal(t) for k, t in want.items())
-    for u in range(len(whole.engine.units)):
-        a, b = whole.engine.optimizer_state(u), resumed.engine.optimizer_state(u)
-        assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
-    whole.close()
-    resumed.close()
+    assert_resumes_bit_for_bit(tmp_path, whole)
 
 
 @pytest.mark.parametrize("change, message", [

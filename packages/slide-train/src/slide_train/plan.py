@@ -145,11 +145,19 @@ def least_disk_share(plan: Plan, replan) -> tuple[float, int] | None:
     """The least engine.nvme.fraction at which `replan(fraction)` fits, and the blocks it puts on disk; None
     where even every sliding block's moments on disk leave the run too large."""
     sliding = len(plan.placement.sliding_blocks)
-    for blocks in range(1, sliding + 1) if not plan.placement.device_is_host else ():
-        fraction = math.ceil(100 * blocks / sliding) / 100
-        if replan(fraction).fits:
-            return fraction, blocks
-    return None
+    if plan.placement.device_is_host or not sliding:
+        return None
+
+    def share(blocks: int) -> float:
+        return math.ceil(100 * blocks / sliding) / 100
+
+    if not replan(share(sliding)).fits:
+        return None
+    low, high = 0, sliding  # more blocks on disk only ever take less host memory: bisect, a plan per halving
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if replan(share(middle)).fits else (middle, high)
+    return share(high), high
 
 
 def refuse(plan: Plan, cfg: TrainConfig, replan=None) -> None:
