@@ -58,6 +58,7 @@ MODES = ("1.0", "1e6", "none")  # max_grad_norm: acting, on but never acting, of
 SYSTEMS = {
     "slide": "Slide",
     "baseline": "Slide (baseline)",
+    "slide-nospec": "Slide without speculative updates (engine.placement.speculate=false)",
     "plain": "plain GPU-resident (HF, fp32 weights, bf16 autocast, activation checkpointing, fused AdamW)",
     "liger": "plain GPU-resident + Liger-Kernel (RMSNorm, RoPE, SwiGLU, fused linear CE)",
 }
@@ -189,7 +190,7 @@ def run_train_suite(suite: str, args, work: pathlib.Path) -> dict:
     figures, device = [], None
     plan = []  # old and new engines alternate per mode, so a drift of the machine touches both alike
     for mode in args.modes:
-        plan += [("slide", mode)] + ([("baseline", mode)] if args.baseline else [])
+        plan += [("slide", mode), ("slide-nospec", mode)] + ([("baseline", mode)] if args.baseline else [])
     for system in ("plain", "liger"):
         plan += [(system, mode) for mode in args.modes]
     plan = [(s, m) for s, m in plan if s in args.systems]
@@ -197,8 +198,9 @@ def run_train_suite(suite: str, args, work: pathlib.Path) -> dict:
         name = f"{suite}-{system}-clip-{mode}"
         print(f"  {name} ...", flush=True)
         spec = {**base, "mode": mode, "run_dir": str(work / name)}
-        if system == "slide" or system == "baseline":
-            spec.update(job="slide", extra=slide_args)
+        if system in ("slide", "baseline", "slide-nospec"):
+            off = ["--engine.placement.speculate=false"] if system == "slide-nospec" else []
+            spec.update(job="slide", extra=slide_args + off)
         else:
             spec.update(job=system, device=shape["device"], cap_gib=None, peers_fit=peers_fit)
         pythonpath = baseline_pythonpath(args.baseline) if system == "baseline" else None
@@ -210,7 +212,7 @@ def run_train_suite(suite: str, args, work: pathlib.Path) -> dict:
         shutil.rmtree(work / name, ignore_errors=True)
         entry = {"system": system, "label": SYSTEMS[system] + (f" {args.baseline_name}" if system == "baseline"
                                                                else ""),
-                 "mode": mode, "cap_gib": shape["cap_gib"] if system in ("slide", "baseline") else None,
+                 "mode": mode, "cap_gib": shape["cap_gib"] if system not in ("plain", "liger") else None,
                  "date": common.now(), **r}
         device = device or (r.get("device") if r.get("status") == "ok" else None)
         figures.append(entry)
@@ -260,7 +262,7 @@ def main() -> None:
                    help="where <suite>.json goes (default: benchmarks/results/, and a temp folder for tiny)")
     p.add_argument("--steps", type=int, help="timed steps per run (default 5; tiny 2)")
     p.add_argument("--warmup", type=int, help="untimed steps before them (default 2; tiny 1)")
-    p.add_argument("--systems", default="slide,baseline,plain,liger",
+    p.add_argument("--systems", default="slide,baseline,plain,liger",  # (slide-nospec: on request)
                    help="which systems to run (a subset is merged into the suite's existing file)")
     p.add_argument("--modes", default=",".join(MODES), help="which clip modes to run: 1.0,1e6,none")
     p.add_argument("--try-peers", action="store_true", help="run peers even where their states cannot fit (b8)")
@@ -305,7 +307,7 @@ def main() -> None:
                 failed.append(suite)
                 continue
             # A run of some systems or modes only is merged into the suite's file instead of replacing it.
-            absent = set() if args.baseline else {"baseline"}
+            absent = {"slide-nospec"} | (set() if args.baseline else {"baseline"})
             partial = suite in TRAIN_SUITES and (set(args.systems) - absent != set(SYSTEMS) - absent
                                                  or set(args.modes) != set(MODES))
             path = out / f"{doc['suite']}.json"

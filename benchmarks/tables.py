@@ -20,7 +20,8 @@ BENCH_NAMES = {"b1": "B1", "b3": "B3", "b8": "B8", "tiny": "tiny (CPU check)", "
                "tiny-documents": "tiny packed documents (CPU check)", "moe": "MoE", "moe-256k": "MoE 256k tokens",
                "gemma2": "Gemma 2"}
 MODE_NAMES = {"1.0": "1.0", "1e6": "1e6 (never acts)", "none": "off"}
-SHORT = {"slide": "Slide", "baseline": "Slide baseline", "plain": "plain", "liger": "plain + Liger"}
+SHORT = {"slide": "Slide", "slide-nospec": "Slide, no speculation", "baseline": "Slide baseline", "plain": "plain",
+         "liger": "plain + Liger"}
 
 
 def num(value, fmt: str = ".2f", empty: str = "-") -> str:

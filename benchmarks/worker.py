@@ -101,6 +101,7 @@ def run_slide(spec: dict) -> dict:
         out["exposed_share"] = statistics.median(r["exposed_s"] / r["step_s"] for r in timed)
     else:
         out["exposed_share"] = None
+    out["speculation"] = sorted({r["speculation"] for r in timed if "speculation" in r}) or None
     predicted = [r["predicted_step_s"] for r in timed if r.get("predicted_step_s") is not None]
     out["predicted_step_s"] = statistics.median(predicted) if predicted else None
     plan = getattr(trainer, "memory_plan", None)

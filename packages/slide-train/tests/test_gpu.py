@@ -52,7 +52,7 @@ def test_bf16_loss_curve_tracks_gpu_resident_reference(tmp_path, family, residen
             m = {k: v.cuda() for k, v in m.items()}
             mask = None
             if "document_ids" in m:
-                from slide_train.models.adapter import attention_mask
+                from slide_train.models.attention import attention_mask
 
                 mask = attention_mask(m["document_ids"], None, cfg.seq_len, "cuda")
             with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -139,7 +139,9 @@ class StepStats:
     phases: dict[str, float]  # host time between the schedule's phase boundaries
     timeline: dict[str, float]  # GPU busy vs exposed time, time spent waiting for updates, memory counters
     spans: list | None = None  # every lane's spans of this step (Timeline.spans), when asked for
-    speculation: str = "off"  # clipped steps with speculating blocks: "held" (clipping did not act) or "discarded"
+    # "held" (speculated, clipping did not act), "discarded" (speculated, it acted) or "off" (no block speculated:
+    # none may, no clipping, or the step after one whose clipping acted)
+    speculation: str = "off"
 
 
 class Unit:
@@ -271,6 +273,9 @@ class SlidingEngine:
         # next update.
         self.speculative = {u: host_zeros(numel, self.dtype) for u in sorted(p.speculated)}
         self._from_speculation: set[int] = set()
+        # A step whose clipping acted is followed by one that does not speculate (the next norm is most likely
+        # over the limit too), until a step's clipping does not act again.
+        self._speculating = True
         self.updater = HostUpdater(self.optimizer, inline=not config.pipeline, disk=self.disk)
         self.stream_buffers = [StreamedStep(p.stream_piece_numel, config.optimizer, self.device, self.dtype)
                                for _ in range(p.stream_buffers if self.streamed else 0)]
@@ -591,8 +596,9 @@ class SlidingEngine:
                 slot.drained = arrived[i + 1][-1]
                 if not clip:  # no clipping: the update starts as soon as its first piece is on the host
                     self.updater.submit(i + 1, host_grads[i + 1], arrived[i + 1], lr, 1.0)
-                elif i + 1 in self.speculative:  # as if clipping will not act: only new parameters are written
-                    # (over the ones its loads took: until this step says otherwise, later loads take the master)
+                elif i + 1 in self.speculative and self._speculating:
+                    # As if clipping will not act: only new parameters are written (over the ones its loads took:
+                    # until this step says otherwise, later loads take the master)
                     self._from_speculation.discard(i + 1)
                     self.updater.submit(i + 1, host_grads[i + 1], arrived[i + 1], lr, 1.0, part="speculate",
                                         into=self.speculative[i + 1])
@@ -621,8 +627,11 @@ class SlidingEngine:
         # as it was (without clipping, sliding blocks were updated during backward already).
         scale = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
         # Clipping that does not act multiplies by exactly 1: the speculated parameters are the update's own
-        held = set(self.speculative) if clip and math.isfinite(grad_norm) and scale == 1.0 else set()
-        speculation = "off" if not (clip and self.speculative) else "held" if held else "discarded"
+        acted = bool(clip) and not (math.isfinite(grad_norm) and scale == 1.0)
+        tried = bool(clip and self.speculative and self._speculating)
+        held = set(self.speculative) if tried and not acted else set()
+        speculation = "off" if not tried else "held" if held else "discarded"
+        self._speculating = not acted
         if not clip or math.isfinite(grad_norm):
             self._queue_updates(host_grads, arrived, lr, scale, held)
         self._from_speculation = held

@@ -326,7 +326,7 @@ class Overrides:
     held_grads: int | None = None  # blocks whose clipped gradient waits on the device (None: what fits)
     share_grads: bool | None = None  # pooled host gradients (None: wherever there is something to share)
     split: bool = True
-    speculate: bool | None = None  # clipped host updates speculated during backward (None: off for now)
+    speculate: bool | None = None  # clipped host updates speculated during backward (None: off)
 
 
 @dataclass(frozen=True)

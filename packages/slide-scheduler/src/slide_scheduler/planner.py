@@ -86,7 +86,8 @@ def place(shapes: Shapes, step: StepShape, options: Options, budgets: Budgets, m
     # activations' size less host memory, at the speed of a buffer each (docs/findings.md)
     pooled = poolable if o.share_grads is None else bool(o.share_grads) and poolable
     # Asked to speculate: every block, or the first ones where the host cannot afford all (each speculating block
-    # needs its speculated parameters and a gradient buffer of its own), or none where it prices no better
+    # needs its speculated parameters and a gradient buffer of its own), or none where it prices no better. Not
+    # by default: the cost model prices it faster than it measures (docs/findings.md)
     kinds = [(pooled, False)] + ([(False, True), *((False, round(f * shapes.num_blocks)) for f in SPECULATED)]
                                  if o.speculate and options.clip else [])
     best: tuple[bool, bool, float, float, Placement, Estimate] | None = None

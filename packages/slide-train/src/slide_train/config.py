@@ -68,7 +68,7 @@ PLACEMENT_KEYS = {
     "resident": "units kept on the GPU: a count (the edges, then blocks from 0) or a list such as [edges, block.3]",
     "device_update_share": "share of the sliding blocks whose clipped update runs on the GPU (0 to 1)",
     "speculate": "true: clipped host updates also run during backward as if clipping will not act (the same "
-                 "result bit for bit, more host memory)",
+                 "result bit for bit, more host memory; off by default, docs/findings.md)",
     "synchronous": "true: the synchronous reference schedule, no overlap",
 }
 # Keys that were renamed or removed, with what replaces them.

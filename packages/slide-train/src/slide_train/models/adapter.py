@@ -32,11 +32,11 @@ from torch import nn
 
 import slide_kernels
 
-from ..data import document_attention_mask
+from . import attention
 from .families import FAMILIES, Family, family_of, kernel_note, layer_types, supported_text
 from .loss import causal_lm_loss
 
-__all__ = ["FAMILIES", "DecoderBlock", "Edges", "HFStack", "attention_mask", "block_hf_name", "check_supported",
+__all__ = ["FAMILIES", "DecoderBlock", "Edges", "HFStack", "block_hf_name", "check_supported",
            "edge_hf_name", "supported_text"]
 
 DEFAULT_FAMILY = FAMILIES["llama"]  # the usual checkpoint names
@@ -116,6 +116,7 @@ class Edges(nn.Module):
         self.embed_tokens, self.rotary, self.norm, self.lm_head = embed_tokens, rotary, norm, lm_head
         self.windows = dict(windows) if windows else {"full_attention": None}
         self.embed_scale, self.embed_scale_rounded = embed_scale, embed_scale_rounded
+        self._scales: dict[torch.dtype, float] = {}
         self.logits_divisor, self.softcap = logits_divisor, softcap
         self.eager = eager  # HF's eager attention adds its mask: a float mask, always given
         # Gemma 3 keeps a rotary table per layer type (local and global bases)
@@ -128,18 +129,15 @@ class Edges(nn.Module):
         ids = batch["input_ids"]
         hidden = self.embed_tokens(ids)
         if self.embed_scale is not None:
-            # Gemma rounds sqrt(hidden) to the activations' dtype first (55.43 is 55.5 in bf16), Granite does not
-            scale = torch.tensor(self.embed_scale).to(hidden.dtype) if self.embed_scale_rounded else self.embed_scale
-            hidden = hidden * scale
+            hidden = hidden * self._embed_scale(hidden.dtype)
         positions = batch["position_ids"]
         documents = batch.get("document_ids")
         shared = None if self.rotary_per_type else self.rotary(hidden, positions)
-        masks: dict[int | None, torch.Tensor | None] = {}
+        masks = {}
         ctx = {}
         for kind, window in self.windows.items():
             if window not in masks:
-                mask = attention_mask(documents, window, ids.shape[1], ids.device)
-                masks[window] = additive_mask(mask, ids.shape[1], hidden.dtype, ids.device) if self.eager else mask
+                masks[window] = self.mask(documents, window, ids.shape[1], hidden.dtype, ids.device)
             ctx[kind] = {
                 "position_embeddings": self.rotary(hidden, positions, kind) if self.rotary_per_type else shared,
                 "position_ids": positions,
@@ -149,6 +147,22 @@ class Edges(nn.Module):
             valid = None if documents is None else (documents >= 0).reshape(-1).float()
             ctx[ROUTER] = RouterStats(valid)
         return hidden, ctx
+
+    def _embed_scale(self, dtype: torch.dtype) -> float:
+        """Gemma rounds sqrt(hidden) to the activations' dtype first (55.43 is 55.5 in bf16), Granite does not."""
+        if dtype not in self._scales:  # a Python number: no tensor made per micro-batch
+            rounded = self.embed_scale_rounded
+            self._scales[dtype] = float(torch.tensor(self.embed_scale).to(dtype)) if rounded else self.embed_scale
+        return self._scales[dtype]
+
+    def mask(self, documents, window, seq: int, dtype, device):
+        """One layer type's attention mask: a BlockMask on CUDA wherever plain causal attention is not exact
+        (soft-capping included: only FlexAttention fuses it), else the dense mask SDPA or eager attention takes."""
+        causal = documents is None and (window is None or seq <= window)
+        if device.type == "cuda":
+            return None if causal and not self.eager else attention.block_mask(documents, window, seq, device)
+        mask = attention.attention_mask(documents, window, seq, device)
+        return attention.additive_mask(mask, seq, dtype, device) if self.eager else mask
 
     def tail(self, hidden, batch, normalizer: float, ctx=None):
         targets = batch["targets"]
@@ -181,33 +195,6 @@ class Edges(nn.Module):
         load = (total * total.numel() / total.sum()).tolist()
         return {"aux_loss": torch.stack(losses).mean().item(), "expert_load_min": min(load),
                 "expert_load_max": max(load)}
-
-
-def attention_mask(document_ids: torch.Tensor | None, window: int | None, seq: int, device) -> torch.Tensor | None:
-    """A boolean [B, 1, S, S] mask (True = may attend), or None when plain causal attention is exact.
-
-    Packed rows use the data pipeline's document mask (causal, within one document; padding sees only itself, so
-    no row is empty); a sliding window narrows it further, never below the diagonal.
-    """
-    if document_ids is None and (window is None or seq <= window):
-        return None
-    q = torch.arange(seq, device=device)
-    if document_ids is None:
-        allowed = (q[:, None] >= q[None, :])[None, None]
-    else:
-        allowed = document_attention_mask(document_ids)
-    if window is not None:
-        allowed = allowed & (q[:, None] - q[None, :] < window)
-    return allowed
-
-
-def additive_mask(allowed: torch.Tensor | None, seq: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """The float mask HF's eager attention adds to its scores: 0 where `allowed`, the dtype's minimum elsewhere
-    (causal where `allowed` is None). Eager attention applies no causal mask of its own."""
-    if allowed is None:
-        q = torch.arange(seq, device=device)
-        allowed = (q[:, None] >= q[None, :])[None, None]
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 class DecoderBlock(nn.Module):
@@ -255,10 +242,9 @@ class HFStack:
                           stacklevel=2)
         self.kernels = kernels and family.kernels  # slide-kernels' fused RMSNorm / RoPE / SwiGLU in every block
         self.softcap = getattr(config, family.final_softcap, None) if family.final_softcap else None
+        # Soft-capped attention: FlexAttention on CUDA, HF's eager path elsewhere (which adds a float mask)
         self.eager = bool(family.attn_softcap and getattr(config, family.attn_softcap, None) is not None)
-        # SDPA takes the boolean masks below; soft-capped attention is only in HF's eager path (on CUDA too: no
-        # fused kernel soft-caps yet), which adds a float mask.
-        config._attn_implementation = "eager" if self.eager else "sdpa"
+        config._attn_implementation = "eager" if self.eager else "sdpa"  # for the skeleton below
         self.config = config
         self.weights = weights
         self.num_blocks = config.num_hidden_layers
@@ -269,6 +255,7 @@ class HFStack:
         with torch.device("meta"):
             skeleton = transformers.AutoModelForCausalLM.from_config(config)
         self._layer_cls = type(skeleton.get_submodule(family.layers)[0])
+        config._attn_implementation = attention.register()  # the blocks run the mask the head builds
         self._skeleton = skeleton
         self.aux_loss = None
         if family.experts:  # the experts implementation transformers chose for the skeleton, for the blocks too

@@ -1,0 +1,133 @@
+"""Which positions a query sees, and the attention the blocks run with it.
+
+Causal, within one document of a packed row (a padding position sees only itself, so no softmax row is empty),
+and within the layer's sliding window if it has one. On CUDA that is a FlexAttention `BlockMask`: the row is cut
+into tiles of `TILE` x `TILE` positions, tiles no query sees are skipped, tiles seen whole run unmasked, and only
+tiles on a document's or the window's edge evaluate the rule per position, so no [S, S] tensor exists and packed
+rows run at the speed of a fused kernel. Elsewhere it is the dense [B, 1, S, S] mask that SDPA takes (boolean) or
+HF's eager attention adds (float). `attend`, registered with transformers as `IMPLEMENTATION`, runs whichever the
+head built.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import transformers
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from ..data import document_attention_mask
+
+__all__ = ["IMPLEMENTATION", "TILE", "additive_mask", "attend", "attention_mask", "block_mask", "register"]
+
+IMPLEMENTATION = "slide"  # the name `attend` is registered under in transformers' attention functions
+TILE = 128  # FlexAttention's default block of queries and keys
+
+
+def attention_mask(document_ids: torch.Tensor | None, window: int | None, seq: int, device) -> torch.Tensor | None:
+    """A boolean [B, 1, S, S] mask (True = may attend), or None when plain causal attention is exact."""
+    if document_ids is None and (window is None or seq <= window):
+        return None
+    q = torch.arange(seq, device=device)
+    if document_ids is None:
+        allowed = (q[:, None] >= q[None, :])[None, None]
+    else:
+        allowed = document_attention_mask(document_ids)
+    if window is not None:
+        allowed = allowed & (q[:, None] - q[None, :] < window)
+    return allowed
+
+
+def additive_mask(allowed: torch.Tensor | None, seq: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The float mask HF's eager attention adds to its scores: 0 where `allowed`, the dtype's minimum elsewhere
+    (causal where `allowed` is None). Eager attention applies no causal mask of its own."""
+    if allowed is None:
+        q = torch.arange(seq, device=device)
+        allowed = (q[:, None] >= q[None, :])[None, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def block_mask(document_ids: torch.Tensor | None, window: int | None, seq: int, device) -> BlockMask:
+    """The same rule as `attention_mask` as a FlexAttention BlockMask (batch 1, broadcast, without documents).
+
+    Each tile's lowest and highest document id decide it: a tile pair whose id ranges do not meet, or that lies
+    above the diagonal or beyond the window, is skipped; one whose two tiles hold the same single document and no
+    padding, below the diagonal and inside the window, is full. Padding gets ids of its own (one per position),
+    so it sees only itself through the per-position rule, in its own tile. With documents in order along the row
+    (as packing lays them) and no window, exactly the tiles holding an allowed pair are visited.
+    """
+    pos = torch.arange(seq, device=device)
+    if document_ids is None:
+        ids = torch.zeros(1, seq, dtype=torch.long, device=device)
+    else:
+        ids = torch.where(document_ids >= 0, document_ids.long(), -1 - pos)
+    tiles = -(-seq // TILE)
+    pad = torch.zeros(ids.shape[0], tiles * TILE - seq, dtype=torch.long, device=device) - 1
+    tiled = torch.cat([ids if document_ids is None else document_ids.long(), pad], dim=1).view(-1, tiles, TILE)
+    real = tiled >= 0
+    big = torch.iinfo(torch.long).max
+    lo = torch.where(real, tiled, big).amin(dim=-1)  # over the tile's documents (big, -1: none)
+    hi = torch.where(real, tiled, -1).amax(dim=-1)
+    padding = (~real).any(dim=-1)
+    padding[:, -1] = (~real[:, -1, : seq - (tiles - 1) * TILE]).any(dim=-1)  # (beyond seq is not padding)
+    t = torch.arange(tiles, device=device)
+    below = t[:, None] - t[None, :]  # query tile minus key tile
+    seen = (below >= 0) & (lo[:, :, None] <= hi[:, None, :]) & (lo[:, None, :] <= hi[:, :, None])
+    seen |= (below == 0) & padding[:, :, None]
+    single = (lo == hi) & ~padding
+    whole = (below > 0) & single[:, :, None] & single[:, None, :] & (lo[:, :, None] == lo[:, None, :])
+    if window is not None:
+        seen &= (below - 1) * TILE + 1 < window  # the nearest pair of the two tiles is inside the window
+        whole &= (below + 1) * TILE - 1 < window  # and the farthest
+    partial = seen & ~whole
+
+    def rule(b, h, q, kv):
+        ok = (q >= kv) & (ids[b, q] == ids[b, kv])
+        return ok & (q - kv < window) if window is not None else ok
+
+    def ordered(dense):  # per query tile: how many key tiles, and their indices first
+        dense = dense[:, None].to(torch.int32)
+        order = torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
+        return dense.sum(dim=-1, dtype=torch.int32), order
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(whole), BLOCK_SIZE=TILE, mask_mod=rule,
+                                    seq_lengths=(seq, seq))
+
+
+_compiled = None
+
+
+def _flex(query: torch.Tensor):
+    """FlexAttention compiled once on CUDA (its fused kernel); eager elsewhere, where it computes the same rule
+    densely."""
+    global _compiled
+    if not query.is_cuda:
+        return flex_attention
+    if _compiled is None:
+        _compiled = torch.compile(flex_attention, dynamic=False)
+    return _compiled
+
+
+def attend(module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
+    """A transformers attention function: FlexAttention for a BlockMask (soft-capping as its score rule), HF's
+    eager attention of the module's own family for a float mask, SDPA otherwise."""
+    if isinstance(attention_mask, BlockMask):
+        score_mod = None
+        if softcap is not None:
+            def score_mod(score, b, h, q, kv):
+                return softcap * torch.tanh(score / softcap)
+        out = _flex(query)(query, key, value, score_mod=score_mod, block_mask=attention_mask, scale=scaling,
+                           enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
+    if attention_mask is not None and attention_mask.is_floating_point():
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+def register() -> str:
+    """Make `attend` a transformers attention implementation; returns its name, for `config._attn_implementation`."""
+    transformers.AttentionInterface.register(IMPLEMENTATION, attend)
+    return IMPLEMENTATION
