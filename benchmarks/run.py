@@ -161,7 +161,10 @@ def random_documents(path: pathlib.Path, vocab: int, seq_len: int, tokens: int, 
     return lengths
 
 
-def run_train_suite(suite: str, args, work: pathlib.Path) -> dict:
+def run_train_suite(suite: str, args, work: pathlib.Path, out: pathlib.Path) -> dict:
+    """Each system and mode in its own process. The figures so far are kept in `<out>/<suite>.partial.json`
+    after each process, so a run stopped from outside keeps what it finished; the caller writes the suite's file
+    and removes that one."""
     shape = dict(TRAIN_SUITES[suite])
     warmup = args.warmup if args.warmup is not None else shape.pop("warmup", 2)
     steps = args.steps if args.steps is not None else shape.pop("steps", 5)
@@ -216,8 +219,16 @@ def run_train_suite(suite: str, args, work: pathlib.Path) -> dict:
                  "date": common.now(), **r}
         device = device or (r.get("device") if r.get("status") == "ok" else None)
         figures.append(entry)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name_of(suite, args)}.partial.json").write_text(
+            json.dumps(suite_doc(name_of(suite, args), config, figures, device), indent=1) + "\n")
         print(f"  {name}: {tables.entry_line(entry)}", flush=True)
-    return suite_doc(suite + ("-documents" if args.data == "documents" else ""), config, figures, device)
+    return suite_doc(name_of(suite, args), config, figures, device)
+
+
+def name_of(suite: str, args) -> str:
+    """The name a training suite's results go under: its own, or with `-documents` for packed documents."""
+    return suite + ("-documents" if args.data == "documents" else "")
 
 
 def run_kernels_suite(args, work: pathlib.Path) -> dict:
@@ -298,7 +309,7 @@ def main() -> None:
             print(f"{suite}:", flush=True)
             try:
                 if suite in TRAIN_SUITES:
-                    doc = run_train_suite(suite, args, work)
+                    doc = run_train_suite(suite, args, work, out)
                 else:
                     doc = {"kernels": run_kernels_suite, "io": run_io_suite, "probe": run_probe_suite}[suite](
                         args, work)
@@ -315,6 +326,7 @@ def main() -> None:
                 doc = merge(path, doc)
             out.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(doc, indent=1) + "\n")
+            (out / f"{doc['suite']}.partial.json").unlink(missing_ok=True)
             print(tables.suite_table(doc), flush=True)
             print(f"wrote {path}", flush=True)
             # (skipped and does-not-fit entries are results; a crash is not)

@@ -162,7 +162,7 @@ def main_table(docs: dict[str, dict]) -> str | None:
 
 def load(results: pathlib.Path) -> dict[str, dict]:
     docs = {}
-    for path in sorted(results.glob("*.json")):
+    for path in sorted(p for p in results.glob("*.json") if not p.name.endswith(".partial.json")):
         doc = json.loads(path.read_text())
         if isinstance(doc, dict) and "suite" in doc and "figures" in doc:
             docs[doc["suite"]] = doc
