@@ -11,7 +11,7 @@ import torch
 from io_helpers import DTYPES, aligned_tensor, random_tensor, raw_bytes
 
 import slide_io.posix
-from slide_io import NVMeStore, StoreFullError
+from slide_io import NVMeStore, StoreCorruptError, StoreFullError
 
 
 @pytest.fixture
@@ -113,11 +113,24 @@ def test_short_transfers_are_completed(store, monkeypatch):
     assert torch.equal(out, t)
 
 
-def test_a_file_that_ends_early_is_an_error_not_garbage(store, monkeypatch):
+def test_a_file_cut_from_outside_is_named_not_read_as_garbage(store):
     store.write("k", torch.ones(100)).result()
-    os.truncate(file_of(store, "k"), 10)
-    with pytest.raises(OSError, match="ended"):
+    path = file_of(store, "k")
+    os.truncate(path, 10)
+    with pytest.raises(StoreCorruptError, match=r"holds 10 bytes, but 400 were written to it") as info:
         store.read("k", torch.empty(100)).result()
+    assert (info.value.path, info.value.key, info.value.errno) == (path, "k", errno.EIO)
+
+
+def test_a_file_that_ends_during_a_read_is_an_error_not_garbage(tmp_path):
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"x" * 10)
+    room = slide_io.posix.PosixFile(str(path), "k", direct=False)
+    try:
+        with pytest.raises(OSError, match="ended"):
+            room.pread(torch.empty(100))
+    finally:
+        room.close()
 
 
 def test_rewrite_reuses_the_file_and_resize_replaces_it(store):

@@ -262,5 +262,35 @@ def test_a_speculative_step_writes_the_next_steps_parameters_and_changes_nothing
         assert guess.equal(opt.master.to(into)) and not guess.equal(before[0].to(into))
     with pytest.raises(ValueError, match="speculative step"):
         opt.step(grad, lr, part="speculate")
-    with pytest.raises(ValueError, match="speculative step"):
-        opt.step(grad, lr, into=guess)
+    with pytest.raises(ValueError, match="a split one may not"):
+        opt.step(grad, lr, part="params", into=guess)
+
+
+@pytest.mark.parametrize("states", [torch.float32, torch.bfloat16])
+def test_a_master_brought_for_each_step_steps_as_one_kept_here_and_writes_its_parameters(states):
+    """A unit whose master and moments live elsewhere (on disk): each step binds the three, brought into staging
+    buffers that other units' steps reuse in between, and writes the new parameters `into` a compute-dtype copy;
+    masters, moments and parameters are bit for bit those of a unit that keeps everything here."""
+    torch.manual_seed(0)
+    cfg = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    start = torch.randn(3000)
+    kept = FlatAdamW(start.clone(), cfg, chunk=1024, states_dtype=states, bounds=(1500,))
+    away = FlatAdamW(torch.zeros(3000), cfg, chunk=1024, states_dtype=states, bounds=(1500,), external_states=True)
+    stored = {"master": start.clone(), "m": torch.zeros(3000, dtype=states), "v": torch.zeros(3000, dtype=states)}
+    staging = [(torch.empty(3000), torch.empty(3000, dtype=states), torch.empty(3000, dtype=states))
+               for _ in range(2)]
+    params = torch.empty(3000, dtype=torch.bfloat16)
+    for k in range(4):
+        grad = torch.randn(3000).bfloat16()
+        kept.step(grad, 1e-2, 0.5)
+        master, m, v = staging[k % 2]
+        for t in staging[k % 2]:
+            t.fill_(float("nan"))  # what another unit left there
+        master.copy_(stored["master"]), m.copy_(stored["m"]), v.copy_(stored["v"])
+        away.bind_states(m, v, master)
+        away.step(grad, 1e-2, 0.5, into=params)
+        stored = {"master": master.clone(), "m": m.clone(), "v": v.clone()}
+        assert stored["master"].equal(kept.master) and params.equal(kept.master.bfloat16())
+        assert stored["m"].equal(kept.exp_avg) and stored["v"].equal(kept.exp_avg_sq)
+    with pytest.raises(ValueError, match="bound master"):
+        away.bind_states(m, v, torch.zeros(3000, dtype=torch.bfloat16))

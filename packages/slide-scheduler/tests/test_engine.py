@@ -1080,24 +1080,46 @@ def test_a_script_that_never_closes_its_engine_finishes_its_updates_and_exits_cl
     assert not list(tmp_path.glob("slide-io-*"))
 
 
+def slow_disk(monkeypatch, seconds: float = 0.004) -> None:
+    """Every read and write-back of the disk tier's states takes a while longer."""
+    from slide_scheduler import disk_states
+
+    for name in ("_read", "_write"):
+        original = getattr(disk_states.DiskStates, name)
+
+        def slowed(self, *args, _original=original):
+            time.sleep(seconds)
+            return _original(self, *args)
+
+        monkeypatch.setattr(disk_states.DiskStates, name, slowed)
+
+
 @pytest.mark.parametrize("clip", [0.05, None])
 @pytest.mark.parametrize("fraction, slow, share, resident", [
-    (0.5, None, 0.0, 0), (1.0, "updater", 0.0, 0), (0.5, "d2h", 0.5, 0), (0.5, "h2d", 0.0, 2), (1.0, None, 1.0, 0)])
-def test_moments_on_disk_give_the_host_memory_result(tmp_path, monkeypatch, clip, fraction, slow, share, resident):
-    """AdamW moments of the last sliding blocks kept in files (read into a staging slot ahead of each update,
-    written back after): bit for bit the synchronous engine's result with every state in memory, with a slow
-    lane, device updates of the other blocks and resident blocks beside them."""
+    (0.0, None, 0.0, 0), (0.5, None, 0.0, 0), (1.0, "updater", 0.0, 0), (0.5, "d2h", 0.5, 0), (0.5, "h2d", 0.0, 2),
+    (1.0, None, 1.0, 0), (1.0, "disk", 0.0, 0), (0.5, "disk", 0.0, 2)])
+def test_masters_and_moments_on_disk_give_the_host_memory_result(tmp_path, monkeypatch, clip, fraction, slow,
+                                                                 share, resident):
+    """fp32 masters and AdamW moments of the last sliding blocks kept in files (read into a staging slot ahead of
+    each update, written back after; the blocks load from a copy of their parameters their update writes): bit
+    for bit the synchronous engine's result with everything in memory, with a slow lane or a slow disk, device
+    updates of the other blocks and resident blocks beside them."""
     monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip, device_share=share, resident=resident)
     seen = {}
 
     def record(engine):
         seen["on_disk"], seen["streamed"] = set(engine.on_disk), set(engine.streamed)
+        seen["masters"] = {u for u, unit in enumerate(engine.units) if unit.master is None}
 
+    if slow == "disk":
+        slow_disk(monkeypatch)
     losses, got = run_engine(pipeline=True, window=2, clip=clip, device_share=share, resident=resident,
-                             delays={slow: 0.004} if slow else None, nvme=(fraction, tmp_path), patch=record)
+                             delays={slow: 0.004} if slow not in (None, "disk") else None,
+                             nvme=(fraction, tmp_path) if fraction else None, patch=record)
     sliding = DEPTH - max(resident - 1, 0)
     assert len(seen["on_disk"]) == round(fraction * sliding) and not seen["on_disk"] & seen["streamed"]
+    assert seen["masters"] == seen["on_disk"]  # no fp32 master of theirs in host memory
     assert losses == ref_losses
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
     assert not list(tmp_path.glob("slide-io-*")), "closing the engine removes its files"
@@ -1106,15 +1128,17 @@ def test_moments_on_disk_give_the_host_memory_result(tmp_path, monkeypatch, clip
 @pytest.mark.parametrize("clip", [0.05, None])
 @pytest.mark.parametrize("slow", [None, "updater"])
 def test_bf16_moments_on_disk_give_the_bf16_in_memory_result(tmp_path, clip, slow):
-    """states_dtype=bf16 with moments on disk: they are stored there in bf16 (half the bytes of fp32 ones), and
-    the result is bit for bit the synchronous engine's with bf16 states in memory."""
+    """states_dtype=bf16 with masters and moments on disk: the moments are stored there in bf16 (half the bytes
+    of fp32 ones), the masters in fp32, and the result is bit for bit the synchronous engine's with bf16 states in
+    memory."""
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip, states="bf16")
     fp32_losses, _ = run_engine(pipeline=False, window=2, clip=clip)
     sizes, expected = [], []
 
     def record(engine):
         step = engine.step
-        expected.append(len(engine.on_disk) * engine.disk.numel * 2 * 2)  # m and v, 2 bytes each
+        # m and v, 2 bytes each, and the fp32 masters of those blocks
+        expected.append(engine.disk.numel * (len(engine.on_disk) * 2 * 2 + len(engine.disk.masters) * 4))
 
         def step_and_measure(*args, **kwargs):
             stats = step(*args, **kwargs)
@@ -1206,8 +1230,8 @@ def test_fp32_states_load_into_bf16_moments_on_disk_as_into_bf16_ones_in_memory(
     for nvme in (None, (1.0, tmp_path)):
         engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, max_grad_norm=0.05,
                                                                         states_dtype="bf16", **on_disk(nvme))
-        for u, unit in enumerate(engine.units):
-            unit.master.copy_(masters[u])
+        for u in range(len(engine.units)):
+            engine.load_master(u, masters[u])
             engine.load_optimizer_state(u, states[u])
         engine.refresh()
         engines.append(engine)

@@ -453,14 +453,14 @@ def test_a_share_of_states_on_disk_that_rounds_to_no_block_is_warned_about(tmp_p
 
     none, said = plan(0.01)
     assert not none.on_disk and len(said) == 1
-    found = re.search(r"nvme.fraction=0.01 puts no AdamW state on disk: it is none of the (\d+) sliding blocks "
-                      r"\(a share of ([0-9.]+) keeps one block's states there\)", said[0])
+    found = re.search(r"nvme.fraction=0.01 puts no master or AdamW state on disk: it is none of the (\d+) sliding "
+                      r"blocks \(a share of ([0-9.]+) keeps one block's states there\)", said[0])
     assert found and int(found.group(1)) == len(none.sliding_blocks) > 1
     moved, said = plan(float(found.group(2)))
     assert len(moved.on_disk) == 1 and moved.bytes("disk") > 0 and not said
     resident, said = plan(0.5, f"--engine.placement.resident={len(none.units)}")
-    assert not resident.sliding_blocks and said == ["engine.nvme.fraction=0.5 puts no AdamW state on disk: every "
-                                                    "block is resident, its states on the device"]
+    assert not resident.sliding_blocks and said == ["engine.nvme.fraction=0.5 puts no master or AdamW state on disk: "
+                                                    "every block is resident, its states on the device"]
 
 
 def test_a_folder_for_the_nvme_tier_that_the_run_does_not_use_is_warned_about(tmp_path):

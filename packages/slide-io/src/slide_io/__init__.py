@@ -2,7 +2,7 @@
 
 from slide_io.__about__ import __version__
 from slide_io.disk import free_bytes, preflight
-from slide_io.errors import StoreFullError, is_disk_full
+from slide_io.errors import StoreCorruptError, StoreFullError, is_disk_full
 from slide_io.host import HostStore
 from slide_io.kvikio_path import PATHS, PathChoice, select_path
 from slide_io.nvme import NVMeStore
@@ -13,6 +13,7 @@ __all__ = [
     "HostStore",
     "NVMeStore",
     "PathChoice",
+    "StoreCorruptError",
     "StoreFullError",
     "TensorStore",
     "__version__",

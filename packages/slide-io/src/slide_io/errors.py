@@ -1,4 +1,5 @@
-"""The one error slide-io adds: a tier without room for what it was asked to hold."""
+"""The errors slide-io adds: a tier without room for what it was asked to hold, and a file of the tier that no
+longer holds what was written to it."""
 
 from __future__ import annotations
 
@@ -43,3 +44,22 @@ class StoreFullError(OSError):
 
     def __reduce__(self):  # rebuilt from its own arguments (OSError's would be errno and message)
         return type(self), (self.directory, self.needed, self.free, self.what)
+
+
+class StoreCorruptError(OSError):
+    """A file of the NVMe tier holds fewer bytes than were written to it: truncated or replaced from outside the
+    process (another program, a user clearing the folder). An OSError with errno EIO."""
+
+    def __init__(self, path: str, key: str, expected: int, found: int) -> None:
+        self.path, self.key, self.expected, self.found = str(path), key, int(expected), int(found)
+        message = (
+            f"slide-io: {self.path} (key {key!r}) holds {found:,} bytes, but {expected:,} were written to it: the "
+            "file was truncated or replaced outside this run; the run cannot go on from it (resume from a checkpoint)"
+        )
+        super().__init__(errno.EIO, message)
+
+    def __str__(self) -> str:
+        return self.strerror or ""
+
+    def __reduce__(self):
+        return type(self), (self.path, self.key, self.expected, self.found)

@@ -20,7 +20,7 @@ import tempfile
 import torch
 
 from slide_io.disk import free_bytes, preflight
-from slide_io.errors import StoreFullError, is_disk_full
+from slide_io.errors import StoreCorruptError, StoreFullError, is_disk_full
 from slide_io.kvikio_path import KvikioFile, select_path
 from slide_io.posix import PosixFile, open_direct
 from slide_io.store import TensorStore
@@ -114,6 +114,10 @@ class NVMeStore(TensorStore):
             raise
 
     def _get(self, room: PosixFile | KvikioFile, out: torch.Tensor) -> None:
+        expected = out.numel() * out.element_size()
+        found = os.path.getsize(room.path) if os.path.exists(room.path) else 0
+        if found < expected:  # (its size was set when it was made: anything shorter was cut from outside)
+            raise StoreCorruptError(room.path, room.key, expected, found)
         room.pread(out)
 
     def _release(self, room: PosixFile | KvikioFile) -> None:

@@ -103,13 +103,18 @@ class FlatAdamW:
         self._wide = wide if wide is not None else torch.zeros(rows, size, device=master.device)
         self.steps = [torch.zeros((), dtype=torch.float32, device=master.device) for _ in self.ranges]
 
-    def bind_states(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        """Step with these m and v (flat, the master's length and the states' dtype) from now on: where states
-        kept elsewhere were brought for the step."""
+    def bind_states(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, master: torch.Tensor | None = None) -> None:
+        """Step with these m and v (flat, the master's length and the states' dtype), and this fp32 master if
+        given, from now on: where states kept elsewhere were brought for the step."""
         for t in (exp_avg, exp_avg_sq):
             if t.shape != self.master.shape or t.dtype != self.states_dtype or t.device != self.master.device:
                 raise ValueError(f"bound states must be flat {self.states_dtype} tensors of {self.master.numel()} "
                                  f"elements on {self.master.device}")
+        if master is not None:
+            if (master.shape, master.dtype, master.device) != (self.master.shape, torch.float32, self.master.device):
+                raise ValueError(f"a bound master must be a flat fp32 tensor of {self.master.numel()} elements on "
+                                 f"{self.master.device}")
+            self.master = master
         self.exp_avg, self.exp_avg_sq = exp_avg, exp_avg_sq
 
     @property
@@ -131,14 +136,17 @@ class FlatAdamW:
 
         `part`: "all"; or "params" then "moments", with the same gradient, scale and lr; or "speculate", which
         writes the new parameters `into` (flat, the master's length) and leaves the state as it was (see the
-        module notes). `before_chunk(k)` runs before chunk k (`ranges[k]`) is read: e.g. to wait until it has
-        arrived."""
+        module notes). A whole step may also write its new parameters `into` (rounded to its dtype: the copy a
+        unit whose master is elsewhere loads from). `before_chunk(k)` runs before chunk k (`ranges[k]`) is read:
+        e.g. to wait until it has arrived."""
         if part not in PARTS:
             raise ValueError(f"part must be one of {PARTS}, got {part!r}")
         if part != "all" and self.master.device.type != "cpu":
             raise ValueError("split and speculative steps run on host masters (a device unit steps whole)")
-        if (part == "speculate") != (into is not None) or (into is not None and into.shape != self.master.shape):
-            raise ValueError("a speculative step, and only it, writes `into`, a flat tensor of the master's length")
+        if (part == "speculate" and into is None) or (into is not None and (
+                part not in ("all", "speculate") or into.shape != self.master.shape)):
+            raise ValueError("a speculative step writes `into`, a flat tensor of the master's length; a whole step "
+                             "may, a split one may not")
         block = self.block
         speculate = part == "speculate"
         keep_params, keep_moments = part in ("all", "params"), part in ("all", "moments")
@@ -163,7 +171,7 @@ class FlatAdamW:
                 if speculate:
                     p.copy_(self.master[start:end])
                 _adamw_kernel(p, g, m, v, step, lr, self.config)
-                if speculate:
+                if into is not None:
                     into[start:end].copy_(p)
                 if self.narrow and keep_moments:
                     self.exp_avg[start:end].copy_(m)

@@ -91,16 +91,18 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
         # Speculation that holds: loads take the speculated parameters (compute dtype), and nothing waits for the
         # update proper, which runs whole under the next forward; one that is discarded only adds its pass.
         held = clip and up.speculate and not clipping_acts
+        # Loads take the compute-dtype parameters where those are kept (held speculation, a master on disk)
+        compact = held or up.disk_master
         # Forward: the master crosses (with clipping, a streamed update brings m, v and the gradient along)
         stream = clip and up.update == "stream"
-        into = numel * (c if held else 4 + (8 + (0 if up.grad == "held" else c) if stream else 0))
+        into = numel * (c if compact else 4 + (8 + (0 if up.grad == "held" else c) if stream else 0))
         back = numel * ((4 if up.split else 12) if stream else 0)
         load_f[b] = into / h2d if pcie else 0.0
         fwd.h2d += into
         fwd.d2h += back
         # Backward: the master again, the gradient home (unless held for a device update)
-        load_b[b] = numel * (c if held else 4) / h2d if pcie else 0.0
-        bwd.h2d += numel * (c if held else 4)
+        load_b[b] = numel * (c if compact else 4) / h2d if pcie else 0.0
+        bwd.h2d += numel * (c if compact else 4)
         bwd.d2h += 0 if up.grad == "held" else numel * c
         if clip and up.speculate:  # the speculative pass, under the backward
             bwd.adamw += numel / adamw
@@ -117,9 +119,10 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
             if up.split:  # the moments part runs after the forward
                 bwd.adamw += update_s[b] * 0.5
                 bwd.host_bytes += numel * 22
-            if up.moments == "disk":
-                (fwd if clip else bwd).disk += 2 * sb * numel / disk_r + 2 * sb * numel / disk_w
-                (fwd if clip else bwd).host_bytes += 4 * sb * numel
+            if up.moments == "disk":  # read in ahead and written back (the master too where it is there)
+                on_disk = 2 * sb + (4 if up.disk_master else 0)
+                (fwd if clip else bwd).disk += on_disk * numel / disk_r + on_disk * numel / disk_w
+                (fwd if clip else bwd).host_bytes += 2 * on_disk * numel + (c * numel if up.disk_master else 0)
     # Edges: streamed through the device (their master and moments), or their master loaded and updated on the host
     e, edges = s.unit_numels[0], p.units[0]
     if not edges.resident:

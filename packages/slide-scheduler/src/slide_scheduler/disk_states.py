@@ -1,10 +1,13 @@
-"""AdamW moments on the NVMe tier: the m and v of some host-updated blocks live in files, not in host memory.
+"""AdamW states on the NVMe tier: the m and v of some host-updated blocks, and of some of them the fp32 master
+too, live in files, not in host memory.
 
 For a run whose states do not fit in RAM. A block's m and v (in the states' dtype, as in memory: 8 bytes per
-parameter in fp32, 4 in bf16) are read into one of `SLOTS` staging slots (plain host memory: only the host
-optimizer touches them) ahead of its update, stepped there by the host optimizer, and written back; the slot
-is reused once that write is done. Reads are queued in the order the updates will run (`fetch`, called by the
-engine when it knows that order), so they run ahead of the optimizer by as many slots as there are.
+parameter in fp32, 4 in bf16), and its master where it is on disk too (4 bytes), are read into one of `SLOTS`
+staging slots (plain host memory: only the host optimizer touches them) ahead of its update, stepped there by the
+host optimizer, and written back; the slot is reused once that write is done. Reads are queued in the order the
+updates will run (`fetch`, called by the engine when it knows that order), so they run ahead of the optimizer by
+as many slots as there are. (A block whose master is on disk loads for compute from a copy of its parameters in
+the compute dtype, which its update writes: the master is needed only here.)
 
 Ordering rules, each a future a later operation waits for:
 - a read of unit u waits for the write-back of u's previous update (it must see the newest moments);
@@ -42,18 +45,22 @@ def done_future() -> Future:
 
 
 class DiskStates:
-    """m and v of `units` (flat, `numel` elements of `dtype` each) in an NVMe store under `directory`, staged
-    through `SLOTS` host buffers."""
+    """m and v of `units` (flat, `numel` elements of `dtype` each), and the fp32 masters of `masters` (some of
+    `units`), in an NVMe store under `directory`, staged through `SLOTS` host buffers."""
 
     def __init__(self, units: list[int], numel: int, directory: str | os.PathLike[str],
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, masters: list[int] = ()):
         self.numel, self.dtype = numel, dtype
+        self.masters = set(masters)
+        if not self.masters <= set(units):
+            raise ValueError("a unit whose master is on disk keeps its moments there too")
         # (label, start, end) host times of reads and writes, for the timeline's `disk` lane: they run past the
         # step that queued them, so the engine takes them as it does the optimizer's spans
         self.spans: list[tuple[str, float, float]] = []
-        # Preflight: every unit's m and v must fit on the disk, or the run stops now with what it needs.
-        self.store = NVMeStore(directory, reserve=len(units) * numel * state_bytes(dtype))
-        self.slots = [(host_zeros(numel, dtype, False), host_zeros(numel, dtype, False)) for _ in range(SLOTS)]
+        # Preflight: every unit's states must fit on the disk, or the run stops now with what it needs.
+        self.store = NVMeStore(directory, reserve=numel * (len(units) * state_bytes(dtype) + 4 * len(self.masters)))
+        self.slots = [(host_zeros(numel, dtype, False), host_zeros(numel, dtype, False),
+                       host_zeros(numel, torch.float32, False) if self.masters else None) for _ in range(SLOTS)]
         self._slot_free = [done_future() for _ in self.slots]  # the write-back that last used each slot
         self._written = {u: done_future() for u in units}  # each unit's latest write-back (or its placeholder)
         self._landed = dict(self._written)  # each unit's latest write-back of an update that has finished
@@ -69,14 +76,17 @@ class DiskStates:
     def __contains__(self, unit: object) -> bool:
         return unit in self._written
 
-    def _both(self, op, unit: int, m: torch.Tensor, v: torch.Tensor) -> None:
-        """`store.read` or `store.write` of `unit`'s m and v, both at once, until both are done."""
-        for future in (op(f"m.{unit}", m), op(f"v.{unit}", v)):
+    def _both(self, op, unit: int, m: torch.Tensor, v: torch.Tensor, master: torch.Tensor | None = None) -> None:
+        """`store.read` or `store.write` of `unit`'s m and v (and master, if given), all at once, until done."""
+        futures = [op(f"m.{unit}", m), op(f"v.{unit}", v)] + ([op(f"master.{unit}", master)] if master is not None
+                                                              else [])
+        for future in futures:
             future.result()
 
-    def _timed(self, label: str, op, unit: int, m: torch.Tensor, v: torch.Tensor) -> None:
+    def _timed(self, label: str, op, unit: int, m: torch.Tensor, v: torch.Tensor,
+               master: torch.Tensor | None = None) -> None:
         start = time.perf_counter()
-        self._both(op, unit, m, v)
+        self._both(op, unit, m, v, master)
         self.spans.append((label, start, time.perf_counter()))
 
     def fetch(self, unit: int) -> None:
@@ -93,19 +103,25 @@ class DiskStates:
             read = self._reader.submit(self._read, unit, slot, after)
             self._fetched[unit] = (slot, read, written)
 
-    def _read(self, unit: int, slot: int, after: tuple[Future, Future]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(self, unit: int, slot: int, after: tuple[Future, Future]) -> tuple:
         for future in after:
             future.result()  # (a failed write-back fails this read, and so the update that needs it)
-        m, v = self.slots[slot]
+        m, v, master = self.slots[slot]
+        master = master if unit in self.masters else None
         if unit in self._stored:
-            self._timed(f"read states {unit}", self.store.read, unit, m, v)
-        else:
+            self._timed(f"read states {unit}", self.store.read, unit, m, v, master)
+        else:  # moments before a first update are zeros; a master is on disk from the start (`load_master`)
             m.zero_()
             v.zero_()
-        return m, v
+            if master is not None:
+                start = time.perf_counter()
+                self.store.read(f"master.{unit}", master).result()
+                self.spans.append((f"read master {unit}", start, time.perf_counter()))
+        return m, v, master
 
-    def bind(self, unit: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`unit`'s moments in their staging slot, once read (fetching them now if nobody did)."""
+    def bind(self, unit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`unit`'s moments and (where on disk) master in their staging slot, once read (fetching them now if
+        nobody did)."""
         self.fetch(unit)
         with self._lock:
             _, read, _ = self._fetched[unit]
@@ -123,12 +139,13 @@ class DiskStates:
         if error is not None:
             written.set_exception(error)
             return
-        m, v = self.slots[slot]
-        self._writer.submit(self._write, unit, m, v, written)
+        m, v, master = self.slots[slot]
+        self._writer.submit(self._write, unit, m, v, master if unit in self.masters else None, written)
 
-    def _write(self, unit: int, m: torch.Tensor, v: torch.Tensor, written: Future) -> None:
+    def _write(self, unit: int, m: torch.Tensor, v: torch.Tensor, master: torch.Tensor | None,
+               written: Future) -> None:
         try:
-            self._timed(f"write states {unit}", self.store.write, unit, m, v)
+            self._timed(f"write states {unit}", self.store.write, unit, m, v, master)
             self._stored.add(unit)
             written.set_result(None)
         except BaseException as e:  # a full disk: the next read of this unit, or of this slot, raises it
@@ -148,6 +165,20 @@ class DiskStates:
         m, v = torch.empty(self.numel, dtype=self.dtype), torch.empty(self.numel, dtype=self.dtype)
         self._both(self.store.read, unit, m, v)
         return m, v
+
+    def master(self, unit: int) -> torch.Tensor:
+        """A copy of `unit`'s fp32 master as on disk (after its last update's write-back)."""
+        self.wait(unit)
+        out = torch.empty(self.numel, dtype=torch.float32)
+        self.store.read(f"master.{unit}", out).result()
+        return out
+
+    def load_master(self, unit: int, master: torch.Tensor) -> None:
+        """Replace `unit`'s master on disk (at the start, and from a checkpoint), with no update of it pending."""
+        if unit in self._fetched:
+            raise RuntimeError(f"unit {unit} is staged for an update: load its master before it is queued")
+        self.wait(unit)
+        self.store.write(f"master.{unit}", master.to(torch.float32).contiguous()).result()
 
     def load(self, unit: int, m: torch.Tensor | None, v: torch.Tensor | None) -> None:
         """Replace `unit`'s moments on disk (None: zeros, as before a first update; any dtype, stored as the

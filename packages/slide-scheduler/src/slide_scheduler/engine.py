@@ -13,7 +13,9 @@ updates' results going home) plus a host optimizer thread:
   update    AdamW over fp32 masters: on the optimizer thread, chunk by chunk as gradients arrive; or on the
             device while the unit next loads (`device_update_share`: master and states streamed in over PCIe);
             the edges' tail-only part (final norm, untied lm head) on the device as soon as it may; the last
-            sliding blocks' AdamW moments may live on disk (`nvme_fraction`, disk_states.py), read in ahead
+            sliding blocks' AdamW moments, and their fp32 masters, may live on disk (`nvme_fraction`,
+            disk_states.py), read in ahead; those blocks load from a copy of their parameters in the compute
+            dtype, which their update writes
 
 Exact global grad-norm clipping needs every gradient before any update, so with clipping on, the updates of a
 step run while the *next* step's forward goes (each block's load waits for its own update, or runs it); without
@@ -148,12 +150,14 @@ class Unit:
     """One trainable unit (the edges, or one block): its layout and fp32 master weights on the host.
 
     The master is pinned and is what crosses PCIe when the unit loads (slots narrow it to bf16 on the device), so
-    the host keeps no compute-dtype copy: 12 bytes per parameter with the AdamW states.
+    the host keeps no compute-dtype copy: 12 bytes per parameter with the AdamW states. A unit whose master is on
+    disk (`params_dtype` given) keeps only such a copy, `params`, which its updates write and its loads take.
     """
 
-    def __init__(self, layout: FlatLayout):
+    def __init__(self, layout: FlatLayout, params_dtype: torch.dtype | None = None):
         self.layout = layout
-        self.master = host_zeros(layout.numel, torch.float32)
+        self.master = host_zeros(layout.numel, torch.float32) if params_dtype is None else None
+        self.params = host_zeros(layout.numel, params_dtype) if params_dtype is not None else None
 
 
 class SlidingEngine:
@@ -221,29 +225,39 @@ class SlidingEngine:
             for name, buf in module._buffers.items():
                 if buf is not None:
                     module._buffers[name] = buf.to(self.device)
-        # Every unit's fp32 master on the host; a window of device slots for the sliding blocks.
-        self.units = [Unit(edge_layout)] + [Unit(block_layout) for _ in range(self.num_blocks)]
+        # Every unit's fp32 master on the host, or on disk with a compute-dtype copy of its parameters on the host;
+        # a window of device slots for the sliding blocks.
+        self.on_disk, self.streamed, away = p.on_disk, p.streamed, p.masters_on_disk
+        self.disk = DiskStates(sorted(self.on_disk), numel, config.nvme_dir, DTYPES[config.states_dtype],
+                               masters=sorted(away)) if self.on_disk else None
+        self.units = [Unit(edge_layout)] + [Unit(block_layout, self.dtype if u in away else None)
+                                            for u in range(1, self.num_blocks + 1)]
         with torch.no_grad():
             stack.load_edges(edge_layout.views(self.units[0].master))
             for i in range(self.num_blocks):
-                stack.load_block(i, block_layout.views(self.units[i + 1].master))
+                if i + 1 not in away:
+                    stack.load_block(i, block_layout.views(self.units[i + 1].master))
+                    continue
+                staged = self.disk.slots[0][2]  # (free until the first update)
+                stack.load_block(i, block_layout.views(staged))
+                self.load_master(i + 1, staged)
         self.resident = p.resident
         sliding = p.sliding_blocks
         self.slots = SlotQueue(block_layout, stack.make_block, p.window, self.device, self.dtype) if sliding else None
         for slot in self.slots.slots if self.slots else []:
             slot.free = DONE  # compute is done with the slot's contents
             slot.drained = DONE  # the slot's gradient has been copied out
-        self.on_disk, self.streamed = p.on_disk, p.streamed
         tail_from = _tail_only_from(self.edges, edge_layout)
-        # Only the states of units updated on the device cross PCIe: only they are page-locked.
-        self.optimizer = HostAdamW([None if u in self.resident else unit.master for u, unit in enumerate(self.units)],
+        # Only the states of units updated on the device cross PCIe: only they are page-locked. A master on disk
+        # is bound before each update, as its moments are (a staging buffer stands in until then).
+        masters = [None if u in self.resident else self.disk.slots[0][2] if u in away else unit.master
+                   for u, unit in enumerate(self.units)]
+        self.optimizer = HostAdamW(masters,
                                    config.optimizer, DTYPES[config.states_dtype],
                                    pinned=[self.device.type == "cuda" and u in self.streamed
                                            for u in range(len(self.units))],
                                    bounds=[(tail_from,)] + [()] * self.num_blocks,
                                    external=[u in self.on_disk for u in range(len(self.units))])
-        self.disk = DiskStates(sorted(self.on_disk), numel, config.nvme_dir,
-                               DTYPES[config.states_dtype]) if self.on_disk else None
         # Edges updated on the device update their tail-only part (final norm, untied lm head) apart from the
         # rest: its gradient is final after the tail and nothing reads it before the next tail, so without
         # clipping it updates during backward, and with clipping after the next forward's loads; only the part
@@ -430,9 +444,26 @@ class SlidingEngine:
         return ["edges"] + [f"block.{i}" for i in range(self.num_blocks)]
 
     def named_masters(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Unit name ('edges', 'block.<i>') -> parameter name -> fp32 master view (after pending updates)."""
+        """Unit name ('edges', 'block.<i>') -> parameter name -> fp32 master view (after pending updates; of a
+        copy where the master is on disk)."""
         self.synchronize()
-        return {name: u.layout.views(u.master) for name, u in zip(self.unit_names(), self.units)}
+        return {name: u.layout.views(self.master(k)) for k, (name, u) in enumerate(zip(self.unit_names(),
+                                                                                          self.units))}
+
+    def master(self, unit: int) -> torch.Tensor:
+        """A unit's flat fp32 master (call `synchronize()` first): the host tensor itself, or a copy read from
+        disk."""
+        u = self.units[unit]
+        return u.master if u.master is not None else self.disk.master(unit)
+
+    def load_master(self, unit: int, master: torch.Tensor) -> None:
+        """Replace a unit's fp32 master (a checkpoint's; call `refresh()` after the last)."""
+        u = self.units[unit]
+        if u.master is not None:
+            u.master.copy_(master)
+            return
+        self.disk.load_master(unit, master)
+        u.params.copy_(master)  # what its loads take, rounded as a slot would round the master
 
     # -- loading units --------------------------------------------------------------------------------------------
 
@@ -452,6 +483,10 @@ class SlidingEngine:
             return
         self._wait_for_update(unit, params_only=True)
         self.h2d.wait(self._written.get(unit, DONE))
+        if self.units[unit].params is not None:  # its master is on disk: the copy its update wrote
+            self.h2d.run(slot.params.copy_, self.units[unit].params, True, label=f"params {block}")
+            slot.unit = block
+            return
         master, label = self.units[unit].master, f"params {'edges' if unit == 0 else block}"
         if not slot.narrow:
             self.h2d.run(slot.params.copy_, master, True, label=label)
@@ -595,7 +630,8 @@ class SlidingEngine:
                 host_grads[i + 1], arrived[i + 1] = self._send_grads(i, slot)
                 slot.drained = arrived[i + 1][-1]
                 if not clip:  # no clipping: the update starts as soon as its first piece is on the host
-                    self.updater.submit(i + 1, host_grads[i + 1], arrived[i + 1], lr, 1.0)
+                    self.updater.submit(i + 1, host_grads[i + 1], arrived[i + 1], lr, 1.0,
+                                        into=self.units[i + 1].params)
                 elif i + 1 in self.speculative and self._speculating:
                     # As if clipping will not act: only new parameters are written (over the ones its loads took:
                     # until this step says otherwise, later loads take the master)
@@ -675,7 +711,8 @@ class SlidingEngine:
             elif u in speculated:
                 continue  # below, after the updates the next forward waits for
             elif u == 0 or clip:  # without clipping, sliding blocks were submitted during backward
-                self.updater.submit(u, host_grads[u], arrived[u], lr, scale, part="params" if split else "all")
+                self.updater.submit(u, host_grads[u], arrived[u], lr, scale, part="params" if split else "all",
+                                    into=self.units[u].params)
                 if split:
                     self._moments_due[u] = MomentsPart(host_grads[u], arrived[u], lr, scale)
         # Whole, last block first: the next backward reuses the last block's gradient buffer first

@@ -77,10 +77,13 @@ class UnitPlacement:
     # clipped: its update also runs during backward as if clipping did not act, writing only the new parameters;
     # when it does not act, the next loads take those and the update proper runs whenever the host gets to it
     speculate: bool = False
+    # its fp32 master on disk beside its moments, read and written back around each update; its loads take a copy
+    # of its parameters in the compute dtype, which the update writes
+    disk_master: bool = False
 
     @property
     def master(self) -> str:
-        return GPU if self.resident else HOST
+        return GPU if self.resident else DISK if self.disk_master else HOST
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,10 @@ class Placement:
     @property
     def on_disk(self) -> set[int]:
         return self.where("moments", DISK)
+
+    @property
+    def masters_on_disk(self) -> set[int]:
+        return self.where("disk_master", True)
 
     @property
     def held(self) -> set[int]:
@@ -208,6 +215,8 @@ def validate(p: Placement) -> None:
             raise ValueError(f"{name}: a resident unit's gradient stays in its slot")
         if unit.moments == DISK and (u == 0 or unit.update != "host" or unit.split):
             raise ValueError(f"{name}: moments on disk are for sliding blocks updated on the host, whole")
+        if unit.disk_master and unit.moments != DISK:
+            raise ValueError(f"{name}: a master on disk has its moments there too")
         if unit.update == "stream" and p.state_bytes != 4:
             raise ValueError(f"{name}: updates streamed through the device need fp32 AdamW states")
         if unit.split and (not p.clip or unit.grad not in ("ring", "own")):
@@ -253,15 +262,20 @@ def _allocations(p: Placement) -> list[Allocation]:
 
     resident, sliding = sorted(p.resident), p.sliding_blocks
     host_units = [u for u in range(len(numel)) if u not in p.resident]
-    # Host: an fp32 master per unit (resident ones keep theirs for checkpoints), moments of host units
-    add(HOST, "masters", 4 * sum(numel))
+    # Host: an fp32 master per unit (resident ones keep theirs for checkpoints) but those on disk, which keep a
+    # copy of their parameters in the compute dtype instead; moments of host units
+    away = p.masters_on_disk
+    add(HOST, "masters", 4 * sum(numel[u] for u in range(len(numel)) if u not in away))
+    add(HOST, "parameters of masters on disk", c * sum(numel[u] for u in away))
     add(HOST, "moments", 2 * p.state_bytes * sum(numel[u] for u in host_units if u not in p.on_disk))
     if host_units:  # the host optimizer's scratch and its three fp32 rows, shared by every unit
         size = min(BLOCK_PER_THREAD * p.threads, CHUNK, max(numel[u] for u in host_units))
         add(HOST, "optimizer scratch", 4 * 4 * size)
     if p.on_disk:
         add(DISK, "moments", 2 * p.state_bytes * sum(numel[u] for u in p.on_disk))
+        add(DISK, "masters", 4 * sum(numel[u] for u in away))
         add(HOST, "moments staging", DISK_STAGING_SLOTS * 2 * p.state_bytes * s.block_numel)
+        add(HOST, "masters staging", DISK_STAGING_SLOTS * 4 * s.block_numel if away else 0)
     # Device: the edges' slot, the window, resident blocks' slots, resident units' fp32 master and moments
     add(dev, "edges", 2 * c * numel[0])
     if sliding:
@@ -348,8 +362,9 @@ def device_updated(sliding: int, share: float) -> list[int]:
 
 
 def on_disk_blocks(num_blocks: int, sliding: int, fraction: float) -> list[int]:
-    """The blocks whose AdamW moments live on disk at `fraction`: the last round(fraction * sliding) (with
-    clipping their updates come last in the next forward, so their reads have the most time to run ahead)."""
+    """The blocks whose fp32 masters and AdamW moments live on disk at `fraction`: the last
+    round(fraction * sliding) (with clipping their updates come last in the next forward, so their reads have
+    the most time to run ahead)."""
     return list(range(num_blocks - round(fraction * sliding), num_blocks))
 
 
@@ -365,10 +380,10 @@ def arrange(shapes: Shapes, step: StepShape, options: Options, *, resident: Iter
             share: float, shared: bool, held: int, split: bool = True, speculate: bool | int = False,
             threads: int | None = None) -> Placement:
     """The placement these choices make: `resident` units on the device; of the sliding blocks, the last
-    `nvme_fraction` with moments on disk, `share` of the rest (spread out) updated on the device with clipping,
-    `held` of those keeping their gradient there, the others' gradients pooled (`shared`) or in the ring, where
-    with `speculate` their clipped updates speculate (a number: only the first that many such blocks, whose
-    loads the next forward needs soonest)."""
+    `nvme_fraction` with masters and moments on disk, `share` of the rest (spread out) updated on the device
+    with clipping, `held` of those keeping their gradient there, the others' gradients pooled (`shared`) or in
+    the ring, where with `speculate` their clipped updates speculate (a number: only the first that many such
+    blocks, whose loads the next forward needs soonest)."""
     o, n = options, shapes.num_blocks
     resident = set(resident)
     sliding = [u for u in range(1, n + 1) if u not in resident]
@@ -391,7 +406,7 @@ def arrange(shapes: Shapes, step: StepShape, options: Options, *, resident: Iter
             host = u not in streamed
             units.append(UnitPlacement(False, "host" if host else "stream", grad, DISK if u in disk else HOST,
                                        split=o.clip and split and grad == "ring" and u not in disk,
-                                       speculate=u in speculating))
+                                       speculate=u in speculating, disk_master=u in disk))
     extra = {} if threads is None else {"threads": threads}
     return Placement(shapes, step, tuple(units), window, o.clip, o.activations, o.compute_bytes, o.state_bytes,
                      device_is_host=not o.cuda, **extra)

@@ -59,7 +59,8 @@ class HostUpdater:
         """Update unit `index` from the host tensor `grad`; `arrived[k]` holds once the unit's optimizer chunk k
         is in it, and each chunk waits only for its own. `part` "params" leaves `done` clear until the unit's
         "moments" part (a later submit, nothing else in between may need the unit's states) is done;
-        "speculate" writes the parameters `into` and touches only the `speculated` signal."""
+        "speculate" writes the parameters `into` and touches only the `speculated` signal; a whole update may
+        write them `into` too."""
         if part == "speculate":
             self.speculated[index].clear()
         else:
@@ -104,10 +105,11 @@ class HostUpdater:
             if self.delay:
                 time.sleep(self.delay)
             start = time.perf_counter()
-            if on_disk:  # its moments, read from disk into a staging slot
+            if on_disk:  # its moments (and master, where it is there too), read from disk into a staging slot
                 self.optimizer.units[index].bind_states(*self.disk.bind(index))
+            # (`into`: where a master on disk leaves its unit's parameters for the loads)
             self.optimizer.step_unit(index, grad, lr, grad_scale, before_chunk=lambda k: arrived[k].wait_host(),
-                                     part=part)
+                                     part=part, into=into)
             if on_disk:
                 self.disk.finish(index)
             name = index - 1 if index else "edges"

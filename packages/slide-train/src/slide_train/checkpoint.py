@@ -132,7 +132,7 @@ def _write(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int
     tmp.mkdir(parents=True)
     engine.synchronize()  # updates of the last step may still be running on the optimizer thread
     for index, name in enumerate(bar(engine.unit_names(), desc=f"writing step-{step}", unit="file")):
-        tensors = {"master": engine.units[index].master}
+        tensors = {"master": engine.master(index)}
         tensors.update({f"adamw.{k}": v for k, v in engine.optimizer_state(index).items()})
         save_file(tensors, str(tmp / unit_file(name)))
     save_file(rng, str(tmp / "rng.safetensors"))
@@ -218,10 +218,11 @@ def load_checkpoint(path: pathlib.Path, engine) -> dict:
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read {path / unit_file(name)}: {e}") from e
         master = tensors.pop("master")
-        if master.shape != engine.units[index].master.shape:
+        numel = engine.units[index].layout.numel
+        if master.shape != (numel,):
             raise CheckpointError(f"{path / unit_file(name)} holds {master.numel()} parameters, the model has "
-                                  f"{engine.units[index].master.numel()}: the checkpoint is from another model")
-        engine.units[index].master.copy_(master)
+                                  f"{numel}: the checkpoint is from another model")
+        engine.load_master(index, master)
         engine.load_optimizer_state(index, {k.removeprefix("adamw."): v for k, v in tensors.items()})
     engine.refresh()
     rng = load_file(str(path / "rng.safetensors"))

@@ -39,11 +39,12 @@ class ScheduleConfig:
 
 @dataclass
 class NvmeConfig:
-    # Scratch folder of the NVMe tier: AdamW moments and boundary activations placed on disk (null:
+    # Scratch folder of the NVMe tier: masters, AdamW moments and boundary activations placed on disk (null:
     # <output_dir>/nvme). Point it at a fast local NVMe drive; its files are removed at the end
     dir: str | None = None
-    # Share of the sliding blocks (the last ones) whose AdamW m and v live on disk: 8 bytes per parameter less
-    # host memory (4 with bf16 states), read and written by every step; auto: the least share that fits
+    # Share of the sliding blocks (the last ones) whose fp32 master and AdamW m and v live on disk, a bf16 copy
+    # of their parameters in RAM: 10 bytes per parameter less host memory (6 with bf16 states), read and
+    # written by every step; auto: the least share that fits
     fraction: float | str = 0.0
 
 
@@ -162,7 +163,8 @@ KEY_HELP = {
     "engine.kernels": "slide-kernels' Triton kernels; auto: on CUDA",
     "engine.activation_offload": "where boundary activations wait for the backward: GPU, pinned host memory, files",
     "engine.nvme.dir": "scratch folder for what the placement puts on disk; null: <output_dir>/nvme",
-    "engine.nvme.fraction": "share of the sliding blocks whose AdamW moments live on disk, in [0, 1]; auto: the "
+    "engine.nvme.fraction": "share of the sliding blocks whose masters and AdamW moments live on disk, in [0, 1]; "
+                            "auto: the "
                             "least share that fits the host's memory",
     "engine.placement": "expert overrides: window, resident, device_update_share, speculate, synchronous "
                         "(docs/placement.md)",
@@ -308,7 +310,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"epochs must be positive, got {cfg.epochs}")
     fraction = cfg.engine.nvme.fraction
     if fraction != "auto" and (isinstance(fraction, str) or not 0.0 <= fraction <= 1.0):
-        raise ConfigError("engine.nvme.fraction is the share of sliding blocks whose AdamW states live on disk: it "
+        raise ConfigError("engine.nvme.fraction is the share of sliding blocks whose masters and AdamW states live on "
+                          "disk: it "
                           f"must be in [0, 1], or auto, got {fraction}")
     if cfg.engine.nvme.dir is not None:
         cfg.engine.nvme.dir = os.path.expanduser(cfg.engine.nvme.dir)

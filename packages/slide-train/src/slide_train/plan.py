@@ -121,7 +121,8 @@ def describe(plan: Plan) -> str:
     lines = [f"plan: {len(p.resident)} of {len(p.units)} units resident on {device}, {sliding} sliding through "
              f"{p.window} slots; {len(p.streamed - {0})} sliding blocks update on the GPU, {len(p.held)} hold their "
              f"gradient there, {len(p.pooled)} share host memory with the boundary activations, "
-             f"{len(p.on_disk)} keep their AdamW moments on disk"
+             f"{len(p.masters_on_disk)} keep their master and AdamW moments on disk"
+             + (f", {len(p.on_disk - p.masters_on_disk)} only their moments" if p.on_disk - p.masters_on_disk else "")
              + (f", {len(p.speculated)} speculate" if p.speculated else "")]
     groups = p.describe()
     if len(groups) > 8:
@@ -143,7 +144,7 @@ def describe(plan: Plan) -> str:
 
 def least_disk_share(plan: Plan, replan) -> tuple[float, int] | None:
     """The least engine.nvme.fraction at which `replan(fraction)` fits, and the blocks it puts on disk; None
-    where even every sliding block's moments on disk leave the run too large."""
+    where even every sliding block's master and moments on disk leave the run too large."""
     sliding = len(plan.placement.sliding_blocks)
     if plan.placement.device_is_host or not sliding:
         return None
@@ -177,9 +178,9 @@ def refuse(plan: Plan, cfg: TrainConfig, replan=None) -> None:
         found = least_disk_share(plan, replan) if replan is not None and cfg.engine.nvme.fraction != "auto" else None
         if found:
             fraction, blocks = found
-            host.append(f"engine.nvme.fraction={fraction} (or auto) keeps the AdamW moments of {blocks} of the "
-                        f"{len(p.sliding_blocks)} sliding blocks on disk (engine.nvme.dir: a fast local NVMe "
-                        "drive; each step reads and writes them)")
+            host.append(f"engine.nvme.fraction={fraction} (or auto) keeps the fp32 masters and AdamW moments of "
+                        f"{blocks} of the {len(p.sliding_blocks)} sliding blocks on disk (engine.nvme.dir: a fast "
+                        "local NVMe drive; each step reads and writes them)")
         if p.speculated:
             host.append("engine.placement.speculate=false saves the speculated parameters and lets gradients "
                         "share the activations' memory")

@@ -134,12 +134,12 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True) ->
     plan = make_plan(cfg, shapes, machine, cuda, budgets)
     if not running and budgets.host is not None and plan.placement.bytes(HOST) > budgets.host:
         every = make_plan(cfg, shapes, machine, cuda, budgets, nvme_fraction=1.0)
-        if every.placement.bytes(HOST) > budgets.host:  # what only masters on disk would fix
+        if every.placement.bytes(HOST) > budgets.host:
             plan.problems.append(
-                f"even with every sliding block's AdamW moments on disk (engine.nvme.fraction=1) the host needs "
-                f"~{every.placement.bytes(HOST) / 2**30:.0f} GiB, "
-                f"{every.placement.tiers()[HOST]['masters'] / 2**30:.0f} of them fp32 masters: this version keeps "
-                "every master in host memory (masters on disk are not supported yet)")
+                f"even with every sliding block's master and AdamW moments on disk (engine.nvme.fraction=1) the "
+                f"host needs ~{every.placement.bytes(HOST) / 2**30:.0f} GiB: "
+                + ", ".join(f"{kind} {nbytes / 2**30:.0f}" for kind, nbytes in every.placement.tiers()[HOST].items()
+                            if nbytes >= 2**30))
     if running:
         refuse(plan, cfg, replan=lambda f: make_plan(cfg, shapes, machine, cuda, budgets, nvme_fraction=f))
         if e.placement.get("speculate") and not plan.placement.speculated:
@@ -149,7 +149,7 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True) ->
             warnings.warn(f"engine.placement.speculate=true, but no block speculates: {why}", stacklevel=2)
         if e.nvme.fraction not in (0, "auto") and not plan.placement.on_disk:  # the share rounds to no block
             sliding = len(plan.placement.sliding_blocks)
-            warnings.warn(f"engine.nvme.fraction={e.nvme.fraction} puts no AdamW state on disk: " + (
+            warnings.warn(f"engine.nvme.fraction={e.nvme.fraction} puts no master or AdamW state on disk: " + (
                 f"it is none of the {sliding} sliding blocks (a share of {1 / sliding:.3g} keeps one block's "
                 "states there)" if sliding else "every block is resident, its states on the device"), stacklevel=2)
     return plan, engine_config(cfg), stack
@@ -392,8 +392,8 @@ class Trainer:
         if self._finite_at == self.step_index:
             return
         self.engine.synchronize()
-        bad = [name for name, unit in zip(self.engine.unit_names(), self.engine.units)
-               if not bool(torch.isfinite(unit.master).all())]
+        bad = [name for k, name in enumerate(self.engine.unit_names())
+               if not bool(torch.isfinite(self.engine.master(k)).all())]
         if bad:
             raise TrainingError(f"after step {self.step_index} the weights of {', '.join(bad[:4])}"
                                 f"{' ...' if len(bad) > 4 else ''} are not finite: no {what} is written. Lower "
