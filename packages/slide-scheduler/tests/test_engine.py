@@ -324,8 +324,8 @@ def test_split_updates_give_the_whole_updates_result(monkeypatch, share, slow):
 
     def count_moments(engine):
         submit = engine.updater.submit
-        engine.updater.submit = lambda index, *a, part="all": (moments.append(index) if part == "moments" else None,
-                                                               submit(index, *a, part=part))
+        engine.updater.submit = lambda index, *a, part="all", **kw: (
+            moments.append(index) if part == "moments" else None, submit(index, *a, part=part, **kw))
 
     losses, got = run_engine(pipeline=True, window=2, clip=0.05, device_share=share,
                              delays={slow: 0.01 if slow == "updater" else 0.003}, patch=count_moments)
@@ -744,10 +744,10 @@ def test_a_failed_params_part_surfaces_and_its_moments_part_does_not_hide_it(pip
                                                                     pipeline=pipeline, device_update_share=0.0)
     step_unit = engine.optimizer.step_unit
 
-    def fail_block_one_params(unit, grad, lr, grad_scale=1.0, before_chunk=None, part="all"):
+    def fail_block_one_params(unit, grad, lr, grad_scale=1.0, before_chunk=None, part="all", into=None):
         if unit == 2 and part == "params":
             raise ValueError("params part failed")
-        step_unit(unit, grad, lr, grad_scale, before_chunk, part)
+        step_unit(unit, grad, lr, grad_scale, before_chunk, part, into)
 
     engine.optimizer.step_unit = fail_block_one_params
     with pytest.raises(RuntimeError, match="optimizer worker failed") as failure:
