@@ -72,3 +72,13 @@ def rss_gib() -> float:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def register_shape(base: str, layers: int) -> str:
+    """The preset `base`'s shape at another depth, as a preset of this process (random weights, as every
+    benchmark's); its name."""
+    from slide_train.models.presets import PRESETS
+
+    name = f"{base}-{layers}-layers"
+    PRESETS[name] = {**PRESETS[base], "num_hidden_layers": layers}
+    return name

@@ -2,6 +2,7 @@
 
     python benchmarks/run.py b1 b3 b8 [--baseline DIR] [--steps 5] [--warmup 2]
     python benchmarks/run.py kernels io probe
+    python benchmarks/run.py nvme largest    # the NVMe tier on a GPU machine; `plans` prices shapes on paper
     python benchmarks/run.py tiny            # a CPU check of the harness itself (writes to a temp folder)
 
 Training suites (b1, b3, b8, tiny) run Slide with clip 1.0, clip 1e6 (on, never acting) and no clipping, and the
@@ -53,7 +54,23 @@ TRAIN_SUITES = {
     "tiny": dict(model="tiny-llama", seq_len=64, micro_batch_size=2, grad_accum=2, cap_gib=None, device="cpu",
                  warmup=1, steps=2),
 }
-OTHER_SUITES = ("kernels", "io", "probe")
+# The NVMe tier against the same run in RAM, in one run: B3 with every sliding block's master and moments on disk,
+# and B8 with the share `auto` picks on a machine file whose host has 64 GiB (each a separate Slide process).
+NVME_RUNS = (("b3", "ram", (), None), ("b3", "disk", ("--engine.nvme.fraction=1",), None),
+             ("b8", "ram", (), None), ("b8", "disk-auto-host-64gib", ("--engine.nvme.fraction=auto",), 64.0))
+# The largest Llama-architecture shape the plan puts at LARGEST["step_limit_s"] or less with the disk tier: the
+# widths of Llama 3.1 8B and 70B at any depth, fp32 or bf16 states; B8's tokens per step under a consumer card's cap.
+LARGEST = dict(seq_len=4096, micro_batch_size=1, grad_accum=8, cap_gib=24.0, device="cuda", step_limit_s=40.0,
+               widths=("llama-3.1-8b", "llama-3.1-70b"))
+# The headline shapes planned on paper (no GPU, no weights): each model on each machine file, as a recipe has it
+# (clip 1.0) and without clipping with the boundary activations on disk, engine.nvme.fraction auto throughout.
+PLANS = dict(models=("llama-3.1-70b", "mistral-large-2"),
+             machines=("docs/machines/rtx4090-pc.yaml", "docs/machines/rtx4090-pc-raid0.yaml"),
+             settings={"clip 1.0": ("--max_grad_norm=1.0",),
+                       "no clipping, activations on disk": ("--max_grad_norm=null",
+                                                            "--engine.activation_offload=nvme")},
+             seq_len=4096, micro_batch_size=1, grad_accum=8)
+OTHER_SUITES = ("kernels", "io", "probe", "nvme", "largest", "plans")
 MODES = ("1.0", "1e6", "none")  # max_grad_norm: acting, on but never acting, off
 SYSTEMS = {
     "slide": "Slide",
@@ -85,7 +102,7 @@ def baseline_pythonpath(base: pathlib.Path) -> str:
 
 
 def run_worker(spec: dict, work: pathlib.Path, name: str, timeout: float | None, pythonpath: str | None = None,
-               quiet: bool = False) -> dict:
+               quiet: bool = False, machine: pathlib.Path | None = None) -> dict:
     """Run worker.py on `spec` in a fresh process; its output streams through, its result comes back (a crash or
     a timeout comes back as a `failed` result with the output's last lines)."""
     spec_path, result_path = work / f"{name}.spec.json", work / f"{name}.result.json"
@@ -94,6 +111,8 @@ def run_worker(spec: dict, work: pathlib.Path, name: str, timeout: float | None,
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
+    if machine is not None:  # the machine file the run plans for
+        env["SLIDE_MACHINE"] = str(machine)
     tail: deque[str] = deque(maxlen=30)
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, str(HERE / "worker.py"), str(spec_path), str(result_path)], env=env,
@@ -134,8 +153,11 @@ def merge(old_path: pathlib.Path, doc: dict) -> dict:
     if old.get("config") != doc["config"]:
         print(f"  {old_path} holds another config: replaced, not merged", flush=True)
         return doc
-    ran = {(f["system"], f.get("mode")) for f in doc["figures"]}
-    doc["figures"] = [f for f in old["figures"] if (f["system"], f.get("mode")) not in ran] + doc["figures"]
+    def key(f: dict) -> tuple:
+        return f["system"], f.get("mode"), f.get("bench"), f.get("variant")
+
+    ran = {key(f) for f in doc["figures"]}
+    doc["figures"] = [f for f in old["figures"] if key(f) not in ran] + doc["figures"]
     return doc
 
 
@@ -231,6 +253,186 @@ def name_of(suite: str, args) -> str:
     return suite + ("-documents" if args.data == "documents" else "")
 
 
+def machine_file(work: pathlib.Path, name: str, host_gib: float | None = None,
+                 disk_free_gib: float | None = None) -> pathlib.Path:
+    """This run's machine file ($SLIDE_MACHINE, else this machine's probe) with its host memory or free disk
+    replaced, written under `work`."""
+    import yaml
+
+    from slide_train.machines import resolve_machine
+
+    sections = resolve_machine(None, work).to_dict()
+    if host_gib is not None:
+        sections["host"]["memory_gib"] = host_gib
+    if disk_free_gib is not None:
+        sections["disk"]["free_gib"] = disk_free_gib
+    path = work / f"{name}.machine.yaml"
+    path.write_text(yaml.safe_dump(sections, default_flow_style=None, sort_keys=False))
+    return path
+
+
+def disk_free_gib(work: pathlib.Path) -> float:
+    """The disk free under `work` now, less a margin for the run's own files (data, logs)."""
+    from slide_io import free_bytes
+
+    return round(free_bytes(work) / 2**30 - 2.0, 1)
+
+
+def slide_entry(suite: str, variant: str, spec: dict, args, work: pathlib.Path, machine=None) -> dict:
+    name = f"{suite}-{variant}"
+    print(f"  {name} ...", flush=True)
+    r = run_worker({**spec, "run_dir": str(work / name)}, work, name, args.timeout, quiet=args.quiet, machine=machine)
+    shutil.rmtree(work / name, ignore_errors=True)
+    entry = {"system": "slide", "variant": variant, "label": f"Slide, {variant}", "mode": spec["mode"],
+             "cap_gib": spec.get("cap_gib"), "date": common.now(), **r}
+    print(f"  {name}: {tables.entry_line(entry)}", flush=True)
+    return entry
+
+
+def run_nvme_suite(args, work: pathlib.Path, out: pathlib.Path) -> dict:
+    """NVME_RUNS (those --variants names), clip 1.0 unless --modes names one mode; warm-up and timed steps as
+    the training suites. Finished runs are kept in `<out>/nvme.partial.json`, as a training suite's."""
+    from slide_train.models.build import load_model
+
+    mode = args.modes[0] if len(args.modes) == 1 else "1.0"
+    warmup, steps = args.warmup if args.warmup is not None else 2, args.steps if args.steps is not None else 5
+    runs = [{"bench": bench, "variant": variant, "args": list(extra), "host_gib": host_gib,
+             **{k: v for k, v in TRAIN_SUITES[bench].items() if k not in ("peers_fit", "slide_args")}}
+            for bench, variant, extra, host_gib in NVME_RUNS]
+    config = {"mode": mode, "warmup": warmup, "steps": steps, "runs": runs}
+    figures, device = [], None
+    for run in runs:
+        if args.variants and f"{run['bench']}-{run['variant']}" not in args.variants:
+            continue
+        shape = {k: run[k] for k in ("model", "seq_len", "micro_batch_size", "grad_accum", "cap_gib", "device")}
+        data = work / f"{run['bench']}-rows.jsonl"
+        if not data.exists():
+            vocab = load_model(shape["model"], 0, need_tokenizer=False).hf_config.vocab_size
+            random_rows(data, vocab, shape["seq_len"], (warmup + steps) * shape["micro_batch_size"]
+                        * shape["grad_accum"])
+        machine = (machine_file(work, f"{run['bench']}-{run['variant']}", host_gib=run["host_gib"],
+                                disk_free_gib=disk_free_gib(work)) if run["host_gib"] else None)
+        spec = {**shape, "warmup": warmup, "steps": steps, "data": str(data), "seed": 0, "pack": False,
+                "mode": mode, "job": "slide", "extra": run["args"]}
+        entry = slide_entry(run["bench"], run["variant"], spec, args, work, machine)
+        entry.update(bench=run["bench"], host_budget_gib=run["host_gib"])
+        figures.append(entry)
+        device = device or entry.get("device")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "nvme.partial.json").write_text(json.dumps(suite_doc("nvme", config, figures, device), indent=1))
+    return suite_doc("nvme", config, figures, device)
+
+
+def run_largest_suite(args, work: pathlib.Path) -> dict:
+    """The shape largest_shape finds, trained for --steps timed steps (default 3) after --warmup (default 1),
+    with checkpoint.keep 0 and no export; its plan beside the measurement."""
+    from slide_train.models.build import load_model
+
+    warmup, steps = args.warmup if args.warmup is not None else 1, args.steps if args.steps is not None else 3
+    free_gib = disk_free_gib(work)
+    found = largest_shape(work, LARGEST["step_limit_s"], free_gib)
+    name = common.register_shape(found["base"], found["layers"])
+    vocab = load_model(name, 0, need_tokenizer=False, need_weights=False).hf_config.vocab_size
+    shape = {k: LARGEST[k] for k in ("seq_len", "micro_batch_size", "grad_accum", "cap_gib", "device")}
+    data = work / "largest-rows.jsonl"
+    random_rows(data, vocab, shape["seq_len"], (warmup + steps) * shape["micro_batch_size"] * shape["grad_accum"])
+    spec = {**shape, "model": name, "register": {"base": found["base"], "layers": found["layers"]},
+            "warmup": warmup, "steps": steps, "data": str(data), "seed": 0, "pack": False, "mode": "1.0",
+            "job": "slide", "extra": ["--engine.nvme.fraction=auto", f"--engine.states_dtype={found['states_dtype']}"]}
+    machine = work / "largest.machine.yaml"  # (written by largest_shape: this run's, with the disk found free)
+    entry = slide_entry("largest", name, spec, args, work, machine)
+    config = {**{k: v for k, v in LARGEST.items() if k != "widths"}, "widths": list(LARGEST["widths"]),
+              "disk_free_gib": free_gib, "warmup": warmup, "steps": steps, "found": found}
+    return suite_doc("largest", config, [entry], entry.get("device"))
+
+
+def largest_shape(work: pathlib.Path, limit_s: float, free_gib: float) -> dict:
+    """The Llama shape (a width of LARGEST["widths"], any depth, fp32 or bf16 states) with the most parameters
+    that the plan fits, with engine.nvme.fraction auto, at `limit_s` or less per step on this run's machine file
+    with `free_gib` of disk."""
+    from slide_train.config import load_config
+    from slide_train.models.build import load_model
+    from slide_train.models.presets import PRESETS
+    from slide_train.trainer import plan_run
+
+    machine_path = machine_file(work, "largest", disk_free_gib=free_gib)
+    from slide_train.machines import load_machine
+
+    machine = load_machine(machine_path)
+
+    def plan(base: str, layers: int, states: str):
+        name = common.register_shape(base, layers)
+        cfg = load_config(None, [f"--model={name}", f"--seq_len={LARGEST['seq_len']}",
+                                 f"--micro_batch_size={LARGEST['micro_batch_size']}",
+                                 f"--grad_accum={LARGEST['grad_accum']}", "--max_grad_norm=1.0",
+                                 f"--engine.gpu_memory_limit_gb={LARGEST['cap_gib']}", "--engine.device=cuda",
+                                 "--engine.nvme.fraction=auto", f"--engine.states_dtype={states}"])
+        model = load_model(name, 0, need_tokenizer=False, need_weights=False)
+        return plan_run(cfg, model, machine, running=False)[0], model
+
+    def good(base: str, layers: int, states: str) -> bool:
+        p, _ = plan(base, layers, states)
+        return p.fits and p.estimate.step_s <= limit_s
+
+    best = None
+    for base in LARGEST["widths"]:
+        for states in ("fp32", "bf16"):
+            low, high = 0, PRESETS[base]["num_hidden_layers"]  # good(low) (or low 0), not good(high)
+            while good(base, high, states):
+                low, high = high, 2 * high
+            while high - low > 1:
+                middle = (low + high) // 2
+                low, high = (middle, high) if good(base, middle, states) else (low, middle)
+            if low == 0:
+                continue
+            p, model = plan(base, low, states)
+            found = {"base": base, "layers": low, "states_dtype": states, "params": sum(p.placement.shapes.unit_numels),
+                     "predicted_step_s": p.estimate.step_s, "bottleneck": p.estimate.bottleneck,
+                     "predicted_lanes_s": p.estimate.lanes, "planned_disk_gib": p.placement.bytes("disk") / 2**30,
+                     "planned_host_gib": p.placement.bytes("host") / 2**30,
+                     "blocks_on_disk": len(p.placement.on_disk), "sliding_blocks": len(p.placement.sliding_blocks)}
+            print(f"  largest at the width of {base}, {states} states: {low} layers, "
+                  f"{p.estimate.step_s:.1f} s predicted", flush=True)
+            best = found if best is None or found["params"] > best["params"] else best
+    if best is None:
+        raise SystemExit(f"no Llama shape fits this machine file at {limit_s} s per step")
+    return best
+
+
+def run_plans_suite(args, work: pathlib.Path) -> dict:
+    """PLANS: each model, machine file and setting priced by slide-train's planner, with what a checkpoint costs."""
+    from slide_train.config import load_config
+    from slide_train.machines import load_machine
+    from slide_train.models.build import load_model
+    from slide_train.plan import checkpoint_cost
+    from slide_train.trainer import plan_run
+
+    figures = []
+    for model_name in PLANS["models"]:
+        model = load_model(model_name, 0, need_tokenizer=False, need_weights=False)
+        for machine_path in PLANS["machines"]:
+            machine = load_machine(common.ROOT / machine_path)
+            for setting, extra in PLANS["settings"].items():
+                cfg = load_config(None, [f"--model={model_name}", f"--seq_len={PLANS['seq_len']}",
+                                         f"--micro_batch_size={PLANS['micro_batch_size']}",
+                                         f"--grad_accum={PLANS['grad_accum']}", "--engine.device=cuda",
+                                         "--engine.nvme.fraction=auto", *extra])
+                plan = plan_run(cfg, model, machine, running=False)[0]
+                nbytes, seconds = checkpoint_cost(plan, machine)
+                p = plan.placement
+                figures.append({"system": "plan", "status": "ok", "model": model_name, "machine": machine_path,
+                                "setting": setting, "params": sum(p.shapes.unit_numels), "fits": plan.fits,
+                                "problems": plan.problems, "predicted_step_s": plan.estimate.step_s,
+                                "bottleneck": plan.estimate.bottleneck, "lanes_s": plan.estimate.lanes,
+                                "host_gib": p.bytes("host") / 2**30, "disk_gib": p.bytes("disk") / 2**30,
+                                "blocks_on_disk": len(p.on_disk), "sliding_blocks": len(p.sliding_blocks),
+                                "checkpoint_gib": nbytes / 2**30, "checkpoint_s": seconds})
+                print(f"  {model_name} on {machine_path}, {setting}: "
+                      + (f"{plan.estimate.step_s:.0f} s per step" if plan.fits else "does not fit"), flush=True)
+    config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in PLANS.items()}
+    return suite_doc("plans", config, figures, None)
+
+
 def run_kernels_suite(args, work: pathlib.Path) -> dict:
     result = work / "kernels.json"
     cmd = [sys.executable, str(HERE / "kernels.py"), "--json", str(result), "--rounds", str(args.rounds)]
@@ -286,7 +488,10 @@ def main() -> None:
     p.add_argument("--data", choices=("rows", "documents"), default="rows",
                    help="training suites: unpacked rows of exactly seq_len (default), or documents of long-tailed "
                         "lengths packed into rows (results in <suite>-documents.json)")
+    p.add_argument("--variants", default="", help="nvme: which runs, as bench-variant names (default: all of "
+                   + ", ".join(f"{b}-{v}" for b, v, _, _ in NVME_RUNS) + "); a subset is merged into nvme.json")
     args = p.parse_args()
+    args.variants = [v for v in args.variants.split(",") if v]
     args.systems = [s for s in args.systems.split(",") if s]
     args.modes = [m for m in args.modes.split(",") if m]
     args.io_mib = [int(x) for x in args.io_mib.split(",")]
@@ -310,17 +515,20 @@ def main() -> None:
             try:
                 if suite in TRAIN_SUITES:
                     doc = run_train_suite(suite, args, work, out)
+                elif suite == "nvme":
+                    doc = run_nvme_suite(args, work, out)
                 else:
-                    doc = {"kernels": run_kernels_suite, "io": run_io_suite, "probe": run_probe_suite}[suite](
-                        args, work)
+                    doc = {"kernels": run_kernels_suite, "io": run_io_suite, "probe": run_probe_suite,
+                           "largest": run_largest_suite, "plans": run_plans_suite}[suite](args, work)
             except Exception as e:  # one suite failing leaves the others' results
                 print(f"{suite} failed: {e}", file=sys.stderr, flush=True)
                 failed.append(suite)
                 continue
             # A run of some systems or modes only is merged into the suite's file instead of replacing it.
             absent = {"slide-nospec"} | (set() if args.baseline else {"baseline"})
-            partial = suite in TRAIN_SUITES and (set(args.systems) - absent != set(SYSTEMS) - absent
-                                                 or set(args.modes) != set(MODES))
+            partial = (suite in TRAIN_SUITES and (set(args.systems) - absent != set(SYSTEMS) - absent
+                                                  or set(args.modes) != set(MODES))) or (suite == "nvme"
+                                                                                          and bool(args.variants))
             path = out / f"{doc['suite']}.json"
             if partial:
                 doc = merge(path, doc)

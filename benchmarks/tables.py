@@ -13,12 +13,14 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+DISK_START, DISK_END = "<!-- disk:start -->", "<!-- disk:end -->"  # the disk tier: planned, then measured
 TRAIN = ("b1", "b3", "b8", "b1-documents", "b3-documents", "b8-documents", "moe", "moe-256k", "gemma2")
-ORDER = (*TRAIN, "tiny", "tiny-documents", "kernels", "io", "probe")
+ORDER = (*TRAIN, "tiny", "tiny-documents", "nvme", "largest", "plans", "kernels", "io", "probe")
 BENCH_NAMES = {"b1": "B1", "b3": "B3", "b8": "B8", "tiny": "tiny (CPU check)", "b1-documents": "B1 packed documents",
                "b3-documents": "B3 packed documents", "b8-documents": "B8 packed documents",
                "tiny-documents": "tiny packed documents (CPU check)", "moe": "MoE", "moe-256k": "MoE 256k tokens",
-               "gemma2": "Gemma 2"}
+               "gemma2": "Gemma 2", "nvme": "NVMe tier against RAM",
+               "largest": "The largest model on this host", "plans": "Planned on paper"}
 MODE_NAMES = {"1.0": "1.0", "1e6": "1e6 (never acts)", "none": "off"}
 SHORT = {"slide": "Slide", "slide-nospec": "Slide, no speculation", "baseline": "Slide baseline", "plain": "plain",
          "liger": "plain + Liger"}
@@ -45,6 +47,8 @@ def header(doc: dict) -> str:
     v = doc.get("versions", {})
     versions = ", ".join(f"{k} {val}" for k, val in v.items() if val)
     h = doc.get("host", {})
+    if doc.get("suite") == "plans":  # (priced, not run: the machine that priced it does not matter)
+        return f"commit `{doc.get('commit', 'unknown')[:10]}`, {doc.get('date', '')}; {versions}"
     return (f"{doc.get('device') or 'unknown device'}, host of {h.get('cores')} cores and {h.get('memory_gib')} GiB "
             f"RAM; commit `{doc.get('commit', 'unknown')[:10]}`, {doc.get('date', '')}; {versions}")
 
@@ -74,6 +78,60 @@ def train_table(doc: dict) -> list[str]:
                      f"{e['step_s']:.3f} | "
                      f"{e['gpu_peak_gib']:.1f} | {e['host_rss_gib']:.1f} | {num(share, '.1%')} | "
                      f"{num(e.get('predicted_step_s'), '.3f')} |")
+    return lines
+
+
+DISK_COLUMNS = ("| run | host budget GiB | tokens/s | step s | predicted s | bound by | host RSS GiB | "
+                "GPU peak GiB | disk read GB/step | disk written GB/step | store path |",
+                "|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def disk_row(name: str, e: dict) -> str:
+    if e.get("status") != "ok":
+        return f"| {name} | {num(e.get('host_budget_gib'), 'g', 'machine file')} | {e.get('status')}: " \
+               f"{e.get('reason', '')[:160]} | | | | | | | | |"
+    return (f"| {name} | {num(e.get('host_budget_gib'), 'g', 'machine file')} | {e['tokens_per_s']:,.0f} | "
+            f"{e['step_s']:.2f} | {num(e.get('predicted_step_s'))} | {e.get('predicted_bottleneck') or '-'} | "
+            f"{e['host_rss_gib']:.1f} | {e['gpu_peak_gib']:.1f} | {num(e.get('disk_read_gb'), '.1f')} | "
+            f"{num(e.get('disk_written_gb'), '.1f')} | {e.get('disk_path') or '-'} |")
+
+
+def nvme_table(doc: dict) -> list[str]:
+    c = doc["config"]
+    lines = [f"Slide, clip {c['mode']}, median of {c['steps']} timed steps after {c['warmup']} warm-up steps, "
+             "unpacked rows; each run's shape as its suite's. `disk` puts every sliding block's fp32 master and "
+             "AdamW moments on disk (engine.nvme.fraction=1); `disk-auto-host-64gib` plans for a host of 64 GiB "
+             "with engine.nvme.fraction=auto.", "", *DISK_COLUMNS]
+    return lines + [disk_row(f"{e.get('bench')} {e.get('variant')}", e) for e in doc["figures"]]
+
+
+def largest_table(doc: dict) -> list[str]:
+    c, f = doc["config"], doc["config"]["found"]
+    lines = [f"The Llama shape with the most parameters that the plan puts at {c['step_limit_s']:g} s per step or "
+             f"less (widths of {', '.join(c['widths'])}, any depth; fp32 or bf16 states; engine.nvme.fraction=auto; "
+             f"{c['disk_free_gib']:g} GiB of disk free; GPU capped at {c['cap_gib']:g} GiB): {f['layers']} layers "
+             f"at the width of {f['base']}, {f['params'] / 1e9:.2f}B parameters, {f['states_dtype']} states, "
+             f"{f['blocks_on_disk']} of {f['sliding_blocks']} sliding blocks' states on disk (planned: host "
+             f"{f['planned_host_gib']:.1f} GiB, disk {f['planned_disk_gib']:.1f} GiB). Clip 1.0, "
+             f"{c['grad_accum']} micro-batches of {c['micro_batch_size']} x {c['seq_len']}; median of {c['steps']} "
+             f"timed steps after {c['warmup']} warm-up; checkpoint.keep 0, no export.", "", *DISK_COLUMNS]
+    return lines + [disk_row(e.get("variant", "slide"), e) for e in doc["figures"]]
+
+
+def plans_table(doc: dict) -> list[str]:
+    c = doc["config"]
+    lines = [f"`slide-train plan` (no GPU, no weights), {c['grad_accum']} micro-batches of {c['micro_batch_size']} x "
+             f"{c['seq_len']} tokens per step, engine.nvme.fraction auto. A checkpoint writes every master and "
+             "moment once and reads back the share on disk.", "",
+             "| model | machine file | setting | fits | predicted step s | bound by | host GiB | disk GiB | "
+             "blocks' states on disk | checkpoint GiB | checkpoint s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in doc["figures"]:
+        fits = "yes" if e["fits"] else "no: " + e["problems"][-1].split(": masters")[0]  # (the last: what would)
+        lines.append(f"| {e['model']} ({e['params'] / 1e9:.1f}B) | {pathlib.Path(e['machine']).name} | "
+                     f"{e['setting']} | {fits} | {e['predicted_step_s']:.0f} | {e['bottleneck']} | "
+                     f"{e['host_gib']:.0f} | {e['disk_gib']:.0f} | {e['blocks_on_disk']} of {e['sliding_blocks']} "
+                     f"| {e['checkpoint_gib']:.0f} | {e['checkpoint_s']:.0f} |")
     return lines
 
 
@@ -121,7 +179,8 @@ def probe_table(doc: dict) -> list[str]:
 
 def suite_table(doc: dict) -> str:
     suite = doc["suite"]
-    body = {"kernels": kernels_table, "io": io_table, "probe": probe_table}.get(suite, train_table)(doc)
+    body = {"kernels": kernels_table, "io": io_table, "probe": probe_table, "nvme": nvme_table,
+            "largest": largest_table, "plans": plans_table}.get(suite, train_table)(doc)
     return "\n".join([f"## {BENCH_NAMES.get(suite, suite)}", "", header(doc), "", *body, ""])
 
 
@@ -184,17 +243,19 @@ def main() -> None:
                       *[suite_table(docs[s]) for s in order]])
     (args.results / "README.md").write_text(text)
     print(f"wrote {args.results / 'README.md'}")
-    table = main_table(docs)
     readme = args.readme.read_text() if args.readme.is_file() else ""
-    if table is None:
-        print(f"no b1/b3/b8 results: {args.readme} left as it is")
-    elif START in readme and END in readme and readme.index(START) < readme.index(END):
-        head, rest = readme.split(START, 1)
-        tail = rest.split(END, 1)[1]
-        args.readme.write_text(f"{head}{START}\n{table}\n{END}{tail}")
-        print(f"updated the table in {args.readme}")
-    else:
-        print(f"{args.readme} has no '{START}' / '{END}' lines: only {args.results / 'README.md'} was written")
+    disk = [suite_table(docs[s]).replace("## ", "### ", 1) for s in ("plans", "nvme", "largest") if s in docs]
+    for start, end, table in ((START, END, main_table(docs)), (DISK_START, DISK_END, "\n".join(disk) or None)):
+        if table is None:
+            print(f"no results for the {start} block: left as it is")
+        elif start in readme and end in readme and readme.index(start) < readme.index(end):
+            head, rest = readme.split(start, 1)
+            readme = f"{head}{start}\n{table}\n{end}{rest.split(end, 1)[1]}"
+            print(f"updated the {start} block in {args.readme}")
+        else:
+            print(f"{args.readme} has no '{start}' / '{end}' lines: that table is in {args.results / 'README.md'}")
+    if args.readme.is_file():
+        args.readme.write_text(readme)
 
 
 if __name__ == "__main__":

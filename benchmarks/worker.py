@@ -90,7 +90,13 @@ def run_slide(spec: dict) -> dict:
         warnings.filterwarnings("ignore", message="checkpoint.keep=0")  # a benchmark wants no checkpoint
         trainer = Trainer(load_config(None, overrides), progress=False)
     try:
-        records = [trainer.step() for _ in range(spec["warmup"] + spec["steps"])]
+        records = []
+        for _ in range(spec["warmup"] + spec["steps"]):  # (a line a step: a slow run shows where it is)
+            records.append(trainer.step())
+            r = records[-1]
+            print(f"step {r['step']}: {r['step_s']:.2f} s, loss {r['loss']:.4f}, host RSS {r['host_rss_gib']:.1f} GiB"
+                  + (f", disk read {r['disk_read_gb']:.1f} GB, written {r['disk_written_gb']:.1f} GB"
+                     if r.get("disk_read_gb") else ""), flush=True)
     finally:
         trainer.close()
     timed = records[spec["warmup"]:]
@@ -102,6 +108,12 @@ def run_slide(spec: dict) -> dict:
     else:
         out["exposed_share"] = None
     out["speculation"] = sorted({r["speculation"] for r in timed if "speculation" in r}) or None
+    # The NVMe tier: how its store moves bytes, and the bytes a timed step moved (an older version has no tier)
+    stores = getattr(trainer.engine, "disk_stores", lambda: [])()
+    out["disk_path"] = ", ".join(sorted({f"{s.path}{'' if s.direct else ' (page cache)'}" for s in stores})) or None
+    for key in ("disk_read_gb", "disk_written_gb"):
+        moved = [r[key] for r in timed if key in r]
+        out[key] = statistics.median(moved) if stores and moved else None
     predicted = [r["predicted_step_s"] for r in timed if r.get("predicted_step_s") is not None]
     out["predicted_step_s"] = statistics.median(predicted) if predicted else None
     plan = getattr(trainer, "memory_plan", None)
@@ -259,6 +271,8 @@ def device_name(spec: dict) -> str:
 
 def main() -> None:
     spec = json.loads(pathlib.Path(sys.argv[1]).read_text())
+    if "register" in spec:  # a shape of the suite's own (the largest suite's)
+        common.register_shape(spec["register"]["base"], spec["register"]["layers"])
     jobs = {"slide": run_slide, "plain": lambda s: run_peer(s, liger=False), "liger": lambda s: run_peer(s, True),
             "io": run_io, "probe": run_probe}
     try:

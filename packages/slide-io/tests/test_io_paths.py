@@ -124,6 +124,25 @@ def kvikio_store(tmp_path, monkeypatch):
     store.close()
 
 
+def test_kvikio_compat_path_asks_kvikio_for_direct_io(tmp_path, monkeypatch):
+    kvikio = fake_kvikio(compat=True)
+    settings = {"auto_direct_io_read": False, "auto_direct_io_write": False}
+    kvikio.defaults.set = settings.update
+    kvikio.defaults.get = settings.__getitem__
+    monkeypatch.setattr(kp, "_import_kvikio", lambda: kvikio)
+    monkeypatch.setattr(kp, "_cuda_driver", lambda: True)
+    with NVMeStore(tmp_path, direct=False) as store:  # asked not to: kvikio's settings stay as they were
+        assert store.path == "kvikio-compat" and not store.direct and not any(settings.values())
+    with NVMeStore(tmp_path) as store:
+        assert store.direct and settings == {"auto_direct_io_read": True, "auto_direct_io_write": True}
+        t = random_tensor((4096,), torch.float32)
+        store.write("k", t).result()
+        out = torch.empty_like(t)
+        store.read("k", out).result()
+        store.read("k", out).result()
+        assert torch.equal(out, t) and (store.bytes_written, store.bytes_read) == (4 * 4096, 2 * 4 * 4096)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64], ids=str)
 def test_kvikio_path_round_trip_and_reuse(kvikio_store, dtype):
     assert kvikio_store.path == "kvikio-compat" and not kvikio_store.direct

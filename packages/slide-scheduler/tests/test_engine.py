@@ -1261,6 +1261,28 @@ def test_moments_on_disk_need_a_directory_with_room_for_them(tmp_path, monkeypat
     assert str(tmp_path) in str(error.value)
 
 
+@pytest.mark.parametrize("states_dtype", ["fp32", "bf16"])
+def test_each_step_reads_and_writes_the_disk_tier_once_and_the_engine_counts_it(tmp_path, states_dtype):
+    """Every block's master and moments on disk: a step reads each stored byte once before its update and writes
+    it once after, so a step moves the store's size each way; the step's timeline reports what finished."""
+    engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, max_grad_norm=1.0,
+                         nvme_fraction=1.0, nvme_dir=str(tmp_path), states_dtype=states_dtype)
+    steps = batches(seed=6, steps=4, micro=2)
+    engine.step(steps[0], lr=1e-2, normalizer=10)
+    engine.synchronize()
+    (store,) = engine.disk_stores()
+    per_param = 4 + 2 * (4 if states_dtype == "fp32" else 2)
+    assert store.nbytes == per_param * sum(engine.units[u].layout.numel for u in engine.on_disk)
+    read, written = engine.disk_traffic()
+    stats = [engine.step(step, lr=1e-2, normalizer=10) for step in steps[1:]]
+    nbytes = store.nbytes
+    engine.close()  # (the last write-backs finish)
+    now = engine.disk_traffic()
+    assert (now[0] - read, now[1] - written) == (3 * nbytes, 3 * nbytes)
+    counted = sum(s.timeline["disk_read_gb"] for s in stats), sum(s.timeline["disk_written_gb"] for s in stats)
+    assert 0 < counted[0] * 1e9 <= 3 * nbytes and 0 < counted[1] * 1e9 <= 3 * nbytes
+
+
 def test_a_failed_write_back_surfaces_and_close_still_stops_threads(tmp_path, monkeypatch):
     """A disk that fills up while moments go back: the error reaches the training thread (no hang), and the
     engine still closes."""

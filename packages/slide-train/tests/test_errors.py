@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import pathlib
 import re
 import warnings
@@ -728,3 +730,46 @@ def test_jsonl_of_empty_texts_has_no_tokens(tmp_path):
                              f"--output_dir={tmp_path / 'r'}"])
     with pytest.raises(Exception, match=r"e.jsonl.*token|token.*e.jsonl"):
         Trainer(cfg, progress=False)
+
+
+def test_the_nvme_tier_filling_up_mid_step_stops_the_run_and_leaves_the_last_checkpoint_whole(tmp_path, monkeypatch):
+    """The disk under engine.nvme.dir fills while a step writes its states back: the run stops with an error
+    naming the folder and the bytes, the checkpoint before it passes its checksums, and a resume continues from
+    it."""
+    import errno
+
+    import slide_io
+    import slide_train.checkpoint as ckpt
+
+    base = ["--seq_len=32", "--micro_batch_size=2", "--grad_accum=1", "--export=false", "--checkpoint.every=2",
+            "--checkpoint.keep=3", f"--output_dir={tmp_path / 'run'}", "--engine.nvme.fraction=1",
+            f"--engine.nvme.dir={tmp_path / 'tier'}"]
+    root = tmp_path / "run" / "checkpoints"
+    trainer = Trainer(load_config(None, [*base, "--steps=6"]), progress=False)
+    assert trainer.engine.disk_stores(), "the run keeps states on disk"
+    trainer.step(), trainer.step()
+    assert trainer.save_checkpoint() == root / "step-2"
+    write = slide_io.posix.PosixFile.pwrite  # (the CPU's path: no kvikio without a CUDA driver)
+
+    def full(self, tensor):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(slide_io.posix.PosixFile, "pwrite", full)
+    with pytest.raises(RuntimeError) as error:
+        trainer.step()
+        trainer.engine.synchronize()
+    chain, cause = [], error.value
+    while cause is not None:
+        chain.append(cause)
+        cause = cause.__cause__
+    full_error = next((e for e in chain if isinstance(e, slide_io.StoreFullError)), chain)
+    assert str(tmp_path / "tier") in str(full_error) and "bytes" in str(full_error)
+    with contextlib.suppress(RuntimeError):
+        trainer.close()  # (it raises the failure again, and stops every thread all the same)
+    monkeypatch.setattr(slide_io.posix.PosixFile, "pwrite", write)
+    ckpt.verify(root / "step-2")
+    again = Trainer(load_config(None, [*base, "--steps=6", "--resume=auto"]), progress=False)
+    assert again.step_index == 2
+    record = again.step()
+    assert record["step"] == 3 and math.isfinite(record["loss"])
+    again.close()

@@ -94,6 +94,44 @@ def test_a_machine_file_with_less_host_memory_plans_as_that_host_and_the_refusal
     assert big.fits
 
 
+def test_auto_takes_the_least_share_the_host_needs_even_where_the_disk_cannot_hold_every_block():
+    """A disk smaller than every block's states but larger than the share the host needs: `auto` finds that
+    share (the disk is not what bounds it); a disk smaller than that share leaves no share that fits."""
+    def plan(disk_gib, fraction):
+        machine = machine_with(gpu={"memory_gib": 24}, host={"memory_gib": 32}, disk={"free_gib": disk_gib})
+        return plan_for(machine, f"--engine.nvme.fraction={fraction}", "--engine.gpu_memory_limit_gb=24")
+
+    every = plan(1000, 1)
+    least = plan(1000, "auto")
+    assert least.fits and 0 < least.placement.bytes("disk") < every.placement.bytes("disk")
+    between = (least.placement.bytes("disk") + every.placement.bytes("disk")) / 2 / GIB
+    assert not plan(between, 1).fits  # every block on disk overflows this disk...
+    chosen = plan(between, "auto")
+    assert chosen.fits and chosen.placement.on_disk == least.placement.on_disk  # ...the least share does not
+    short = plan(0.5 * least.placement.bytes("disk") / GIB, "auto")
+    assert not short.fits
+
+
+def test_plan_json_prices_a_checkpoint_of_the_disk_tier(capsys):
+    """A checkpoint writes 12 bytes per parameter (8 with bf16 states) at the disk's write rate and reads the
+    tier's share back at its read rate: checkpoint_bytes and checkpoint_s from those figures."""
+    from slide_train.cli import main
+
+    for states, per_param in (("fp32", 12), ("bf16", 8)):
+        code = main(["plan", "--model=llama-3.1-70b", "--seq_len=4096", "--micro_batch_size=1", "--grad_accum=8",
+                     "--max_grad_norm=null", "--engine.activation_offload=nvme", "--engine.nvme.fraction=auto",
+                     f"--engine.states_dtype={states}", "--machine", str(DOCS / "rtx4090-pc.yaml"), "--json"])
+        out = json.loads(capsys.readouterr().out)
+        disk = out["machine"]["disk"]
+        assert code == 0 and out["fits"] and out["tiers"]["disk"]["masters"] > 0
+        assert out["checkpoint_bytes"] == per_param * out["params"]
+        assert out["checkpoint_s"] == pytest.approx(out["checkpoint_bytes"] / (disk["write_gbps"] * 1e9)
+                                                    + out["disk_bytes"] / (disk["read_gbps"] * 1e9))
+    main(["plan", "--model=llama-3.1-70b", "--seq_len=4096", "--micro_batch_size=1", "--grad_accum=8",
+          "--machine", str(DOCS / "rtx4090-pc-raid0.yaml")])
+    assert re.search(r"a checkpoint writes ~[0-9.]+ GiB: ~\d+ s at the disk's 24 GB/s", capsys.readouterr().out)
+
+
 def test_a_gpu_budget_too_small_is_refused_with_the_tokens_that_would_fit():
     """The problem names a micro-batch length that fits: planned with it, the GPU side fits; a tenth more not."""
     small = machine_with(gpu={"memory_gib": 8})

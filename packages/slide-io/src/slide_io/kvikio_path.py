@@ -74,6 +74,18 @@ def select_path(
     return PathChoice("posix", reason)
 
 
+def bypass_page_cache(kvikio: Any) -> bool:
+    """Ask kvikio's POSIX I/O to use O_DIRECT where buffers and offsets allow (its settings
+    `auto_direct_io_read` and `auto_direct_io_write`); False where this kvikio has no such settings.
+    Through the page cache, a host with spare RAM would measure its RAM, not the disk."""
+    names = ("auto_direct_io_read", "auto_direct_io_write")
+    try:
+        kvikio.defaults.set(dict.fromkeys(names, True))
+        return all(kvikio.defaults.get(name) for name in names)
+    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError):  # an older kvikio
+        return False
+
+
 class KvikioFile:
     """One key's file through kvikio's CuFile: device tensors go file<->GPU (DMA under GDS), host ones too."""
 

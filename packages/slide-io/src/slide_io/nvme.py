@@ -21,7 +21,7 @@ import torch
 
 from slide_io.disk import free_bytes, preflight
 from slide_io.errors import StoreCorruptError, StoreFullError, is_disk_full
-from slide_io.kvikio_path import KvikioFile, select_path
+from slide_io.kvikio_path import KvikioFile, bypass_page_cache, select_path
 from slide_io.posix import PosixFile, open_direct
 from slide_io.store import TensorStore
 
@@ -65,7 +65,13 @@ class NVMeStore(TensorStore):
         # A private folder: two stores (or two runs) on one directory never see each other's files.
         self._root = tempfile.mkdtemp(prefix="slide-io-", dir=self.directory)
         self._names = itertools.count()
-        self.direct = self.path == "posix" and direct and self._probe_direct()
+        # GDS moves bytes by DMA (no page cache); kvikio's compat path and ours ask for O_DIRECT.
+        if not direct:
+            self.direct = False
+        elif self.path == "posix":
+            self.direct = self._probe_direct()
+        else:
+            self.direct = self.path == "gds" or bypass_page_cache(self._kvikio)
         super().__init__(workers, "nvme")
 
     def _probe_direct(self) -> bool:

@@ -46,6 +46,8 @@ class TensorStore(ABC):
         self._last: dict[str, Future] = {}  # the newest operation submitted per key, until it is done
         self._closed = False
         self.allocations = 0  # rooms made so far: it stays put in the steady state
+        self.bytes_written = 0  # bytes moved into the tier by finished writes, and out of it by finished reads
+        self.bytes_read = 0
 
     # -- the interface ------------------------------------------------------------------------------
 
@@ -194,6 +196,7 @@ class TensorStore(ABC):
                 self._release(old.room)
         with self._lock:
             self._entries[key] = Entry(tensor.dtype, tuple(tensor.shape), nbytes, room)
+            self.bytes_written += nbytes
 
     def _read(self, key: str, out: torch.Tensor, ready: torch.cuda.Event | None) -> torch.Tensor:
         if ready is not None:
@@ -208,4 +211,6 @@ class TensorStore(ABC):
                 f"out is {out.dtype} of shape {tuple(out.shape)}"
             )
         self._get(entry.room, out)
+        with self._lock:
+            self.bytes_read += entry.nbytes
         return out

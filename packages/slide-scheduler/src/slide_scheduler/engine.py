@@ -290,6 +290,7 @@ class SlidingEngine:
         # A step whose clipping acted is followed by one that does not speculate (the next norm is most likely
         # over the limit too), until a step's clipping does not act again.
         self._speculating = True
+        self._disk_counted: tuple[int, int] | None = None  # disk_traffic() when the last step ended
         self.updater = HostUpdater(self.optimizer, inline=not config.pipeline, disk=self.disk)
         self.stream_buffers = [StreamedStep(p.stream_piece_numel, config.optimizer, self.device, self.dtype)
                                for _ in range(p.stream_buffers if self.streamed else 0)]
@@ -576,6 +577,8 @@ class SlidingEngine:
 
     def _step(self, micro_batches: list[Batch], lr: float, normalizer: float) -> StepStats:
         memory = self._memory_counters()
+        if self._disk_counted is None:  # (not the tier's first fill, when the weights were loaded)
+            self._disk_counted = self.disk_traffic()
         # Phase laps synchronize the device only in the synchronous schedule; pipelined, the timeline says more.
         clock = _Clock(self.device, sync=not self.config.pipeline)
         self.timeline.begin()
@@ -682,6 +685,10 @@ class SlidingEngine:
         timeline = summarize(spans, clock.total)
         timeline["wait_update_s"] = self._wait_update_s
         timeline.update(memory)
+        traffic = self.disk_traffic()  # (write-backs still running finish in the next step's count)
+        timeline["disk_read_gb"] = (traffic[0] - self._disk_counted[0]) / 1e9
+        timeline["disk_written_gb"] = (traffic[1] - self._disk_counted[1]) / 1e9
+        self._disk_counted = traffic
         return StepStats(loss=loss_value, grad_norm=grad_norm, seconds=clock.total, phases=clock.laps,
                          timeline=timeline, spans=spans, speculation=speculation)
 
@@ -735,6 +742,15 @@ class SlidingEngine:
         if self.disk is not None:  # the moments' reads and write-backs, likewise
             spans += [Span("disk", *span) for span in _drain(self.disk.spans, origin)]
         return spans
+
+    def disk_stores(self) -> list:
+        """The NVMe stores this engine moves bytes through: the states' and the activations'."""
+        return [s.store for s in (self.disk, self.activations.disk) if s is not None]
+
+    def disk_traffic(self) -> tuple[int, int]:
+        """Bytes read from and written to the NVMe tier so far, by finished operations."""
+        stores = self.disk_stores()
+        return sum(s.bytes_read for s in stores), sum(s.bytes_written for s in stores)
 
     def _memory_counters(self) -> dict[str, float]:
         if self.device.type != "cuda":

@@ -62,7 +62,7 @@ def cmd_plan(args, overrides) -> int:
 
     from .machines import resolve_machine
     from .models.build import check_fits, load_model
-    from .plan import describe, params_text
+    from .plan import checkpoint_cost, describe, params_text
     from .trainer import nvme_dir, plan_run, uses_disk
 
     cfg = load_config(args.config, overrides)
@@ -73,13 +73,15 @@ def cmd_plan(args, overrides) -> int:
     if args.json:
         print(json.dumps({"model": cfg.model, "params": sum(plan.placement.shapes.unit_numels),
                           "tokens_per_step": cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum,
-                          "machine": machine.to_dict(), **plan.to_dict()}, indent=1))
+                          "machine": machine.to_dict(), **plan.to_dict(),
+                          **dict(zip(("checkpoint_bytes", "checkpoint_s"), checkpoint_cost(plan, machine)))},
+                         indent=1))
     else:
         shapes = plan.placement.shapes
         print(f"model: {cfg.model} ({model.hf_config.model_type}, {params_text(sum(shapes.unit_numels))} params, "
               f"{shapes.num_blocks} blocks); {cfg.grad_accum} x {cfg.micro_batch_size} x {cfg.seq_len} tokens per "
               f"step; machine: {args.machine or 'this one (last probe)'}")
-        print(describe(plan))
+        print(describe(plan, machine))
     return 0 if plan.fits else 2
 
 

@@ -106,8 +106,19 @@ def make_plan(cfg: TrainConfig, shapes: Shapes, machine: Machine, cuda: bool, bu
                  overrides_of(cfg, shapes.num_blocks))
 
 
-def describe(plan: Plan) -> str:
-    """The plan as a user reads it: residency, each tier's contents, the prediction and its bottleneck."""
+def checkpoint_cost(plan: Plan, machine: Machine) -> tuple[int, float]:
+    """Bytes a checkpoint writes (every unit's fp32 master and AdamW moments) and its seconds on the machine
+    file's disk: the write, plus reading back the share the NVMe tier holds (the same drive, taken as one)."""
+    p = plan.placement
+    nbytes = sum(p.shapes.unit_numels) * (4 + 2 * p.state_bytes)
+    disk = machine.disk
+    seconds = nbytes / (disk.write_gbps * 1e9) + p.bytes(DISK) / (disk.read_gbps * 1e9)
+    return nbytes, seconds
+
+
+def describe(plan: Plan, machine: Machine | None = None) -> str:
+    """The plan as a user reads it: residency, each tier's contents, the prediction and its bottleneck, and with
+    `machine` what a checkpoint costs."""
     p, b = plan.placement, plan.budgets
     sliding = len(p.sliding_blocks)
     tiers = p.tiers()
@@ -138,13 +149,20 @@ def describe(plan: Plan) -> str:
     bound = "compute" if p.device_is_host and e.bottleneck == "gpu" else e.bottleneck  # (a CPU run's device)
     lines.append(f"  predicted step {e.step_s:.2f} s{clipped}, bound by {bound}: "
                  + ", ".join(f"{lane} {busy:.2f} s" for lane, busy in e.lanes.items()))
+    if machine is not None and machine.disk.write_gbps:
+        nbytes, seconds = checkpoint_cost(plan, machine)
+        lines.append(f"  a checkpoint writes ~{nbytes / GIB:.1f} GiB: ~{seconds:.0f} s at the disk's "
+                     f"{machine.disk.write_gbps:g} GB/s" + (f", reading the tier's {p.bytes(DISK) / GIB:.1f} GiB "
+                                                            f"at {machine.disk.read_gbps:g} GB/s" if p.bytes(DISK)
+                                                            else ""))
     lines += [f"  does NOT fit: {problem}" for problem in plan.problems]
     return "\n".join(lines)
 
 
 def least_disk_share(plan: Plan, replan) -> tuple[float, int] | None:
     """The least engine.nvme.fraction at which `replan(fraction)` fits, and the blocks it puts on disk; None
-    where even every sliding block's master and moments on disk leave the run too large."""
+    where no share fits (even every sliding block's state on disk leaves the host short, or the least share
+    the host needs is more than the disk holds)."""
     sliding = len(plan.placement.sliding_blocks)
     if plan.placement.device_is_host or not sliding:
         return None
@@ -152,13 +170,17 @@ def least_disk_share(plan: Plan, replan) -> tuple[float, int] | None:
     def share(blocks: int) -> float:
         return math.ceil(100 * blocks / sliding) / 100
 
-    if not replan(share(sliding)).fits:
+    def fits_in_memory(candidate: Plan) -> bool:  # the disk aside: more on disk only ever needs more of it
+        p, b = candidate.placement, candidate.budgets
+        return (b.host is None or p.bytes(HOST) <= b.host) and (b.gpu is None or p.bytes(GPU) <= b.gpu)
+
+    if not fits_in_memory(replan(share(sliding))):
         return None
     low, high = 0, sliding  # more blocks on disk only ever take less host memory: bisect, a plan per halving
     while high - low > 1:
         middle = (low + high) // 2
-        low, high = (low, middle) if replan(share(middle)).fits else (middle, high)
-    return share(high), high
+        low, high = (low, middle) if fits_in_memory(replan(share(middle))) else (middle, high)
+    return (share(high), high) if replan(share(high)).fits else None
 
 
 def refuse(plan: Plan, cfg: TrainConfig, replan=None) -> None:

@@ -525,8 +525,10 @@ class Trainer:
                 f"{cfg.seq_len} = {tokens} tokens per step\n"
                 f"engine: {e.device} {str(e.dtype).removeprefix('torch.')} compute, "
                 f"{'pipelined' if e.config.pipeline else 'synchronous'}, activations on "
-                f"{'host' if e.activations.offload else 'device'}\n{describe(self.memory_plan)}\n"
-                f"run dir: {self.run_dir}")
+                f"{'host' if e.activations.offload else 'device'}\n{describe(self.memory_plan, self.machine)}\n"
+                + "".join(f"NVMe tier: {s.directory}, {s.path} ({s.path_reason}), page cache "
+                          f"{'bypassed' if s.direct else 'used'}\n" for s in e.disk_stores())
+                + f"run dir: {self.run_dir}")
 
     def fit(self) -> dict | None:
         say(self.plan())
