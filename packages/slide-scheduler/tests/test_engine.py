@@ -875,7 +875,7 @@ def test_shared_memory_replaced_on_cuda_keeps_the_gradients_its_queued_copies_re
     allocation (page-locked in place, as pools of this size are) is kept until the step ends: bit for bit the
     result of a buffer each (whole updates there too: a split one steps the moments on the host, which rounds
     differently). Deterministic algorithms: at these sizes CUDA's own kernels otherwise differ by an ulp from one
-    identical run to the next (benchmarks/pool_stall_probe.py, 2026-12-01)."""
+    identical run to the next."""
     if not torch.cuda.is_available():
         pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
     from slide_memory.host import EXACT_PIN_BYTES

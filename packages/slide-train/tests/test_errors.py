@@ -773,3 +773,36 @@ def test_the_nvme_tier_filling_up_mid_step_stops_the_run_and_leaves_the_last_che
     record = again.step()
     assert record["step"] == 3 and math.isfinite(record["loss"])
     again.close()
+
+
+def test_a_disk_slower_than_the_machine_file_says_is_warned_of_once_with_folder_bytes_and_rate(tmp_path, monkeypatch):
+    """Each write to the tier takes 0.3 s more than the machine file's rates allow: after a step the run warns,
+    naming the tier's folder, the bytes it moved, the rate it reached and the file's; only once."""
+    import time
+
+    import slide_io
+
+    write = slide_io.posix.PosixFile.pwrite
+
+    def slow(self, tensor):
+        time.sleep(0.3)
+        write(self, tensor)
+
+    monkeypatch.setattr(slide_io.posix.PosixFile, "pwrite", slow)
+    tier = tmp_path / "tier"
+    cfg = load_config(None, ["--seq_len=32", "--micro_batch_size=2", "--grad_accum=1", "--export=false",
+                             "--checkpoint.keep=0", f"--output_dir={tmp_path / 'run'}", "--engine.nvme.fraction=1",
+                             f"--engine.nvme.dir={tier}", "--steps=4"])
+    with pytest.warns(UserWarning, match="checkpoint.keep=0"):
+        trainer = Trainer(cfg, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        records = [trainer.step() for _ in range(4)]
+    trainer.close()
+    slow_disk = [w for w in caught if "NVMe tier" in str(w.message)]
+    assert len(slow_disk) == 1, [str(w.message) for w in caught]
+    text = str(slow_disk[0].message)
+    step = int(re.match(r"step (\d+):", text).group(1))
+    r = records[step - 1]
+    assert str(tier) in text and f"{r['disk_written_gb']:.2f} GB out" in text and "GB/s read" in text
+    assert r["disk_busy_s"] > 0.5 and "slide-train probe --disk" in text

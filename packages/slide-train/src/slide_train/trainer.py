@@ -296,6 +296,7 @@ class Trainer:
         per_step = cfg.micro_batch_size * cfg.grad_accum
         self.total_steps = math.ceil(self.data.train.rows_in(cfg.epochs) / per_step) if cfg.epochs else cfg.steps
         self.step_index = 0
+        self._disk_warned = False  # (the warning that the disk is slower than the machine file says, given once)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for path in outputs:  # --overwrite: cleared only now that the new run could be built
             shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
@@ -488,7 +489,25 @@ class Trainer:
         routing = getattr(self.engine.edges, "routing_summary", None)
         record |= (routing() if routing else None) or {}
         self.log.write(record)
+        self._check_disk_rate(record)
         return record
+
+    def _check_disk_rate(self, record: dict) -> None:
+        """Warn once where the NVMe tier moved its bytes much slower than the machine file's disk figures: the
+        plan's prediction, and every step, rest on them."""
+        busy, read, written = (record.get(k, 0.0) for k in ("disk_busy_s", "disk_read_gb", "disk_written_gb"))
+        if self._disk_warned or not busy or not (read or written):
+            return
+        disk = self.machine.disk
+        expected = read / disk.read_gbps + written / disk.write_gbps
+        if busy > 1.5 * expected and busy - expected > 0.5:
+            self._disk_warned = True
+            warnings.warn(
+                f"step {record['step']}: the NVMe tier under {nvme_dir(self.cfg)} moved {read:.2f} GB in and "
+                f"{written:.2f} GB out in {busy:.1f} s ({(read + written) / busy:.2f} GB/s); the machine file says "
+                f"{disk.read_gbps:g} GB/s read and {disk.write_gbps:g} GB/s write ({expected:.1f} s), so steps run "
+                f"slower than the plan's {record['predicted_step_s']:.1f} s. `slide-train probe --disk "
+                f"{nvme_dir(self.cfg)}` measures this disk, or set engine.nvme.dir on a faster one", stacklevel=2)
 
     def write_profile(self, stats) -> None:
         """timeline.png and trace.json of one engine step (`stats`: what `engine.step` returned) in the run dir."""
