@@ -241,3 +241,17 @@ def test_a_full_store_error_survives_pickling_and_copying():
         assert type(clone) is StoreFullError and clone.errno == errno.ENOSPC
         assert (clone.directory, clone.needed, clone.free, str(clone)) == (error.directory, error.needed,
                                                                            error.free, str(error))
+
+
+def test_a_mapped_key_reads_what_was_written_without_copying_it_in(tmp_path):
+    """`mapped` waits for the key's last write and maps its file: the values written, nothing read into memory
+    until touched; a later write of the key shows in a new mapping."""
+    with NVMeStore(tmp_path, path="posix") as store:
+        t = random_tensor((64, 1000), torch.float32, seed=3)
+        store.write("k", t)  # (not waited for: mapped waits)
+        view = store.mapped("k")
+        assert view.dtype == t.dtype and view.shape == t.shape and torch.equal(view, t)
+        store.write("k", t * 2).result()
+        assert torch.equal(store.mapped("k"), t * 2)
+        with pytest.raises(KeyError, match="no key 'other'"):
+            store.mapped("other")

@@ -1270,6 +1270,8 @@ def test_each_step_reads_and_writes_the_disk_tier_once_and_the_engine_counts_it(
     steps = batches(seed=6, steps=4, micro=2)
     engine.step(steps[0], lr=1e-2, normalizer=10)
     engine.synchronize()
+    for u in engine.on_disk:  # (the updates are done; their write-backs may still be going)
+        engine.disk.wait(u)
     (store,) = engine.disk_stores()
     per_param = 4 + 2 * (4 if states_dtype == "fp32" else 2)
     assert store.nbytes == per_param * sum(engine.units[u].layout.numel for u in engine.on_disk)

@@ -228,6 +228,30 @@ def test_bf16_states_opt_in_tracks_fp32_states_and_resumes(tmp_path):
         resumed.close()
 
 
+def test_a_run_with_every_master_on_disk_exports_the_in_memory_runs_weights(tmp_path):
+    """Masters on disk reach the export through their files, mapped, not copied in: the exported weights are the
+    in-memory run's, bit for bit, and so is a checkpoint's masters."""
+    from safetensors.torch import load_file
+
+    save_tiny_model(tmp_path / "model", "llama")
+    rows, labels = make_rows(seed=7, n=STEPS * MICRO * ACCUM)
+    write_token_rows(tmp_path / "data.jsonl", rows, labels)
+    exported, saved = {}, {}
+    for name, fraction in (("ram", 0.0), ("disk", 1.0)):
+        trainer = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
+                                       **{"output_dir": tmp_path / name, "engine.nvme.fraction": fraction}),
+                          progress=False)
+        assert bool(trainer.memory_plan.placement.masters_on_disk) == bool(fraction)
+        for _ in range(STEPS):
+            trainer.step()
+        saved[name] = load_file(trainer.save_checkpoint() / "block-001.safetensors")
+        exported[name] = load_file(trainer.export() / "model.safetensors")
+        trainer.close()
+    assert exported["ram"].keys() == exported["disk"].keys()
+    assert all(torch.equal(exported["ram"][k], exported["disk"][k]) for k in exported["ram"])
+    assert all(torch.equal(saved["ram"][k], saved["disk"][k]) for k in saved["ram"])
+
+
 def test_sliding_window_attention_longer_than_the_window_matches_hf(tmp_path):
     """Mistral with seq_len > sliding_window: the engine's explicit windowed mask gives HF's own loss."""
     torch.manual_seed(0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
+import math
 import os
 import shutil
 import tempfile
@@ -84,6 +85,21 @@ class NVMeStore(TensorStore):
             return fd is not None
         finally:
             os.unlink(probe)
+
+    def mapped(self, key: str) -> torch.Tensor:
+        """`key`'s tensor as its file holds it, memory-mapped: pages are read from disk as they are touched and the
+        page cache may drop them again, so a caller can walk many keys larger than RAM. It follows the file: use
+        it before the key is written again. Writing to it changes only this process's copy of the touched page."""
+        with self._lock:
+            last = self._last.get(key)
+        if last is not None:
+            last.result()  # (the newest write of the key is in its file; its error, if it failed)
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None:
+            raise KeyError(f"slide-io: no key {key!r} in this store")
+        numel = math.prod(entry.shape)
+        return torch.from_file(entry.room.path, shared=False, size=numel, dtype=entry.dtype).view(entry.shape)
 
     def _check_tensor(self, tensor: torch.Tensor) -> None:
         if self.path == "posix" and tensor.device.type != "cpu":

@@ -158,20 +158,17 @@ class DiskStates:
         written.result()
 
     def state(self, unit: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Copies of `unit`'s moments as on disk (None before its first update): for checkpoints."""
+        """`unit`'s moments as on disk (None before its first update), memory-mapped: for checkpoints, which
+        walk every unit's without holding them in RAM. Read them before the unit's next update."""
         self.wait(unit)
         if unit not in self._stored:
             return None
-        m, v = torch.empty(self.numel, dtype=self.dtype), torch.empty(self.numel, dtype=self.dtype)
-        self._both(self.store.read, unit, m, v)
-        return m, v
+        return self.store.mapped(f"m.{unit}"), self.store.mapped(f"v.{unit}")
 
     def master(self, unit: int) -> torch.Tensor:
-        """A copy of `unit`'s fp32 master as on disk (after its last update's write-back)."""
+        """`unit`'s fp32 master as on disk (after its last update's write-back), memory-mapped, as `state`."""
         self.wait(unit)
-        out = torch.empty(self.numel, dtype=torch.float32)
-        self.store.read(f"master.{unit}", out).result()
-        return out
+        return self.store.mapped(f"master.{unit}")
 
     def load_master(self, unit: int, master: torch.Tensor) -> None:
         """Replace `unit`'s master on disk (at the start, and from a checkpoint), with no update of it pending."""

@@ -421,7 +421,8 @@ class SlidingEngine:
             self._edges_loaded = DONE
 
     def optimizer_state(self, unit: int) -> dict[str, torch.Tensor]:
-        """A unit's AdamW state as host tensors (for checkpoints; call `synchronize()` first)."""
+        """A unit's AdamW state as host tensors (for checkpoints; call `synchronize()` first; moments on disk are
+        their files memory-mapped, to read before the unit's next update)."""
         if unit in self.device_optimizers:
             return self.device_optimizers[unit].state_tensors(to_host=True)
         if unit in self.on_disk:
@@ -452,8 +453,8 @@ class SlidingEngine:
                                                                                           self.units))}
 
     def master(self, unit: int) -> torch.Tensor:
-        """A unit's flat fp32 master (call `synchronize()` first): the host tensor itself, or a copy read from
-        disk."""
+        """A unit's flat fp32 master (call `synchronize()` first): the host tensor itself, or its file on disk
+        memory-mapped (read it before the unit's next update)."""
         u = self.units[unit]
         return u.master if u.master is not None else self.disk.master(unit)
 
