@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 import pytest
 import torch
@@ -120,6 +121,32 @@ def test_a_file_cut_from_outside_is_named_not_read_as_garbage(store):
     with pytest.raises(StoreCorruptError, match=r"holds 10 bytes, but 400 were written to it") as info:
         store.read("k", torch.empty(100)).result()
     assert (info.value.path, info.value.key, info.value.errno) == (path, "k", errno.EIO)
+
+
+@pytest.mark.parametrize("how", ["written", "replaced"])
+def test_a_file_written_or_replaced_from_outside_is_named_not_read(store, how):
+    """Same size, other bytes: a program writing into the tier's file, or a file put in its place, is caught
+    at the next read (the file's inode and modification time differ from the store's last write)."""
+    t = torch.ones(100)
+    store.write("k", t).result()
+    path = file_of(store, "k")
+    if how == "written":
+        time.sleep(0.01)  # (a later modification time on any filesystem clock)
+        with open(path, "r+b") as f:
+            f.write(b"\x00" * 8)
+    else:
+        other = path + ".new"
+        with open(other, "wb") as f:
+            f.write(b"\x00" * 400)
+        os.replace(other, path)
+    with pytest.raises(StoreCorruptError, match=r"was written or replaced outside this run after it last wrote the "
+                                                r"400 bytes there") as info:
+        store.read("k", torch.empty(100)).result()
+    assert (info.value.path, info.value.key, info.value.changed, info.value.errno) == (path, "k", True, errno.EIO)
+    store.write("k", t * 3).result()  # writing the key again makes it the store's own once more
+    out = torch.empty(100)
+    store.read("k", out).result()
+    assert torch.equal(out, t * 3)
 
 
 def test_a_file_that_ends_during_a_read_is_an_error_not_garbage(tmp_path):

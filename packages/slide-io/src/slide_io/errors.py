@@ -47,19 +47,22 @@ class StoreFullError(OSError):
 
 
 class StoreCorruptError(OSError):
-    """A file of the NVMe tier holds fewer bytes than were written to it: truncated or replaced from outside the
-    process (another program, a user clearing the folder). An OSError with errno EIO."""
+    """A file of the NVMe tier is not as this process left it: it holds fewer bytes than were written to it, or it
+    was written or replaced since (`changed`), by another program or a user clearing the folder. An OSError with
+    errno EIO."""
 
-    def __init__(self, path: str, key: str, expected: int, found: int) -> None:
+    def __init__(self, path: str, key: str, expected: int, found: int, changed: bool = False) -> None:
         self.path, self.key, self.expected, self.found = str(path), key, int(expected), int(found)
-        message = (
-            f"slide-io: {self.path} (key {key!r}) holds {found:,} bytes, but {expected:,} were written to it: the "
-            "file was truncated or replaced outside this run; the run cannot go on from it (resume from a checkpoint)"
-        )
+        self.changed = bool(changed)
+        what = (f"was written or replaced outside this run after it last wrote the {expected:,} bytes there"
+                if changed else f"holds {found:,} bytes, but {expected:,} were written to it: the file was "
+                                "truncated or replaced outside this run")
+        message = (f"slide-io: {self.path} (key {key!r}) {what}; the run cannot go on from it (resume from a "
+                   "checkpoint)")
         super().__init__(errno.EIO, message)
 
     def __str__(self) -> str:
         return self.strerror or ""
 
     def __reduce__(self):
-        return type(self), (self.path, self.key, self.expected, self.found)
+        return type(self), (self.path, self.key, self.expected, self.found, self.changed)

@@ -92,6 +92,7 @@ class KvikioFile:
     def __init__(self, kvikio: Any, path: str, key: str) -> None:
         self.path = path
         self.key = key
+        self.stamp: tuple[int, int, int] | None = None  # the file as the store last wrote it (NVMeStore sets it)
         self._file = kvikio.CuFile(path, "r+")
 
     def pwrite(self, tensor: torch.Tensor) -> None:

@@ -38,6 +38,12 @@ def _preallocate(fd: int, nbytes: int) -> None:
         os.ftruncate(fd, nbytes)  # no fallocate here: a sparse file, and a full disk shows at write time
 
 
+def _stamp(path: str) -> tuple[int, int, int]:  # (inode, modification time, size)
+    """The file's identity and last change: a file replaced or written by another program differs."""
+    status = os.stat(path)
+    return status.st_ino, status.st_mtime_ns, status.st_size
+
+
 class NVMeStore(TensorStore):
     """Tensors in files under a private folder of `directory`, removed again by `close()` (a scratch tier).
 
@@ -134,12 +140,16 @@ class NVMeStore(TensorStore):
             if is_disk_full(error):
                 raise self._full(room.key, tensor.numel() * tensor.element_size()) from error
             raise
+        room.stamp = _stamp(room.path)  # what a read checks the file against
 
     def _get(self, room: PosixFile | KvikioFile, out: torch.Tensor) -> None:
         expected = out.numel() * out.element_size()
-        found = os.path.getsize(room.path) if os.path.exists(room.path) else 0
+        stamp = _stamp(room.path) if os.path.exists(room.path) else None
+        found = stamp[2] if stamp else 0
         if found < expected:  # (its size was set when it was made: anything shorter was cut from outside)
             raise StoreCorruptError(room.path, room.key, expected, found)
+        if stamp != room.stamp:  # another file in its place, or written since
+            raise StoreCorruptError(room.path, room.key, expected, found, changed=True)
         room.pread(out)
 
     def _release(self, room: PosixFile | KvikioFile) -> None:

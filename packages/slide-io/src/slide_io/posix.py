@@ -59,6 +59,7 @@ class PosixFile:
     def __init__(self, path: str, key: str, direct: bool) -> None:
         self.path = path
         self.key = key
+        self.stamp: tuple[int, int, int] | None = None  # the file as the store last wrote it (NVMeStore sets it)
         self._fd = os.open(path, os.O_RDWR)
         self._direct_fd = open_direct(path) if direct else None
 
