@@ -351,14 +351,12 @@ def largest_shape(work: pathlib.Path, limit_s: float, free_gib: float) -> dict:
     that the plan fits, with engine.nvme.fraction auto, at `limit_s` or less per step on this run's machine file
     with `free_gib` of disk."""
     from slide_train.config import load_config
+    from slide_train.machines import load_machine
     from slide_train.models.build import load_model
     from slide_train.models.presets import PRESETS
     from slide_train.trainer import plan_run
 
-    machine_path = machine_file(work, "largest", disk_free_gib=free_gib)
-    from slide_train.machines import load_machine
-
-    machine = load_machine(machine_path)
+    machine = load_machine(machine_file(work, "largest", disk_free_gib=free_gib))
 
     def plan(base: str, layers: int, states: str):
         name = common.register_shape(base, layers)
@@ -367,11 +365,11 @@ def largest_shape(work: pathlib.Path, limit_s: float, free_gib: float) -> dict:
                                  f"--grad_accum={LARGEST['grad_accum']}", "--max_grad_norm=1.0",
                                  f"--engine.gpu_memory_limit_gb={LARGEST['cap_gib']}", "--engine.device=cuda",
                                  "--engine.nvme.fraction=auto", f"--engine.states_dtype={states}"])
-        model = load_model(name, 0, need_tokenizer=False, need_weights=False)
-        return plan_run(cfg, model, machine, running=False)[0], model
+        return plan_run(cfg, load_model(name, 0, need_tokenizer=False, need_weights=False), machine,
+                        running=False)[0]
 
     def good(base: str, layers: int, states: str) -> bool:
-        p, _ = plan(base, layers, states)
+        p = plan(base, layers, states)
         return p.fits and p.estimate.step_s <= limit_s
 
     best = None
@@ -385,7 +383,7 @@ def largest_shape(work: pathlib.Path, limit_s: float, free_gib: float) -> dict:
                 low, high = (middle, high) if good(base, middle, states) else (low, middle)
             if low == 0:
                 continue
-            p, model = plan(base, low, states)
+            p = plan(base, low, states)
             found = {"base": base, "layers": low, "states_dtype": states, "params": sum(p.placement.shapes.unit_numels),
                      "predicted_step_s": p.estimate.step_s, "bottleneck": p.estimate.bottleneck,
                      "predicted_lanes_s": p.estimate.lanes, "planned_disk_gib": p.placement.bytes("disk") / 2**30,

@@ -105,6 +105,8 @@ class NVMeStore(TensorStore):
         if entry is None:
             raise KeyError(f"slide-io: no key {key!r} in this store")
         numel = math.prod(entry.shape)
+        if numel == 0:  # (nothing to map)
+            return torch.empty(entry.shape, dtype=entry.dtype)
         return torch.from_file(entry.room.path, shared=False, size=numel, dtype=entry.dtype).view(entry.shape)
 
     def _check_tensor(self, tensor: torch.Tensor) -> None:

@@ -106,14 +106,16 @@ def make_plan(cfg: TrainConfig, shapes: Shapes, machine: Machine, cuda: bool, bu
                  overrides_of(cfg, shapes.num_blocks))
 
 
-def checkpoint_cost(plan: Plan, machine: Machine) -> tuple[int, float]:
+def checkpoint_cost(plan: Plan, machine: Machine) -> tuple[int, float | None]:
     """Bytes a checkpoint writes (every unit's fp32 master and AdamW moments) and its seconds on the machine
-    file's disk: the write, plus reading back the share the NVMe tier holds (the same drive, taken as one)."""
+    file's disk: the write, plus reading back the share the NVMe tier holds (the same drive, taken as one).
+    None for the seconds where the machine file gives no disk rates."""
     p = plan.placement
     nbytes = sum(p.shapes.unit_numels) * (4 + 2 * p.state_bytes)
     disk = machine.disk
-    seconds = nbytes / (disk.write_gbps * 1e9) + p.bytes(DISK) / (disk.read_gbps * 1e9)
-    return nbytes, seconds
+    if not (disk.write_gbps and disk.read_gbps):
+        return nbytes, None
+    return nbytes, nbytes / (disk.write_gbps * 1e9) + p.bytes(DISK) / (disk.read_gbps * 1e9)
 
 
 def describe(plan: Plan, machine: Machine | None = None) -> str:
@@ -149,8 +151,8 @@ def describe(plan: Plan, machine: Machine | None = None) -> str:
     bound = "compute" if p.device_is_host and e.bottleneck == "gpu" else e.bottleneck  # (a CPU run's device)
     lines.append(f"  predicted step {e.step_s:.2f} s{clipped}, bound by {bound}: "
                  + ", ".join(f"{lane} {busy:.2f} s" for lane, busy in e.lanes.items()))
-    if machine is not None and machine.disk.write_gbps:
-        nbytes, seconds = checkpoint_cost(plan, machine)
+    nbytes, seconds = checkpoint_cost(plan, machine) if machine is not None else (0, None)
+    if seconds is not None:
         lines.append(f"  a checkpoint writes ~{nbytes / GIB:.1f} GiB: ~{seconds:.0f} s at the disk's "
                      f"{machine.disk.write_gbps:g} GB/s" + (f", reading the tier's {p.bytes(DISK) / GIB:.1f} GiB "
                                                             f"at {machine.disk.read_gbps:g} GB/s" if p.bytes(DISK)

@@ -499,6 +499,8 @@ class Trainer:
         if self._disk_warned or not busy or not (read or written):
             return
         disk = self.machine.disk
+        if not (disk.read_gbps and disk.write_gbps):  # (a machine file without disk figures promises nothing)
+            return
         expected = read / disk.read_gbps + written / disk.write_gbps
         if busy > 1.5 * expected and busy - expected > 0.5:
             self._disk_warned = True
