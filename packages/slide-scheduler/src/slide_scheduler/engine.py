@@ -478,15 +478,17 @@ class SlidingEngine:
             self._update_on_device(unit, slot, chunks)
             return
         block = unit - 1 if unit else None
-        if unit in self._from_speculation:  # the update's parameters, already in the compute dtype
+        # Parameters already in the compute dtype: the speculated update's, or (its master on disk) the copy its
+        # update wrote
+        if unit in self._from_speculation:
             self._wait_for_update(unit, speculated=True)
-            self.h2d.run(slot.params.copy_, self.speculative[unit], True, label=f"params {block} (speculated)")
-            slot.unit = block
-            return
-        self._wait_for_update(unit, params_only=True)
-        self.h2d.wait(self._written.get(unit, DONE))
-        if self.units[unit].params is not None:  # its master is on disk: the copy its update wrote
-            self.h2d.run(slot.params.copy_, self.units[unit].params, True, label=f"params {block}")
+            ready, label = self.speculative[unit], f"params {block} (speculated)"
+        else:
+            self._wait_for_update(unit, params_only=True)
+            self.h2d.wait(self._written.get(unit, DONE))
+            ready, label = self.units[unit].params, f"params {block}"
+        if ready is not None:
+            self.h2d.run(slot.params.copy_, ready, True, label=label)
             slot.unit = block
             return
         master, label = self.units[unit].master, f"params {'edges' if unit == 0 else block}"
