@@ -117,20 +117,21 @@ def random_steps(seed: int, shapes: list[tuple[int, int]], device: str = "cpu"):
 
 
 PLACEMENT_KEYS = ("window", "resident", "device_update_share", "held_grads", "split_update",
-                  "grads_share_activations", "nvme_fraction", "speculate")
+                  "grads_share_activations", "nvme_fraction", "disk_loads", "speculate")
 
 
 def make_engine(stack, **kwargs) -> SlidingEngine:
     """An engine over `stack` with EngineConfig keys and these placement choices: `window` (2), `resident`
     (a count: the edges, then blocks from 0; or units), `device_update_share` (0), `held_grads` (0),
-    `split_update` (True), `grads_share_activations` (False), `nvme_fraction` (0), `speculate` (False)."""
+    `split_update` (True), `grads_share_activations` (False), `nvme_fraction` (0), `disk_loads` (False),
+    `speculate` (False)."""
     choices = {k: kwargs.pop(k) for k in PLACEMENT_KEYS if k in kwargs}
     config = EngineConfig(**kwargs)
     device = config.resolve_device()
     options = Options(clip=bool(config.max_grad_norm), activations=config.activation_offload,
                       compute_bytes=config.resolve_dtype(device).itemsize,
                       state_bytes=engine_module.DTYPES[config.states_dtype].itemsize, cuda=device.type == "cuda",
-                      nvme_fraction=choices.get("nvme_fraction", 0.0))
+                      nvme_fraction=choices.get("nvme_fraction", 0.0), disk_loads=choices.get("disk_loads", False))
     resident = choices.get("resident", 0)
     placement = arrange(shapes_of(stack), placement_module.StepShape(0, 0), options,
                         resident=range(resident) if isinstance(resident, int) else resident,
@@ -259,7 +260,7 @@ def on_disk(nvme) -> dict:
 def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None,
                resident: int = 0, dtype: str = "auto", device_share: float = 0.0, tied: bool = True,
                held: int = 0, split: bool = True, shared: bool = False, steps_data=None, nvme=None, acts_dir=None,
-               states: str = "fp32", speculate: bool = False):
+               states: str = "fp32", speculate: bool = False, disk_loads: bool = False):
     torch.manual_seed(0)
     model = Model(tied=tied)
     engine = make_engine(ToyStack(model), device="cpu", window=window,
@@ -270,7 +271,8 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
                                                          compute_dtype=dtype, device_update_share=device_share,
                                                          held_grads=held, split_update=split,
                                                          grads_share_activations=shared, states_dtype=states,
-                                                         speculate=speculate, **on_disk(nvme))
+                                                         speculate=speculate, disk_loads=disk_loads,
+                                                         **on_disk(nvme))
     for name, seconds in (delays or {}).items():
         getattr(engine, name).delay = seconds
     if patch:
@@ -1123,6 +1125,32 @@ def test_masters_and_moments_on_disk_give_the_host_memory_result(tmp_path, monke
     assert losses == ref_losses
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
     assert not list(tmp_path.glob("slide-io-*")), "closing the engine removes its files"
+
+
+@pytest.mark.parametrize("clip", [0.05, None])
+@pytest.mark.parametrize("fraction, window, slow, resident", [
+    (1.0, 2, None, 0), (1.0, 1, "disk", 0), (0.5, 3, "h2d", 0), (1.0, 2, "updater", 0), (0.5, 2, "disk", 2)])
+def test_loads_that_read_their_master_from_disk_give_the_host_memory_result(tmp_path, monkeypatch, clip, fraction,
+                                                                            window, slow, resident):
+    """Blocks whose master is on disk and whose parameters have no copy in host memory: each load reads the
+    master from disk (after the write-back of the update it waits for) into one of two buffers, and crosses
+    from there. Bit for bit the synchronous engine's result with everything in memory, with one to three slots,
+    a slow lane or a slow disk."""
+    ref_losses, ref = run_engine(pipeline=False, window=window, clip=clip, resident=resident)
+    seen = {}
+
+    def record(engine):
+        seen["bare"] = {u for u, unit in enumerate(engine.units) if unit.master is None and unit.params is None}
+        seen["on_disk"], seen["placed"] = set(engine.on_disk), engine.placement.loads_from_disk
+
+    if slow == "disk":
+        slow_disk(monkeypatch)
+    losses, got = run_engine(pipeline=True, window=window, clip=clip, resident=resident,
+                             delays={slow: 0.004} if slow not in (None, "disk") else None,
+                             nvme=(fraction, tmp_path), disk_loads=True, patch=record)
+    assert seen["bare"] and seen["bare"] == seen["on_disk"] == seen["placed"]  # nothing of theirs in host memory
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
 @pytest.mark.parametrize("clip", [0.05, None])

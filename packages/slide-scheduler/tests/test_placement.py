@@ -104,12 +104,12 @@ def measure(engine: SlidingEngine, stack, steps: int = 2) -> dict[str, int]:
     return peak
 
 
-def options_for(config: EngineConfig, nvme_fraction: float = 0.0) -> Options:
+def options_for(config: EngineConfig, nvme_fraction: float = 0.0, disk_loads: bool = False) -> Options:
     device = config.resolve_device()
     return Options(clip=bool(config.max_grad_norm), activations=config.activation_offload,
                    compute_bytes=config.resolve_dtype(device).itemsize,
                    state_bytes=2 if config.states_dtype == "bf16" else 4, cuda=device.type == "cuda",
-                   nvme_fraction=nvme_fraction)
+                   nvme_fraction=nvme_fraction, disk_loads=disk_loads)
 
 
 def toy_shapes(stack) -> Shapes:
@@ -118,7 +118,7 @@ def toy_shapes(stack) -> Shapes:
 
 STEP = StepShape(ROWS * LENGTH, MICRO, LENGTH)
 
-# name: EngineConfig keys, then the placement's choices (arrange's keywords; nvme_fraction for Options)
+# name: EngineConfig keys, then the placement's choices (arrange's keywords; nvme_fraction, disk_loads for Options)
 MIXES = {
     "sliding": ({}, {}),
     "resident": ({}, {"resident": range(3)}),
@@ -128,6 +128,7 @@ MIXES = {
     "streamed, unclipped edges": ({"max_grad_norm": None}, {"share": 1.0}),
     "moments on disk": ({}, {"nvme_fraction": 0.5}),
     "bf16 states on disk": ({"states_dtype": "bf16"}, {"nvme_fraction": 0.5}),
+    "masters read from disk for loads": ({}, {"nvme_fraction": 1.0, "disk_loads": True}),
     "activations on disk": ({"activation_offload": "nvme"}, {"resident": range(2)}),
     "activations on the device": ({"activation_offload": "none"}, {"window": 3}),
     "speculating": ({}, {"speculate": True, "resident": range(2)}),
@@ -144,7 +145,7 @@ def build(tmp_path, device: str, config_keys: dict, choices: dict):
                           activation_dir=str(tmp_path / "activations"),
                           **{k: v for k, v in config_keys.items() if k != "max_grad_norm"})
     choices = dict(choices)
-    options = options_for(config, choices.pop("nvme_fraction", 0.0))
+    options = options_for(config, choices.pop("nvme_fraction", 0.0), choices.pop("disk_loads", False))
     placement = arrange(toy_shapes(stack), STEP, options, resident=choices.pop("resident", ()),
                         window=choices.pop("window", 2), share=choices.pop("share", 0.0),
                         shared=choices.pop("shared", False), held=choices.pop("held", 0),
@@ -163,7 +164,7 @@ def test_the_placements_bytes_are_what_the_engine_allocates(tmp_path, mix):
     assert p.bytes(GPU) == 0  # a CPU run: its device side is host memory, and counted there
     assert held[HOST] == p.bytes(HOST, transient=False), p.tiers()[HOST]
     assert held[DISK] == p.bytes(DISK), p.tiers()[DISK]
-    if mix in ("moments on disk", "bf16 states on disk", "activations on disk"):
+    if mix in ("moments on disk", "bf16 states on disk", "activations on disk", "masters read from disk for loads"):
         assert held[DISK] > 0
 
 
@@ -285,6 +286,20 @@ def test_the_bottleneck_follows_the_machines_rates():
     assert slow_disk.bottleneck == "disk" and slow_disk.step_s > fast.step_s
     weak_host = price(p, with_rates(FAST, host={"adamw_gparams": 0.2}))
     assert weak_host.bottleneck == "host_adamw"
+
+
+def test_loads_that_read_the_master_from_disk_cost_two_fp32_reads_a_step_and_save_the_copy():
+    """Blocks whose master is on disk without a copy of their parameters in RAM: the disk lane reads each such
+    master twice a step (forward and backward loads), the host holds two load buffers instead of the copies."""
+    step = StepShape(8192, 4, 8192)
+    copies, lean = (arrange(LLAMA_3B, step, Options(clip=False, nvme_fraction=0.25, disk_loads=loads), resident=(),
+                            window=2, share=0.0, shared=False, held=0) for loads in (False, True))
+    assert lean.loads_from_disk == lean.masters_on_disk == copies.masters_on_disk and not copies.loads_from_disk
+    numel = sum(LLAMA_3B.unit_numels[u] for u in lean.loads_from_disk)
+    slow = with_rates(FAST, disk={"read_gbps": 2.0, "write_gbps": 1.5})
+    assert price(lean, slow).lanes["disk"] == pytest.approx(price(copies, slow).lanes["disk"] + 2 * 4 * numel / 2e9)
+    assert lean.bytes(HOST) == copies.bytes(HOST) - copies.compute_bytes * numel + 2 * 4 * LLAMA_3B.block_numel
+    assert lean.bytes(DISK) == copies.bytes(DISK)
 
 
 def test_the_planner_takes_the_cheapest_candidate_that_fits():

@@ -91,8 +91,14 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
         # Speculation that holds: loads take the speculated parameters (compute dtype), and nothing waits for the
         # update proper, which runs whole under the next forward; one that is discarded only adds its pass.
         held = clip and up.speculate and not clipping_acts
-        # Loads take the compute-dtype parameters where those are kept (held speculation, a master on disk)
-        compact = held or up.disk_master
+        # Loads take the compute-dtype parameters where those are kept (held speculation, a master on disk and its
+        # copy in host memory); a master read from disk for each load crosses as fp32, after the read
+        compact = held or (up.disk_master and not up.disk_loads)
+        if up.disk_loads:
+            fwd.disk += 4 * numel / disk_r
+            bwd.disk += 4 * numel / disk_r
+            fwd.host_bytes += 4 * numel
+            bwd.host_bytes += 4 * numel
         # Forward: the master crosses (with clipping, a streamed update brings m, v and the gradient along)
         stream = clip and up.update == "stream"
         into = numel * (c if compact else 4 + (8 + (0 if up.grad == "held" else c) if stream else 0))
@@ -122,7 +128,8 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
             if up.moments == "disk":  # read in ahead and written back (the master too where it is there)
                 on_disk = 2 * sb + (4 if up.disk_master else 0)
                 (fwd if clip else bwd).disk += on_disk * numel / disk_r + on_disk * numel / disk_w
-                (fwd if clip else bwd).host_bytes += 2 * on_disk * numel + (c * numel if up.disk_master else 0)
+                (fwd if clip else bwd).host_bytes += 2 * on_disk * numel + (c * numel if up.disk_master
+                                                                            and not up.disk_loads else 0)
     # Edges: streamed through the device (their master and moments), or their master loaded and updated on the host
     e, edges = s.unit_numels[0], p.units[0]
     if not edges.resident:

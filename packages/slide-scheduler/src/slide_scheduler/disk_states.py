@@ -30,6 +30,7 @@ from slide_io import NVMeStore
 from slide_memory import host_zeros
 
 SLOTS = 2  # staging slots of one block's m and v each (the planner counts the same)
+LOAD_SLOTS = 2  # buffers a master read from disk for a load waits in until it has crossed to the device
 
 
 def state_bytes(dtype: torch.dtype) -> int:
@@ -169,6 +170,14 @@ class DiskStates:
         """`unit`'s fp32 master as on disk (after its last update's write-back), memory-mapped, as `state`."""
         self.wait(unit)
         return self.store.mapped(f"master.{unit}")
+
+    def read_master(self, unit: int, out: torch.Tensor) -> None:
+        """Read `unit`'s fp32 master into `out`, as its last finished update left it (for a load: the update
+        the load waited for has handed its write-back over, which this read waits for)."""
+        self.wait(unit)
+        start = time.perf_counter()
+        self.store.read(f"master.{unit}", out).result()
+        self.spans.append((f"read master {unit} for a load", start, time.perf_counter()))
 
     def load_master(self, unit: int, master: torch.Tensor) -> None:
         """Replace `unit`'s master on disk (at the start, and from a checkpoint), with no update of it pending."""

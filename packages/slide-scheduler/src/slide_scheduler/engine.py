@@ -60,7 +60,7 @@ from slide_memory import (
 from slide_memory.adamw import CHUNK
 
 from .activations import ActivationStore
-from .disk_states import DiskStates
+from .disk_states import LOAD_SLOTS, DiskStates
 from .lanes import DONE, Lane, Signal
 from .placement import Placement, Shapes, StepShape, UnitPlacement
 from .pool import SharedPool
@@ -151,13 +151,14 @@ class Unit:
 
     The master is pinned and is what crosses PCIe when the unit loads (slots narrow it to bf16 on the device), so
     the host keeps no compute-dtype copy: 12 bytes per parameter with the AdamW states. A unit whose master is on
-    disk (`params_dtype` given) keeps only such a copy, `params`, which its updates write and its loads take.
+    disk (`on_disk`) keeps at most such a copy, `params` (`params_dtype` given), which its updates write and its
+    loads take; without one, its loads read the master from disk.
     """
 
-    def __init__(self, layout: FlatLayout, params_dtype: torch.dtype | None = None):
+    def __init__(self, layout: FlatLayout, on_disk: bool = False, params_dtype: torch.dtype | None = None):
         self.layout = layout
-        self.master = host_zeros(layout.numel, torch.float32) if params_dtype is None else None
-        self.params = host_zeros(layout.numel, params_dtype) if params_dtype is not None else None
+        self.master = None if on_disk else host_zeros(layout.numel, torch.float32)
+        self.params = host_zeros(layout.numel, params_dtype) if on_disk and params_dtype is not None else None
 
 
 class SlidingEngine:
@@ -230,8 +231,13 @@ class SlidingEngine:
         self.on_disk, self.streamed, away = p.on_disk, p.streamed, p.masters_on_disk
         self.disk = DiskStates(sorted(self.on_disk), numel, config.nvme_dir, DTYPES[config.states_dtype],
                                masters=sorted(away)) if self.on_disk else None
-        self.units = [Unit(edge_layout)] + [Unit(block_layout, self.dtype if u in away else None)
+        read = p.loads_from_disk  # (their loads read the master from disk: no copy of it in host memory)
+        self.units = [Unit(edge_layout)] + [Unit(block_layout, u in away, None if u in read else self.dtype)
                                             for u in range(1, self.num_blocks + 1)]
+        # Masters read from disk for loads wait here until they have crossed to the device (pinned on CUDA)
+        self._load_ring = [host_zeros(numel, torch.float32) for _ in range(LOAD_SLOTS)] if read else []
+        self._load_free = [DONE] * len(self._load_ring)
+        self._load_next = 0
         with torch.no_grad():
             stack.load_edges(edge_layout.views(self.units[0].master))
             for i in range(self.num_blocks):
@@ -465,7 +471,8 @@ class SlidingEngine:
             u.master.copy_(master)
             return
         self.disk.load_master(unit, master)
-        u.params.copy_(master)  # what its loads take, rounded as a slot would round the master
+        if u.params is not None:
+            u.params.copy_(master)  # what its loads take, rounded as a slot would round the master
 
     # -- loading units --------------------------------------------------------------------------------------------
 
@@ -492,6 +499,13 @@ class SlidingEngine:
             slot.unit = block
             return
         master, label = self.units[unit].master, f"params {'edges' if unit == 0 else block}"
+        ring = None
+        if master is None:  # its master is on disk and host memory keeps no copy: read it for this load
+            ring, self._load_next = self._load_next, (self._load_next + 1) % len(self._load_ring)
+            self._load_free[ring].wait_host()  # the copies out of this buffer an earlier load queued are done
+            master = self._load_ring[ring]
+            self.disk.read_master(unit, master)
+            label += " (read from disk)"
         if not slot.narrow:
             self.h2d.run(slot.params.copy_, master, True, label=label)
         else:  # copied in on h2d, narrowed on the land lane, piece by piece through the landing zone's halves
@@ -502,6 +516,8 @@ class SlidingEngine:
                 self.land.wait(self.h2d.record())
                 self.land.run(slot.params[start:end].copy_, landing, label=label)
                 narrowed[k] = self.land.record()
+        if ring is not None:
+            self._load_free[ring] = self.h2d.record()
         slot.unit = block
 
     def _landed(self) -> Signal:

@@ -18,6 +18,7 @@ from slide_memory import FlatLayout
 from slide_memory.adamw import BLOCK_PER_THREAD, CHUNK, PIECE_ALIGN
 
 from .disk_activations import SLOTS_PER_MICRO
+from .disk_states import LOAD_SLOTS as DISK_LOAD_SLOTS
 from .disk_states import SLOTS as DISK_STAGING_SLOTS
 from .pool import pool_bytes
 
@@ -80,6 +81,8 @@ class UnitPlacement:
     # its fp32 master on disk beside its moments, read and written back around each update; its loads take a copy
     # of its parameters in the compute dtype, which the update writes
     disk_master: bool = False
+    # (a master on disk) no copy of its parameters in host memory: each load reads the master from disk
+    disk_loads: bool = False
 
     @property
     def master(self) -> str:
@@ -138,6 +141,10 @@ class Placement:
         return self.where("disk_master", True)
 
     @property
+    def loads_from_disk(self) -> set[int]:
+        return self.where("disk_loads", True)
+
+    @property
     def held(self) -> set[int]:
         return self.where("grad", "held")
 
@@ -187,7 +194,7 @@ class Placement:
             name = _names(units)
             where = ("resident" if p.resident else "sliding") + f", update on {p.update}, gradient in {p.grad}, " \
                 f"master on {p.master}, moments on {p.moments}" + (", split" if p.split else "") \
-                + (", speculates" if p.speculate else "")
+                + (", speculates" if p.speculate else "") + (", loads read from disk" if p.disk_loads else "")
             lines.append(f"    {name}: {where}")
         return lines
 
@@ -217,6 +224,8 @@ def validate(p: Placement) -> None:
             raise ValueError(f"{name}: moments on disk are for sliding blocks updated on the host, whole")
         if unit.disk_master and unit.moments != DISK:
             raise ValueError(f"{name}: a master on disk has its moments there too")
+        if unit.disk_loads and not unit.disk_master:
+            raise ValueError(f"{name}: only a master on disk is read from disk for its loads")
         if unit.update == "stream" and p.state_bytes != 4:
             raise ValueError(f"{name}: updates streamed through the device need fp32 AdamW states")
         if unit.split and (not p.clip or unit.grad not in ("ring", "own")):
@@ -264,9 +273,10 @@ def _allocations(p: Placement) -> list[Allocation]:
     host_units = [u for u in range(len(numel)) if u not in p.resident]
     # Host: an fp32 master per unit (resident ones keep theirs for checkpoints) but those on disk, which keep a
     # copy of their parameters in the compute dtype instead; moments of host units
-    away = p.masters_on_disk
+    away, read = p.masters_on_disk, p.loads_from_disk
     add(HOST, "masters", 4 * sum(numel[u] for u in range(len(numel)) if u not in away))
-    add(HOST, "parameters of masters on disk", c * sum(numel[u] for u in away))
+    add(HOST, "parameters of masters on disk", c * sum(numel[u] for u in away - read))
+    add(HOST, "masters read for loads", DISK_LOAD_SLOTS * 4 * s.block_numel if read else 0)
     add(HOST, "moments", 2 * p.state_bytes * sum(numel[u] for u in host_units if u not in p.on_disk))
     if host_units:  # the host optimizer's scratch and its three fp32 rows, shared by every unit
         size = min(BLOCK_PER_THREAD * p.threads, CHUNK, max(numel[u] for u in host_units))
@@ -353,6 +363,7 @@ class Options:
     state_bytes: int = 4
     cuda: bool = True
     nvme_fraction: float = 0.0
+    disk_loads: bool = False  # blocks whose master is on disk read it for their loads (no copy in host memory)
 
 
 def device_updated(sliding: int, share: float) -> list[int]:
@@ -406,7 +417,8 @@ def arrange(shapes: Shapes, step: StepShape, options: Options, *, resident: Iter
             host = u not in streamed
             units.append(UnitPlacement(False, "host" if host else "stream", grad, DISK if u in disk else HOST,
                                        split=o.clip and split and grad == "ring" and u not in disk,
-                                       speculate=u in speculating, disk_master=u in disk))
+                                       speculate=u in speculating, disk_master=u in disk,
+                                       disk_loads=o.disk_loads and u in disk))
     extra = {} if threads is None else {"threads": threads}
     return Placement(shapes, step, tuple(units), window, o.clip, o.activations, o.compute_bytes, o.state_bytes,
                      device_is_host=not o.cuda, **extra)

@@ -73,12 +73,13 @@ def overrides_of(cfg: TrainConfig, num_blocks: int) -> Overrides:
                      speculate=o.get("speculate"))
 
 
-def run_options(cfg: TrainConfig, cuda: bool, nvme_fraction: float | None = None) -> Options:
+def run_options(cfg: TrainConfig, cuda: bool, nvme_fraction: float | None = None,
+                disk_loads: bool = False) -> Options:
     e = cfg.engine
     return Options(clip=bool(cfg.max_grad_norm), activations=e.activation_offload,
                    compute_bytes=4 if e.compute_dtype == "fp32" or not cuda else 2,
                    state_bytes=STATE_BYTES[e.states_dtype], cuda=cuda,
-                   nvme_fraction=e.nvme.fraction if nvme_fraction is None else nvme_fraction)
+                   nvme_fraction=e.nvme.fraction if nvme_fraction is None else nvme_fraction, disk_loads=disk_loads)
 
 
 def budgets_for(machine: Machine, cuda: bool, cap_gib: float | None, card_gib: float | None = None) -> Budgets:
@@ -93,17 +94,37 @@ def budgets_for(machine: Machine, cuda: bool, cap_gib: float | None, card_gib: f
 
 
 def make_plan(cfg: TrainConfig, shapes: Shapes, machine: Machine, cuda: bool, budgets: Budgets,
-              nvme_fraction: float | None = None) -> Plan:
-    """The run's plan; with engine.nvme.fraction `auto`, at the least share on disk that fits host memory."""
+              nvme_fraction: float | None = None, disk_loads: bool | None = None) -> Plan:
+    """The run's plan; with engine.nvme.fraction `auto`, at the least share on disk that fits host memory.
+
+    Blocks whose master is on disk keep a copy of their parameters in RAM for their loads where that fits
+    (`disk_loads` None: the placement's choice); where it does not, their loads read the master from disk. `auto`
+    reads from disk only where no share fits with the copies."""
     if nvme_fraction is None and cfg.engine.nvme.fraction == "auto":
-        plan = make_plan(cfg, shapes, machine, cuda, budgets, 0.0)
+        plan = make_plan(cfg, shapes, machine, cuda, budgets, 0.0, disk_loads=False)
         if budgets.host is None or plan.placement.bytes(HOST) <= budgets.host:
             return plan
-        found = least_disk_share(plan, lambda f: make_plan(cfg, shapes, machine, cuda, budgets, f))
-        return make_plan(cfg, shapes, machine, cuda, budgets, found[0]) if found else plan
+        for loads in (False, True):
+            found = least_disk_share(plan, lambda f, loads=loads: make_plan(cfg, shapes, machine, cuda, budgets, f,
+                                                                           disk_loads=loads))
+            if found:
+                return make_plan(cfg, shapes, machine, cuda, budgets, found[0], disk_loads=loads)
+        return plan
     step = StepShape(cfg.micro_batch_size * cfg.seq_len, cfg.grad_accum, cfg.seq_len)
-    return place(shapes, step, run_options(cfg, cuda, nvme_fraction), budgets, machine,
-                 overrides_of(cfg, shapes.num_blocks))
+
+    def placed(loads: bool) -> Plan:
+        return place(shapes, step, run_options(cfg, cuda, nvme_fraction, disk_loads=loads), budgets, machine,
+                     overrides_of(cfg, shapes.num_blocks))
+
+    if disk_loads is not None:
+        return placed(disk_loads)
+    plan = placed(False)
+    p = plan.placement
+    if p.masters_on_disk and budgets.host is not None and p.bytes(HOST) > budgets.host:
+        lean = placed(True)  # (their loads read the master from disk, twice a step, fp32)
+        if lean.placement.bytes(HOST) < p.bytes(HOST):
+            return lean
+    return plan
 
 
 def checkpoint_cost(plan: Plan, machine: Machine) -> tuple[int, float | None]:
@@ -135,6 +156,8 @@ def describe(plan: Plan, machine: Machine | None = None) -> str:
              f"{p.window} slots; {len(p.streamed - {0})} sliding blocks update on the GPU, {len(p.held)} hold their "
              f"gradient there, {len(p.pooled)} share host memory with the boundary activations, "
              f"{len(p.masters_on_disk)} keep their master and AdamW moments on disk"
+             + (f" ({len(p.loads_from_disk)} read their master from disk for each load)" if p.loads_from_disk
+                else "")
              + (f", {len(p.on_disk - p.masters_on_disk)} only their moments" if p.on_disk - p.masters_on_disk else "")
              + (f", {len(p.speculated)} speculate" if p.speculated else "")]
     groups = p.describe()
