@@ -424,6 +424,7 @@ def run_plans_suite(args, work: pathlib.Path) -> dict:
                                 "bottleneck": plan.estimate.bottleneck, "lanes_s": plan.estimate.lanes,
                                 "host_gib": p.bytes("host") / 2**30, "disk_gib": p.bytes("disk") / 2**30,
                                 "blocks_on_disk": len(p.on_disk), "sliding_blocks": len(p.sliding_blocks),
+                                "blocks_loading_from_disk": len(p.loads_from_disk),
                                 "checkpoint_gib": nbytes / 2**30, "checkpoint_s": seconds})
                 print(f"  {model_name} on {machine_path}, {setting}: "
                       + (f"{plan.estimate.step_s:.0f} s per step" if plan.fits else "does not fit"), flush=True)

@@ -7,7 +7,8 @@ staging slots (plain host memory: only the host optimizer touches them) ahead of
 host optimizer, and written back; the slot is reused once that write is done. Reads are queued in the order the
 updates will run (`fetch`, called by the engine when it knows that order), so they run ahead of the optimizer by
 as many slots as there are. (A block whose master is on disk loads for compute from a copy of its parameters in
-the compute dtype, which its update writes: the master is needed only here.)
+the compute dtype, which its update writes; where host memory has no room for that copy, each load reads the
+master itself, `read_master`, once the write-back of the update it waited for is on disk.)
 
 Ordering rules, each a future a later operation waits for:
 - a read of unit u waits for the write-back of u's previous update (it must see the newest moments);

@@ -15,7 +15,8 @@ updates' results going home) plus a host optimizer thread:
             the edges' tail-only part (final norm, untied lm head) on the device as soon as it may; the last
             sliding blocks' AdamW moments, and their fp32 masters, may live on disk (`nvme_fraction`,
             disk_states.py), read in ahead; those blocks load from a copy of their parameters in the compute
-            dtype, which their update writes
+            dtype, which their update writes, or where host memory has no room for it (`disk_loads`) read the
+            master from disk for each load
 
 Exact global grad-norm clipping needs every gradient before any update, so with clipping on, the updates of a
 step run while the *next* step's forward goes (each block's load waits for its own update, or runs it); without
