@@ -666,8 +666,10 @@ class SlidingEngine:
                     staged[k] = self._stage(k, k, m)
         self._update_edges_tail(None)
         with span("compute", "head backward", stream):
+            # (what the backward needs, without the blocks' context)
+            activation = getattr(self.edges, "head_activation", None)
             for j, batch in enumerate(batches):
-                h, _ = self.edges.head(batch)
+                h = activation(batch) if activation is not None else self.edges.head(batch)[0]
                 h.backward(grads[j])
             self._sq_norms[0] = torch.linalg.vector_norm(self.edge_slot.grads, dtype=torch.float32).square()
         if 0 in self.streamed:  # updated on the device from the gradient where it is (kept until then)

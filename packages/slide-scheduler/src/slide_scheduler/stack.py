@@ -26,7 +26,10 @@ class Edges(Protocol):
     def parameters(self, recurse: bool = True): ...
 
     def head(self, batch: Batch) -> tuple[torch.Tensor, Context]:
-        """Token ids -> first boundary activation, plus what every block needs (positions, masks)."""
+        """Token ids -> first boundary activation, plus what every block needs (positions, masks).
+
+        Optionally the edges have `head_activation(batch)`: `head`'s activation alone, which the head's backward
+        recomputes (without it, the engine calls `head` and drops the context)."""
 
     def tail(self, hidden: torch.Tensor, batch: Batch, normalizer: float) -> torch.Tensor:
         """Last boundary activation -> this micro-batch's share of the step loss: sum of token losses / normalizer.

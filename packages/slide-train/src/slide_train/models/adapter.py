@@ -125,11 +125,16 @@ class Edges(nn.Module):
         self.tail_only = tuple(name for name, _ in self.named_parameters(remove_duplicate=False)
                                if name.startswith(("norm.", "lm_head.")))
 
-    def head(self, batch):
-        ids = batch["input_ids"]
-        hidden = self.embed_tokens(ids)
+    def head_activation(self, batch):
+        """The head's output alone: what its backward recomputes (no masks or rotary tables)."""
+        hidden = self.embed_tokens(batch["input_ids"])
         if self.embed_scale is not None:
             hidden = hidden * self._embed_scale(hidden.dtype)
+        return hidden
+
+    def head(self, batch):
+        ids = batch["input_ids"]
+        hidden = self.head_activation(batch)
         positions = batch["position_ids"]
         documents = batch.get("document_ids")
         shared = None if self.rotary_per_type else self.rotary(hidden, positions)
