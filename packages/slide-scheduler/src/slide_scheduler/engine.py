@@ -298,6 +298,8 @@ class SlidingEngine:
         # over the limit too), until a step's clipping does not act again.
         self._speculating = True
         self._disk_counted: tuple[int, int] | None = None  # disk_traffic() when the last step ended
+        # What the head's backward recomputes: its activation alone where the edges say how, without the context
+        self._head_activation = getattr(self.edges, "head_activation", None) or (lambda b: self.edges.head(b)[0])
         self.updater = HostUpdater(self.optimizer, inline=not config.pipeline, disk=self.disk)
         self.stream_buffers = [StreamedStep(p.stream_piece_numel, config.optimizer, self.device, self.dtype)
                                for _ in range(p.stream_buffers if self.streamed else 0)]
@@ -453,8 +455,8 @@ class SlidingEngine:
         return ["edges"] + [f"block.{i}" for i in range(self.num_blocks)]
 
     def named_masters(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Unit name ('edges', 'block.<i>') -> parameter name -> fp32 master view (after pending updates; of a
-        copy where the master is on disk)."""
+        """Unit name ('edges', 'block.<i>') -> parameter name -> fp32 master view (after pending updates; of its
+        memory-mapped file where the master is on disk)."""
         self.synchronize()
         return {name: u.layout.views(self.master(k)) for k, (name, u) in enumerate(zip(self.unit_names(),
                                                                                           self.units))}
@@ -666,10 +668,8 @@ class SlidingEngine:
                     staged[k] = self._stage(k, k, m)
         self._update_edges_tail(None)
         with span("compute", "head backward", stream):
-            # (what the backward needs, without the blocks' context)
-            activation = getattr(self.edges, "head_activation", None)
             for j, batch in enumerate(batches):
-                h = activation(batch) if activation is not None else self.edges.head(batch)[0]
+                h = self._head_activation(batch)
                 h.backward(grads[j])
             self._sq_norms[0] = torch.linalg.vector_norm(self.edge_slot.grads, dtype=torch.float32).square()
         if 0 in self.streamed:  # updated on the device from the gradient where it is (kept until then)
