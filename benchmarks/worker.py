@@ -22,6 +22,22 @@ import common  # (first: puts the packages on the path)
 import torch
 
 GIB = 2**30
+# The engine timeline's figures a suite keeps (medians over timed steps): where a step's time went
+TIMELINE = ("gpu_busy_s", "exposed_update_s", "exposed_transfer_s", "copy_busy_s", "update_busy_s", "disk_busy_s",
+            "wait_update_s")
+
+
+def host_pressure() -> tuple[float, int]:
+    """The host's available memory (GiB) and its count of major page faults so far: a host short of memory
+    reads evicted library pages back from disk, and every lane slows."""
+    try:
+        meminfo = pathlib.Path("/proc/meminfo").read_text()
+        available = int(next(ln.split()[1] for ln in meminfo.splitlines() if ln.startswith("MemAvailable:")))
+        vmstat = pathlib.Path("/proc/vmstat").read_text()
+        faults = int(next(ln.split()[1] for ln in vmstat.splitlines() if ln.startswith("pgmajfault ")))
+        return available / 2**20, faults
+    except (OSError, StopIteration, ValueError):  # (not Linux)
+        return float("nan"), 0
 
 
 def clip_value(mode: str) -> float | None:
@@ -92,8 +108,11 @@ def run_slide(spec: dict) -> dict:
     try:
         records = []
         for _ in range(spec["warmup"] + spec["steps"]):  # (a line a step: a slow run shows where it is)
+            before = host_pressure()[1]
             records.append(trainer.step())
             r = records[-1]
+            r["host_available_gib"], faults = host_pressure()
+            r["major_faults"] = faults - before
             print(f"step {r['step']}: {r['step_s']:.2f} s, loss {r['loss']:.4f}, host RSS {r['host_rss_gib']:.1f} GiB"
                   + (f", disk read {r['disk_read_gb']:.1f} GB, written {r['disk_written_gb']:.1f} GB"
                      if r.get("disk_read_gb") else ""), flush=True)
@@ -107,6 +126,10 @@ def run_slide(spec: dict) -> dict:
         out["exposed_share"] = statistics.median(r["exposed_s"] / r["step_s"] for r in timed)
     else:
         out["exposed_share"] = None
+    out["timeline_s"] = {key: round(statistics.median(r[key] for r in timed), 3) for key in TIMELINE
+                         if all(key in r for r in timed)} or None
+    out["host_available_gib_min"] = round(min(r["host_available_gib"] for r in records), 2)
+    out["major_faults_per_step"] = statistics.median(r["major_faults"] for r in timed)
     out["speculation"] = sorted({r["speculation"] for r in timed if "speculation" in r}) or None
     # The NVMe tier: how its store moves bytes, and the bytes a timed step moved (an older version has no tier)
     stores = getattr(trainer.engine, "disk_stores", lambda: [])()

@@ -260,10 +260,10 @@ def on_disk(nvme) -> dict:
 def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None,
                resident: int = 0, dtype: str = "auto", device_share: float = 0.0, tied: bool = True,
                held: int = 0, split: bool = True, shared: bool = False, steps_data=None, nvme=None, acts_dir=None,
-               states: str = "fp32", speculate: bool = False, disk_loads: bool = False):
+               states: str = "fp32", speculate: bool = False, disk_loads: bool = False, device: str = "cpu"):
     torch.manual_seed(0)
     model = Model(tied=tied)
-    engine = make_engine(ToyStack(model), device="cpu", window=window,
+    engine = make_engine(ToyStack(model), device=device, window=window,
                                                          activation_offload="nvme" if acts_dir else "cpu",
                                                          activation_dir=acts_dir and str(acts_dir),
                                                          max_grad_norm=clip, pipeline=pipeline, resident=resident,
@@ -280,7 +280,8 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
     losses = []
     for step in steps_data or batches(seed=4, steps=steps, micro=3):
         n = sum(int((b["targets"] != -100).sum()) for b in step)
-        losses.append(engine.step(step, lr=1e-2, normalizer=n).loss)
+        losses.append(engine.step([{k: v.to(device) for k, v in b.items()} for b in step], lr=1e-2,
+                                  normalizer=n).loss)
     masters = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}
     engine.close()
     return losses, masters
@@ -1149,6 +1150,36 @@ def test_loads_that_read_their_master_from_disk_give_the_host_memory_result(tmp_
                              delays={slow: 0.004} if slow not in (None, "disk") else None,
                              nvme=(fraction, tmp_path), disk_loads=True, patch=record)
     assert seen["bare"] and seen["bare"] == seen["on_disk"] == seen["placed"]  # nothing of theirs in host memory
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("clip", [0.05, None])
+def test_loads_that_read_their_master_from_disk_on_cuda_give_the_host_memory_result(tmp_path, monkeypatch, clip):
+    """On a GPU, through the machine's NVMe store path (kvikio where installed): every sliding block's master
+    and moments on disk, each load reading the master into a pinned buffer and crossing from there, with a slow
+    disk. Bit for bit the same engine on the GPU with everything in host memory (deterministic algorithms: the
+    two runs must differ only in where the bytes wait)."""
+    if not torch.cuda.is_available():
+        pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        ref_losses, ref = run_engine(pipeline=True, window=2, clip=clip, device="cuda")
+        seen = {}
+
+        def record(engine):
+            seen["bare"] = {u for u, unit in enumerate(engine.units) if unit.master is None and unit.params is None}
+            seen["on_disk"], seen["path"] = set(engine.on_disk), engine.disk.store.path
+
+        slow_disk(monkeypatch)
+        losses, got = run_engine(pipeline=True, window=2, clip=clip, nvme=(1.0, tmp_path), disk_loads=True,
+                                 patch=record, device="cuda")
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    print(f"NVMe store path: {seen['path']}")
+    assert seen["bare"] and seen["bare"] == seen["on_disk"]
     assert losses == ref_losses
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 

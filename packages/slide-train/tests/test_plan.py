@@ -18,7 +18,7 @@ from slide_train.config import load_config
 from slide_train.errors import ConfigError
 from slide_train.machines import load_machine
 from slide_train.models.build import load_model
-from slide_train.plan import GIB, budgets_for, make_plan, model_shapes, refuse
+from slide_train.plan import GIB, budgets_for, disk_share, make_plan, model_shapes, refuse
 from slide_train.trainer import plan_run
 
 DOCS = pathlib.Path(__file__).resolve().parents[3] / "docs" / "machines"
@@ -75,15 +75,17 @@ def test_a_machine_file_with_less_host_memory_plans_as_that_host_and_the_refusal
     with pytest.raises(ConfigError, match=r"this run cannot fit: host: needs .*What would: host memory: "
                                           r"engine.nvme.fraction=([0-9.]+) \(or auto\) keeps the fp32 masters "
                                           r"and AdamW moments of (\d+) of") as no:
-        refuse(plan, cfg, replan=lambda f: make_plan(cfg, shapes, small, True, budgets, nvme_fraction=f))
+        refuse(plan, cfg, share=lambda: disk_share(cfg, shapes, small, True, budgets, plan))
     assert "engine.states_dtype=bf16" in str(no.value) and "max_grad_norm=null" in str(no.value)
     fraction = float(re.search(r"engine.nvme.fraction=([0-9.]+)", str(no.value)).group(1))
     fixed = make_plan(cfg, shapes, small, True, budgets, nvme_fraction=fraction)
     assert fixed.fits and fixed.placement.on_disk and fixed.placement.bytes("disk") > 0
-    less = make_plan(cfg, shapes, small, True, budgets, nvme_fraction=fraction - 1 / len(shapes.unit_numels))
-    # the least that fits: a smaller share fits only where the planner then slides more blocks (the share is of
-    # the sliding ones) and still puts as many on disk
+    less = make_plan(cfg, shapes, small, True, budgets, nvme_fraction=fraction - 1 / len(shapes.unit_numels),
+                     disk_loads=False)
+    # the least that fits with copies of the parameters in RAM: a smaller share fits only where the planner then
+    # slides more blocks (the share is of the sliding ones) and still puts as many on disk
     assert not less.fits or len(less.placement.on_disk) >= len(fixed.placement.on_disk)
+    assert not fixed.placement.loads_from_disk
     auto = load_config(None, ["--model=llama-3.2-3b", "--seq_len=4096", "--micro_batch_size=2", "--grad_accum=4",
                               "--engine.nvme.fraction=auto"])
     chosen = make_plan(auto, shapes, small, True, budgets)  # auto: that same least share

@@ -29,6 +29,10 @@ STREAM_PIECE = 1 << 23  # elements per device-update piece: each buffer ~150 MB 
 STREAM_BUFFERS = 2  # a piece's copy in waits for the store of the piece that used its buffer last
 LOSS_CHUNK = 1 * GIB  # slide-kernels' fused cross-entropy keeps one logits chunk
 MARGIN = 1 * GIB  # allocator fragmentation, cuBLAS workspaces, small tensors
+# The process's own host memory beside the engine's buffers (torch, the CUDA context, libraries, the model's
+# metadata): a run's RSS exceeds its planned buffers by this much on a CUDA host (benchmarks/results)
+HOST_RUNTIME_CUDA = 2 * GIB
+HOST_RUNTIME_CPU = GIB // 2
 HELD_HEADROOM = 0.05  # of the GPU budget (at least 0.5 GiB), left free when spare memory holds gradients
 
 UPDATES = ("device", "stream", "host")  # on the device for good / streamed through it as it loads / CPU AdamW
@@ -327,6 +331,7 @@ def _allocations(p: Placement) -> list[Allocation]:
     add(dev, "workspace", work, transient=True)
     if not p.device_is_host:
         add(GPU, "loss chunk + margin", LOSS_CHUNK + MARGIN, transient=True)
+    add(HOST, "runtime", HOST_RUNTIME_CPU if p.device_is_host else HOST_RUNTIME_CUDA, transient=True)
     return out
 
 

@@ -104,12 +104,8 @@ def make_plan(cfg: TrainConfig, shapes: Shapes, machine: Machine, cuda: bool, bu
         plan = make_plan(cfg, shapes, machine, cuda, budgets, 0.0, disk_loads=False)
         if budgets.host is None or plan.placement.bytes(HOST) <= budgets.host:
             return plan
-        for loads in (False, True):
-            found = least_disk_share(plan, lambda f, loads=loads: make_plan(cfg, shapes, machine, cuda, budgets, f,
-                                                                           disk_loads=loads))
-            if found:
-                return make_plan(cfg, shapes, machine, cuda, budgets, found[0], disk_loads=loads)
-        return plan
+        found = disk_share(cfg, shapes, machine, cuda, budgets, plan)
+        return make_plan(cfg, shapes, machine, cuda, budgets, found[0], disk_loads=found[2]) if found else plan
     step = StepShape(cfg.micro_batch_size * cfg.seq_len, cfg.grad_accum, cfg.seq_len)
 
     def placed(loads: bool) -> Plan:
@@ -208,9 +204,22 @@ def least_disk_share(plan: Plan, replan) -> tuple[float, int] | None:
     return (share(high), high) if replan(share(high)).fits else None
 
 
-def refuse(plan: Plan, cfg: TrainConfig, replan=None) -> None:
-    """Raise a ConfigError naming what does not fit and what would. `replan(fraction)` is the same run with
-    engine.nvme.fraction `fraction`: the least share on disk that fits is offered."""
+def disk_share(cfg: TrainConfig, shapes: Shapes, machine: Machine, cuda: bool, budgets: Budgets,
+               plan: Plan) -> tuple[float, int, bool] | None:
+    """The share `auto` takes: the least engine.nvme.fraction that fits with copies of the disk masters'
+    parameters in RAM, else the least that fits with their loads read from disk; the blocks it puts on disk and
+    whether their loads read from disk. None where no share fits."""
+    for loads in (False, True):
+        found = least_disk_share(plan, lambda f, loads=loads: make_plan(cfg, shapes, machine, cuda, budgets, f,
+                                                                       disk_loads=loads))
+        if found:
+            return *found, loads
+    return None
+
+
+def refuse(plan: Plan, cfg: TrainConfig, share=None) -> None:
+    """Raise a ConfigError naming what does not fit and what would. `share()` is `disk_share` for the run: the
+    share on disk `auto` would take is offered."""
     if plan.fits:
         return
     p, b = plan.placement, plan.budgets
@@ -222,9 +231,9 @@ def refuse(plan: Plan, cfg: TrainConfig, replan=None) -> None:
                      + (", engine.placement.window=1 leaves one slot" if p.window > 1 else ""))
     if b.host is not None and p.bytes(HOST) > b.host:
         host = []
-        found = least_disk_share(plan, replan) if replan is not None and cfg.engine.nvme.fraction != "auto" else None
+        found = share() if share is not None and cfg.engine.nvme.fraction != "auto" else None
         if found:
-            fraction, blocks = found
+            fraction, blocks, _ = found
             host.append(f"engine.nvme.fraction={fraction} (or auto) keeps the fp32 masters and AdamW moments of "
                         f"{blocks} of the {len(p.sliding_blocks)} sliding blocks on disk (engine.nvme.dir: a fast "
                         "local NVMe drive; each step reads and writes them)")

@@ -39,7 +39,7 @@ from .machines import resolve_machine
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics
 from .models.build import BASE_MODEL_DIR, check_fits, load_model, saved_model_source
 from .models.loss import loss_rows
-from .plan import budgets_for, describe, make_plan, model_shapes, params_text, refuse
+from .plan import budgets_for, describe, disk_share, make_plan, model_shapes, params_text, refuse
 from .progress import bar
 from .schedule import lr_at
 from .space import Size
@@ -141,7 +141,7 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True) ->
                 + ", ".join(f"{kind} {nbytes / 2**30:.0f}" for kind, nbytes in every.placement.tiers()[HOST].items()
                             if nbytes >= 2**30))
     if running:
-        refuse(plan, cfg, replan=lambda f: make_plan(cfg, shapes, machine, cuda, budgets, nvme_fraction=f))
+        refuse(plan, cfg, share=lambda: disk_share(cfg, shapes, machine, cuda, budgets, plan))
         if e.placement.get("speculate") and not plan.placement.speculated:
             why = ("without clipping nothing waits for the norm" if not cfg.max_grad_norm else
                    "the cost model prices it no faster on this machine, or the host's memory budget has no room "
