@@ -76,6 +76,7 @@ SYSTEMS = {
     "slide": "Slide",
     "baseline": "Slide (baseline)",
     "slide-nospec": "Slide without speculative updates (engine.placement.speculate=false)",
+    "slide-spec": "Slide asked to speculate (engine.placement.speculate=true)",
     "plain": "plain GPU-resident (HF, fp32 weights, bf16 autocast, activation checkpointing, fused AdamW)",
     "liger": "plain GPU-resident + Liger-Kernel (RMSNorm, RoPE, SwiGLU, fused linear CE)",
 }
@@ -215,7 +216,8 @@ def run_train_suite(suite: str, args, work: pathlib.Path, out: pathlib.Path) -> 
     figures, device = [], None
     plan = []  # old and new engines alternate per mode, so a drift of the machine touches both alike
     for mode in args.modes:
-        plan += [("slide", mode), ("slide-nospec", mode)] + ([("baseline", mode)] if args.baseline else [])
+        plan += [("slide", mode), ("slide-nospec", mode), ("slide-spec", mode)] \
+            + ([("baseline", mode)] if args.baseline else [])
     for system in ("plain", "liger"):
         plan += [(system, mode) for mode in args.modes]
     plan = [(s, m) for s, m in plan if s in args.systems]
@@ -223,9 +225,10 @@ def run_train_suite(suite: str, args, work: pathlib.Path, out: pathlib.Path) -> 
         name = f"{suite}-{system}-clip-{mode}"
         print(f"  {name} ...", flush=True)
         spec = {**base, "mode": mode, "run_dir": str(work / name)}
-        if system in ("slide", "baseline", "slide-nospec"):
-            off = ["--engine.placement.speculate=false"] if system == "slide-nospec" else []
-            spec.update(job="slide", extra=slide_args + off)
+        if system in ("slide", "baseline", "slide-nospec", "slide-spec"):
+            asked = {"slide-nospec": ["--engine.placement.speculate=false"],
+                     "slide-spec": ["--engine.placement.speculate=true"]}.get(system, [])
+            spec.update(job="slide", extra=slide_args + asked)
         else:
             spec.update(job=system, device=shape["device"], cap_gib=None, peers_fit=peers_fit)
         pythonpath = baseline_pythonpath(args.baseline) if system == "baseline" else None
@@ -474,7 +477,7 @@ def main() -> None:
                    help="where <suite>.json goes (default: benchmarks/results/, and a temp folder for tiny)")
     p.add_argument("--steps", type=int, help="timed steps per run (default 5; tiny 2)")
     p.add_argument("--warmup", type=int, help="untimed steps before them (default 2; tiny 1)")
-    p.add_argument("--systems", default="slide,baseline,plain,liger",  # (slide-nospec: on request)
+    p.add_argument("--systems", default="slide,baseline,plain,liger",  # (slide-nospec, slide-spec: on request)
                    help="which systems to run (a subset is merged into the suite's existing file)")
     p.add_argument("--modes", default=",".join(MODES), help="which clip modes to run: 1.0,1e6,none")
     p.add_argument("--try-peers", action="store_true", help="run peers even where their states cannot fit (b8)")
@@ -524,7 +527,7 @@ def main() -> None:
                 failed.append(suite)
                 continue
             # A run of some systems or modes only is merged into the suite's file instead of replacing it.
-            absent = {"slide-nospec"} | (set() if args.baseline else {"baseline"})
+            absent = {"slide-nospec", "slide-spec"} | (set() if args.baseline else {"baseline"})
             partial = (suite in TRAIN_SUITES and (set(args.systems) - absent != set(SYSTEMS) - absent
                                                   or set(args.modes) != set(MODES))) or (suite == "nvme"
                                                                                           and bool(args.variants))

@@ -22,8 +22,8 @@ BENCH_NAMES = {"b1": "B1", "b3": "B3", "b8": "B8", "tiny": "tiny (CPU check)", "
                "gemma2": "Gemma 2", "nvme": "NVMe tier against RAM",
                "largest": "The largest model on this host", "plans": "Planned on paper"}
 MODE_NAMES = {"1.0": "1.0", "1e6": "1e6 (never acts)", "none": "off"}
-SHORT = {"slide": "Slide", "slide-nospec": "Slide, no speculation", "baseline": "Slide baseline", "plain": "plain",
-         "liger": "plain + Liger"}
+SHORT = {"slide": "Slide", "slide-nospec": "Slide, no speculation", "slide-spec": "Slide, speculating",
+         "baseline": "Slide baseline", "plain": "plain", "liger": "plain + Liger"}
 
 
 def num(value, fmt: str = ".2f", empty: str = "-") -> str:

@@ -6,6 +6,7 @@ import copy
 import math
 import os
 import pathlib
+import threading
 import time
 
 import pytest
@@ -1339,6 +1340,45 @@ def test_each_step_reads_and_writes_the_disk_tier_once_and_the_engine_counts_it(
     for moved, key in ((read, "disk_read_gb"), (written, "disk_written_gb")):
         counted = sum(s.timeline[key] for s in stats) * 1e9
         assert moved - per_param * numel <= counted + 1 and counted <= moved + 1, (key, counted, moved)
+
+
+@pytest.mark.parametrize("disk_loads", [False, True])
+def test_the_disk_tier_reads_and_writes_one_at_a_time(tmp_path, monkeypatch, disk_loads):
+    """A drive mixing reads and writes moves fewer bytes than one direction at a time, and the cost model prices
+    the tier as reads then writes: transfers of the tier (a block's states, its master for a load) take turns,
+    though reads run ahead on a thread of their own and every file's transfer takes a while. (A block's m, v and
+    master move together, as one transfer.)"""
+    from slide_io import NVMeStore
+
+    spans, guard = [], threading.Lock()
+
+    def timed(original, direction):
+        def op(self, key, tensor):
+            start = time.perf_counter()
+            time.sleep(0.002)
+            future = original(self, key, tensor)
+            future.result()
+            with guard:
+                spans.append((start, time.perf_counter(), (direction, key.split(".")[1])))
+            return future
+        return op
+
+    monkeypatch.setattr(NVMeStore, "read", timed(NVMeStore.read, "read"))
+    monkeypatch.setattr(NVMeStore, "write", timed(NVMeStore.write, "write"))
+    engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, max_grad_norm=1.0,
+                         nvme_fraction=1.0, nvme_dir=str(tmp_path), disk_loads=disk_loads)
+    assert bool(engine.placement.loads_from_disk) == disk_loads
+    for step in batches(seed=6, steps=3, micro=2):
+        engine.step(step, lr=1e-2, normalizer=10)
+    engine.close()
+    assert len({what for _, _, what in spans}) == 2 * len(engine.on_disk)
+    clusters = []  # spans that overlap in time, merged
+    for start, end, what in sorted(spans):
+        if clusters and start < clusters[-1][1]:
+            clusters[-1] = (clusters[-1][0], max(end, clusters[-1][1]), clusters[-1][2] | {what})
+        else:
+            clusters.append((start, end, {what}))
+    assert all(len(c[2]) == 1 for c in clusters), [c[2] for c in clusters if len(c[2]) > 1][:3]
 
 
 def test_a_failed_write_back_surfaces_and_close_still_stops_threads(tmp_path, monkeypatch):

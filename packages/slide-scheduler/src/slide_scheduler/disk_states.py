@@ -16,6 +16,10 @@ Ordering rules, each a future a later operation waits for:
   out);
 - an update waits for its own read (`bind`), and hands its write-back over when it is done (`finish`). An update
   that failed still finishes, with its error, so nothing waits forever and later reads of the unit fail too.
+
+Reads and writes take turns on the disk (one lock around each transfer, never held while waiting on a future): a
+drive mixing them moves fewer bytes in all than one direction at a time, and the cost model prices the tier as
+reads then writes.
 """
 
 from __future__ import annotations
@@ -72,24 +76,31 @@ class DiskStates:
         self._closed = False
         self._next = 0
         self._lock = threading.Lock()
+        self._disk = threading.Lock()  # one transfer on the disk at a time
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="slide-states-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="slide-states-write")
 
     def __contains__(self, unit: object) -> bool:
         return unit in self._written
 
-    def _both(self, op, unit: int, m: torch.Tensor, v: torch.Tensor, master: torch.Tensor | None = None) -> None:
-        """`store.read` or `store.write` of `unit`'s m and v (and master, if given), all at once, until done."""
-        futures = [op(f"m.{unit}", m), op(f"v.{unit}", v)] + ([op(f"master.{unit}", master)] if master is not None
-                                                              else [])
-        for future in futures:
-            future.result()
+    def _both(self, op, unit: int, m: torch.Tensor, v: torch.Tensor, master: torch.Tensor | None = None,
+              label: str | None = None) -> None:
+        """`store.read` or `store.write` of `unit`'s m and v (and master, if given), all at once, until done; the
+        disk's time for it is a span of the `disk` lane under `label`."""
+        with self._disk:
+            start = time.perf_counter()
+            futures = [op(f"m.{unit}", m), op(f"v.{unit}", v)] + ([op(f"master.{unit}", master)]
+                                                                  if master is not None else [])
+            for future in futures:
+                future.result()
+            if label:
+                self.spans.append((label, start, time.perf_counter()))
 
-    def _timed(self, label: str, op, unit: int, m: torch.Tensor, v: torch.Tensor,
-               master: torch.Tensor | None = None) -> None:
-        start = time.perf_counter()
-        self._both(op, unit, m, v, master)
-        self.spans.append((label, start, time.perf_counter()))
+    def _read_one(self, label: str, key: str, out: torch.Tensor) -> None:
+        with self._disk:
+            start = time.perf_counter()
+            self.store.read(key, out).result()
+            self.spans.append((label, start, time.perf_counter()))
 
     def fetch(self, unit: int) -> None:
         """Queue the read of `unit`'s moments for its next update (called in the order updates will run; a unit
@@ -111,14 +122,12 @@ class DiskStates:
         m, v, master = self.slots[slot]
         master = master if unit in self.masters else None
         if unit in self._stored:
-            self._timed(f"read states {unit}", self.store.read, unit, m, v, master)
+            self._both(self.store.read, unit, m, v, master, label=f"read states {unit}")
         else:  # moments before a first update are zeros; a master is on disk from the start (`load_master`)
             m.zero_()
             v.zero_()
             if master is not None:
-                start = time.perf_counter()
-                self.store.read(f"master.{unit}", master).result()
-                self.spans.append((f"read master {unit}", start, time.perf_counter()))
+                self._read_one(f"read master {unit}", f"master.{unit}", master)
         return m, v, master
 
     def bind(self, unit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -147,7 +156,7 @@ class DiskStates:
     def _write(self, unit: int, m: torch.Tensor, v: torch.Tensor, master: torch.Tensor | None,
                written: Future) -> None:
         try:
-            self._timed(f"write states {unit}", self.store.write, unit, m, v, master)
+            self._both(self.store.write, unit, m, v, master, label=f"write states {unit}")
             self._stored.add(unit)
             written.set_result(None)
         except BaseException as e:  # a full disk: the next read of this unit, or of this slot, raises it
@@ -176,16 +185,15 @@ class DiskStates:
         """Read `unit`'s fp32 master into `out`, as its last finished update left it (for a load: the update
         the load waited for has handed its write-back over, which this read waits for)."""
         self.wait(unit)
-        start = time.perf_counter()
-        self.store.read(f"master.{unit}", out).result()
-        self.spans.append((f"read master {unit} for a load", start, time.perf_counter()))
+        self._read_one(f"read master {unit} for a load", f"master.{unit}", out)
 
     def load_master(self, unit: int, master: torch.Tensor) -> None:
         """Replace `unit`'s master on disk (at the start, and from a checkpoint), with no update of it pending."""
         if unit in self._fetched:
             raise RuntimeError(f"unit {unit} is staged for an update: load its master before it is queued")
         self.wait(unit)
-        self.store.write(f"master.{unit}", master.to(torch.float32).contiguous()).result()
+        with self._disk:
+            self.store.write(f"master.{unit}", master.to(torch.float32).contiguous()).result()
 
     def load(self, unit: int, m: torch.Tensor | None, v: torch.Tensor | None) -> None:
         """Replace `unit`'s moments on disk (None: zeros, as before a first update; any dtype, stored as the
