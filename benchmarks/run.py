@@ -449,12 +449,15 @@ def run_kernels_suite(args, work: pathlib.Path) -> dict:
 def run_io_suite(args, work: pathlib.Path) -> dict:
     disk = pathlib.Path(args.disk or work / "disk")
     disk.mkdir(parents=True, exist_ok=True)
-    spec = {"job": "io", "sizes_mib": args.io_mib, "rounds": args.rounds, "disk_dir": str(disk)}
+    spec = {"job": "io", "sizes_mib": args.io_mib, "rounds": args.rounds, "disk_dir": str(disk),
+            "tier_gib": args.tier_gib}
     r = run_worker(spec, work, "io", args.timeout, quiet=args.quiet)
     if r["status"] != "ok":
         raise RuntimeError(r["reason"])
-    config = {"sizes_mib": args.io_mib, "rounds": args.rounds, "disk_dir": str(disk),
-              "measure": "median seconds of a store.write / store.read of one tensor (pinned when CUDA is there)"}
+    config = {"sizes_mib": args.io_mib, "rounds": args.rounds, "disk_dir": str(disk), "tier_gib": args.tier_gib,
+              "measure": "median seconds of a store.write / store.read of one tensor (pinned when CUDA is there); "
+                         "tier: a working set of tier_gib in 512 MiB files written, read, then read and written "
+                         "back file by file"}
     return suite_doc("io", config, [{"system": p["path"], **p} for p in r["paths"]], r["device"])
 
 
@@ -484,6 +487,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=None, help="seconds one process may run (default: no limit)")
     p.add_argument("--disk", help="folder on the disk to measure (io, probe; default: a temp folder)")
     p.add_argument("--io-mib", default="64,1024", help="tensor sizes of the io suite, MiB")
+    p.add_argument("--tier-gib", type=float, default=8.0,
+                   help="io: the working set of the tier-pattern pass (0: none), larger than the drive's cache")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the io and kernels suites (median)")
     p.add_argument("--work", type=pathlib.Path, help="scratch folder for run directories and data (default: temp)")
     p.add_argument("--quiet", action="store_true", help="do not echo each process's output")

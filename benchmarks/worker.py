@@ -270,10 +270,42 @@ def run_io(spec: dict) -> dict:
                 entry["sizes"].append({"mib": mib, "write_gbps": n / statistics.median(writes) / 1e9,
                                        "read_gbps": n / statistics.median(reads) / 1e9,
                                        "bytes_equal": bool(torch.equal(src, dst))})
+            if spec.get("tier_gib"):
+                entry["tier"] = tier_rates(store, spec["tier_gib"], cuda)
         finally:
             store.close()
         out["paths"].append(entry)
     return out
+
+
+def tier_rates(store, tier_gib: float, cuda: bool, file_mib: int = 512) -> dict:
+    """The disk as the NVMe tier uses it: a working set of `tier_gib` in files of a block's size, larger than
+    any cache in front of the drive, written in one pass, read back in another, then each file read and written
+    back in turn, as a step's updates do (GB/s: bytes moved over the pass's time)."""
+    n = file_mib * 2**20
+    files = max(1, round(tier_gib * 1024 / file_mib))
+    buf = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    buf = buf.pin_memory() if cuda else buf
+    keys = [f"tier-{i}" for i in range(files)]
+    t0 = time.perf_counter()
+    for key in keys:
+        store.write(key, buf).result()
+    write_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for key in keys:
+        store.read(key, buf).result()
+    read_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for key in keys:
+        store.read(key, buf).result()
+        store.write(key, buf).result()
+    turns_s = time.perf_counter() - t0
+    for key in keys:
+        store.delete(key)
+    total = files * n
+    return {"gib": total / 2**30, "file_mib": file_mib, "write_gbps": total / write_s / 1e9,
+            "read_gbps": total / read_s / 1e9, "read_then_write_gbps": 2 * total / turns_s / 1e9,
+            "reads_plus_writes_gbps": 2 * total / (read_s + write_s) / 1e9}  # (what the cost model assumes)
 
 
 def run_probe(spec: dict) -> dict:
