@@ -82,18 +82,27 @@ def train_table(doc: dict) -> list[str]:
 
 
 DISK_COLUMNS = ("| run | host budget GiB | tokens/s | step s | predicted s | bound by | host RSS GiB | "
-                "GPU peak GiB | disk read GB/step | disk written GB/step | store path |",
-                "|---|---|---|---|---|---|---|---|---|---|---|")
+                "GPU peak GiB | disk read GB/step | disk written GB/step | disk busy s (predicted) | store path |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def disk_row(name: str, e: dict) -> str:
     if e.get("status") != "ok":
         return f"| {name} | {num(e.get('host_budget_gib'), 'g', 'machine file')} | {e.get('status')}: " \
-               f"{e.get('reason', '')[:160]} | | | | | | | | |"
+               f"{e.get('reason', '')[:160]} | | | | | | | | | |"
     return (f"| {name} | {num(e.get('host_budget_gib'), 'g', 'machine file')} | {e['tokens_per_s']:,.0f} | "
             f"{e['step_s']:.2f} | {num(e.get('predicted_step_s'))} | {e.get('predicted_bottleneck') or '-'} | "
             f"{e['host_rss_gib']:.1f} | {e['gpu_peak_gib']:.1f} | {num(e.get('disk_read_gb'), '.1f')} | "
-            f"{num(e.get('disk_written_gb'), '.1f')} | {e.get('disk_path') or '-'} |")
+            f"{num(e.get('disk_written_gb'), '.1f')} | {disk_busy(e)} | {e.get('disk_path') or '-'} |")
+
+
+def disk_busy(e: dict) -> str:
+    """The seconds of a timed step the tier's transfers took, beside the cost model's disk lane."""
+    busy = (e.get("timeline_s") or {}).get("disk_busy_s")
+    predicted = (e.get("predicted_lanes_s") or {}).get("disk")
+    if busy is None and not predicted:
+        return "-"
+    return f"{num(busy, '.1f')} ({num(predicted, '.1f')})"
 
 
 def nvme_table(doc: dict) -> list[str]:
