@@ -167,6 +167,20 @@ def io_table(doc: dict) -> list[str]:
         for s in e.get("sizes", []):
             lines.append(f"| {e['path']} | {e['reason']} | {e['o_direct']} | {s['mib']} | {s['write_gbps']:.2f} | "
                          f"{s['read_gbps']:.2f} | {s['bytes_equal']} |")
+    tiers = [e for e in doc["figures"] if e.get("tier")]
+    if tiers:
+        t = tiers[0]["tier"]
+        lines += ["", f"As the NVMe tier uses the disk: {t['gib']:.0f} GiB in {t['file_mib']} MiB files written in one "
+                  "pass, read in another, then read and written back file by file (one direction at a time, as the "
+                  "tier's transfers take turns), and a file read while the one before it is written. GB/s, both "
+                  "directions' bytes together where both move; the cost model's rate is reads then writes.", "",
+                  "| path | write | read | read then write, file by file | read while writing | reads then writes "
+                  "(model) |", "|---|---|---|---|---|---|"]
+        for e in tiers:
+            t = e["tier"]
+            lines.append(f"| {e['path']} | {t['write_gbps']:.2f} | {t['read_gbps']:.2f} | "
+                         f"{t['read_then_write_gbps']:.2f} | {t['read_while_write_gbps']:.2f} | "
+                         f"{t['reads_plus_writes_gbps']:.2f} |")
     return lines
 
 

@@ -300,11 +300,22 @@ def tier_rates(store, tier_gib: float, cuda: bool, file_mib: int = 512) -> dict:
         store.read(key, buf).result()
         store.write(key, buf).result()
     turns_s = time.perf_counter() - t0
+    other = torch.empty_like(buf)
+    t0 = time.perf_counter()
+    for i, key in enumerate(keys):  # a file read while the one before it is written: both directions at once
+        pending = [store.read(key, buf if i % 2 else other)]
+        if i:
+            pending.append(store.write(keys[i - 1], other if i % 2 else buf))
+        for future in pending:
+            future.result()
+    store.write(keys[-1], buf if len(keys) % 2 else other).result()
+    mixed_s = time.perf_counter() - t0
     for key in keys:
         store.delete(key)
     total = files * n
     return {"gib": total / 2**30, "file_mib": file_mib, "write_gbps": total / write_s / 1e9,
             "read_gbps": total / read_s / 1e9, "read_then_write_gbps": 2 * total / turns_s / 1e9,
+            "read_while_write_gbps": 2 * total / mixed_s / 1e9,
             "reads_plus_writes_gbps": 2 * total / (read_s + write_s) / 1e9}  # (what the cost model assumes)
 
 
