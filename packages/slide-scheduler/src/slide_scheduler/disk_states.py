@@ -17,9 +17,8 @@ Ordering rules, each a future a later operation waits for:
 - an update waits for its own read (`bind`), and hands its write-back over when it is done (`finish`). An update
   that failed still finishes, with its error, so nothing waits forever and later reads of the unit fail too.
 
-Reads and writes take turns on the disk (one lock around each transfer, never held while waiting on a future): a
-drive mixing them moves fewer bytes in all than one direction at a time, and the cost model prices the tier as
-reads then writes.
+Reads and writes take turns on the disk (one lock around each transfer, never held while waiting on a future), as
+the cost model prices the tier: its reads, then its writes (a drive can move less in all when it mixes them).
 """
 
 from __future__ import annotations
