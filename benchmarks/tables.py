@@ -111,7 +111,11 @@ def nvme_table(doc: dict) -> list[str]:
              "unpacked rows; each run's shape as its suite's. `disk` puts every sliding block's fp32 master and "
              "AdamW moments on disk (engine.nvme.fraction=1); `disk-auto-host-64gib` plans for a host of 64 GiB "
              "with engine.nvme.fraction=auto.", "", *DISK_COLUMNS]
-    return lines + [disk_row(f"{e.get('bench')} {e.get('variant')}", e) for e in doc["figures"]]
+    def name(e: dict) -> str:  # (runs merged from another run of the suite say which commit ran them, and when)
+        other = e.get("commit") and e["commit"] != doc.get("commit")
+        return f"{e.get('bench')} {e.get('variant')}" + (f" (`{e['commit']}`, {e['date'][:10]})" if other else "")
+
+    return lines + [disk_row(name(e), e) for e in doc["figures"]]
 
 
 def largest_table(doc: dict) -> list[str]:
