@@ -526,7 +526,31 @@ def test_non_finite_weights_are_never_checkpointed_or_exported(tmp_path):
         trainer.save_checkpoint()
     with pytest.raises(TrainingError, match="no export"):
         trainer.export(tmp_path / "out")
-    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "out").exists()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert not (checkpoints.exists() and list(checkpoints.iterdir())) and not (tmp_path / "out").exists()
+    trainer.close()
+
+
+def test_a_checkpoint_reads_each_master_once_to_check_and_write_it(tmp_path):
+    """The check for non-finite weights runs on each master as the checkpoint writes it: one read of a master
+    (on disk, a whole tier's worth), not a pass to check and another to write. An export of the same step
+    checks nothing again."""
+    trainer = Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'run'}", "--steps=2",
+                                         "--engine.nvme.fraction=1"]), progress=False)
+    trainer.step()
+    reads = []
+    master = trainer.engine.master
+
+    def counted(k):
+        reads.append(k)
+        return master(k)
+
+    trainer.engine.master = counted
+    trainer.save_checkpoint()
+    assert sorted(reads) == list(range(len(trainer.engine.units)))
+    before = len(reads)
+    trainer._check_weights("export")  # (what export runs first)
+    assert len(reads) == before
     trainer.close()
 
 

@@ -106,13 +106,15 @@ def engine_checkpoint_bytes(engine, trainer_state: dict | None = None, step: int
                            trainer_state, step, rng).needed
 
 
-def save_checkpoint(root: pathlib.Path, step: int, engine, trainer_state: dict) -> pathlib.Path:
+def save_checkpoint(root: pathlib.Path, step: int, engine, trainer_state: dict, check=None) -> pathlib.Path:
     """Write `step-<step>` under `root`; a disk too small for it raises DiskFullError before anything is written
-    (or, if the disk fills while writing, after removing the partial files)."""
+    (or, if the disk fills while writing, after removing the partial files). `check(name, master)` sees each
+    unit's master as it is written (one read of a master on disk, not two) and may raise: nothing of the
+    checkpoint is then left."""
     rng = rng_states()
     needed, tmp = engine_checkpoint_bytes(engine, trainer_state, step, rng), root / f".step-{step}.partial"
     return write_within(root, needed, tmp,
-                        lambda: _write(root, tmp, root / f"step-{step}", step, engine, trainer_state, rng),
+                        lambda: _write(root, tmp, root / f"step-{step}", step, engine, trainer_state, rng, check),
                         lambda free: _disk_full(root, step, needed, free))
 
 
@@ -126,15 +128,21 @@ def _disk_full(root: pathlib.Path, step: int, needed: int, free: int) -> DiskFul
 
 
 def _write(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int, engine,
-           trainer_state: dict, rng: dict[str, torch.Tensor]) -> pathlib.Path:
+           trainer_state: dict, rng: dict[str, torch.Tensor], check=None) -> pathlib.Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     engine.synchronize()  # updates of the last step may still be running on the optimizer thread
-    for index, name in enumerate(bar(engine.unit_names(), desc=f"writing step-{step}", unit="file")):
-        tensors = {"master": engine.master(index)}
-        tensors.update({f"adamw.{k}": v for k, v in engine.optimizer_state(index).items()})
-        save_file(tensors, str(tmp / unit_file(name)))
+    try:
+        for index, name in enumerate(bar(engine.unit_names(), desc=f"writing step-{step}", unit="file")):
+            tensors = {"master": engine.master(index)}
+            if check is not None:
+                check(name, tensors["master"])
+            tensors.update({f"adamw.{k}": v for k, v in engine.optimizer_state(index).items()})
+            save_file(tensors, str(tmp / unit_file(name)))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     save_file(rng, str(tmp / "rng.safetensors"))
     (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=2))
     files = sorted(p for p in tmp.iterdir() if p.is_file())

@@ -389,17 +389,19 @@ class Trainer:
 
     def _check_weights(self, what: str) -> None:
         """Non-finite weights (an update that overflowed) never reach a checkpoint or an export. Once per step:
-        the last checkpoint and the export read the same weights."""
+        the last checkpoint (which checks each master as it writes it) and the export read the same weights."""
         if self._finite_at == self.step_index:
             return
         self.engine.synchronize()
-        bad = [name for k, name in enumerate(self.engine.unit_names())
-               if not bool(torch.isfinite(self.engine.master(k)).all())]
-        if bad:
-            raise TrainingError(f"after step {self.step_index} the weights of {', '.join(bad[:4])}"
-                                f"{' ...' if len(bad) > 4 else ''} are not finite: no {what} is written. Lower "
-                                f"optimizer.lr (now {self.cfg.optimizer.lr}) or keep max_grad_norm set")
+        for k, name in enumerate(self.engine.unit_names()):
+            self._check_master(what, name, self.engine.master(k))
         self._finite_at = self.step_index
+
+    def _check_master(self, what: str, name: str, master: torch.Tensor) -> None:
+        if not bool(torch.isfinite(master).all()):
+            raise TrainingError(f"after step {self.step_index} the weights of {name} are not finite: no {what} is "
+                                f"written. Lower optimizer.lr (now {self.cfg.optimizer.lr}) or keep max_grad_norm "
+                                "set")
 
     def save_checkpoint(self, required: bool = True) -> pathlib.Path | None:
         """Checkpoint the current step. A periodic one (`required=False`) that does not fit on the disk is
@@ -407,12 +409,14 @@ class Trainer:
         checkpoint.keep=0 (no checkpoints)."""
         if not self.cfg.checkpoint.keep:
             return None
-        self._check_weights("checkpoint")
         state = {"step": self.step_index, "total_steps": self.total_steps, "data": self.data.train.state_dict(),
                  "model": self.model.identity, "config": to_dict(self.cfg)}
+        checked = self._finite_at == self.step_index
+        check = None if checked else lambda name, master: self._check_master("checkpoint", name, master)
         while True:
             try:
-                path = ckpt.save_checkpoint(self.checkpoints, self.step_index, self.engine, state)
+                path = ckpt.save_checkpoint(self.checkpoints, self.step_index, self.engine, state, check=check)
+                self._finite_at = self.step_index
                 break
             except ckpt.DiskFullError as e:
                 if not required:
