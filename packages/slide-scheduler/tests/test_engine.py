@@ -1381,6 +1381,29 @@ def test_the_disk_tier_reads_and_writes_one_at_a_time(tmp_path, monkeypatch, dis
     assert all(len(c[2]) == 1 for c in clusters), [c[2] for c in clusters if len(c[2]) > 1][:3]
 
 
+@pytest.mark.parametrize("disk_loads", [False, True])
+def test_clipped_steps_read_the_first_updates_states_under_the_backward(tmp_path, disk_loads):
+    """The states of the first clipped updates do not depend on the norm: their reads are queued as the backward
+    starts, as many as the staging slots hold (and only where no load reads the disk during the backward, so
+    they never hold a load up); the others once the step knows its norm."""
+    from slide_scheduler.disk_states import SLOTS
+
+    engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, max_grad_norm=1.0,
+                         nvme_fraction=1.0, nvme_dir=str(tmp_path), disk_loads=disk_loads)
+    events = []
+    fetch, queue = engine.disk.fetch, engine._queue_updates
+    main = threading.current_thread()  # (the updater's bind fetches too, a no-op for what is queued)
+    engine.disk.fetch = lambda u: (threading.current_thread() is main and events.append(("fetch", u)), fetch(u))[1]
+    engine._queue_updates = lambda *a, **k: (events.append(("norm known", None)), queue(*a, **k))[1]
+    steps = batches(seed=6, steps=2, micro=2)
+    engine.step(steps[0], lr=1e-2, normalizer=10)
+    events.clear()
+    engine.step(steps[1], lr=1e-2, normalizer=10)
+    engine.close()
+    early = [u for what, u in events[:events.index(("norm known", None))] if what == "fetch"]
+    assert early == ([] if disk_loads else sorted(engine.on_disk)[:SLOTS])
+
+
 def test_a_failed_write_back_surfaces_and_close_still_stops_threads(tmp_path, monkeypatch):
     """A disk that fills up while moments go back: the error reaches the training thread (no hang), and the
     engine still closes."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .disk_states import SLOTS as DISK_STAGING_SLOTS
 from .machine import Machine
 from .placement import Placement
 
@@ -83,6 +84,7 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
     anywhere = _Work()  # host work nothing waits for within the step (updates behind held speculation)
     load_f, load_b, ready, update_s = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
     host_order: list[int] = []
+    staged_early = 0  # clipped updates whose states on disk are read during the backward
     for b in range(n):
         u, up = b + 1, p.units[b + 1]
         numel = s.unit_numels[u]
@@ -127,7 +129,12 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
                 bwd.host_bytes += numel * 22
             if up.moments == "disk":  # read in ahead and written back (the master too where it is there)
                 on_disk = 2 * sb + (4 if up.disk_master else 0)
-                (fwd if clip else bwd).disk += on_disk * numel / disk_r + on_disk * numel / disk_w
+                # (clipped: the first updates' reads run under the backward, one per staging slot, where no load
+                # reads the disk there)
+                early = clip and staged_early < DISK_STAGING_SLOTS and not p.loads_from_disk
+                staged_early += early
+                (bwd if early or not clip else fwd).disk += on_disk * numel / disk_r
+                (fwd if clip else bwd).disk += on_disk * numel / disk_w
                 (fwd if clip else bwd).host_bytes += 2 * on_disk * numel + (c * numel if up.disk_master
                                                                             and not up.disk_loads else 0)
     # Edges: streamed through the device (their master and moments), or their master loaded and updated on the host

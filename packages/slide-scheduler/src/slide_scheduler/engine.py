@@ -62,6 +62,7 @@ from slide_memory.adamw import CHUNK
 
 from .activations import ActivationStore
 from .disk_states import LOAD_SLOTS, DiskStates
+from .disk_states import SLOTS as STAGING_SLOTS
 from .lanes import DONE, Lane, Signal
 from .placement import Placement, Shapes, StepShape, UnitPlacement
 from .pool import SharedPool
@@ -635,6 +636,9 @@ class SlidingEngine:
         host_grads: dict[int, torch.Tensor] = {}
         if not clip and self.disk:  # moments from disk, in the order backward will submit their updates
             for u in sorted(self.on_disk, reverse=True):
+                self.disk.fetch(u)
+        elif self.disk and not self.placement.loads_from_disk:  # the first clipped updates' states are read under
+            for u in sorted(self.on_disk)[:STAGING_SLOTS]:  # the backward, as many as the staging slots hold
                 self.disk.fetch(u)
         staged = {n - 1: self._stage(n - 1, n - 1, m)}
         for i in reversed(range(n)):
