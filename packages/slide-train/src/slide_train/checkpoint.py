@@ -133,6 +133,11 @@ def _write(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     engine.synchronize()  # updates of the last step may still be running on the optimizer thread
+    manifest = {}
+
+    def written(path: pathlib.Path) -> None:  # hashed at once, while the page cache still holds what was written
+        manifest[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
     try:
         for index, name in enumerate(bar(engine.unit_names(), desc=f"writing step-{step}", unit="file")):
             tensors = {"master": engine.master(index)}
@@ -140,13 +145,16 @@ def _write(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int
                 check(name, tensors["master"])
             tensors.update({f"adamw.{k}": v for k, v in engine.optimizer_state(index).items()})
             save_file(tensors, str(tmp / unit_file(name)))
+            written(tmp / unit_file(name))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     save_file(rng, str(tmp / "rng.safetensors"))
+    written(tmp / "rng.safetensors")
     (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=2))
-    files = sorted(p for p in tmp.iterdir() if p.is_file())
-    manifest = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    written(tmp / "trainer.json")
+    files = sorted(tmp / name for name in manifest)
+    manifest = {p.name: manifest[p.name] for p in files}
     (tmp / MANIFEST).write_text(_manifest_text(step, manifest))
     for p in [*files, tmp / MANIFEST]:
         _fsync(p)
