@@ -308,7 +308,7 @@ def tier_rates(store, tier_gib: float, cuda: bool, file_mib: int = 512) -> dict:
             pending.append(store.write(keys[i - 1], other if i % 2 else buf))
         for future in pending:
             future.result()
-    store.write(keys[-1], buf if len(keys) % 2 else other).result()
+    store.write(keys[-1], other if len(keys) % 2 else buf).result()  # (the buffer the last read filled)
     mixed_s = time.perf_counter() - t0
     for key in keys:
         store.delete(key)

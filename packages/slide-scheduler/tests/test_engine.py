@@ -1381,15 +1381,18 @@ def test_the_disk_tier_reads_and_writes_one_at_a_time(tmp_path, monkeypatch, dis
     assert all(len(c[2]) == 1 for c in clusters), [c[2] for c in clusters if len(c[2]) > 1][:3]
 
 
-@pytest.mark.parametrize("disk_loads", [False, True])
-def test_clipped_steps_read_the_first_updates_states_under_the_backward(tmp_path, disk_loads):
+@pytest.mark.parametrize("backward_reads", [None, "masters for loads", "activations"])
+def test_clipped_steps_read_the_first_updates_states_under_the_backward(tmp_path, backward_reads):
     """The states of the first clipped updates do not depend on the norm: their reads are queued as the backward
-    starts, as many as the staging slots hold (and only where no load reads the disk during the backward, so
-    they never hold a load up); the others once the step knows its norm."""
+    starts, as many as the staging slots hold (and only where the backward reads nothing from disk itself, so
+    they never hold it up); the others once the step knows its norm."""
     from slide_scheduler.disk_states import SLOTS
 
+    acts = {"activation_offload": "nvme", "activation_dir": str(tmp_path / "acts")} \
+        if backward_reads == "activations" else {}
     engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, max_grad_norm=1.0,
-                         nvme_fraction=1.0, nvme_dir=str(tmp_path), disk_loads=disk_loads)
+                         nvme_fraction=1.0, nvme_dir=str(tmp_path), disk_loads=backward_reads == "masters for loads",
+                         **acts)
     events = []
     fetch, queue = engine.disk.fetch, engine._queue_updates
     main = threading.current_thread()  # (the updater's bind fetches too, a no-op for what is queued)
@@ -1401,7 +1404,25 @@ def test_clipped_steps_read_the_first_updates_states_under_the_backward(tmp_path
     engine.step(steps[1], lr=1e-2, normalizer=10)
     engine.close()
     early = [u for what, u in events[:events.index(("norm known", None))] if what == "fetch"]
-    assert early == ([] if disk_loads else sorted(engine.on_disk)[:SLOTS])
+    assert early == ([] if backward_reads else sorted(engine.on_disk)[:SLOTS])
+
+
+def test_a_clipped_step_with_a_non_finite_norm_leaves_nothing_staged_on_disk(tmp_path):
+    """A step whose norm is not finite runs no update: the states it read ahead for them are let go, so the
+    tier's masters and moments can be replaced (a checkpoint loaded) and the next step reads them afresh."""
+    engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, max_grad_norm=1.0,
+                         nvme_fraction=1.0, nvme_dir=str(tmp_path))
+    steps = batches(seed=6, steps=3, micro=2)
+    engine.step(steps[0], lr=1e-2, normalizer=10)
+    tail = engine.edges.tail
+    engine.edges.tail = lambda h, batch, normalizer: tail(h, batch, normalizer) * float("nan")
+    assert not math.isfinite(engine.step(steps[1], lr=1e-2, normalizer=10).grad_norm)
+    engine.edges.tail = tail
+    for u in sorted(engine.on_disk):
+        engine.load_master(u, engine.master(u).clone())
+        engine.load_optimizer_state(u, {k: v.clone() for k, v in engine.optimizer_state(u).items()})
+    assert math.isfinite(engine.step(steps[2], lr=1e-2, normalizer=10).grad_norm)
+    engine.close()
 
 
 def test_a_failed_write_back_surfaces_and_close_still_stops_threads(tmp_path, monkeypatch):

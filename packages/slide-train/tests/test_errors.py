@@ -531,6 +531,29 @@ def test_non_finite_weights_are_never_checkpointed_or_exported(tmp_path):
     trainer.close()
 
 
+def test_a_final_checkpoint_of_non_finite_weights_deletes_no_older_one_for_room(tmp_path, monkeypatch):
+    """A final checkpoint that finds the disk full deletes older checkpoints to make room, but only for weights
+    worth keeping: non-finite ones stop it first, and every earlier checkpoint stays."""
+    import slide_train.space as space
+
+    trainer = Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'run'}", "--steps=5",
+                                         "--checkpoint.keep=5"]), progress=False)
+    for _ in range(2):
+        trainer.step()
+        trainer.save_checkpoint()
+    trainer.step()
+    trainer.engine.synchronize()
+    trainer.engine.units[2].master[3] = float("inf")
+    trainer.engine.refresh()
+    real, calls = space.free_bytes, []
+    monkeypatch.setattr(space, "free_bytes", lambda where: (calls.append(where), 0 if len(calls) == 1
+                                                            else real(where))[1])
+    with pytest.raises(TrainingError, match="not finite: no checkpoint"):
+        trainer.save_checkpoint(required=True)
+    assert sorted(p.name for p in trainer.checkpoints.iterdir()) == ["step-1", "step-2"]
+    trainer.close()
+
+
 def test_a_checkpoint_reads_each_master_once_to_check_and_write_it(tmp_path):
     """The check for non-finite weights runs on each master as the checkpoint writes it: one read of a master
     (on disk, a whole tier's worth), not a pass to check and another to write. An export of the same step

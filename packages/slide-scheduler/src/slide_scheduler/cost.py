@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from .disk_states import SLOTS as DISK_STAGING_SLOTS
 from .machine import Machine
-from .placement import Placement
+from .placement import Placement, early_reads_wait
 
 # A decoder block's fwd+bwd runs at this share of the machine's dense bf16 matmul rate (attention, norms and
 # element-wise kernels between the GEMMs); per block, micro-batch and pass, a fixed cost of launching kernels.
@@ -131,12 +131,13 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
                 on_disk = 2 * sb + (4 if up.disk_master else 0)
                 # (clipped: the first updates' reads run under the backward, one per staging slot, where no load
                 # reads the disk there)
-                early = clip and staged_early < DISK_STAGING_SLOTS and not p.loads_from_disk
+                early = clip and staged_early < DISK_STAGING_SLOTS and not early_reads_wait(p)
                 staged_early += early
                 (bwd if early or not clip else fwd).disk += on_disk * numel / disk_r
+                (bwd if early or not clip else fwd).host_bytes += on_disk * numel
                 (fwd if clip else bwd).disk += on_disk * numel / disk_w
-                (fwd if clip else bwd).host_bytes += 2 * on_disk * numel + (c * numel if up.disk_master
-                                                                            and not up.disk_loads else 0)
+                (fwd if clip else bwd).host_bytes += on_disk * numel + (c * numel if up.disk_master
+                                                                        and not up.disk_loads else 0)
     # Edges: streamed through the device (their master and moments), or their master loaded and updated on the host
     e, edges = s.unit_numels[0], p.units[0]
     if not edges.resident:

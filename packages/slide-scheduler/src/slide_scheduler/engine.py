@@ -64,7 +64,7 @@ from .activations import ActivationStore
 from .disk_states import LOAD_SLOTS, DiskStates
 from .disk_states import SLOTS as STAGING_SLOTS
 from .lanes import DONE, Lane, Signal
-from .placement import Placement, Shapes, StepShape, UnitPlacement
+from .placement import Placement, Shapes, StepShape, UnitPlacement, early_reads_wait
 from .pool import SharedPool
 from .stack import Batch, Stack
 from .timeline import Span, Timeline, summarize
@@ -637,8 +637,8 @@ class SlidingEngine:
         if not clip and self.disk:  # moments from disk, in the order backward will submit their updates
             for u in sorted(self.on_disk, reverse=True):
                 self.disk.fetch(u)
-        elif self.disk and not self.placement.loads_from_disk:  # the first clipped updates' states are read under
-            for u in sorted(self.on_disk)[:STAGING_SLOTS]:  # the backward, as many as the staging slots hold
+        elif self.disk and not early_reads_wait(self.placement):  # the first clipped updates' states are read
+            for u in sorted(self.on_disk)[:STAGING_SLOTS]:  # under the backward, one per staging slot
                 self.disk.fetch(u)
         staged = {n - 1: self._stage(n - 1, n - 1, m)}
         for i in reversed(range(n)):
@@ -699,6 +699,8 @@ class SlidingEngine:
         self._speculating = not acted
         if not clip or math.isfinite(grad_norm):
             self._queue_updates(host_grads, arrived, lr, scale, held)
+        elif self.disk:  # no update follows: the states read for them stay as they are on disk
+            self.disk.call_off()
         self._from_speculation = held
         if not self.config.pipeline:
             self.synchronize()

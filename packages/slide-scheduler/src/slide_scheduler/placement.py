@@ -254,6 +254,13 @@ def validate(p: Placement) -> None:
                                  "they need clipping and activations on the host")
 
 
+def early_reads_wait(p: Placement) -> bool:
+    """Whether a clipped step's first updates must wait for the norm to read their states from disk: they
+    read under the backward only where nothing the backward waits for reads the disk then (masters for loads,
+    boundary activations on disk)."""
+    return bool(p.loads_from_disk) or p.activations == "nvme"
+
+
 def block_range(units: Iterable[int]) -> list[int]:
     return sorted(u - 1 for u in units if u > 0)
 

@@ -422,7 +422,9 @@ class Trainer:
                 if not required:
                     warnings.warn(f"{e}. Training goes on; the next checkpoint tries again.", stacklevel=2)
                     return None
-                # The last (or stopping) checkpoint holds the run's final weights: others make room for it.
+                # The last (or stopping) checkpoint holds the run's final weights: others make room for it, once
+                # those weights are known to be worth it.
+                self._check_weights("checkpoint")
                 spare = ckpt.spare(self.checkpoints, self._replaces_after, self.step_index)
                 if not spare:
                     raise
