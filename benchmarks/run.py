@@ -257,9 +257,9 @@ def name_of(suite: str, args) -> str:
 
 
 def machine_file(work: pathlib.Path, name: str, host_gib: float | None = None,
-                 disk_free_gib: float | None = None) -> pathlib.Path:
-    """This run's machine file ($SLIDE_MACHINE, else this machine's probe) with its host memory or free disk
-    replaced, written under `work`."""
+                 disk_free_gib: float | None = None, disk: dict | None = None) -> pathlib.Path:
+    """This run's machine file ($SLIDE_MACHINE, else this machine's probe) with its host memory, free disk or
+    disk rates (`disk`, from measure_disk) replaced, written under `work`."""
     import yaml
 
     from slide_train.machines import resolve_machine
@@ -269,9 +269,30 @@ def machine_file(work: pathlib.Path, name: str, host_gib: float | None = None,
         sections["host"]["memory_gib"] = host_gib
     if disk_free_gib is not None:
         sections["disk"]["free_gib"] = disk_free_gib
+    if disk is not None:
+        sections["disk"].update(read_gbps=round(disk["read_gbps"], 2), write_gbps=round(disk["write_gbps"], 2))
     path = work / f"{name}.machine.yaml"
     path.write_text(yaml.safe_dump(sections, default_flow_style=None, sort_keys=False))
     return path
+
+
+def measure_disk(args, work: pathlib.Path) -> dict | None:
+    """The disk under `work` as the NVMe tier uses it, through the store's own path (the io suite's tier pass,
+    --disk-gib of 512 MiB files), so the plans of the runs after it price this disk as it is now; None with
+    --disk-gib 0 (the machine file's rates)."""
+    if not args.disk_gib:
+        return None
+    disk = work / "disk"
+    disk.mkdir(parents=True, exist_ok=True)
+    r = run_worker({"job": "io", "sizes_mib": [], "rounds": 1, "disk_dir": str(disk), "tier_gib": args.disk_gib,
+                    "paths": ["auto"]}, work, "disk", args.timeout, quiet=args.quiet)
+    if r["status"] != "ok":
+        raise RuntimeError(f"measuring the disk under {work}: {r.get('reason')}")
+    path = r["paths"][0]
+    measured = {"path": path["path"], **path["tier"]}
+    print(f"  disk under {work} ({measured['path']}): read {measured['read_gbps']:.2f} GB/s, write "
+          f"{measured['write_gbps']:.2f} GB/s over {measured['gib']:.0f} GiB", flush=True)
+    return measured
 
 
 def disk_free_gib(work: pathlib.Path) -> float:
@@ -304,6 +325,7 @@ def run_nvme_suite(args, work: pathlib.Path, out: pathlib.Path) -> dict:
             for bench, variant, extra, host_gib in NVME_RUNS]
     config = {"mode": mode, "warmup": warmup, "steps": steps, "runs": runs}
     figures, device = [], None
+    disk = measure_disk(args, work)
     for run in runs:
         if args.variants and f"{run['bench']}-{run['variant']}" not in args.variants:
             continue
@@ -314,11 +336,11 @@ def run_nvme_suite(args, work: pathlib.Path, out: pathlib.Path) -> dict:
             random_rows(data, vocab, shape["seq_len"], (warmup + steps) * shape["micro_batch_size"]
                         * shape["grad_accum"])
         machine = (machine_file(work, f"{run['bench']}-{run['variant']}", host_gib=run["host_gib"],
-                                disk_free_gib=disk_free_gib(work)) if run["host_gib"] else None)
+                                disk_free_gib=disk_free_gib(work), disk=disk) if run["host_gib"] or disk else None)
         spec = {**shape, "warmup": warmup, "steps": steps, "data": str(data), "seed": 0, "pack": False,
                 "mode": mode, "job": "slide", "extra": run["args"]}
         entry = slide_entry(run["bench"], run["variant"], spec, args, work, machine)
-        entry.update(bench=run["bench"], host_budget_gib=run["host_gib"])
+        entry.update(bench=run["bench"], host_budget_gib=run["host_gib"], disk_measured=disk)
         figures.append(entry)
         device = device or entry.get("device")
         out.mkdir(parents=True, exist_ok=True)
@@ -333,7 +355,8 @@ def run_largest_suite(args, work: pathlib.Path) -> dict:
 
     warmup, steps = args.warmup if args.warmup is not None else 1, args.steps if args.steps is not None else 3
     free_gib = disk_free_gib(work)
-    found = largest_shape(work, LARGEST["step_limit_s"], free_gib)
+    disk = measure_disk(args, work)
+    found = largest_shape(work, LARGEST["step_limit_s"], free_gib, disk)
     name = common.register_shape(found["base"], found["layers"])
     vocab = load_model(name, 0, need_tokenizer=False, need_weights=False).hf_config.vocab_size
     shape = {k: LARGEST[k] for k in ("seq_len", "micro_batch_size", "grad_accum", "cap_gib", "device")}
@@ -345,21 +368,21 @@ def run_largest_suite(args, work: pathlib.Path) -> dict:
     machine = work / "largest.machine.yaml"  # (written by largest_shape: this run's, with the disk found free)
     entry = slide_entry("largest", name, spec, args, work, machine)
     config = {**{k: v for k, v in LARGEST.items() if k != "widths"}, "widths": list(LARGEST["widths"]),
-              "disk_free_gib": free_gib, "warmup": warmup, "steps": steps, "found": found}
+              "disk_free_gib": free_gib, "disk_measured": disk, "warmup": warmup, "steps": steps, "found": found}
     return suite_doc("largest", config, [entry], entry.get("device"))
 
 
-def largest_shape(work: pathlib.Path, limit_s: float, free_gib: float) -> dict:
+def largest_shape(work: pathlib.Path, limit_s: float, free_gib: float, disk: dict | None = None) -> dict:
     """The Llama shape (a width of LARGEST["widths"], any depth, fp32 or bf16 states) with the most parameters
     that the plan fits, with engine.nvme.fraction auto, at `limit_s` or less per step on this run's machine file
-    with `free_gib` of disk."""
+    with `free_gib` of disk (and the disk's rates as measured, where `disk` holds them)."""
     from slide_train.config import load_config
     from slide_train.machines import load_machine
     from slide_train.models.build import load_model
     from slide_train.models.presets import PRESETS
     from slide_train.trainer import plan_run
 
-    machine = load_machine(machine_file(work, "largest", disk_free_gib=free_gib))
+    machine = load_machine(machine_file(work, "largest", disk_free_gib=free_gib, disk=disk))
 
     def plan(base: str, layers: int, states: str):
         name = common.register_shape(base, layers)
@@ -487,6 +510,9 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=None, help="seconds one process may run (default: no limit)")
     p.add_argument("--disk", help="folder on the disk to measure (io, probe; default: a temp folder)")
     p.add_argument("--io-mib", default="64,1024", help="tensor sizes of the io suite, MiB")
+    p.add_argument("--disk-gib", type=float, default=8.0,
+                   help="nvme, largest: measure the disk under --work as the tier uses it (GiB of files) and plan "
+                        "with those rates (0: the machine file's)")
     p.add_argument("--tier-gib", type=float, default=8.0,
                    help="io: the working set of the tier-pattern pass (0: none), larger than the drive's cache")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the io and kernels suites (median)")

@@ -115,6 +115,8 @@ def nvme_table(doc: dict) -> list[str]:
         other = e.get("commit") and e["commit"] != doc.get("commit")
         return f"{e.get('bench')} {e.get('variant')}" + (f" (`{e['commit']}`, {e['date'][:10]})" if other else "")
 
+    notes = sorted({disk_note(e.get("disk_measured")) for e in doc["figures"] if e.get("disk_measured")})
+    lines[0] = " ".join([lines[0], *notes])
     return lines + [disk_row(name(e), e) for e in doc["figures"]]
 
 
@@ -127,8 +129,17 @@ def largest_table(doc: dict) -> list[str]:
              f"{f['blocks_on_disk']} of {f['sliding_blocks']} sliding blocks' states on disk (planned: host "
              f"{f['planned_host_gib']:.1f} GiB, disk {f['planned_disk_gib']:.1f} GiB). Clip 1.0, "
              f"{c['grad_accum']} micro-batches of {c['micro_batch_size']} x {c['seq_len']}; median of {c['steps']} "
-             f"timed steps after {c['warmup']} warm-up; checkpoint.keep 0, no export.", "", *DISK_COLUMNS]
+             f"timed steps after {c['warmup']} warm-up; checkpoint.keep 0, no export. "
+             + disk_note(c.get("disk_measured")), "", *DISK_COLUMNS]
     return lines + [disk_row(e.get("variant", "slide"), e) for e in doc["figures"]]
+
+
+def disk_note(disk: dict | None) -> str:
+    """Which disk rates the plan priced: the machine file's, or the disk measured as the tier uses it first."""
+    if not disk:
+        return "Planned with the machine file's disk rates."
+    return (f"Planned with the disk measured first as the tier uses it ({disk['path']}, {disk['gib']:.0f} GiB in "
+            f"{disk['file_mib']} MiB files): read {disk['read_gbps']:.2f}, write {disk['write_gbps']:.2f} GB/s.")
 
 
 def plans_table(doc: dict) -> list[str]:

@@ -243,7 +243,7 @@ def run_io(spec: dict) -> dict:
 
     cuda = torch.cuda.is_available()
     out = {"sizes_mib": spec["sizes_mib"], "rounds": spec["rounds"], "disk_dir": spec["disk_dir"], "paths": []}
-    for want in ("auto", "posix"):
+    for want in spec.get("paths", ("auto", "posix")):
         store = NVMeStore(spec["disk_dir"], path=want)
         if want == "posix" and out["paths"] and out["paths"][0]["path"] == "posix":
             store.close()
