@@ -133,11 +133,11 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
                 # reads the disk there)
                 early = clip and staged_early < DISK_STAGING_SLOTS and not early_reads_wait(p)
                 staged_early += early
-                (bwd if early or not clip else fwd).disk += on_disk * numel / disk_r
-                (bwd if early or not clip else fwd).host_bytes += on_disk * numel
-                (fwd if clip else bwd).disk += on_disk * numel / disk_w
-                (fwd if clip else bwd).host_bytes += on_disk * numel + (c * numel if up.disk_master
-                                                                        and not up.disk_loads else 0)
+                reads, writes = (bwd if early or not clip else fwd), (fwd if clip else bwd)
+                reads.disk += on_disk * numel / disk_r
+                reads.host_bytes += on_disk * numel
+                writes.disk += on_disk * numel / disk_w
+                writes.host_bytes += on_disk * numel + (c * numel if up.disk_master and not up.disk_loads else 0)
     # Edges: streamed through the device (their master and moments), or their master loaded and updated on the host
     e, edges = s.unit_numels[0], p.units[0]
     if not edges.resident:

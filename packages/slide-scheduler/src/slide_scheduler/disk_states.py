@@ -23,6 +23,7 @@ the cost model prices the tier: its reads, then its writes (a drive can move les
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -82,24 +83,23 @@ class DiskStates:
     def __contains__(self, unit: object) -> bool:
         return unit in self._written
 
-    def _both(self, op, unit: int, m: torch.Tensor, v: torch.Tensor, master: torch.Tensor | None = None,
-              label: str | None = None) -> None:
-        """`store.read` or `store.write` of `unit`'s m and v (and master, if given), all at once, until done; the
-        disk's time for it is a span of the `disk` lane under `label`."""
+    @contextlib.contextmanager
+    def _turn(self, label: str | None = None):
+        """The disk for one transfer; its time a span of the `disk` lane under `label`."""
         with self._disk:
             start = time.perf_counter()
+            yield
+            if label:
+                self.spans.append((label, start, time.perf_counter()))
+
+    def _both(self, op, unit: int, m: torch.Tensor, v: torch.Tensor, master: torch.Tensor | None = None,
+              label: str | None = None) -> None:
+        """`store.read` or `store.write` of `unit`'s m and v (and master, if given), all at once, until done."""
+        with self._turn(label):
             futures = [op(f"m.{unit}", m), op(f"v.{unit}", v)] + ([op(f"master.{unit}", master)]
                                                                   if master is not None else [])
             for future in futures:
                 future.result()
-            if label:
-                self.spans.append((label, start, time.perf_counter()))
-
-    def _read_one(self, label: str, key: str, out: torch.Tensor) -> None:
-        with self._disk:
-            start = time.perf_counter()
-            self.store.read(key, out).result()
-            self.spans.append((label, start, time.perf_counter()))
 
     def fetch(self, unit: int) -> None:
         """Queue the read of `unit`'s moments for its next update (called in the order updates will run; a unit
@@ -126,7 +126,8 @@ class DiskStates:
             m.zero_()
             v.zero_()
             if master is not None:
-                self._read_one(f"read master {unit}", f"master.{unit}", master)
+                with self._turn(f"read master {unit}"):
+                    self.store.read(f"master.{unit}", master).result()
         return m, v, master
 
     def bind(self, unit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -184,14 +185,15 @@ class DiskStates:
         """Read `unit`'s fp32 master into `out`, as its last finished update left it (for a load: the update
         the load waited for has handed its write-back over, which this read waits for)."""
         self.wait(unit)
-        self._read_one(f"read master {unit} for a load", f"master.{unit}", out)
+        with self._turn(f"read master {unit} for a load"):
+            self.store.read(f"master.{unit}", out).result()
 
     def load_master(self, unit: int, master: torch.Tensor) -> None:
         """Replace `unit`'s master on disk (at the start, and from a checkpoint), with no update of it pending."""
         if unit in self._fetched:
             raise RuntimeError(f"unit {unit} is staged for an update: load its master before it is queued")
         self.wait(unit)
-        with self._disk:
+        with self._turn():
             self.store.write(f"master.{unit}", master.to(torch.float32).contiguous()).result()
 
     def load(self, unit: int, m: torch.Tensor | None, v: torch.Tensor | None) -> None:

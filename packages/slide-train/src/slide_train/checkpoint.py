@@ -153,8 +153,8 @@ def _write(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int
     written(tmp / "rng.safetensors")
     (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=2))
     written(tmp / "trainer.json")
-    files = sorted(tmp / name for name in manifest)
-    manifest = {p.name: manifest[p.name] for p in files}
+    manifest = dict(sorted(manifest.items()))
+    files = [tmp / name for name in manifest]
     (tmp / MANIFEST).write_text(_manifest_text(step, manifest))
     for p in [*files, tmp / MANIFEST]:
         _fsync(p)
