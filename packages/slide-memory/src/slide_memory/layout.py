@@ -28,15 +28,18 @@ class FlatLayout:
     """Where each (deduplicated) parameter of a module sits in a flat buffer.
 
     Tied parameters (one Parameter reachable under two names) get a single entry, so the tie survives binding.
+    A layout split into `shards` equal parts (data-parallel ranks) ends in zero padding up to a multiple of
+    `shards * align`; the offsets are those of one shard, and `base_numel` is that layout's length.
     """
 
-    def __init__(self, module: nn.Module, align: int = ALIGN):
+    def __init__(self, module: nn.Module, align: int = ALIGN, shards: int = 1):
         entries, offset = [], 0
         for name, p in module.named_parameters():
             entries.append(Entry(name, p.shape, offset, p.numel()))
             offset += -(-p.numel() // align) * align
         self.entries: tuple[Entry, ...] = tuple(entries)
-        self.numel = offset
+        self.base_numel = offset
+        self.numel = -(-offset // (align * shards)) * align * shards
 
     def signature(self) -> tuple:
         return tuple((e.name, tuple(e.shape)) for e in self.entries)
@@ -75,5 +78,5 @@ class FlatLayout:
                 setattr(parent, attr, new)
 
     def _check(self, flat: torch.Tensor) -> None:
-        if flat.dim() != 1 or flat.numel() != self.numel:
+        if flat.dim() != 1 or flat.numel() not in (self.numel, self.base_numel):
             raise ValueError(f"flat buffer has shape {tuple(flat.shape)}, layout needs ({self.numel},)")

@@ -25,6 +25,7 @@ from .placement import (
 from .planner import Plan, place
 from .probe import host_cores, host_memory_bytes, probe_disk
 from .probe import probe as probe_machine
+from .ranks import Ranks
 from .stack import Batch, Context, Edges, Stack
 from .timeline import plot as plot_timeline
 from .timeline import write_trace
@@ -52,6 +53,7 @@ __all__ = [
     "Pcie",
     "Placement",
     "Plan",
+    "Ranks",
     "Shapes",
     "SlidingEngine",
     "Stack",

@@ -32,6 +32,11 @@ Blocks the placement marks `speculate` also run their clipped update during back
 not act, writing only new parameters; when it does not act their next loads take those, and the update proper
 runs whole on the optimizer thread before the block's next gradient needs its buffer.
 
+With data-parallel `ranks` (ranks.py) each process keeps one shard of every unit's master, moments and host
+gradient: a gradient is reduce-scattered before it leaves the device, the host updates the shard, and a load
+copies the shard in and gathers the others' into the slot. The step's readout (loss, squared norms) is summed over
+ranks, so clipping is global.
+
 `pipeline=False` runs the very same schedule with every lane inline and the optimizer on the calling thread:
 the synchronous engine, kept as the reference the pipelined one is tested against.
 """
@@ -66,6 +71,7 @@ from .disk_states import SLOTS as STAGING_SLOTS
 from .lanes import DONE, Lane, Signal
 from .placement import Placement, Shapes, StepShape, UnitPlacement, early_reads_wait
 from .pool import SharedPool
+from .ranks import Ranks
 from .stack import Batch, Stack
 from .timeline import Span, Timeline, summarize
 from .updater import HostUpdater
@@ -149,7 +155,8 @@ class StepStats:
 
 
 class Unit:
-    """One trainable unit (the edges, or one block): its layout and fp32 master weights on the host.
+    """One trainable unit (the edges, or one block): its layout and fp32 master weights on the host (this rank's
+    shard [start, end) of them).
 
     The master is pinned and is what crosses PCIe when the unit loads (slots narrow it to bf16 on the device), so
     the host keeps no compute-dtype copy: 12 bytes per parameter with the AdamW states. A unit whose master is on
@@ -157,18 +164,23 @@ class Unit:
     loads take; without one, its loads read the master from disk.
     """
 
-    def __init__(self, layout: FlatLayout, on_disk: bool = False, params_dtype: torch.dtype | None = None):
+    def __init__(self, layout: FlatLayout, on_disk: bool = False, params_dtype: torch.dtype | None = None,
+                 ranks: Ranks | None = None):
         self.layout = layout
-        self.master = None if on_disk else host_zeros(layout.numel, torch.float32)
-        self.params = host_zeros(layout.numel, params_dtype) if on_disk and params_dtype is not None else None
+        self.start, self.end = (ranks or Ranks()).shard(layout.numel)
+        numel = self.end - self.start
+        self.master = None if on_disk else host_zeros(numel, torch.float32)
+        self.params = host_zeros(numel, params_dtype) if on_disk and params_dtype is not None else None
 
 
 class SlidingEngine:
     """Executes a `Placement`: allocates what it says where it says, and runs steps over it."""
 
-    def __init__(self, stack: Stack, config: EngineConfig, placement: Placement | None = None):
+    def __init__(self, stack: Stack, config: EngineConfig, placement: Placement | None = None,
+                 ranks: Ranks | None = None):
         config.validate()
         self.config = config
+        self.ranks = ranks = ranks or Ranks()
         self.device = config.resolve_device()
         self.dtype = config.resolve_dtype(self.device)
         self.num_blocks = stack.num_blocks
@@ -177,9 +189,10 @@ class SlidingEngine:
         self.edges = stack.make_edges()
         # A tail that takes `ctx` gets its micro-batch's head context (what the blocks recorded there)
         self._tail_ctx = "ctx" in inspect.signature(self.edges.tail).parameters
-        edge_layout, block_layout = FlatLayout(self.edges), FlatLayout(stack.make_block())
+        edge_layout = FlatLayout(self.edges, shards=ranks.size)
+        block_layout = FlatLayout(stack.make_block(), shards=ranks.size)
         if placement is None:  # every unit sliding, nothing held or pooled: the simplest placement
-            placement = default_placement(stack, config)
+            placement = default_placement(stack, config, ranks.size)
         self._check(placement, edge_layout, block_layout)
         self.placement = placement
         self._make_lanes(config)
@@ -194,7 +207,7 @@ class SlidingEngine:
                              f"are {numels[:2]}... ({len(numels)} units)")
         run = {"clip": bool(self.config.max_grad_norm), "activations": self.config.activation_offload,
                "compute_bytes": self.dtype.itemsize, "state_bytes": DTYPES[self.config.states_dtype].itemsize,
-               "device_is_host": self.device.type != "cuda"}
+               "device_is_host": self.device.type != "cuda", "ranks": self.ranks.size}
         wrong = [f"{k}={getattr(p, k)!r} (this run: {v!r})" for k, v in run.items() if getattr(p, k) != v]
         if wrong:
             raise ValueError("the placement was made for another run: " + ", ".join(wrong))
@@ -234,17 +247,27 @@ class SlidingEngine:
         self.disk = DiskStates(sorted(self.on_disk), numel, config.nvme_dir, DTYPES[config.states_dtype],
                                masters=sorted(away)) if self.on_disk else None
         read = p.loads_from_disk  # (their loads read the master from disk: no copy of it in host memory)
-        self.units = [Unit(edge_layout)] + [Unit(block_layout, u in away, None if u in read else self.dtype)
-                                            for u in range(1, self.num_blocks + 1)]
+        self.units = [Unit(edge_layout, ranks=self.ranks)] + [
+            Unit(block_layout, u in away, None if u in read else self.dtype, self.ranks)
+            for u in range(1, self.num_blocks + 1)]
         # Masters read from disk for loads wait here until they have crossed to the device (pinned on CUDA)
         self._load_ring = [host_zeros(numel, torch.float32) for _ in range(LOAD_SLOTS)] if read else []
         self._load_free = [DONE] * len(self._load_ring)
         self._load_next = 0
+        whole = torch.zeros(max(edge_layout.numel, block_layout.numel)) if self.ranks.sharded else None
+
+        def whole_master(unit: int) -> torch.Tensor:  # (loaded whole, kept as this rank's shard)
+            if whole is None:
+                return self.units[unit].master
+            return whole[:self.units[unit].layout.numel].zero_()  # (padding stays zero)
+
         with torch.no_grad():
-            stack.load_edges(edge_layout.views(self.units[0].master))
+            stack.load_edges(edge_layout.views(loaded := whole_master(0)))
+            self._keep_shard(0, loaded)
             for i in range(self.num_blocks):
                 if i + 1 not in away:
-                    stack.load_block(i, block_layout.views(self.units[i + 1].master))
+                    stack.load_block(i, block_layout.views(loaded := whole_master(i + 1)))
+                    self._keep_shard(i + 1, loaded)
                     continue
                 staged = self.disk.slots[0][2]  # (free until the first update)
                 stack.load_block(i, block_layout.views(staged))
@@ -264,7 +287,9 @@ class SlidingEngine:
                                    config.optimizer, DTYPES[config.states_dtype],
                                    pinned=[self.device.type == "cuda" and u in self.streamed
                                            for u in range(len(self.units))],
-                                   bounds=[(tail_from,)] + [()] * self.num_blocks,
+                                   bounds=[tuple(b - self.units[0].start for b in (tail_from,)
+                                                 if self.units[0].start < b < self.units[0].end)]
+                                   + [()] * self.num_blocks,
                                    external=[u in self.on_disk for u in range(len(self.units))])
         # Edges updated on the device update their tail-only part (final norm, untied lm head) apart from the
         # rest: its gradient is final after the tail and nothing reads it before the next tail, so without
@@ -289,7 +314,7 @@ class SlidingEngine:
         # host have a buffer of their own.
         self.held_grads = {u: torch.zeros(numel, dtype=self.dtype, device=self.device) for u in sorted(p.held)}
         self.pool = SharedPool(p.pooled, numel, self.dtype, self.num_blocks) if p.pooled else None
-        self.grad_ring = StagingRing(p.ring, numel, self.dtype) if p.ring else None
+        self.grad_ring = StagingRing(p.ring, numel // self.ranks.size, self.dtype) if p.ring else None
         # Speculating blocks: the parameters their update gives if clipping does not act, written during backward;
         # `_from_speculation` are the blocks whose loads take them (the step's clipping did not act), until their
         # next update.
@@ -312,7 +337,12 @@ class SlidingEngine:
         # unit -> the moments part of its split update; submitted after the forward, last block first (the order
         # in which backward reuses the gradient buffers, each waiting for it: _send_grads).
         self._moments_due: dict[int, MomentsPart] = {}
-        self.edge_grad = host_zeros(edge_layout.numel, self.dtype) if p.units[0].grad == "own" else None
+        self.edge_grad = host_zeros(edge_layout.numel // self.ranks.size, self.dtype) if p.units[0].grad == "own" \
+            else None
+        # Sharded: where each slot's gradient shard lands from the reduce-scatter, before it leaves the device
+        for slot in [self.edge_slot, *self.resident_slots.values()] + (self.slots.slots if self.slots else []):
+            slot.shard = torch.zeros(slot.grads.numel() // self.ranks.size, dtype=self.dtype, device=self.device) \
+                if self.ranks.sharded else slot.grads
         self.activations = ActivationStore(config.activation_offload, self.device, self.d2h, self.h2d, self.compute,
                                            self.pool, config.activation_dir)
         # Backward fetches activations for at most window + 1 blocks at a time: that many sets of device buffers,
@@ -381,12 +411,12 @@ class SlidingEngine:
         if self.pool is not None:  # its own place, over boundaries the backward has read (see pool.py)
             self._wait_for_update(unit)  # (a host update, whole, finished before its block's load already)
             buffer = self.pool.gradient(block)
-            return buffer, self._copy_out(unit, buffer, slot.grads, f"grads {block}")
+            return buffer, self._copy_out(unit, buffer, slot.shard, f"grads {block}")
         buffer, previous = self.grad_ring.take(unit)
         if previous is not None:  # the buffer's last gradient has been used by its update (both parts), and by its
             self._wait_for_update(previous)  # speculation (which, after a non-finite step, no update follows)
             self._wait_for_update(previous, speculated=True)
-        return buffer, self._copy_out(unit, buffer, slot.grads, f"grads {block}")
+        return buffer, self._copy_out(unit, buffer, slot.shard, f"grads {block}")
 
     def _flush_device_updates(self) -> None:
         """Run the device updates still waiting for their block's next load, and wait until all are home (the
@@ -432,7 +462,12 @@ class SlidingEngine:
 
     def optimizer_state(self, unit: int) -> dict[str, torch.Tensor]:
         """A unit's AdamW state as host tensors (for checkpoints; call `synchronize()` first; moments on disk are
-        their files memory-mapped, to read before the unit's next update)."""
+        their files memory-mapped, to read before the unit's next update). Sharded, every rank calls it and gets
+        the whole unit's, in the layout of one rank (`base_numel` long)."""
+        if self.ranks.sharded:
+            state = self.optimizer.state_tensors(unit)
+            # (every rank has stepped alike: all have a state or none has)
+            return {k: v if k == "step" else self._whole(unit, v) for k, v in state.items()}
         if unit in self.device_optimizers:
             return self.device_optimizers[unit].state_tensors(to_host=True)
         if unit in self.on_disk:
@@ -443,6 +478,9 @@ class SlidingEngine:
         return self.optimizer.state_tensors(unit)
 
     def load_optimizer_state(self, unit: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Load `optimizer_state(unit)` output (sharded: each rank takes its shard of the whole)."""
+        if self.ranks.sharded:
+            tensors = {k: v if k == "step" else self._shard_of(unit, v) for k, v in tensors.items()}
         if unit in self.device_optimizers:
             self.device_optimizers[unit].load_state_tensors(tensors)
         elif unit in self.on_disk:
@@ -464,13 +502,38 @@ class SlidingEngine:
 
     def master(self, unit: int) -> torch.Tensor:
         """A unit's flat fp32 master (call `synchronize()` first): the host tensor itself, or its file on disk
-        memory-mapped (read it before the unit's next update)."""
+        memory-mapped (read it before the unit's next update). Sharded, every rank calls it and gets the whole
+        master, gathered, in the layout of one rank (`base_numel` long)."""
         u = self.units[unit]
+        if self.ranks.sharded:
+            return self._whole(unit, u.master)
         return u.master if u.master is not None else self.disk.master(unit)
 
-    def load_master(self, unit: int, master: torch.Tensor) -> None:
-        """Replace a unit's fp32 master (a checkpoint's; call `refresh()` after the last)."""
+    def _whole(self, unit: int, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's `shard` of a unit's flat host tensor, without the padding that made it split evenly."""
+        return self.ranks.gather_host(shard)[:self.units[unit].layout.base_numel]
+
+    def _shard_of(self, unit: int, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a unit's flat tensor given whole (padded or not)."""
         u = self.units[unit]
+        out = torch.zeros(u.end - u.start, dtype=whole.dtype)
+        piece = whole[u.start:min(u.end, whole.numel())]
+        out[:piece.numel()] = piece
+        return out
+
+    def _keep_shard(self, unit: int, whole: torch.Tensor) -> None:
+        """Keep this rank's shard of a unit's whole master (sharded; otherwise the master is the whole)."""
+        u = self.units[unit]
+        if self.ranks.sharded:
+            u.master.copy_(whole[u.start:u.end])
+
+    def load_master(self, unit: int, master: torch.Tensor) -> None:
+        """Replace a unit's fp32 master (a checkpoint's; call `refresh()` after the last; sharded, each rank
+        takes its shard of the whole)."""
+        u = self.units[unit]
+        if self.ranks.sharded:
+            u.master.copy_(self._shard_of(unit, master))
+            return
         if u.master is not None:
             u.master.copy_(master)
             return
@@ -498,8 +561,9 @@ class SlidingEngine:
             self._wait_for_update(unit, params_only=True)
             self.h2d.wait(self._written.get(unit, DONE))
             ready, label = self.units[unit].params, f"params {block}"
+        into = slot.params[self.units[unit].start:self.units[unit].end]  # (this rank's shard: all of it, alone)
         if ready is not None:
-            self.h2d.run(slot.params.copy_, ready, True, label=label)
+            self.h2d.run(into.copy_, ready, True, label=label)
             slot.unit = block
             return
         master, label = self.units[unit].master, f"params {'edges' if unit == 0 else block}"
@@ -511,17 +575,20 @@ class SlidingEngine:
             self.disk.read_master(unit, master)
             label += " (read from disk)"
         if not slot.narrow:
-            self.h2d.run(slot.params.copy_, master, True, label=label)
+            self.h2d.run(into.copy_, master, True, label=label)
         else:  # copied in on h2d, narrowed on the land lane, piece by piece through the landing zone's halves
             narrowed: dict[int, Signal] = {}  # landing buffer -> its last narrowing
             for start, end, k, landing in slot.pieces(master.numel()):
                 self.h2d.wait(narrowed.get(k, DONE))
                 self.h2d.run(landing.copy_, master[start:end], True, label=label)
                 self.land.wait(self.h2d.record())
-                self.land.run(slot.params[start:end].copy_, landing, label=label)
+                self.land.run(into[start:end].copy_, landing, label=label)
                 narrowed[k] = self.land.record()
         if ring is not None:
             self._load_free[ring] = self.h2d.record()
+        if self.ranks.sharded:  # the other ranks' shards, updated by them
+            self.land.wait(self.h2d.record())
+            self.land.run(self.ranks.all_gather, slot.params, label=f"gather {label}")
         slot.unit = block
 
     def _landed(self) -> Signal:
@@ -653,7 +720,9 @@ class SlidingEngine:
                     h = acts[j].detach().requires_grad_()
                     slot.module(h, self._context(i, ctx)).backward(grads[j])
                     grads[j] = h.grad
-                self._sq_norms[i + 1] = torch.linalg.vector_norm(slot.grads, dtype=torch.float32).square()
+                if self.ranks.sharded:  # this rank's shard of the gradient summed over ranks
+                    self.ranks.reduce_scatter(slot.shard, slot.grads)
+                self._sq_norms[i + 1] = torch.linalg.vector_norm(slot.shard, dtype=torch.float32).square()
             slot.free = self._act_landing[i % len(self._act_landing)].free = self.compute.record()
             if i not in self.resident_slots:
                 host_grads[i + 1], arrived[i + 1] = self._send_grads(i, slot)
@@ -675,17 +744,21 @@ class SlidingEngine:
             for j, batch in enumerate(batches):
                 h = self._head_activation(batch)
                 h.backward(grads[j])
-            self._sq_norms[0] = torch.linalg.vector_norm(self.edge_slot.grads, dtype=torch.float32).square()
+            if self.ranks.sharded:
+                self.ranks.reduce_scatter(self.edge_slot.shard, self.edge_slot.grads)
+            self._sq_norms[0] = torch.linalg.vector_norm(self.edge_slot.shard, dtype=torch.float32).square()
         if 0 in self.streamed:  # updated on the device from the gradient where it is (kept until then)
             host_grads[0], arrived[0] = self.edge_slot.grads, [self.compute.record()]
         elif 0 not in self.resident:
             host_grads[0] = self.edge_grad
             self._wait_for_update(0)  # the last update of the edges is done reading their gradient buffer
             self.d2h.wait(self.compute.record())
-            arrived[0] = self._copy_out(0, self.edge_grad, self.edge_slot.grads, "grads edges")
+            arrived[0] = self._copy_out(0, self.edge_grad, self.edge_slot.shard, "grads edges")
         clock.lap("backward")
 
-        # The one read of the step: loss and the per-unit squared norms (the clip needs the global norm).
+        # The one read of the step: loss and the per-unit squared norms (the clip needs the global norm), summed
+        # over ranks.
+        self.compute.run(self.ranks.all_reduce, self._readout)
         loss_value, *sq = self._readout.tolist()
         grad_norm = math.sqrt(sum(sq))
         # A clipped step has changed no weight yet: with a non-finite norm it leaves every weight and AdamW state
@@ -794,8 +867,10 @@ class SlidingEngine:
         with torch.no_grad():
             hidden, contexts = self._forward(batches, keep=False)
             self._submit_moments()
-            loss = sum(self._tail(h, batch, normalizer, ctx).float()
-                       for h, batch, ctx in zip(hidden, batches, contexts))
+            loss = sum((self._tail(h, batch, normalizer, ctx).float() for h, batch, ctx in zip(hidden, batches,
+                                                                                                 contexts)),
+                       torch.zeros((), device=self.device))  # (a rank may have no micro-batch of the last group)
+            self.compute.run(self.ranks.all_reduce, loss)
         return float(loss)  # one read for all micro-batches
 
     def _to_device(self, micro_batches: list[Batch]) -> list[Batch]:
@@ -902,10 +977,11 @@ def _drain(spans: list[tuple[str, float, float]], origin: float) -> list[tuple[s
     return [(label, start - origin, end - origin) for label, start, end in seen if end >= origin]
 
 
-def default_placement(stack: Stack, config: EngineConfig) -> Placement:
+def default_placement(stack: Stack, config: EngineConfig, ranks: int = 1) -> Placement:
     """Every unit sliding through two slots and updated on the host, gradients in the ring: the placement of an
     engine built without one (slide-scheduler's `place` chooses for a budget and a machine)."""
-    edges, block = FlatLayout(stack.make_edges()).numel, FlatLayout(stack.make_block()).numel
+    edges = FlatLayout(stack.make_edges(), shards=ranks).numel
+    block = FlatLayout(stack.make_block(), shards=ranks).numel
     device = config.resolve_device()
     clip = bool(config.max_grad_norm)
     host = UnitPlacement(False, "host", "ring", "host", split=clip)
@@ -913,7 +989,8 @@ def default_placement(stack: Stack, config: EngineConfig) -> Placement:
     return Placement(Shapes((edges,) + (block,) * stack.num_blocks, hidden=0), StepShape(0, 0), units, window=2,
                      clip=clip, activations=config.activation_offload,
                      compute_bytes=config.resolve_dtype(device).itemsize,
-                     state_bytes=DTYPES[config.states_dtype].itemsize, device_is_host=device.type != "cuda")
+                     state_bytes=DTYPES[config.states_dtype].itemsize, device_is_host=device.type != "cuda",
+                     ranks=ranks)
 
 
 def _tail_only_from(edges, layout: FlatLayout) -> int:

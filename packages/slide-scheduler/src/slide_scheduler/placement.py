@@ -59,9 +59,11 @@ class Shapes:
         return max(self.unit_numels[1:], default=0)
 
 
-def shapes_of(stack, hidden: int = 0, intermediate: int = 0, vocab: int = 0) -> Shapes:
-    """A stack's shapes (its edges' and blocks' parameter counts; widths as given)."""
-    edges, block = FlatLayout(stack.make_edges()).numel, FlatLayout(stack.make_block()).numel
+def shapes_of(stack, hidden: int = 0, intermediate: int = 0, vocab: int = 0, ranks: int = 1) -> Shapes:
+    """A stack's shapes (its edges' and blocks' parameter counts, padded to split into `ranks` shards; widths as
+    given)."""
+    edges = FlatLayout(stack.make_edges(), shards=ranks).numel
+    block = FlatLayout(stack.make_block(), shards=ranks).numel
     return Shapes((edges,) + (block,) * stack.num_blocks, hidden, intermediate, vocab)
 
 
@@ -115,6 +117,9 @@ class Placement:
     stream_piece: int = field(default_factory=lambda: STREAM_PIECE)  # (read when made: tests shrink them)
     stream_buffers: int = field(default_factory=lambda: STREAM_BUFFERS)
     threads: int = field(default_factory=torch.get_num_threads)  # host optimizer threads (its scratch)
+    # Data-parallel ranks (ranks.py): each keeps 1/ranks of every unit's master, moments and host gradient; the
+    # placement's bytes are one rank's
+    ranks: int = 1
 
     def __post_init__(self):
         validate(self)
@@ -216,6 +221,14 @@ def validate(p: Placement) -> None:
         raise ValueError(f"the window needs at least one slot, got {p.window}")
     if p.activations not in ("none", "cpu", "nvme"):
         raise ValueError(f"activations must be none, cpu or nvme, got {p.activations!r}")
+    if p.ranks < 1 or any(n % p.ranks for n in p.shapes.unit_numels):
+        raise ValueError(f"units of {p.shapes.unit_numels[:2]}... elements do not split into {p.ranks} shards")
+    if p.ranks > 1:
+        other = [_names([u]) for u, unit in enumerate(p.units)
+                 if unit.update != "host" or unit.moments != HOST or unit.speculate or unit.grad == "pool"]
+        if other:
+            raise ValueError(f"with {p.ranks} data-parallel ranks every unit slides and updates on the host, its "
+                             f"moments in host memory (not yet: {', '.join(other)})")
     for u, unit in enumerate(p.units):
         name = "edges" if u == 0 else f"block {u - 1}"
         if unit.update not in UPDATES or unit.grad not in GRADS or unit.moments not in TIERS:
@@ -274,6 +287,7 @@ def _allocations(p: Placement) -> list[Allocation]:
     s, t = p.shapes, p.step
     c, dev = p.compute_bytes, (HOST if p.device_is_host else GPU)
     numel = s.unit_numels
+    shard = [n // p.ranks for n in numel]  # what one rank keeps of each unit's host state
     out: list[Allocation] = []
 
     def add(tier: str, kind: str, nbytes: float, transient: bool = False) -> None:
@@ -285,12 +299,12 @@ def _allocations(p: Placement) -> list[Allocation]:
     # Host: an fp32 master per unit (resident ones keep theirs for checkpoints) but those on disk, which keep a
     # copy of their parameters in the compute dtype instead; moments of host units
     away, read = p.masters_on_disk, p.loads_from_disk
-    add(HOST, "masters", 4 * sum(numel[u] for u in range(len(numel)) if u not in away))
+    add(HOST, "masters", 4 * sum(shard[u] for u in range(len(numel)) if u not in away))
     add(HOST, "parameters of masters on disk", c * sum(numel[u] for u in away - read))
     add(HOST, "masters read for loads", DISK_LOAD_SLOTS * 4 * s.block_numel if read else 0)
-    add(HOST, "moments", 2 * p.state_bytes * sum(numel[u] for u in host_units if u not in p.on_disk))
+    add(HOST, "moments", 2 * p.state_bytes * sum(shard[u] for u in host_units if u not in p.on_disk))
     if host_units:  # the host optimizer's scratch and its three fp32 rows, shared by every unit
-        size = min(BLOCK_PER_THREAD * p.threads, CHUNK, max(numel[u] for u in host_units))
+        size = min(BLOCK_PER_THREAD * p.threads, CHUNK, max(shard[u] for u in host_units))
         add(HOST, "optimizer scratch", 4 * 4 * size)
     if p.on_disk:
         add(DISK, "moments", 2 * p.state_bytes * sum(numel[u] for u in p.on_disk))
@@ -312,14 +326,16 @@ def _allocations(p: Placement) -> list[Allocation]:
     if p.streamed:  # device-update buffers: fp32 master, m, v, gradient, and the gradient as it lands
         add(dev, "device-update buffers", p.stream_buffers * p.stream_piece_numel * (16 + c))
     add(dev, "held gradients", c * sum(numel[u] for u in p.held))
+    if p.ranks > 1:  # each slot's (and the edges') gradient shard, reduce-scattered before it leaves
+        add(dev, "gradient shards", c * ((p.window if sliding else 0) * shard[1 % len(numel)] + shard[0]))
     add(dev, "step readout", 4 * (1 + len(numel)))  # the loss, then each unit's squared gradient norm
     # Host gradients: the ring, the sliding edges' own buffer, and the pool shared with the boundary activations
     act = t.tokens_per_micro * s.hidden * c  # one micro-batch's boundary activation
     boundaries = s.num_blocks * t.micro_batches  # block inputs 0..n-1 (the last output goes straight on)
-    add(HOST, "gradients", p.ring * c * s.block_numel)
+    add(HOST, "gradients", p.ring * c * s.block_numel // p.ranks)
     add(HOST, "speculative parameters", c * sum(numel[u] for u in p.speculated))
     if p.units[0].grad == "own":
-        add(HOST, "gradients", c * numel[0])
+        add(HOST, "gradients", c * shard[0])
     if p.pooled:
         add(HOST, "gradients + boundary activations",
             pool_bytes(p.pooled, c * s.block_numel, [act] * t.micro_batches, s.num_blocks))
@@ -376,6 +392,7 @@ class Options:
     cuda: bool = True
     nvme_fraction: float = 0.0
     disk_loads: bool = False  # blocks whose master is on disk read it for their loads (no copy in host memory)
+    ranks: int = 1  # data-parallel ranks: every unit then slides and updates on the host (ranks.py)
 
 
 def device_updated(sliding: int, share: float) -> list[int]:
@@ -408,6 +425,8 @@ def arrange(shapes: Shapes, step: StepShape, options: Options, *, resident: Iter
     the ring, where with `speculate` their clipped updates speculate (a number: only the first that many such
     blocks, whose loads the next forward needs soonest)."""
     o, n = options, shapes.num_blocks
+    if o.ranks > 1:  # what data parallelism runs so far: host updates of host states, gradients in the ring
+        share, shared, speculate = 0.0, False, False
     resident = set(resident)
     sliding = [u for u in range(1, n + 1) if u not in resident]
     disk = {1 + b for b in on_disk_blocks(n, len(sliding), o.nvme_fraction)} & set(sliding)
@@ -433,7 +452,7 @@ def arrange(shapes: Shapes, step: StepShape, options: Options, *, resident: Iter
                                        disk_loads=o.disk_loads and u in disk))
     extra = {} if threads is None else {"threads": threads}
     return Placement(shapes, step, tuple(units), window, o.clip, o.activations, o.compute_bytes, o.state_bytes,
-                     device_is_host=not o.cuda, **extra)
+                     device_is_host=not o.cuda, ranks=o.ranks, **extra)
 
 
 def resident_units(resident: int | Iterable[int]) -> set[int]:
@@ -455,6 +474,8 @@ def size_for_budget(shapes: Shapes, step: StepShape, options: Options, budget: f
 
     if overrides.resident is not None:
         chosen = make(resident_units(overrides.resident))
+    elif options.ranks > 1:
+        chosen = make(set())
     elif not options.cuda or budget is None:
         chosen = make(set() if not options.cuda else set(range(n + 1)))
     else:
@@ -470,7 +491,7 @@ def size_for_budget(shapes: Shapes, step: StepShape, options: Options, budget: f
                 chosen = candidate
     if overrides.held_grads is not None:
         return make(chosen.resident, overrides.held_grads)
-    if options.cuda and budget is not None and options.clip and chosen.streamed - {0}:
+    if options.cuda and budget is not None and options.clip and chosen.streamed - {0} and options.ranks == 1:
         room = budget - chosen.bytes(GPU) - max(0.5 * GIB, HELD_HEADROOM * budget)
         held = int(max(0.0, room) // (options.compute_bytes * shapes.block_numel))
         chosen = make(chosen.resident, held)

@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from slide_io import free_bytes, is_disk_full
 from slide_scheduler import DTYPES
 
 from .errors import CheckpointError, DiskFullError, size_text
@@ -102,7 +103,7 @@ def checkpoint_bytes(unit_numels, resident: set[int], states_dtype: str, trainer
 
 def engine_checkpoint_bytes(engine, trainer_state: dict | None = None, step: int = 0,
                             rng: dict[str, torch.Tensor] | None = None) -> int:
-    return checkpoint_size([u.layout.numel for u in engine.units], engine.resident, engine.config.states_dtype,
+    return checkpoint_size([u.layout.base_numel for u in engine.units], engine.resident, engine.config.states_dtype,
                            trainer_state, step, rng).needed
 
 
@@ -110,9 +111,17 @@ def save_checkpoint(root: pathlib.Path, step: int, engine, trainer_state: dict, 
     """Write `step-<step>` under `root`; a disk too small for it raises DiskFullError before anything is written
     (or, if the disk fills while writing, after removing the partial files). `check(name, master)` sees each
     unit's master as it is written (one read of a master on disk, not two) and may raise: nothing of the
-    checkpoint is then left."""
+    checkpoint is then left.
+
+    Data-parallel ranks all call it: the first gathers every unit's shards and writes the files, as one process
+    would; the others give their shards and learn the outcome, so that every rank raises alike."""
     rng = rng_states()
     needed, tmp = engine_checkpoint_bytes(engine, trainer_state, step, rng), root / f".step-{step}.partial"
+    ranks = engine.ranks
+    if ranks.sharded and not ranks.share(float(ranks.rank > 0 or needed <= free_bytes(root))):
+        raise _disk_full(root, step, needed, free_bytes(root))
+    if ranks.rank > 0:
+        return _give_shards(root, step, engine, needed)
     return write_within(root, needed, tmp,
                         lambda: _write(root, tmp, root / f"step-{step}", step, engine, trainer_state, rng, check),
                         lambda free: _disk_full(root, step, needed, free))
@@ -138,17 +147,26 @@ def _write(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int
     def written(path: pathlib.Path) -> None:  # hashed at once, while the page cache still holds what was written
         manifest[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
 
-    try:
-        for index, name in enumerate(bar(engine.unit_names(), desc=f"writing step-{step}", unit="file")):
-            tensors = {"master": engine.master(index)}
+    error = None
+    for index, name in enumerate(bar(engine.unit_names(), desc=f"writing step-{step}", unit="file")):
+        master = engine.master(index)
+        states = engine.optimizer_state(index)
+        if error is not None:  # (the other ranks' gathers go on to the last unit)
+            continue
+        try:
             if check is not None:
-                check(name, tensors["master"])
-            tensors.update({f"adamw.{k}": v for k, v in engine.optimizer_state(index).items()})
-            save_file(tensors, str(tmp / unit_file(name)))
+                check(name, master)
+            save_file({"master": master} | {f"adamw.{k}": v for k, v in states.items()}, str(tmp / unit_file(name)))
             written(tmp / unit_file(name))
-    except BaseException:
+        except BaseException as e:
+            error = e
+            if not engine.ranks.sharded:
+                break
+    if engine.ranks.sharded:  # what the other ranks learn: written, a full disk, or another failure
+        engine.ranks.share(0 if error is None else FULL if is_disk_full(error) else FAILED)
+    if error is not None:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        raise error
     save_file(rng, str(tmp / "rng.safetensors"))
     written(tmp / "rng.safetensors")
     (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=2))
@@ -170,6 +188,23 @@ def _write(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int
     if aside.exists():
         shutil.rmtree(aside)
     return final
+
+
+FULL, FAILED = 1, 2  # what the first rank tells the others of a checkpoint it could not write
+
+
+def _give_shards(root: pathlib.Path, step: int, engine, needed: int) -> pathlib.Path:
+    """A data-parallel rank's part of a checkpoint the first rank writes: the same gathers, unit by unit."""
+    engine.synchronize()
+    for index in range(len(engine.units)):
+        engine.master(index)
+        engine.optimizer_state(index)
+    outcome = engine.ranks.share(0)
+    if outcome == FULL:
+        raise _disk_full(root, step, needed, free_bytes(root))
+    if outcome == FAILED:
+        raise CheckpointError(f"the first rank could not write checkpoint step-{step} in {root}: its error says why")
+    return root / f"step-{step}"
 
 
 def verify(path: pathlib.Path) -> dict:
@@ -234,7 +269,7 @@ def load_checkpoint(path: pathlib.Path, engine) -> dict:
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read {path / unit_file(name)}: {e}") from e
         master = tensors.pop("master")
-        numel = engine.units[index].layout.numel
+        numel = engine.units[index].layout.base_numel
         if master.shape != (numel,):
             raise CheckpointError(f"{path / unit_file(name)} holds {master.numel()} parameters, the model has "
                                   f"{numel}: the checkpoint is from another model")

@@ -27,6 +27,7 @@ def _config_parser(sub, name: str, help: str):
 
 
 def cmd_finetune(args, overrides) -> int:
+    from .distributed import leave
     from .progress import hide_bars
     from .trainer import Trainer
 
@@ -34,7 +35,10 @@ def cmd_finetune(args, overrides) -> int:
     machine = _machine(args.machine)
     if args.no_progress:  # checkpoints and the export included
         hide_bars()
-    Trainer(cfg, progress=not args.no_progress, machine=machine).fit()
+    try:
+        Trainer(cfg, progress=not args.no_progress, machine=machine).fit()
+    finally:
+        leave()  # (data-parallel ranks: their process group)
     return 0
 
 
@@ -69,10 +73,11 @@ def cmd_plan(args, overrides) -> int:
     machine = resolve_machine(args.machine, disk_dir=str(nvme_dir(cfg)) if uses_disk(cfg) else None)
     model = load_model(cfg.model, cfg.seed, need_tokenizer=False, need_weights=False)  # config.json is enough
     check_fits(model, cfg.seq_len)
-    plan, _, _ = plan_run(cfg, model, machine, running=False)
+    plan, _, _ = plan_run(cfg, model, machine, running=False, ranks=args.nproc)
     if args.json:
         print(json.dumps({"model": cfg.model, "params": sum(plan.placement.shapes.unit_numels),
-                          "tokens_per_step": cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum,
+                          "ranks": args.nproc,
+                          "tokens_per_step": cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum * args.nproc,
                           "machine": machine.to_dict(), **plan.to_dict(),
                           **dict(zip(("checkpoint_bytes", "checkpoint_s"), checkpoint_cost(plan, machine)))},
                          indent=1))
@@ -80,7 +85,8 @@ def cmd_plan(args, overrides) -> int:
         shapes = plan.placement.shapes
         print(f"model: {cfg.model} ({model.hf_config.model_type}, {params_text(sum(shapes.unit_numels))} params, "
               f"{shapes.num_blocks} blocks); {cfg.grad_accum} x {cfg.micro_batch_size} x {cfg.seq_len} tokens per "
-              f"step; machine: {args.machine or 'this one (last probe)'}")
+              f"step{f' per rank, {args.nproc} ranks (host memory below: one rank)' if args.nproc > 1 else ''}; "
+              f"machine: {args.machine or 'this one (last probe)'}")
         print(describe(plan, machine))
     return 0 if plan.fits else 2
 
@@ -144,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                                     "(exit 0 when it fits, 2 when not)")
     p.add_argument("--machine", default=None, help="a machine file (default: the last probe of this machine)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.add_argument("--nproc", type=_positive, default=1,
+                   help="data-parallel ranks on the machine (torchrun --nproc-per-node): each GPU's plan, the host's "
+                        "memory shared")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("probe", help="measure this machine (GPU, PCIe, host memory and AdamW, disk) as a machine file")
     p.add_argument("--out", default=None, help="write the machine file here")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import pathlib
 import sys
 import warnings
@@ -121,7 +122,10 @@ def open_run_log(run_dir: str | pathlib.Path) -> pathlib.Path | None:
 
 
 def say(text: str) -> None:
-    """A line for the user: on stdout (above a progress bar, if one shows), and in the run's log.txt."""
+    """A line for the user: on stdout (above a progress bar, if one shows), and in the run's log.txt. Of a
+    data-parallel run, the first rank speaks for all."""
+    if os.environ.get("RANK", "0") != "0":
+        return
     tqdm.write(text, file=sys.stdout)
     sys.stdout.flush()
     for handler in logger().handlers:

@@ -25,13 +25,15 @@ def gpu_peak_gib(device: torch.device) -> float:
 
 
 class MetricsLog:
-    def __init__(self, run_dir: pathlib.Path, tensorboard: bool = True, first_step: int = 1):
+    def __init__(self, run_dir: pathlib.Path, tensorboard: bool = True, first_step: int = 1, writes: bool = True):
         """`first_step`: the step logged next; TensorBoard hides events of that step and later that an earlier
-        course of the run wrote (a resume from an older checkpoint redoes them)."""
+        course of the run wrote (a resume from an older checkpoint redoes them). `writes`: False for the ranks
+        of a data-parallel run but the first, whose records would repeat its global figures."""
         self.path = run_dir / "metrics.jsonl"
-        self._file = open(self.path, "a")  # noqa: SIM115 - stays open for the run, closed by close()
+        # (stays open for the run, closed by close())
+        self._file = open(self.path, "a") if writes else None  # noqa: SIM115
         self._tb = None
-        if tensorboard:
+        if tensorboard and writes:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:  # a declared dependency; only a hand-made environment lacks it
@@ -40,6 +42,8 @@ class MetricsLog:
                 self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=first_step)
 
     def write(self, record: dict) -> None:
+        if self._file is None:
+            return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -48,7 +52,8 @@ class MetricsLog:
                     self._tb.add_scalar(key, value, record["step"])
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
 

@@ -37,13 +37,13 @@ def params_text(count: int) -> str:
     return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
 
 
-def model_shapes(model, stack) -> Shapes:
+def model_shapes(model, stack, ranks: int = 1) -> Shapes:
     hf = model.hf_config
     intermediate = getattr(hf, "moe_intermediate_size", None) or getattr(hf, "intermediate_size", 0) or 0
     # A mixture of experts: each token's MLP activations and FLOPs are those of the experts it is routed to
     routed = getattr(hf, "num_experts_per_tok", None) or 1
     intermediate *= routed
-    shapes = shapes_of(stack, hidden=hf.hidden_size, intermediate=intermediate, vocab=hf.vocab_size)
+    shapes = shapes_of(stack, hidden=hf.hidden_size, intermediate=intermediate, vocab=hf.vocab_size, ranks=ranks)
     family = family_of(hf)
     if family.experts:
         experts = getattr(hf, family.experts)
@@ -74,43 +74,46 @@ def overrides_of(cfg: TrainConfig, num_blocks: int) -> Overrides:
 
 
 def run_options(cfg: TrainConfig, cuda: bool, nvme_fraction: float | None = None,
-                disk_loads: bool = False) -> Options:
+                disk_loads: bool = False, ranks: int = 1) -> Options:
     e = cfg.engine
     return Options(clip=bool(cfg.max_grad_norm), activations=e.activation_offload,
                    compute_bytes=4 if e.compute_dtype == "fp32" or not cuda else 2,
                    state_bytes=STATE_BYTES[e.states_dtype], cuda=cuda,
-                   nvme_fraction=e.nvme.fraction if nvme_fraction is None else nvme_fraction, disk_loads=disk_loads)
+                   nvme_fraction=e.nvme.fraction if nvme_fraction is None else nvme_fraction, disk_loads=disk_loads,
+                   ranks=ranks)
 
 
-def budgets_for(machine: Machine, cuda: bool, cap_gib: float | None, card_gib: float | None = None) -> Budgets:
-    """Each budget is the smaller of the machine's figure and the config's cap (and, running, the card here)."""
+def budgets_for(machine: Machine, cuda: bool, cap_gib: float | None, card_gib: float | None = None,
+                ranks_here: int = 1) -> Budgets:
+    """Each budget is the smaller of the machine's figure and the config's cap (and, running, the card here); a
+    GPU's is one rank's, the host's shared by the `ranks_here` ranks on it."""
     gpu = None
     if cuda:
         sizes = [x for x in (machine.gpu.memory_gib or None, cap_gib, card_gib) if x]
         gpu = GPU_USABLE * min(sizes) * GIB if sizes else None
-    host = HOST_USABLE * machine.host.memory_gib * GIB if machine.host.memory_gib else None
+    host = HOST_USABLE * machine.host.memory_gib * GIB / ranks_here if machine.host.memory_gib else None
     disk = machine.disk.free_gib * GIB if machine.disk.free_gib else None  # (0: not measured here)
     return Budgets(gpu=gpu, host=host, disk=disk)
 
 
 def make_plan(cfg: TrainConfig, shapes: Shapes, machine: Machine, cuda: bool, budgets: Budgets,
-              nvme_fraction: float | None = None, disk_loads: bool | None = None) -> Plan:
+              nvme_fraction: float | None = None, disk_loads: bool | None = None, ranks: int = 1) -> Plan:
     """The run's plan; with engine.nvme.fraction `auto`, at the least share on disk that fits host memory.
 
     Blocks whose master is on disk keep a copy of their parameters in RAM for their loads where that fits
     (`disk_loads` None: the placement's choice); where it does not, their loads read the master from disk. `auto`
     reads from disk only where no share fits with the copies."""
     if nvme_fraction is None and cfg.engine.nvme.fraction == "auto":
-        plan = make_plan(cfg, shapes, machine, cuda, budgets, 0.0, disk_loads=False)
-        if budgets.host is None or plan.placement.bytes(HOST) <= budgets.host:
-            return plan
+        plan = make_plan(cfg, shapes, machine, cuda, budgets, 0.0, disk_loads=False, ranks=ranks)
+        if budgets.host is None or plan.placement.bytes(HOST) <= budgets.host or ranks > 1:
+            return plan  # (data-parallel ranks keep their states in host memory: ranks.py)
         found = disk_share(cfg, shapes, machine, cuda, budgets, plan)
         return make_plan(cfg, shapes, machine, cuda, budgets, found[0], disk_loads=found[2]) if found else plan
     step = StepShape(cfg.micro_batch_size * cfg.seq_len, cfg.grad_accum, cfg.seq_len)
 
     def placed(loads: bool) -> Plan:
-        return place(shapes, step, run_options(cfg, cuda, nvme_fraction, disk_loads=loads), budgets, machine,
-                     overrides_of(cfg, shapes.num_blocks))
+        return place(shapes, step, run_options(cfg, cuda, nvme_fraction, disk_loads=loads, ranks=ranks), budgets,
+                     machine, overrides_of(cfg, shapes.num_blocks))
 
     if disk_loads is not None:
         return placed(disk_loads)

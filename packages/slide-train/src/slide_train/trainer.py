@@ -25,12 +25,23 @@ import yaml
 
 from slide_io import free_bytes
 from slide_memory import AdamWConfig
-from slide_scheduler import DISK, HOST, EngineConfig, Machine, Plan, SlidingEngine, plot_timeline, write_trace
+from slide_scheduler import (
+    DISK,
+    HOST,
+    EngineConfig,
+    Machine,
+    Plan,
+    Ranks,
+    SlidingEngine,
+    plot_timeline,
+    write_trace,
+)
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, to_dict
 from .data import build_data
 from .data.formats import IGNORE
+from .distributed import join, rank_device, ranks_here
 from .errors import ConfigError, DiskFullError, TrainingError, size_text
 from .export import MARKER as EXPORT_MARKER
 from .export import base_dir, export_dtype, export_hf, export_size, is_earlier_export, layout_tensors, save_base_files
@@ -94,28 +105,33 @@ def uses_disk(cfg: TrainConfig) -> bool:
     return fraction == "auto" or fraction > 0 or cfg.engine.activation_offload == "nvme"
 
 
-def engine_config(cfg: TrainConfig) -> EngineConfig:
+def engine_config(cfg: TrainConfig, ranks: int = 1) -> EngineConfig:
     e, folder = cfg.engine, nvme_dir(cfg)
     return EngineConfig(
-        device=e.device, compute_dtype=e.compute_dtype, activation_offload=e.activation_offload,
+        device=rank_device(e.device, ranks), compute_dtype=e.compute_dtype, activation_offload=e.activation_offload,
         max_grad_norm=cfg.max_grad_norm, pipeline=not e.placement.get("synchronous", False),
         states_dtype=e.states_dtype,
         optimizer=AdamWConfig(**dataclasses.asdict(cfg.optimizer)),  # same fields; the front end has its defaults
         nvme_dir=str(folder / STATES_DIR), activation_dir=str(folder / ACTIVATIONS_DIR))
 
 
-def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True) -> tuple[Plan, EngineConfig, object]:
+def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True,
+             ranks: int = 1) -> tuple[Plan, EngineConfig, object]:
     """The plan of a run on `machine`, the engine config it implies and the stack to build it on.
 
     Running, the device is this process's (`engine.device`): on CUDA the budget is the smallest of the card, the
     machine file's GPU and `engine.gpu_memory_limit_gb` (the process is capped to that), and a run that does not
     fit is refused. Not running (`slide-train plan`), the machine file's GPU is planned for, wherever this runs.
+    With data-parallel `ranks`, the plan is one rank's, and the ranks on this host share its memory.
     """
     e = cfg.engine
     card_gib = None
+    if ranks > 1 and (e.nvme.fraction not in (0, 0.0) or e.activation_offload == "nvme"):
+        raise ConfigError("data-parallel ranks keep every state in host memory and activations on the host or the "
+                          "device: set engine.nvme.fraction=0 and engine.activation_offload to cpu or none")
     if not running:
         cuda = machine.has_gpu and e.device != "cpu"
-    elif (device := resolve_device(e.device)).type == "cuda":
+    elif (device := resolve_device(rank_device(e.device, ranks))).type == "cuda":
         cuda = True
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         total = torch.cuda.get_device_properties(device).total_memory
@@ -129,10 +145,11 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True) ->
         cuda = False
     kernels = e.kernels == "on" or (e.kernels == "auto" and cuda)
     stack = model.stack(kernels=kernels)
-    shapes = model_shapes(model, stack)
-    budgets = budgets_for(machine, cuda, e.gpu_memory_limit_gb, card_gib)
-    plan = make_plan(cfg, shapes, machine, cuda, budgets)
-    if not running and budgets.host is not None and plan.placement.bytes(HOST) > budgets.host:
+    shapes = model_shapes(model, stack, ranks)
+    budgets = budgets_for(machine, cuda, e.gpu_memory_limit_gb, card_gib,
+                          ranks_here=min(ranks, ranks_here()) if running else ranks)
+    plan = make_plan(cfg, shapes, machine, cuda, budgets, ranks=ranks)
+    if not running and budgets.host is not None and plan.placement.bytes(HOST) > budgets.host and ranks == 1:
         every = make_plan(cfg, shapes, machine, cuda, budgets, nvme_fraction=1.0)
         if every.placement.bytes(HOST) > budgets.host:
             plan.problems.append(
@@ -152,7 +169,7 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True) ->
             warnings.warn(f"engine.nvme.fraction={e.nvme.fraction} puts no master or AdamW state on disk: " + (
                 f"it is none of the {sliding} sliding blocks (a share of {1 / sliding:.3g} keeps one block's "
                 "states there)" if sliding else "every block is resident, its states on the device"), stacklevel=2)
-    return plan, engine_config(cfg), stack
+    return plan, engine_config(cfg, ranks), stack
 
 
 def default_disk_folders(cfg: TrainConfig) -> list[str]:
@@ -171,11 +188,12 @@ def leftovers(cfg: TrainConfig) -> list[pathlib.Path]:
 
 
 def build_engine(cfg: TrainConfig, model, machine: Machine, progress: bool = False,
-                 before_load=None) -> tuple[SlidingEngine, Plan]:
+                 before_load=None, ranks: Ranks | None = None) -> tuple[SlidingEngine, Plan]:
     """The engine of the run's placement. Loading an 8B model's weights takes minutes: with `progress`, a bar
     counts the blocks as they are read; `before_load(plan, engine_cfg)` runs first (checks that can refuse the
-    run without that wait)."""
-    plan, engine_cfg, stack = plan_run(cfg, model, machine)
+    run without that wait). `ranks`: this process's data-parallel group."""
+    ranks = ranks or Ranks()
+    plan, engine_cfg, stack = plan_run(cfg, model, machine, ranks=ranks.size)
     for folder in default_disk_folders(cfg):  # a killed run's files (before the checks count them)
         shutil.rmtree(folder, ignore_errors=True)
     if left := leftovers(cfg):  # the user's own folder: said, not removed
@@ -196,7 +214,7 @@ def build_engine(cfg: TrainConfig, model, machine: Machine, progress: bool = Fal
 
         stack.load_block = load_block
         try:
-            return SlidingEngine(stack, engine_cfg, plan.placement), plan
+            return SlidingEngine(stack, engine_cfg, plan.placement, ranks), plan
         finally:
             stack.load_block = read
 
@@ -273,6 +291,11 @@ class Trainer:
                 f"{self.run_dir} holds an earlier run ({what} start afresh there with --overwrite=true), or choose "
                 "another output_dir")
         resolve_device(cfg.engine.device)  # before minutes of loading
+        self.ranks = join(cfg.engine.device)
+        self.lead = self.ranks.rank == 0  # writes the run's files; every rank computes
+        self._resume_path = self._find_checkpoint() if cfg.resume else None
+        if self._resume_path is not None:
+            self.cfg = cfg = self._keep_global_batch(cfg, self._resume_path)
         torch.manual_seed(cfg.seed)
         self.model = load_model(cfg.model, cfg.seed, need_tokenizer=cfg.data.format != "tokens")
         check_fits(self.model, cfg.seq_len)
@@ -287,29 +310,33 @@ class Trainer:
                           "engine.activation_offload=nvme: this run writes nothing there", stacklevel=2)
         self.machine = machine if machine is not None else resolve_machine(
             None, disk_dir=str(nvme_dir(cfg)) if uses_disk(cfg) else None)
-        self.engine, self.memory_plan = build_engine(cfg, self.model, self.machine, progress,
-                                                     before_load=lambda plan, e: self._check_disk(plan, e, outputs))
-        self.num_params = sum(u.layout.numel for u in self.engine.units)
+        self.engine, self.memory_plan = build_engine(cfg, self.model, self.machine, progress and self.lead,
+                                                     before_load=lambda plan, e: self._check_disk(plan, e, outputs),
+                                                     ranks=self.ranks)
+        self.num_params = sum(u.layout.base_numel for u in self.engine.units)
         shapes = self.memory_plan.placement.shapes  # (a mixture of experts computes with its routed experts only)
         self.active_params = shapes.unit_numels[0] + shapes.num_blocks * (shapes.active_block_numel or
                                                                             shapes.block_numel)
-        per_step = cfg.micro_batch_size * cfg.grad_accum
+        per_step = cfg.micro_batch_size * cfg.grad_accum * self.ranks.size
         self.total_steps = math.ceil(self.data.train.rows_in(cfg.epochs) / per_step) if cfg.epochs else cfg.steps
         self.step_index = 0
         self._disk_warned = False  # (the warning that the disk is slower than the machine file says, given once)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        for path in outputs:  # --overwrite: cleared only now that the new run could be built
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-        open_run_log(self.run_dir)  # (the command line's: what it said so far, then the rest)
+        self.ranks.share(0)  # (every rank has looked for an earlier run before the first clears it)
+        if self.lead:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            for path in outputs:  # --overwrite: cleared only now that the new run could be built
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            open_run_log(self.run_dir)  # (the command line's: what it said so far, then the rest)
         self.resumed_from = self._resume() if cfg.resume else None
         # Checkpoints after the one resumed from belong to a course this run replaces: deleted at its first save.
         self._replaces_after = ckpt.step_of(self.resumed_from) if self.resumed_from is not None else None
         # Written once the run is known to go ahead: a refused resume leaves the run's config as it was.
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        if not save_base_files(self.model, self.run_dir / BASE_MODEL_DIR):  # what `slide-train export` reads
-            warnings.warn(f"{self.run_dir / BASE_MODEL_DIR} was not written by slide-train: left alone; "
-                          f"`slide-train export` will read {cfg.model} instead", stacklevel=2)
-        self.log = MetricsLog(self.run_dir, first_step=self.step_index + 1)
+        if self.lead:
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            if not save_base_files(self.model, self.run_dir / BASE_MODEL_DIR):  # what `slide-train export` reads
+                warnings.warn(f"{self.run_dir / BASE_MODEL_DIR} was not written by slide-train: left alone; "
+                              f"`slide-train export` will read {cfg.model} instead", stacklevel=2)
+        self.log = MetricsLog(self.run_dir, first_step=self.step_index + 1, writes=self.lead)
         self._stop_signal: int | None = None
         self._eval: tuple[list, int] | None = None
         self._finite_at: int | None = None  # the step whose weights were last checked finite
@@ -361,14 +388,37 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
-    def _resume(self) -> pathlib.Path | None:
+    def _find_checkpoint(self) -> pathlib.Path | None:
+        """The verified checkpoint --resume names (auto: the latest intact one; None: nothing saved yet)."""
         if self.cfg.resume == "auto":  # find_resumable returns a verified checkpoint
-            path = ckpt.find_resumable(self.checkpoints)  # None: nothing saved yet, a fresh start
-        else:
-            path = pathlib.Path(self.cfg.resume)
-            if not path.is_dir():
-                raise ckpt.CheckpointError(f"resume: checkpoint {path} does not exist")
-            ckpt.verify(path)
+            return ckpt.find_resumable(self.checkpoints)
+        path = pathlib.Path(self.cfg.resume)
+        if not path.is_dir():
+            raise ckpt.CheckpointError(f"resume: checkpoint {path} does not exist")
+        ckpt.verify(path)
+        return path
+
+    def _keep_global_batch(self, cfg: TrainConfig, path: pathlib.Path) -> TrainConfig:
+        """A checkpoint of a run with another rank count resumes with the rows per step it had: grad_accum
+        changes, or the resume is refused where no whole grad_accum gives them."""
+        saved = json.loads((path / "trainer.json").read_text())
+        ranks, was = saved.get("ranks", 1), saved.get("config", {})
+        if ranks == self.ranks.size:
+            return cfg
+        rows = was.get("micro_batch_size", cfg.micro_batch_size) * was.get("grad_accum", cfg.grad_accum) * ranks
+        per_accum = cfg.micro_batch_size * self.ranks.size
+        if rows % per_accum:
+            raise ConfigError(f"{path} is of a run with {ranks} rank(s) and {rows} rows per step; with "
+                              f"{self.ranks.size} rank(s) of micro_batch_size {cfg.micro_batch_size} no whole "
+                              f"grad_accum gives {rows} rows: resume with a rank count or micro_batch_size that "
+                              f"divides {rows}")
+        if rows // per_accum != cfg.grad_accum:
+            say(f"resuming a run of {ranks} rank(s) on {self.ranks.size}: grad_accum {rows // per_accum} keeps its "
+                f"{rows} rows per step")
+        return dataclasses.replace(cfg, grad_accum=rows // per_accum)
+
+    def _resume(self) -> pathlib.Path | None:
+        path = self._resume_path
         if path is not None:
             state = ckpt.load_checkpoint(path, self.engine)
             self.step_index = state["step"]
@@ -382,7 +432,7 @@ class Trainer:
                               f"{self.model.identity}: its weights come from the checkpoint, not from that model",
                               stacklevel=2)
         metrics = self.run_dir / "metrics.jsonl"
-        if metrics.is_file():  # drop records of steps after the checkpoint: they will be redone
+        if metrics.is_file() and self.lead:  # drop records of steps after the checkpoint: they will be redone
             kept = [r for r in read_metrics(metrics) if r["step"] <= self.step_index]
             metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
         return path
@@ -410,7 +460,7 @@ class Trainer:
         if not self.cfg.checkpoint.keep:
             return None
         state = {"step": self.step_index, "total_steps": self.total_steps, "data": self.data.train.state_dict(),
-                 "model": self.model.identity, "config": to_dict(self.cfg)}
+                 "model": self.model.identity, "config": to_dict(self.cfg), "ranks": self.ranks.size}
         checked = self._finite_at == self.step_index
         check = None if checked else lambda name, master: self._check_master("checkpoint", name, master)
         while True:
@@ -426,18 +476,20 @@ class Trainer:
                 # those weights are known to be worth it.
                 self._check_weights("checkpoint")
                 spare = ckpt.spare(self.checkpoints, self._replaces_after, self.step_index)
-                if not spare:
+                if not self.ranks.share(float(bool(spare))):  # (the first rank's files decide)
                     raise
-                warnings.warn(f"{e}. Deleting {spare[0].name} to make room for this one", stacklevel=2)
-                shutil.rmtree(spare[0])
-        replaced = ckpt.replaced(self.checkpoints, self._replaces_after, self.step_index)
+                if self.lead:
+                    warnings.warn(f"{e}. Deleting {spare[0].name} to make room for this one", stacklevel=2)
+                    shutil.rmtree(spare[0])
+        replaced = ckpt.replaced(self.checkpoints, self._replaces_after, self.step_index) if self.lead else []
         for old in replaced:
             shutil.rmtree(old)
         if replaced:
             warnings.warn(f"deleted {', '.join(p.name for p in replaced)}: checkpoints of the course this run "
                           f"replaced when it resumed from step-{self._replaces_after}", stacklevel=2)
         self._replaces_after = None
-        ckpt.prune(self.checkpoints, self.cfg.checkpoint.keep)
+        if self.lead:
+            ckpt.prune(self.checkpoints, self.cfg.checkpoint.keep)
         return path
 
     def _on_signal(self, signum, frame) -> None:
@@ -448,13 +500,15 @@ class Trainer:
     def step(self) -> dict:
         cfg = self.cfg
         start = time.perf_counter()  # throughput counts the step from its data to the engine's figures
-        batches = [self.data.train.next_micro_batch() for _ in range(cfg.grad_accum)]
+        # Every rank reads the step's rows and runs its share of the micro-batches (distributed.py)
+        r = self.ranks
+        batches = [self.data.train.next_micro_batch() for _ in range(cfg.grad_accum * r.size)]
         micro = [prepare(b) for b in batches]
         targets = count_targets(micro)
         tokens = sum(int((b["document_ids"] >= 0).sum()) for b in batches)
         s = cfg.schedule
         lr = lr_at(self.step_index, self.total_steps, cfg.optimizer.lr, s.warmup_steps, s.decay, s.min_lr_ratio)
-        stats = self.engine.step(micro, lr=lr, normalizer=max(targets, 1))
+        stats = self.engine.step(micro[r.rank::r.size], lr=lr, normalizer=max(targets, 1))
         if not (math.isfinite(stats.loss) and math.isfinite(stats.grad_norm)):
             last = ckpt.list_checkpoints(self.checkpoints)
             kept = f"the latest, {last[-1].name}, is intact" if last else "none was written"
@@ -465,7 +519,7 @@ class Trainer:
         self.step_index += 1
         # (not the profile, diagnostics written once, nor the metrics line: a few milliseconds after this)
         seconds = time.perf_counter() - start
-        if cfg.profile and self.step_index == min(3, self.total_steps):
+        if cfg.profile and self.step_index == min(3, self.total_steps) and self.lead:
             self.write_profile(stats)
         record = {
             "step": self.step_index,
@@ -534,8 +588,9 @@ class Trainer:
             micro = [prepare(b) for b in self.data.eval]
             self._eval = micro, count_targets(micro)
         micro, targets = self._eval
-        group = self.cfg.grad_accum  # as many micro-batches at once as a training step holds
-        loss = sum(self.engine.evaluate(micro[i : i + group], normalizer=max(targets, 1))
+        r = self.ranks  # (each rank its share of them: the engine sums the loss over ranks)
+        group = self.cfg.grad_accum * r.size  # as many micro-batches at once as a training step holds
+        loss = sum(self.engine.evaluate(micro[i : i + group][r.rank::r.size], normalizer=max(targets, 1))
                    for i in range(0, len(micro), group))
         record = {"step": self.step_index, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
         self.log.write(record)
@@ -545,11 +600,13 @@ class Trainer:
 
     def plan(self) -> str:
         cfg, e = self.cfg, self.engine
-        tokens = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len
+        ranks = self.ranks.size
+        tokens = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len * ranks
         return (f"model: {self.model.name} ({self.model.hf_config.model_type}, {params_text(self.num_params)} "
                 f"params, {e.num_blocks} blocks)\n{self.data.summary()}\n"
                 f"steps: {self.total_steps} x {cfg.grad_accum} micro-batches of {cfg.micro_batch_size} x "
-                f"{cfg.seq_len} = {tokens} tokens per step\n"
+                f"{cfg.seq_len}{f' on each of {ranks} ranks' if ranks > 1 else ''} = {tokens} tokens per step"
+                f"{' (host memory below: one rank)' if ranks > 1 else ''}\n"
                 f"engine: {e.device} {str(e.dtype).removeprefix('torch.')} compute, "
                 f"{'pipelined' if e.config.pipeline else 'synchronous'}, activations on "
                 f"{'host' if e.activations.offload else 'device'}\n{describe(self.memory_plan, self.machine)}\n"
@@ -609,7 +666,8 @@ class Trainer:
         if self.data.eval is not None and (not cfg.eval_every or self.step_index % cfg.eval_every):
             self.evaluate()
         self.log.close()
-        plot_loss(self.log.path, self.run_dir / "loss.png")
+        if self.lead:
+            plot_loss(self.log.path, self.run_dir / "loss.png")
         say(f"done: {self.step_index} steps in {time.perf_counter() - start:.1f}s; metrics in {self.log.path}")
         if cfg.export:
             out = self.export()
@@ -631,8 +689,11 @@ class Trainer:
         """The current weights as an HF model directory (default RUN_DIR/export), with the base model's generation
         config, tokenizer and chat template files (from the run's copy of them)."""
         dtype = export_dtype(self.cfg.export_dtype, self.model.dtype)
-        directory = directory or self.run_dir / "export"
+        directory = pathlib.Path(directory or self.run_dir / "export")
         self._check_weights("export")
+        if not self.lead:  # its shards gathered for the first rank's files
+            self.engine.named_masters()
+            return directory
         # On a disk too small for the export the checkpoints stay as they are: say how to finish it elsewhere.
         latest = ckpt.list_checkpoints(self.checkpoints)
         later = f"`slide-train export {self.run_dir} --out DIR`"
