@@ -1,6 +1,6 @@
 """One rank of a data-parallel engine run on the toy stack (test_ranks.py starts one process per rank).
 
-argv: a JSON spec (out, clip, pipeline, delays, steps, micro); the rendezvous comes from SLIDE_TEST_INIT and
+argv: a JSON spec (out, clip, pipeline, delays, steps, micro, speculate); the rendezvous comes from SLIDE_TEST_INIT and
 RANK / WORLD_SIZE. Rank r runs micro-batches r, r + ranks, ... of each step; rank 0 writes what it saw to `out`.
 """
 
@@ -18,7 +18,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from test_engine import Model, ToyStack, batches  # noqa: E402
 
 from slide_memory import AdamWConfig  # noqa: E402
-from slide_scheduler import EngineConfig, Ranks, SlidingEngine  # noqa: E402
+from slide_scheduler import EngineConfig, Options, Ranks, SlidingEngine, StepShape, arrange, shapes_of  # noqa: E402
 
 
 def main(spec: dict) -> None:
@@ -31,23 +31,31 @@ def main(spec: dict) -> None:
     model = Model(tied=spec.get("tied", True))
     config = EngineConfig(device="cpu", max_grad_norm=spec["clip"], pipeline=spec["pipeline"],
                           optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1))
-    engine = SlidingEngine(ToyStack(model), config, ranks=ranks)
+    stack = ToyStack(model)
+    placement = None  # (the engine's default: every unit sliding, updated on the host)
+    if spec.get("speculate"):
+        options = Options(clip=True, activations="cpu", compute_bytes=4, cuda=False, ranks=ranks.size)
+        placement = arrange(shapes_of(stack, ranks=ranks.size), StepShape(0, 0), options, resident=(), window=2,
+                            share=0.0, shared=False, held=0, speculate=True)
+        assert placement.speculated
+    engine = SlidingEngine(stack, config, placement, ranks)
     for lane, seconds in spec.get("delays", {}).items():
         getattr(engine, lane).delay = seconds
-    losses, norms = [], []
+    losses, norms, speculation = [], [], []
     for step in batches(seed=1, steps=spec["steps"], micro=spec["micro"]):
         n = sum(int((b["targets"] != -100).sum()) for b in step)  # the global step's targets
         stats = engine.step(step[ranks.rank::ranks.size], lr=1e-2, normalizer=n)
         losses.append(stats.loss)
         norms.append(stats.grad_norm)
+        speculation.append(stats.speculation)
     masters = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}
     held = sum(u.master.nbytes for u in engine.units) + sum(
         opt.exp_avg.nbytes + opt.exp_avg_sq.nbytes for opt in engine.optimizer.units if opt is not None)
     states = [engine.optimizer_state(u) for u in range(len(engine.units))]
     engine.close()
     if ranks.rank == 0:
-        torch.save({"losses": losses, "norms": norms, "masters": masters, "held_bytes": held, "states": states},
-                   spec["out"])
+        torch.save({"losses": losses, "norms": norms, "masters": masters, "held_bytes": held, "states": states,
+                    "speculation": speculation}, spec["out"])
     if world > 1:
         dist.destroy_process_group()
 

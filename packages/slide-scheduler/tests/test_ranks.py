@@ -75,3 +75,18 @@ def test_each_rank_holds_half_of_the_masters_and_moments(tmp_path):
         assert a.keys() == b.keys()
         for k in a:
             assert a[k].shape == b[k].shape
+
+
+def test_speculation_across_two_ranks_is_bitwise_the_run_without_it(tmp_path):
+    """Clip at 3.8 with norms near it: steps whose clipping acts and steps where it does not, in one run. Each
+    rank speculates its shards' updates during the backward and keeps or discards them by the global norm: the
+    weights and AdamW states are those of the same two ranks without speculation, bit for bit."""
+    plain = run_ranks(tmp_path, 2, clip=3.8, steps=5)
+    spec = run_ranks(tmp_path, 2, clip=3.8, steps=5, speculate=True, delays={"updater": 0.003, "h2d": 0.002})
+    assert {"held", "discarded"} <= set(spec["speculation"]), spec["speculation"]
+    assert spec["losses"] == plain["losses"] and spec["norms"] == plain["norms"]
+    for unit, named in plain["masters"].items():
+        for name, t in named.items():
+            assert spec["masters"][unit][name].equal(t), f"{unit}.{name}"
+    for a, b in zip(spec["states"], plain["states"]):
+        assert all(a[k].equal(b[k]) for k in b)

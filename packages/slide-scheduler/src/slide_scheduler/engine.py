@@ -318,7 +318,7 @@ class SlidingEngine:
         # Speculating blocks: the parameters their update gives if clipping does not act, written during backward;
         # `_from_speculation` are the blocks whose loads take them (the step's clipping did not act), until their
         # next update.
-        self.speculative = {u: host_zeros(numel, self.dtype) for u in sorted(p.speculated)}
+        self.speculative = {u: host_zeros(numel // self.ranks.size, self.dtype) for u in sorted(p.speculated)}
         self._from_speculation: set[int] = set()
         # A step whose clipping acted is followed by one that does not speculate (the next norm is most likely
         # over the limit too), until a step's clipping does not act again.
@@ -564,8 +564,17 @@ class SlidingEngine:
         into = slot.params[self.units[unit].start:self.units[unit].end]  # (this rank's shard: all of it, alone)
         if ready is not None:
             self.h2d.run(into.copy_, ready, True, label=label)
-            slot.unit = block
-            return
+        else:
+            self._load_master(unit, slot, into)
+        if self.ranks.sharded:  # the other ranks' shards, updated by them
+            self.land.wait(self.h2d.record())
+            self.land.run(self.ranks.all_gather, slot.params, label=f"gather {label}")
+        slot.unit = block
+
+    def _load_master(self, unit: int, slot: Slot, into: torch.Tensor) -> None:
+        """Queue the unit's fp32 master into `into` (its part of `slot`'s parameters), narrowed where the slot is
+        narrower."""
+        block = unit - 1 if unit else None
         master, label = self.units[unit].master, f"params {'edges' if unit == 0 else block}"
         ring = None
         if master is None:  # its master is on disk and host memory keeps no copy: read it for this load
@@ -586,10 +595,6 @@ class SlidingEngine:
                 narrowed[k] = self.land.record()
         if ring is not None:
             self._load_free[ring] = self.h2d.record()
-        if self.ranks.sharded:  # the other ranks' shards, updated by them
-            self.land.wait(self.h2d.record())
-            self.land.run(self.ranks.all_gather, slot.params, label=f"gather {label}")
-        slot.unit = block
 
     def _landed(self) -> Signal:
         """A signal for everything queued so far on the h2d and land lanes."""

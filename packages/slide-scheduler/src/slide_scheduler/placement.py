@@ -225,7 +225,7 @@ def validate(p: Placement) -> None:
         raise ValueError(f"units of {p.shapes.unit_numels[:2]}... elements do not split into {p.ranks} shards")
     if p.ranks > 1:
         other = [_names([u]) for u, unit in enumerate(p.units)
-                 if unit.update != "host" or unit.moments != HOST or unit.speculate or unit.grad == "pool"]
+                 if unit.update != "host" or unit.moments != HOST or unit.grad == "pool"]
         if other:
             raise ValueError(f"with {p.ranks} data-parallel ranks every unit slides and updates on the host, its "
                              f"moments in host memory (not yet: {', '.join(other)})")
@@ -333,7 +333,7 @@ def _allocations(p: Placement) -> list[Allocation]:
     act = t.tokens_per_micro * s.hidden * c  # one micro-batch's boundary activation
     boundaries = s.num_blocks * t.micro_batches  # block inputs 0..n-1 (the last output goes straight on)
     add(HOST, "gradients", p.ring * c * s.block_numel // p.ranks)
-    add(HOST, "speculative parameters", c * sum(numel[u] for u in p.speculated))
+    add(HOST, "speculative parameters", c * sum(shard[u] for u in p.speculated))
     if p.units[0].grad == "own":
         add(HOST, "gradients", c * shard[0])
     if p.pooled:
@@ -426,7 +426,7 @@ def arrange(shapes: Shapes, step: StepShape, options: Options, *, resident: Iter
     blocks, whose loads the next forward needs soonest)."""
     o, n = options, shapes.num_blocks
     if o.ranks > 1:  # what data parallelism runs so far: host updates of host states, gradients in the ring
-        share, shared, speculate = 0.0, False, False
+        share, shared = 0.0, False
     resident = set(resident)
     sliding = [u for u in range(1, n + 1) if u not in resident]
     disk = {1 + b for b in on_disk_blocks(n, len(sliding), o.nvme_fraction)} & set(sliding)
