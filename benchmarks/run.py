@@ -70,7 +70,9 @@ PLANS = dict(models=("llama-3.1-70b", "mistral-large-2"),
                        "no clipping, activations on disk": ("--max_grad_norm=null",
                                                             "--engine.activation_offload=nvme")},
              seq_len=4096, micro_batch_size=1, grad_accum=8)
-OTHER_SUITES = ("kernels", "io", "probe", "nvme", "largest", "plans")
+# Data parallel: a bench's shape (tokens per step and cap per GPU) on 1 and on 2 GPUs of one host, in one run.
+DP = dict(bench="b8", ranks=(1, 2))
+OTHER_SUITES = ("kernels", "io", "probe", "nvme", "largest", "plans", "dp2")
 MODES = ("1.0", "1e6", "none")  # max_grad_norm: acting, on but never acting, off
 SYSTEMS = {
     "slide": "Slide",
@@ -104,8 +106,9 @@ def baseline_pythonpath(base: pathlib.Path) -> str:
 
 def run_worker(spec: dict, work: pathlib.Path, name: str, timeout: float | None, pythonpath: str | None = None,
                quiet: bool = False, machine: pathlib.Path | None = None) -> dict:
-    """Run worker.py on `spec` in a fresh process; its output streams through, its result comes back (a crash or
-    a timeout comes back as a `failed` result with the output's last lines)."""
+    """Run worker.py on `spec` in a fresh process (`spec["ranks"]` processes started by torchrun); its output
+    streams through, its result comes back (a crash or a timeout comes back as a `failed` result with the
+    output's last lines)."""
     spec_path, result_path = work / f"{name}.spec.json", work / f"{name}.result.json"
     spec_path.write_text(json.dumps(spec))
     result_path.unlink(missing_ok=True)
@@ -116,7 +119,12 @@ def run_worker(spec: dict, work: pathlib.Path, name: str, timeout: float | None,
         env["SLIDE_MACHINE"] = str(machine)
     tail: deque[str] = deque(maxlen=30)
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, str(HERE / "worker.py"), str(spec_path), str(result_path)], env=env,
+    ranks = spec.get("ranks", 1)
+    if ranks > 1:
+        env["NCCL_NVLS_ENABLE"] = "0"  # (NVLink multicast can take a shared host's GPUs out of service)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] \
+        if ranks > 1 else [sys.executable]
+    proc = subprocess.Popen([*launch, str(HERE / "worker.py"), str(spec_path), str(result_path)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=common.ROOT)
     timed_out = False
     try:
@@ -348,6 +356,34 @@ def run_nvme_suite(args, work: pathlib.Path, out: pathlib.Path) -> dict:
     return suite_doc("nvme", config, figures, device)
 
 
+def run_dp_suite(args, work: pathlib.Path, out: pathlib.Path) -> dict:
+    """DP["bench"]'s shape (or --dp-bench's) on each rank count of DP["ranks"], per GPU as the bench has it, one
+    process group each; clip 1.0 unless --modes names one mode."""
+    from slide_train.models.build import load_model
+
+    bench = args.dp_bench or DP["bench"]
+    shape = {k: v for k, v in TRAIN_SUITES[bench].items() if k in ("model", "seq_len", "micro_batch_size",
+                                                                    "grad_accum", "cap_gib", "device")}
+    mode = args.modes[0] if len(args.modes) == 1 else "1.0"
+    warmup, steps = args.warmup if args.warmup is not None else 2, args.steps if args.steps is not None else 5
+    config = {**shape, "bench": bench, "mode": mode, "warmup": warmup, "steps": steps,
+              "tokens_per_step_per_rank": shape["seq_len"] * shape["micro_batch_size"] * shape["grad_accum"]}
+    data = work / f"dp-{bench}-rows.jsonl"
+    random_rows(data, load_model(shape["model"], 0, need_tokenizer=False).hf_config.vocab_size, shape["seq_len"],
+                (warmup + steps) * shape["micro_batch_size"] * shape["grad_accum"] * max(DP["ranks"]))
+    figures, device = [], None
+    for ranks in DP["ranks"]:
+        spec = {**shape, "warmup": warmup, "steps": steps, "data": str(data), "seed": 0, "pack": False,
+                "mode": mode, "job": "slide", "extra": [], "ranks": ranks}
+        entry = slide_entry(bench, f"{ranks}-rank{'s' if ranks > 1 else ''}", spec, args, work)
+        entry.update(bench=bench, ranks=ranks)
+        figures.append(entry)
+        device = device or entry.get("device")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "dp2.partial.json").write_text(json.dumps(suite_doc("dp2", config, figures, device), indent=1))
+    return suite_doc("dp2", config, figures, device)
+
+
 def run_largest_suite(args, work: pathlib.Path) -> dict:
     """The shape largest_shape finds, trained for --steps timed steps (default 3) after --warmup (default 1),
     with checkpoint.keep 0 and no export; its plan beside the measurement."""
@@ -523,6 +559,8 @@ def main() -> None:
                         "lengths packed into rows (results in <suite>-documents.json)")
     p.add_argument("--variants", default="", help="nvme: which runs, as bench-variant names (default: all of "
                    + ", ".join(f"{b}-{v}" for b, v, _, _ in NVME_RUNS) + "); a subset is merged into nvme.json")
+    p.add_argument("--dp-bench", default=None, choices=list(TRAIN_SUITES),
+                   help=f"dp2: the shape per GPU (default {DP['bench']}; tiny checks the harness on CPUs)")
     args = p.parse_args()
     args.variants = [v for v in args.variants.split(",") if v]
     args.systems = [s for s in args.systems.split(",") if s]
@@ -550,6 +588,8 @@ def main() -> None:
                     doc = run_train_suite(suite, args, work, out)
                 elif suite == "nvme":
                     doc = run_nvme_suite(args, work, out)
+                elif suite == "dp2":
+                    doc = run_dp_suite(args, work, out)
                 else:
                     doc = {"kernels": run_kernels_suite, "io": run_io_suite, "probe": run_probe_suite,
                            "largest": run_largest_suite, "plans": run_plans_suite}[suite](args, work)

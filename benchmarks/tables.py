@@ -15,11 +15,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 DISK_START, DISK_END = "<!-- disk:start -->", "<!-- disk:end -->"  # the disk tier: planned, then measured
 TRAIN = ("b1", "b3", "b8", "b1-documents", "b3-documents", "b8-documents", "moe", "moe-256k", "gemma2")
-ORDER = (*TRAIN, "tiny", "tiny-documents", "nvme", "largest", "plans", "kernels", "io", "probe")
+ORDER = (*TRAIN, "tiny", "tiny-documents", "nvme", "largest", "plans", "dp2", "kernels", "io", "probe")
 BENCH_NAMES = {"b1": "B1", "b3": "B3", "b8": "B8", "tiny": "tiny (CPU check)", "b1-documents": "B1 packed documents",
                "b3-documents": "B3 packed documents", "b8-documents": "B8 packed documents",
                "tiny-documents": "tiny packed documents (CPU check)", "moe": "MoE", "moe-256k": "MoE 256k tokens",
-               "gemma2": "Gemma 2", "nvme": "NVMe tier against RAM",
+               "gemma2": "Gemma 2", "nvme": "NVMe tier against RAM", "dp2": "Data parallel, 1 and 2 ranks",
                "largest": "The largest model on this host", "plans": "Planned on paper"}
 MODE_NAMES = {"1.0": "1.0", "1e6": "1e6 (never acts)", "none": "off"}
 SHORT = {"slide": "Slide", "slide-nospec": "Slide, no speculation", "slide-spec": "Slide, speculating",
@@ -118,6 +118,28 @@ def nvme_table(doc: dict) -> list[str]:
     notes = sorted({disk_note(e.get("disk_measured")) for e in doc["figures"] if e.get("disk_measured")})
     lines[0] = " ".join([lines[0], *notes])
     return lines + [disk_row(name(e), e) for e in doc["figures"]]
+
+
+def dp_table(doc: dict) -> list[str]:
+    c = doc["config"]
+    lines = [f"{c['bench']}'s shape per GPU ({c['model']}, {c['tokens_per_step_per_rank']:,} tokens per step per "
+             f"GPU" + (f", capped at {c['cap_gib']:g} GiB each" if c.get("cap_gib") else "") + f"), clip "
+             f"{c['mode']}, median of {c['steps']} timed steps after {c['warmup']} warm-up steps. Masters and "
+             "moments: the engines' host tensors, summed over ranks; PSS splits shared pages between ranks.", "",
+             "| ranks | tokens/s | vs 1 rank | step s | masters + moments GiB (sum) | vs 1 rank | PSS GiB per rank |",
+             "|---|---|---|---|---|---|---|"]
+    one = next((e for e in doc["figures"] if e.get("ranks") == 1 and e.get("status") == "ok"), None)
+    for e in doc["figures"]:
+        if e.get("status") != "ok":
+            lines.append(f"| {e.get('ranks')} | {e.get('status')}: {e.get('reason', '')[:160]} | | | | | |")
+            continue
+        speed = e["tokens_per_s"] / one["tokens_per_s"] if one else None
+        held = e.get("state_bytes_total")
+        ratio = held / one["state_bytes_total"] if one and held and one.get("state_bytes_total") else None
+        pss = ", ".join(num(r.get("pss_gib"), ".1f") for r in e.get("per_rank") or [])
+        lines.append(f"| {e['ranks']} | {e['tokens_per_s']:,.0f} | {num(speed, '.2f')} | {e['step_s']:.3f} | "
+                     f"{num(held and held / 2**30, '.2f')} | {num(ratio, '.3f')} | {pss or '-'} |")
+    return lines
 
 
 def largest_table(doc: dict) -> list[str]:
@@ -219,7 +241,7 @@ def probe_table(doc: dict) -> list[str]:
 def suite_table(doc: dict) -> str:
     suite = doc["suite"]
     body = {"kernels": kernels_table, "io": io_table, "probe": probe_table, "nvme": nvme_table,
-            "largest": largest_table, "plans": plans_table}.get(suite, train_table)(doc)
+            "largest": largest_table, "plans": plans_table, "dp2": dp_table}.get(suite, train_table)(doc)
     return "\n".join([f"## {BENCH_NAMES.get(suite, suite)}", "", header(doc), "", *body, ""])
 
 

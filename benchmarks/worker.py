@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -107,6 +108,7 @@ def run_slide(spec: dict) -> dict:
         trainer = Trainer(load_config(None, overrides), progress=False)
     try:
         records = []
+        ranks = rank_figures(trainer)  # (before the first step: what the run holds once built)
         for _ in range(spec["warmup"] + spec["steps"]):  # (a line a step: a slow run shows where it is)
             before = host_pressure()[1]
             records.append(trainer.step())
@@ -116,6 +118,7 @@ def run_slide(spec: dict) -> dict:
             print(f"step {r['step']}: {r['step_s']:.2f} s, loss {r['loss']:.4f}, host RSS {r['host_rss_gib']:.1f} GiB"
                   + (f", disk read {r['disk_read_gb']:.1f} GB, written {r['disk_written_gb']:.1f} GB"
                      if r.get("disk_read_gb") else ""), flush=True)
+        ranks = rank_figures(trainer, ranks)
     finally:
         trainer.close()
     timed = records[spec["warmup"]:]
@@ -146,7 +149,43 @@ def run_slide(spec: dict) -> dict:
     if out["predicted_step_s"]:
         out["predicted_over_measured"] = out["predicted_step_s"] / out["step_s"]
     out["source"] = str(pathlib.Path(slide_train.__file__).resolve().parents[2])
+    if ranks:  # data-parallel: each rank's host bytes of masters and moments, and its PSS (shared pages split)
+        out["per_rank"] = ranks
+        out["state_bytes_total"] = sum(r["state_bytes"] for r in ranks)
     return out
+
+
+def rank_figures(trainer, before: list[dict] | None = None) -> list[dict] | None:
+    """Every rank's host bytes of masters and AdamW moments (the engine's tensors) and its PSS, on every rank;
+    None for an engine without ranks (an older version)."""
+    import torch.distributed as dist
+
+    engine = trainer.engine
+    if not hasattr(engine, "ranks"):
+        return None
+    state = sum(u.master.nbytes for u in engine.units if u.master is not None) + sum(
+        t.nbytes for opt in engine.optimizer.units if opt is not None
+        for t in (getattr(opt, "exp_avg", None), getattr(opt, "exp_avg_sq", None)) if t is not None)
+    mine = {"rank": engine.ranks.rank, "state_bytes": state, "pss_gib": pss_gib(),
+            "rss_gib": round(common.rss_gib(), 3)}
+    if before is not None:
+        mine["pss_gib_before_steps"] = before[engine.ranks.rank]["pss_gib"]
+    if not engine.ranks.sharded:
+        return [mine]
+    every: list = [None] * engine.ranks.size
+    dist.all_gather_object(every, mine, group=engine.ranks.host_group)
+    return every
+
+
+def pss_gib() -> float | None:
+    """This process's proportional set size (shared pages split between the processes mapping them)."""
+    try:
+        for line in pathlib.Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return round(int(line.split()[1]) * 1024 / 2**30, 3)
+    except OSError:
+        pass
+    return None
 
 
 def active_params(model: str) -> int:
@@ -353,7 +392,10 @@ def main() -> None:
     result.setdefault("status", "ok")
     result["device"] = device_name(spec)
     gc.collect()
-    pathlib.Path(sys.argv[2]).write_text(json.dumps(result, indent=1) + "\n")
+    if os.environ.get("RANK", "0") == "0":  # (a data-parallel run's first rank speaks for all)
+        pathlib.Path(sys.argv[2]).write_text(json.dumps(result, indent=1) + "\n")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
