@@ -19,6 +19,7 @@ import math
 import os
 import pathlib
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -124,8 +125,10 @@ def run_worker(spec: dict, work: pathlib.Path, name: str, timeout: float | None,
         env["NCCL_NVLS_ENABLE"] = "0"  # (NVLink multicast can take a shared host's GPUs out of service)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] \
         if ranks > 1 else [sys.executable]
+    # (a session of its own: a kill reaches torchrun's ranks too)
     proc = subprocess.Popen([*launch, str(HERE / "worker.py"), str(spec_path), str(result_path)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=common.ROOT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=common.ROOT,
+                            start_new_session=True)
     timed_out = False
     try:
         for line in proc.stdout:
@@ -134,11 +137,11 @@ def run_worker(spec: dict, work: pathlib.Path, name: str, timeout: float | None,
                 print(f"    | {line.rstrip()}", flush=True)
             if timeout and time.perf_counter() - start > timeout:
                 timed_out = True
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 break
         proc.wait()
     except KeyboardInterrupt:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         raise
     if result_path.is_file():
         result = json.loads(result_path.read_text())

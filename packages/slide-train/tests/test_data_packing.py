@@ -11,9 +11,10 @@ from slide_train.data import DataConfig, build_data, builtin_tokenizer, document
 X = -100
 
 
-def tokens_file(tmp_path, rows):
+def tokens_file(tmp_path, rows, labels=False):
+    """Rows of format `tokens`; with `labels` each row gives its labels (its ids), which keeps it whole."""
     path = tmp_path / "t.jsonl"
-    path.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    path.write_text("".join(json.dumps({"input_ids": r} | ({"labels": r} if labels else {})) + "\n" for r in rows))
     return str(path)
 
 
@@ -25,7 +26,7 @@ def batches(path, seq_len, mbs, n, fmt="tokens", pack=True):
 
 def test_whole_examples_next_fit(tmp_path):
     a, b, c, d = [10, 11, 12, 13, 14], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36], [40, 41]
-    path = tokens_file(tmp_path, [a, b, c, d])
+    path = tokens_file(tmp_path, [a, b, c, d], labels=True)
     [batch] = batches(path, 8, 3, 1)
     # row 0: a + b fill it; row 1: c, and d (2) does not fit in the 1 left: padding; row 2: d
     assert batch["input_ids"].tolist() == [a + b, c + [0], d + [0] * 6]
@@ -46,6 +47,17 @@ def test_whole_examples_next_fit(tmp_path):
     ]
     assert batch["document_ids"].dtype == torch.int32
     assert all(batch[k].dtype == torch.long for k in ("input_ids", "labels", "position_ids"))
+
+
+def test_token_documents_without_labels_fill_rows_and_continue(tmp_path):
+    """Rows of plain tokens (no labels) are documents like text: cut at a row's end, continued in the next with
+    positions from 0 and no label on the continued part's first token."""
+    a, b, c = [10, 11, 12, 13, 14], [20, 21, 22, 23, 24, 25], [30, 31]
+    [batch] = batches(tokens_file(tmp_path, [a, b, c]), 8, 2, 1)
+    assert batch["input_ids"].tolist() == [a + b[:3], b[3:] + c + [0] * 3]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 0, 1, 0, 0, 0]]
+    assert batch["document_ids"].tolist() == [[0, 0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, -1, -1, -1]]
+    assert batch["labels"].tolist() == [[X, 11, 12, 13, 14, X, 21, 22], [X, 24, 25, X, 31, X, X, X]]
 
 
 def test_no_packing_one_example_per_row(tmp_path):
@@ -112,7 +124,7 @@ def test_packed_loss_equals_unpacked_loss(tmp_path):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     rows = [torch.randint(3, 259, (n,), generator=g).tolist() for n in (5, 9, 3, 7, 12, 4)]
-    path = tokens_file(tmp_path, rows)
+    path = tokens_file(tmp_path, rows, labels=True)  # (whole examples: the unpacked rows hold the same ones)
     config = LlamaConfig(
         vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64,

@@ -18,8 +18,11 @@ from safetensors.torch import load_file
 from test_equivalence import CLIP, SEQ, make_rows, reference_run
 
 from slide_train import checkpoint as ckpt
+from slide_train.config import load_config
+from slide_train.errors import ConfigError
 from slide_train.export import hf_tensors
 from slide_train.models.build import load_model
+from slide_train.trainer import Trainer
 
 STEPS = 3  # reference_run's; rows per step: MICRO x ACCUM there, ranks x micro x accum here
 
@@ -144,3 +147,8 @@ def test_a_two_rank_checkpoint_resumes_bitwise_in_two_ranks_and_closely_in_one(t
     for name, t in masters(tmp_path / "whole", STEPS).items():
         assert close(alone[name], t, 1e-5), name
     assert "grad_accum 4 keeps its 4 rows per step" in (tmp_path / "alone" / "log.txt").read_text()
+    # 4 rows per step in micro-batches of 3: no whole grad_accum gives them
+    odd = load_config(None, overrides(tmp_path, "odd", micro_batch_size=3, grad_accum=1,
+                                      resume=tmp_path / "whole" / "checkpoints" / "step-2"))
+    with pytest.raises(ConfigError, match="no whole grad_accum gives 4 rows"):
+        Trainer(odd, progress=False)

@@ -69,7 +69,7 @@ def test_packed_rows_give_the_unpacked_loss_through_the_engine(tmp_path):
     save_tiny_model(tmp_path / "m", "llama")
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(3, 259, (int(n),), generator=g).tolist() for n in torch.randint(5, 30, (12,), generator=g)]
-    write_token_rows(tmp_path / "d.jsonl", docs)
+    write_token_rows(tmp_path / "d.jsonl", docs, docs)  # (with labels: packed whole, as the unpacked rows hold them)
     trainer = Trainer(load_config(None, [f"--model={tmp_path / 'm'}", f"--data.path={tmp_path / 'd.jsonl'}",
                                          "--data.format=tokens", "--seq_len=64", "--micro_batch_size=2",
                                          "--engine.device=cpu", f"--output_dir={tmp_path / 'r'}"]), progress=False)

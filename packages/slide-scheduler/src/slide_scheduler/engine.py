@@ -463,7 +463,7 @@ class SlidingEngine:
     def optimizer_state(self, unit: int) -> dict[str, torch.Tensor]:
         """A unit's AdamW state as host tensors (for checkpoints; call `synchronize()` first; moments on disk are
         their files memory-mapped, to read before the unit's next update). Sharded, every rank calls it and gets
-        the whole unit's, in the layout of one rank (`base_numel` long)."""
+        the whole unit's on the first rank, in the layout of one process (`base_numel` long); None on the others."""
         if self.ranks.sharded:
             state = self.optimizer.state_tensors(unit)
             # (every rank has stepped alike: all have a state or none has)
@@ -497,25 +497,31 @@ class SlidingEngine:
         """Unit name ('edges', 'block.<i>') -> parameter name -> fp32 master view (after pending updates; of its
         memory-mapped file where the master is on disk)."""
         self.synchronize()
-        return {name: u.layout.views(self.master(k)) for k, (name, u) in enumerate(zip(self.unit_names(),
-                                                                                          self.units))}
+        masters = [self.master(k) for k in range(len(self.units))]
+        if not self.ranks.lead:  # (sharded: it gave its shards to the first rank)
+            return {}
+        return {name: u.layout.views(m) for name, u, m in zip(self.unit_names(), self.units, masters)}
 
     def master(self, unit: int) -> torch.Tensor:
         """A unit's flat fp32 master (call `synchronize()` first): the host tensor itself, or its file on disk
-        memory-mapped (read it before the unit's next update). Sharded, every rank calls it and gets the whole
-        master, gathered, in the layout of one rank (`base_numel` long)."""
+        memory-mapped (read it before the unit's next update). Sharded, every rank calls it; the first gets the
+        whole master, gathered, in the layout of one process (`base_numel` long), the others None."""
         u = self.units[unit]
         if self.ranks.sharded:
             return self._whole(unit, u.master)
         return u.master if u.master is not None else self.disk.master(unit)
 
-    def _whole(self, unit: int, shard: torch.Tensor) -> torch.Tensor:
-        """Every rank's `shard` of a unit's flat host tensor, without the padding that made it split evenly."""
-        return self.ranks.gather_host(shard)[:self.units[unit].layout.base_numel]
+    def _whole(self, unit: int, shard: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's `shard` of a unit's flat host tensor, without the padding that made it split evenly, on
+        the first rank (None on the others)."""
+        whole = self.ranks.gather_host(shard)
+        return None if whole is None else whole[:self.units[unit].layout.base_numel]
 
     def _shard_of(self, unit: int, whole: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a unit's flat tensor given whole (padded or not)."""
         u = self.units[unit]
+        if whole.numel() not in (u.layout.numel, u.layout.base_numel):
+            raise ValueError(f"unit {unit}: {whole.numel()} elements given, its layout has {u.layout.base_numel}")
         out = torch.zeros(u.end - u.start, dtype=whole.dtype)
         piece = whole[u.start:min(u.end, whole.numel())]
         out[:piece.numel()] = piece

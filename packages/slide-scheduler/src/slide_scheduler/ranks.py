@@ -60,13 +60,27 @@ class Ranks:
         if self.sharded:
             dist.all_reduce(tensor, group=self._group_of(tensor))
 
-    def gather_host(self, shard: torch.Tensor) -> torch.Tensor:
-        """Every rank's `shard` of a host tensor, concatenated in rank order (on every rank)."""
+    @property
+    def lead(self) -> bool:
+        """The first rank: it writes what the run writes (checkpoints, exports, logs)."""
+        return self.rank == 0
+
+    def gather_host(self, shard: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's `shard` of a host tensor, concatenated in rank order, on the first rank (None on the
+        others: only the first holds a whole copy)."""
         if not self.sharded:
             return shard
-        full = torch.empty(shard.numel() * self.size, dtype=shard.dtype)
-        _all_gather(full, shard.contiguous(), group=self.host_group)
-        return full
+        parts = [torch.empty_like(shard) for _ in range(self.size)] if self.lead else None
+        dist.gather(shard.contiguous(), parts, dst=0, group=self.host_group)
+        return torch.cat(parts) if self.lead else None
+
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank (a stop one rank was asked for, a failure one rank saw)."""
+        if not self.sharded:
+            return flag
+        t = torch.tensor([float(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.host_group)
+        return bool(t)
 
     def share(self, value: float) -> float:
         """The first rank's `value`, on every rank: a decision one rank makes (it writes the run's files) that

@@ -122,7 +122,7 @@ def save_checkpoint(root: pathlib.Path, step: int, engine, trainer_state: dict, 
         raise _disk_full(root, step, needed, free_bytes(root))
     if ranks.rank > 0:
         return _give_shards(root, step, engine, needed)
-    return write_within(root, needed, tmp,
+    return write_within(root, 0 if ranks.sharded else needed, tmp,  # (sharded: checked and shared above)
                         lambda: _write(root, tmp, root / f"step-{step}", step, engine, trainer_state, rng, check),
                         lambda free: _disk_full(root, step, needed, free))
 
@@ -138,35 +138,51 @@ def _disk_full(root: pathlib.Path, step: int, needed: int, free: int) -> DiskFul
 
 def _write(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int, engine,
            trainer_state: dict, rng: dict[str, torch.Tensor], check=None) -> pathlib.Path:
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    sharded = engine.ranks.sharded
+    error = None
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        error = e
     engine.synchronize()  # updates of the last step may still be running on the optimizer thread
     manifest = {}
 
     def written(path: pathlib.Path) -> None:  # hashed at once, while the page cache still holds what was written
         manifest[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
 
-    error = None
     for index, name in enumerate(bar(engine.unit_names(), desc=f"writing step-{step}", unit="file")):
-        master = engine.master(index)
-        states = engine.optimizer_state(index)
-        if error is not None:  # (the other ranks' gathers go on to the last unit)
-            continue
-        try:
+        if error is not None and not sharded:
+            break
+        try:  # (sharded, every unit is gathered whatever happened: the other ranks take part to the last)
+            master = engine.master(index)
+            states = engine.optimizer_state(index)
+            if error is not None:
+                continue
             if check is not None:
                 check(name, master)
             save_file({"master": master} | {f"adamw.{k}": v for k, v in states.items()}, str(tmp / unit_file(name)))
             written(tmp / unit_file(name))
         except BaseException as e:
+            error = error or e
+    if error is None:
+        try:
+            _finish(root, tmp, final, step, trainer_state, rng, manifest, written)
+        except BaseException as e:
             error = e
-            if not engine.ranks.sharded:
-                break
-    if engine.ranks.sharded:  # what the other ranks learn: written, a full disk, or another failure
+    if sharded:  # what the other ranks learn: written, a full disk, or another failure
         engine.ranks.share(0 if error is None else FULL if is_disk_full(error) else FAILED)
     if error is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp.exists():  # (gone once renamed into place: a later step of _finish failed)
+            shutil.rmtree(tmp, ignore_errors=True)
         raise error
+    return final
+
+
+def _finish(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int, trainer_state: dict,
+            rng: dict[str, torch.Tensor], manifest: dict, written) -> None:
+    """The checkpoint's last files and its manifest, synced, then `tmp` renamed into place."""
     save_file(rng, str(tmp / "rng.safetensors"))
     written(tmp / "rng.safetensors")
     (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=2))
@@ -187,7 +203,6 @@ def _write(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int
     _fsync(root)
     if aside.exists():
         shutil.rmtree(aside)
-    return final
 
 
 FULL, FAILED = 1, 2  # what the first rank tells the others of a checkpoint it could not write

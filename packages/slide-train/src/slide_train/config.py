@@ -138,7 +138,8 @@ KEY_HELP = {
     "data.text_key": "the field holding the text, for text and jsonl rows",
     "data.roles": "other role names mapped to user, assistant or system, e.g. {usr: user}, for chat and sharegpt rows",
     "data.shuffle": "shuffle the examples (seeded by `seed`)",
-    "data.pack": "pack short examples into seq_len rows (attention stays within each document)",
+    "data.pack": "pack short examples into seq_len rows (attention stays within each document); text, and tokens "
+                 "rows without labels, are cut at a row's end and continue in the next, other examples stay whole",
     "data.eval_fraction": "share of the examples held out for the validation loss, in [0, 1)",
     "data.eval_batches": "micro-batches of held-out examples per validation",
     "seq_len": "tokens per row",

@@ -15,7 +15,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from slide_scheduler import Ranks
+from slide_scheduler import Ranks, host_cores
 
 from .errors import ConfigError
 from .progress import hide_bars
@@ -44,6 +44,8 @@ def join(device: str) -> Ranks:
             # NVLink multicast can take a shared host's GPUs out of service; rings and trees do the same work
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         dist.init_process_group("nccl" if cuda else "gloo")
+        # The ranks of a host split its cores between their host optimizers (torchrun's default is one thread)
+        torch.set_num_threads(max(1, host_cores() // ranks_here()))
     if dist.get_rank() > 0:  # the first rank speaks for all (log.say, too): the others' bars and warnings repeat it
         hide_bars()
         warnings.simplefilter("ignore")
@@ -56,6 +58,9 @@ def local_rank() -> int:
 
 def rank_device(device: str, ranks: int) -> str:
     """engine.device for this rank: its own GPU (LOCAL_RANK) when several ranks run on CUDA."""
+    if ranks > 1 and device.startswith("cuda:"):
+        raise ConfigError(f"engine.device={device}: with several ranks each takes the GPU of its LOCAL_RANK; set "
+                          "engine.device to cuda or auto, and pick the GPUs with CUDA_VISIBLE_DEVICES")
     if ranks > 1 and device in ("auto", "cuda") and torch.cuda.is_available():
         return f"cuda:{local_rank()}"
     return device

@@ -443,8 +443,19 @@ class Trainer:
         if self._finite_at == self.step_index:
             return
         self.engine.synchronize()
+        error = None
         for k, name in enumerate(self.engine.unit_names()):
-            self._check_master(what, name, self.engine.master(k))
+            master = self.engine.master(k)  # (data-parallel: gathered on the first rank, which checks it)
+            if error is None and master is not None:
+                try:
+                    self._check_master(what, name, master)
+                except TrainingError as e:
+                    error = e
+        if self.ranks.share(float(error is not None)) and error is None:
+            error = TrainingError(f"after step {self.step_index} the weights are not finite (the first rank's "
+                                  f"message names them): no {what} is written")
+        if error is not None:
+            raise error
         self._finite_at = self.step_index
 
     def _check_master(self, what: str, name: str, master: torch.Tensor) -> None:
@@ -632,7 +643,7 @@ class Trainer:
         cfg = self.cfg
         last = None
         # A bar on a terminal; elsewhere (a log file, CI) a plain line every `line_every` steps, first and last too.
-        bar_shown = self.progress and sys.stderr.isatty()
+        bar_shown = self.progress and sys.stderr.isatty() and self.lead
         steps = tqdm(total=self.total_steps, initial=self.step_index, disable=not bar_shown, unit="step",
                      dynamic_ncols=True)
         line_every = max(1, self.total_steps // 20)
@@ -650,12 +661,14 @@ class Trainer:
             if cfg.eval_every and self.step_index % cfg.eval_every == 0:
                 ev = self.evaluate()
                 say(f"step {self.step_index}: validation loss {ev['eval_loss']:.4f} (ppl {ev['eval_ppl']:.2f})")
-            every, stop = cfg.checkpoint.every, self._stop_signal is not None
+            # (a signal reaches the ranks at different times: all stop after the step any of them was told to)
+            every, stop = cfg.checkpoint.every, self.ranks.any(self._stop_signal is not None)
             if stop or (every and self.step_index % every == 0 and self.step_index < self.total_steps):
                 path = self.save_checkpoint(required=stop)  # a periodic one may be skipped; the last one below
                 if stop:
                     steps.close()
                     self.log.close()
+                    self._stop_signal = self._stop_signal or signal.SIGTERM
                     name = signal.Signals(self._stop_signal).name
                     saved = "no checkpoint (checkpoint.keep=0)" if not cfg.checkpoint.keep else \
                         f"checkpoint {path} (continue with --resume=auto)"

@@ -217,6 +217,8 @@ def _tokens_examples(out: ExampleSet, records: Iterable[Record], tokenizer, seq_
         row, where = record.value, record.where
         ids = get_key(row, "input_ids", where, list)
         labels = get_key(row, "labels", where, list, required=False)
+        # Without labels a row is a document of plain tokens: packing may cut it at a row's end, as it cuts text
+        splittable = labels is None
         if labels is None:
             labels = ids
         if not all(type(t) is int and 0 <= t < vocab for t in ids):
@@ -231,7 +233,7 @@ def _tokens_examples(out: ExampleSet, records: Iterable[Record], tokenizer, seq_
             out.drop(record.number)
             continue
         for a in range(0, len(ids), seq_len):
-            out.add(ids[a : a + seq_len], labels[a : a + seq_len], record)
+            out.add(ids[a : a + seq_len], labels[a : a + seq_len], record, splittable=splittable)
 
 
 def _row_examples(out: ExampleSet, records: Records, cfg: DataConfig, tokenizer, seq_len: int,
