@@ -7,8 +7,9 @@ block's load gathers the ranks' updated shards into every rank's slot. Host memo
 masters and AdamW moments across the ranks of a host, whatever their number.
 
 Collectives on device tensors go through the default process group (NCCL on GPUs, gloo on CPUs), loads' gathers
-through a group of their own; host tensors (checkpoints) through gloo. A single process is `Ranks()`: one shard,
-the whole unit, and collectives that do nothing.
+through a group of their own; host tensors (checkpoints) through gloo. `Ranks()` is the default process group's
+place; where torch.distributed is not initialized, one rank: one shard, the whole unit, and collectives that do
+nothing.
 """
 
 from __future__ import annotations
