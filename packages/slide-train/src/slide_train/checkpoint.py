@@ -118,9 +118,9 @@ def save_checkpoint(root: pathlib.Path, step: int, engine, trainer_state: dict, 
     rng = rng_states()
     needed, tmp = engine_checkpoint_bytes(engine, trainer_state, step, rng), root / f".step-{step}.partial"
     ranks = engine.ranks
-    if ranks.sharded and not ranks.share(float(ranks.rank > 0 or needed <= free_bytes(root))):
+    if ranks.sharded and not ranks.share(float(not ranks.lead or needed <= free_bytes(root))):
         raise _disk_full(root, step, needed, free_bytes(root))
-    if ranks.rank > 0:
+    if not ranks.lead:
         return _give_shards(root, step, engine, needed)
     return write_within(root, 0 if ranks.sharded else needed, tmp,  # (sharded: checked and shared above)
                         lambda: _write(root, tmp, root / f"step-{step}", step, engine, trainer_state, rng, check),

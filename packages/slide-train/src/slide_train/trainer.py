@@ -292,7 +292,6 @@ class Trainer:
                 "another output_dir")
         resolve_device(cfg.engine.device)  # before minutes of loading
         self.ranks = join(cfg.engine.device)
-        self.lead = self.ranks.rank == 0  # writes the run's files; every rank computes
         self._resume_path = self._find_checkpoint() if cfg.resume else None
         if self._resume_path is not None:
             self.cfg = cfg = self._keep_global_batch(cfg, self._resume_path)
@@ -387,6 +386,11 @@ class Trainer:
                     f"a larger disk{later}")
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
+
+    @property
+    def lead(self) -> bool:
+        """Whether this process writes the run's files (the first rank; every rank computes)."""
+        return self.ranks.lead
 
     def _find_checkpoint(self) -> pathlib.Path | None:
         """The verified checkpoint --resume names (auto: the latest intact one; None: nothing saved yet)."""
