@@ -769,7 +769,8 @@ class SlidingEngine:
 
         # The one read of the step: loss and the per-unit squared norms (the clip needs the global norm), summed
         # over ranks.
-        self.compute.run(self.ranks.all_reduce, self._readout)
+        if self.ranks.sharded:
+            self.compute.run(self.ranks.all_reduce, self._readout)
         loss_value, *sq = self._readout.tolist()
         grad_norm = math.sqrt(sum(sq))
         # A clipped step has changed no weight yet: with a non-finite norm it leaves every weight and AdamW state

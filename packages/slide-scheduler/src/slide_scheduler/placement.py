@@ -327,7 +327,7 @@ def _allocations(p: Placement) -> list[Allocation]:
         add(dev, "device-update buffers", p.stream_buffers * p.stream_piece_numel * (16 + c))
     add(dev, "held gradients", c * sum(numel[u] for u in p.held))
     if p.ranks > 1:  # each slot's (and the edges') gradient shard, reduce-scattered before it leaves
-        add(dev, "gradient shards", c * ((p.window if sliding else 0) * shard[1 % len(numel)] + shard[0]))
+        add(dev, "gradient shards", c * ((p.window if sliding else 0) * s.block_numel // p.ranks + shard[0]))
     add(dev, "step readout", 4 * (1 + len(numel)))  # the loss, then each unit's squared gradient norm
     # Host gradients: the ring, the sliding edges' own buffer, and the pool shared with the boundary activations
     act = t.tokens_per_micro * s.hidden * c  # one micro-batch's boundary activation

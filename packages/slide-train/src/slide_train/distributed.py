@@ -32,13 +32,12 @@ def ranks_here() -> int:
 
 
 def join(device: str) -> Ranks:
-    """This process's place among the ranks: the process group (NCCL on GPUs, gloo on CPUs), joined once."""
+    """This process's place among the ranks: the process group (NCCL on GPUs, gloo on CPUs), joined once
+    (`device`: engine.device, already checked by the trainer's `resolve_device`)."""
     if world_size() == 1:
         return Ranks()
     if not dist.is_initialized():
         cuda = device != "cpu" and torch.cuda.is_available()
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError("engine.device is cuda but no CUDA device is available; use engine.device=cpu")
         if cuda:
             torch.cuda.set_device(local_rank())
             # NVLink multicast can take a shared host's GPUs out of service; rings and trees do the same work

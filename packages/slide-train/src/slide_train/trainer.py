@@ -126,7 +126,7 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True,
     """
     e = cfg.engine
     card_gib = None
-    if ranks > 1 and (e.nvme.fraction not in (0, 0.0) or e.activation_offload == "nvme"):
+    if ranks > 1 and uses_disk(cfg):
         raise ConfigError("data-parallel ranks keep every state in host memory and activations on the host or the "
                           "device: set engine.nvme.fraction=0 and engine.activation_offload to cpu or none")
     if not running:
