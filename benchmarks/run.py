@@ -169,7 +169,10 @@ def merge(old_path: pathlib.Path, doc: dict) -> dict:
         return f["system"], f.get("mode"), f.get("bench"), f.get("variant")
 
     ran = {key(f) for f in doc["figures"]}
-    doc["figures"] = [f for f in old["figures"] if key(f) not in ran] + doc["figures"]
+    kept = [f for f in old["figures"] if key(f) not in ran]
+    for f in kept:  # (the tables name the commit of a figure from an earlier run)
+        f.setdefault("commit", old.get("commit"))
+    doc["figures"] = kept + doc["figures"]
     return doc
 
 

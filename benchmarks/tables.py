@@ -53,6 +53,17 @@ def header(doc: dict) -> str:
             f"RAM; commit `{doc.get('commit', 'unknown')[:10]}`, {doc.get('date', '')}; {versions}")
 
 
+def earlier(e: dict, doc: dict) -> str:
+    """` (commit, date)` for a figure merged from an earlier run of the suite than the file's, else ''; with its
+    own steps where that run timed another number."""
+    if not (e.get("commit") and e["commit"] != doc.get("commit")):
+        return ""
+    c = doc.get("config", {})
+    own = e.get("steps") is not None and (e["steps"], e.get("warmup")) != (c.get("steps"), c.get("warmup"))
+    steps = f", median of {e['steps']} after {e.get('warmup')} warm-up" if own else ""
+    return f" (`{e['commit'][:10]}`, {e.get('date', '')[:10]}{steps})"
+
+
 def train_table(doc: dict) -> list[str]:
     c = doc["config"]
     lines = [f"{c['model']} shape, {c['grad_accum']} micro-batches of {c['micro_batch_size']} x {c['seq_len']} = "
@@ -67,7 +78,7 @@ def train_table(doc: dict) -> list[str]:
             if e["system"] == "baseline" and e.get("status") == "ok"}
     for e in doc["figures"]:
         name = SHORT.get(e["system"], e["system"]) + (f" ({c['baseline']})" if e["system"] == "baseline"
-                                                      and c.get("baseline") else "")
+                                                      and c.get("baseline") else "") + earlier(e, doc)
         mode = MODE_NAMES.get(e.get("mode"), e.get("mode"))
         if e.get("status") != "ok":
             lines.append(f"| {name} | {mode} | {e.get('status')}: {e.get('reason', '')[:160]} | | | | | | | |")
@@ -111,12 +122,14 @@ def nvme_table(doc: dict) -> list[str]:
              "unpacked rows; each run's shape as its suite's. `disk` puts every sliding block's fp32 master and "
              "AdamW moments on disk (engine.nvme.fraction=1); `disk-auto-host-64gib` plans for a host of 64 GiB "
              "with engine.nvme.fraction=auto.", "", *DISK_COLUMNS]
-    def name(e: dict) -> str:  # (runs merged from another run of the suite say which commit ran them, and when)
-        other = e.get("commit") and e["commit"] != doc.get("commit")
-        return f"{e.get('bench')} {e.get('variant')}" + (f" (`{e['commit']}`, {e['date'][:10]})" if other else "")
+    def name(e: dict) -> str:
+        return f"{e.get('bench')} {e.get('variant')}" + earlier(e, doc)
 
-    notes = sorted({disk_note(e.get("disk_measured")) for e in doc["figures"] if e.get("disk_measured")})
-    lines[0] = " ".join([lines[0], *notes])
+    measured = {e.get("commit") or doc.get("commit"): disk_note(e["disk_measured"]) for e in doc["figures"]
+                if e.get("disk_measured")}
+    if len(set(measured.values())) > 1:  # merged runs each measured the disk: say which figure is whose
+        measured = {run: f"At `{run[:10]}`: {note[0].lower()}{note[1:]}" for run, note in measured.items()}
+    lines[0] = " ".join([lines[0], *sorted(set(measured.values()))])
     return lines + [disk_row(name(e), e) for e in doc["figures"]]
 
 
@@ -245,12 +258,12 @@ def suite_table(doc: dict) -> str:
     return "\n".join([f"## {BENCH_NAMES.get(suite, suite)}", "", header(doc), "", *body, ""])
 
 
-def cell(e: dict | None) -> str:
+def cell(e: dict | None, doc: dict) -> str:
     if e is None:
         return "-"
     if e.get("status") != "ok":
-        return e.get("status", "-")
-    return f"{e['tokens_per_s']:,.0f} tok/s, {e['gpu_peak_gib']:.1f} GiB"
+        return e.get("status", "-") + earlier(e, doc)
+    return f"{e['tokens_per_s']:,.0f} tok/s, {e['gpu_peak_gib']:.1f} GiB" + earlier(e, doc)
 
 
 def main_table(docs: dict[str, dict]) -> str | None:
@@ -266,12 +279,12 @@ def main_table(docs: dict[str, dict]) -> str | None:
         for mode in ("1.0", "1e6", "none"):
             if not any((s, mode) in by for s in ("slide", "plain", "liger")):
                 continue
-            slide = cell(by.get(("slide", mode)))
+            slide = cell(by.get(("slide", mode)), doc)
             if slide != "-" and c.get("cap_gib"):
                 slide += f" ({c['cap_gib']:g} GiB cap)"
             rows.append(f"| {BENCH_NAMES[suite]} {c['model']}, {c['grad_accum']} x {c['micro_batch_size']} x "
-                        f"{c['seq_len']} | {MODE_NAMES[mode]} | {cell(by.get(('plain', mode)))} | "
-                        f"{cell(by.get(('liger', mode)))} | {slide} |")
+                        f"{c['seq_len']} | {MODE_NAMES[mode]} | {cell(by.get(('plain', mode)), doc)} | "
+                        f"{cell(by.get(('liger', mode)), doc)} | {slide} |")
         notes.append(f"{BENCH_NAMES[suite]}: {header(doc)}.")
     if len(rows) == 2:
         return None
