@@ -35,7 +35,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 # The shapes of the three anchored benchmarks (random-init HF configs of slide-train's presets). The cap is the GPU
 # memory Slide may use (a consumer card's size); the peers run uncapped.
 TRAIN_SUITES = {
-    "b1": dict(model="llama-3.2-1b", seq_len=2048, micro_batch_size=1, grad_accum=4, cap_gib=24.0, device="cuda"),
+    # one micro-batch of 4 x 2048: the shape of the published peer figures for this model
+    "b1": dict(model="llama-3.2-1b", seq_len=2048, micro_batch_size=4, grad_accum=1, cap_gib=24.0, device="cuda"),
     "b3": dict(model="llama-3.2-3b", seq_len=4096, micro_batch_size=2, grad_accum=4, cap_gib=24.0, device="cuda"),
     # fp32 weights + gradients + AdamW moments of 8B parameters (120 GiB) leave a 141 GB card no room to train
     "b8": dict(model="llama-3.1-8b", seq_len=4096, micro_batch_size=1, grad_accum=8, cap_gib=16.0, device="cuda",
