@@ -302,6 +302,29 @@ def test_loads_that_read_the_master_from_disk_cost_two_fp32_reads_a_step_and_sav
     assert lean.bytes(DISK) == copies.bytes(DISK)
 
 
+@pytest.mark.parametrize("clip", [True, False])
+def test_each_rank_prices_its_shard_over_pcie_and_the_rest_over_the_gpus_link(clip):
+    """Two data-parallel ranks of the same placement, priced per rank: its PCIe link carries half of every unit's
+    bytes, the GPUs' link the rest of each load (all-gathered) and of each gradient (reduce-scattered), and the
+    host's memory and cores, which the ranks share, carry what one process of the whole does. The link's rate is
+    the machine's (PCIe's where not measured)."""
+    step = StepShape(8192, 4, 8192)
+    one, two = (arrange(LLAMA_3B, step, Options(clip=clip, activations="none", ranks=r), resident=(), window=2,
+                        share=0.0, shared=False, held=0) for r in (1, 2))
+    link = with_rates(FAST, gpu={"link_gbps": 400})
+    single, ranked = price(one, link), price(two, link)
+    assert "gpu_link" not in single.lanes
+    for lane in ("pcie_h2d", "pcie_d2h"):
+        assert ranked.lanes[lane] == pytest.approx(single.lanes[lane] / 2)
+    for lane in ("host_memory", "host_adamw", "gpu"):
+        assert ranked.lanes[lane] == pytest.approx(single.lanes[lane])
+    blocks, edges = sum(LLAMA_3B.unit_numels[1:]), LLAMA_3B.unit_numels[0]
+    gathered = (3 * blocks + 2 * edges) * 2 / 2  # bf16, half from the other rank: two loads and a gradient per block
+    assert ranked.lanes["gpu_link"] == pytest.approx(gathered / 400e9)
+    assert price(two, FAST).lanes["gpu_link"] == pytest.approx(gathered / 55e9)
+    assert ranked.step_s <= single.step_s * 1.001
+
+
 def test_the_planner_takes_the_cheapest_candidate_that_fits():
     """Among windows and device-update shares, what `place` returns is priced no higher (beyond its tie margin)
     than any candidate that fits, and it fits."""

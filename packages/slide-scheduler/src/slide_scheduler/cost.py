@@ -5,6 +5,10 @@ rules are the engine's: a block loads into a slot once the block `window` places
 and runs once it has loaded (and, with clipping, once its host update has written its master); the host
 optimizer works through its blocks in order; host memory carries every PCIe, AdamW and disk byte. With clipping
 the updates run under the next forward (a quarter of the compute), without it under the backward.
+
+With data-parallel ranks the estimate is one rank's: its shard of each unit crosses its own PCIe link, the rest
+of the parameters arrive by all-gather and the gradients leave by reduce-scatter over the GPUs' link, and the
+host (its memory, its cores) carries every rank's copies and shard updates.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from .placement import Placement, early_reads_wait
 BLOCK_EFFICIENCY = 0.71
 LAUNCH_S = 1.5e-4
 CPU_FLOPS_PER_CORE = 2e10  # fp32 on a CPU device
-LANES = ("gpu", "pcie_h2d", "pcie_d2h", "host_memory", "host_adamw", "disk")
+LANES = ("gpu", "pcie_h2d", "pcie_d2h", "gpu_link", "host_memory", "host_adamw", "disk")
 
 
 @dataclass
@@ -44,6 +48,7 @@ class _Work:
     adamw: float = 0.0
     disk: float = 0.0
     gpu: float = 0.0
+    link: float = 0.0  # collectives with the other ranks' GPUs
 
 
 def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimate:
@@ -64,6 +69,12 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
     adamw = max(machine.host.adamw_gparams, 1e-3) * 1e9
     disk_r, disk_w = max(machine.disk.read_gbps, 1e-3) * 1e9, max(machine.disk.write_gbps, 1e-3) * 1e9
     pcie = not p.device_is_host  # a CPU device copies within host memory
+    ranks = p.ranks
+    # A unit's bytes over one rank's PCIe link are its shard's; a load gathers the others' shards (compute dtype)
+    # and a gradient gives the others theirs; the host carries every rank's copies and updates.
+    shard = 1 / ranks
+    peers = (ranks - 1) / ranks * c
+    link = max(machine.gpu.link_gbps or machine.pcie.h2d_gbps, 1e-3) * 1e9
     act = t.tokens_per_micro * s.hidden * c * t.micro_batches  # one boundary, every micro-batch
     offload = p.activations != "none"
 
@@ -103,15 +114,17 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
             bwd.host_bytes += 4 * numel
         # Forward: the master crosses (with clipping, a streamed update brings m, v and the gradient along)
         stream = clip and up.update == "stream"
-        into = numel * (c if compact else 4 + (8 + (0 if up.grad == "held" else c) if stream else 0))
-        back = numel * ((4 if up.split else 12) if stream else 0)
-        load_f[b] = into / h2d if pcie else 0.0
+        into = numel * (c if compact else 4 + (8 + (0 if up.grad == "held" else c) if stream else 0)) * shard
+        back = numel * ((4 if up.split else 12) if stream else 0) * shard
+        load_f[b] = into / h2d + peers * numel / link if pcie else 0.0
         fwd.h2d += into
         fwd.d2h += back
+        fwd.link += peers * numel
         # Backward: the master again, the gradient home (unless held for a device update)
-        load_b[b] = numel * (c if compact else 4) / h2d if pcie else 0.0
-        bwd.h2d += numel * (c if compact else 4)
-        bwd.d2h += 0 if up.grad == "held" else numel * c
+        load_b[b] = numel * (c if compact else 4) * shard / h2d + peers * numel / link if pcie else 0.0
+        bwd.h2d += numel * (c if compact else 4) * shard
+        bwd.d2h += 0 if up.grad == "held" else numel * c * shard
+        bwd.link += 2 * peers * numel  # the load's all-gather, the gradient's reduce-scatter
         if clip and up.speculate:  # the speculative pass, under the backward
             bwd.adamw += numel / adamw
             bwd.host_bytes += numel * (4 + 2 * sb + 2 * c)  # reads master, m, v, gradient; writes parameters
@@ -145,8 +158,10 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
             (fwd if clip else bwd).h2d += 12 * e
             (fwd if clip else bwd).d2h += 12 * e
         else:
-            fwd.h2d += 4 * e
-            bwd.d2h += c * e
+            fwd.h2d += 4 * e * shard
+            bwd.d2h += c * e * shard
+            fwd.link += peers * e
+            bwd.link += peers * e
             (fwd if clip else bwd).adamw += e / adamw
             (fwd if clip else bwd).host_bytes += e * adamw_bytes
     if offload:  # boundaries out in the forward, back in the backward
@@ -158,7 +173,7 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
             fwd.host_bytes += n * act
             bwd.host_bytes += n * act
     for w in (fwd, bwd):
-        w.host_bytes += (w.h2d + w.d2h) if pcie else 0.0
+        w.host_bytes += (w.h2d + w.d2h) * ranks if pcie else 0.0
 
     # Forward: blocks load in order into `window` slots; with clipping each waits for its host update
     host_free = 0.0
@@ -185,7 +200,8 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
         else:
             copies = 0.0
         lanes = {"gpu": sim, "pcie_h2d": w.h2d / h2d if pcie else 0.0, "pcie_d2h": w.d2h / d2h if pcie else 0.0,
-                 "host_memory": w.host_bytes / mem, "host_adamw": w.adamw, "disk": w.disk}
+                 "gpu_link": w.link / link if pcie else 0.0, "host_memory": w.host_bytes / mem,
+                 "host_adamw": w.adamw, "disk": w.disk}
         if pcie and copies > max(lanes["pcie_h2d"], lanes["pcie_d2h"]):  # duplex-bound: the busier direction
             key = "pcie_h2d" if w.h2d >= w.d2h else "pcie_d2h"
             lanes[key] = copies
@@ -216,7 +232,7 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
     excess["host_adamw"] = excess.get("host_adamw", 0.0) + exposed_updates
     worst = max(excess, key=excess.get, default="gpu")
     bottleneck = worst if excess.get(worst, 0.0) > 0.05 * step else "gpu"
-    lanes = {k: v for k, v in bound.items() if not k.startswith("_")}
+    lanes = {k: v for k, v in bound.items() if not k.startswith("_") and (k != "gpu_link" or ranks > 1)}
     lanes["gpu"] = fwd.gpu + bwd.gpu + tail_s
     return Estimate(step, bottleneck, lanes, phases)
 

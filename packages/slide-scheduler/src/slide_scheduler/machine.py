@@ -2,7 +2,7 @@
 
 The same figures a machine file holds (`slide-train probe` measures them; docs/machines/ has examples):
 
-    gpu:  {memory_gib, bf16_tflops}
+    gpu:  {memory_gib, bf16_tflops, link_gbps}
     host: {memory_gib, cores, memory_gbps, adamw_gparams}
     pcie: {h2d_gbps, d2h_gbps, duplex_gbps}
     disk: {free_gib, read_gbps, write_gbps}
@@ -21,6 +21,9 @@ from typing import Any
 class Gpu:
     memory_gib: float = 0.0  # 0: no GPU (the device is the CPU)
     bf16_tflops: float = 0.0
+    # what one GPU's collectives with the others move (NVLink, or PCIe between GPUs), for data-parallel ranks;
+    # 0: not measured, priced at the host link's rate
+    link_gbps: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ accepts `--key=value` overrides of any config key (see `slide-train finetune --h
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config import describe_keys, load_config
@@ -86,7 +87,7 @@ def cmd_plan(args, overrides) -> int:
         print(f"model: {cfg.model} ({model.hf_config.model_type}, {params_text(sum(shapes.unit_numels))} params, "
               f"{shapes.num_blocks} blocks); {cfg.grad_accum} x {cfg.micro_batch_size} x {cfg.seq_len} tokens per "
               f"step{f' per rank, {args.nproc} ranks (host memory below: one rank)' if args.nproc > 1 else ''}; "
-              f"machine: {args.machine or 'this one (last probe)'}")
+              f"machine: {args.machine or os.environ.get('SLIDE_MACHINE') or 'this one (last probe)'}")
         print(describe(plan, machine))
     return 0 if plan.fits else 2
 
