@@ -23,6 +23,9 @@ from .placement import Placement, early_reads_wait
 # element-wise kernels between the GEMMs); per block, micro-batch and pass, a fixed cost of launching kernels.
 BLOCK_EFFICIENCY = 0.71
 LAUNCH_S = 1.5e-4
+# A speculative pass steps copies of master, m and v (cache-sized, around the same fused kernel, so that its
+# parameters are bitwise the commit's) and narrows the result: twice an update's host time, per parameter.
+SPECULATIVE_PASS = 2.0
 CPU_FLOPS_PER_CORE = 2e10  # fp32 on a CPU device
 LANES = ("gpu", "pcie_h2d", "pcie_d2h", "gpu_link", "host_memory", "host_adamw", "disk")
 
@@ -126,7 +129,7 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
         bwd.d2h += 0 if up.grad == "held" else numel * c * shard
         bwd.link += 2 * peers * numel  # the load's all-gather, the gradient's reduce-scatter
         if clip and up.speculate:  # the speculative pass, under the backward
-            bwd.adamw += numel / adamw
+            bwd.adamw += SPECULATIVE_PASS * numel / adamw
             bwd.host_bytes += numel * (4 + 2 * sb + 2 * c)  # reads master, m, v, gradient; writes parameters
         if held:
             anywhere.adamw += numel / adamw
