@@ -16,6 +16,7 @@ import os
 import pathlib
 import shutil
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from safetensors import SafetensorError
@@ -29,6 +30,9 @@ from .progress import bar
 from .space import Size, safetensors_bytes, write_within
 
 MANIFEST = "manifest.json"
+# Files are hashed on these threads beside the writes of the next ones: one SHA-256 stream is slower than a fast
+# drive writes
+HASH_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def unit_file(name: str) -> str:
@@ -147,10 +151,11 @@ def _write(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int
     except OSError as e:
         error = e
     engine.synchronize()  # updates of the last step may still be running on the optimizer thread
-    manifest = {}
+    manifest: dict[str, tuple[int, Future]] = {}
+    hashing = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="slide-hash")
 
-    def written(path: pathlib.Path) -> None:  # hashed at once, while the page cache still holds what was written
-        manifest[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    def written(path: pathlib.Path) -> None:  # hashed while the page cache still holds what was written
+        manifest[path.name] = (path.stat().st_size, hashing.submit(_sha256, path))
 
     for index, name in enumerate(bar(engine.unit_names(), desc=f"writing step-{step}", unit="file")):
         if error is not None and not sharded:
@@ -171,6 +176,7 @@ def _write(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int
             _finish(root, tmp, final, step, trainer_state, rng, manifest, written)
         except BaseException as e:
             error = e
+    hashing.shutdown(cancel_futures=True)  # (before the partial files go, on an error)
     if sharded:  # what the other ranks learn: written, a full disk, or another failure
         engine.ranks.share(0 if error is None else FULL if is_disk_full(error) else FAILED)
     if error is not None:
@@ -181,13 +187,14 @@ def _write(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int
 
 
 def _finish(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int, trainer_state: dict,
-            rng: dict[str, torch.Tensor], manifest: dict, written) -> None:
-    """The checkpoint's last files and its manifest, synced, then `tmp` renamed into place."""
+            rng: dict[str, torch.Tensor], hashed: dict[str, tuple[int, Future]], written) -> None:
+    """The checkpoint's last files and its manifest (once every file's hash is in), synced, then `tmp` renamed
+    into place."""
     save_file(rng, str(tmp / "rng.safetensors"))
     written(tmp / "rng.safetensors")
     (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=2))
     written(tmp / "trainer.json")
-    manifest = dict(sorted(manifest.items()))
+    manifest = {name: {"bytes": size, "sha256": digest.result()} for name, (size, digest) in sorted(hashed.items())}
     files = [tmp / name for name in manifest]
     (tmp / MANIFEST).write_text(_manifest_text(step, manifest))
     for p in [*files, tmp / MANIFEST]:

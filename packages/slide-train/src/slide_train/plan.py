@@ -128,8 +128,9 @@ def make_plan(cfg: TrainConfig, shapes: Shapes, machine: Machine, cuda: bool, bu
 
 def checkpoint_cost(plan: Plan, machine: Machine) -> tuple[int, float | None]:
     """Bytes a checkpoint writes (every unit's fp32 master and AdamW moments) and its seconds on the machine
-    file's disk: the write, plus reading back the share the NVMe tier holds (the same drive, taken as one).
-    None for the seconds where the machine has no measured disk (no free space known, or no rates)."""
+    file's disk: the write, plus reading back the share the NVMe tier holds (the same drive, taken as one); the
+    files are hashed beside the writes. None for the seconds where the machine has no measured disk (no free
+    space known, or no rates)."""
     p = plan.placement
     nbytes = sum(p.shapes.unit_numels) * (4 + 2 * p.state_bytes)
     disk = machine.disk
