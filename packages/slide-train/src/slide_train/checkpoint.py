@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from slide_io import free_bytes, is_disk_full
-from slide_scheduler import DTYPES
+from slide_scheduler import DTYPES, host_cores
 
 from .errors import CheckpointError, DiskFullError, size_text
 from .progress import bar
@@ -32,7 +32,11 @@ from .space import Size, safetensors_bytes, write_within
 MANIFEST = "manifest.json"
 # Files are hashed on these threads beside the writes of the next ones: one SHA-256 stream is slower than a fast
 # drive writes
-HASH_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+HASH_THREADS = max(1, min(8, host_cores() // 2))
+
+
+def _hashers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="slide-hash")
 
 
 def unit_file(name: str) -> str:
@@ -152,7 +156,7 @@ def _write(root: pathlib.Path, tmp: pathlib.Path, final: pathlib.Path, step: int
         error = e
     engine.synchronize()  # updates of the last step may still be running on the optimizer thread
     manifest: dict[str, tuple[int, Future]] = {}
-    hashing = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="slide-hash")
+    hashing = _hashers()
 
     def written(path: pathlib.Path) -> None:  # hashed while the page cache still holds what was written
         manifest[path.name] = (path.stat().st_size, hashing.submit(_sha256, path))
@@ -250,7 +254,7 @@ def verify(path: pathlib.Path) -> dict:
         if p.stat().st_size != meta["bytes"]:
             raise CheckpointError(f"{p} has {p.stat().st_size} bytes, the manifest says {meta['bytes']}: "
                                   "the file is truncated or was changed")
-    with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="slide-hash") as hashing:
+    with _hashers() as hashing:
         digests = hashing.map(_sha256, [path / name for name in files])
         for (name, meta), digest in bar(zip(files.items(), digests), desc=f"verifying {path.name}", unit="file",
                                         total=len(files)):
