@@ -1,6 +1,6 @@
-"""Sessions: `tests` per package (fresh venv, only what the package declares), `lint`, and `gpu`.
+"""Sessions: `tests` per package (fresh venv, only what the package declares), `lint`, `benchmarks` and `gpu`.
 
-`nox` with no arguments runs lint and every package's tests on the CPU, as CI does.
+`nox` with no arguments runs lint, every package's tests and the benchmark sweep's tests on the CPU, as CI does.
 The `gpu` session is for a machine with a CUDA GPU; it runs the tests marked `gpu`.
 """
 
@@ -17,7 +17,7 @@ PACKAGES = ["slide-kernels", "slide-memory", "slide-io", "slide-scheduler", "sli
 # The CPU build of torch lies on CI's disk; a plain `torch` would pull a multi-GB CUDA build.
 TORCH = "torch==2.13.0"
 
-nox.options.sessions = ["lint", "tests"]
+nox.options.sessions = ["lint", "tests", "benchmarks"]
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -48,6 +48,13 @@ def tests(session: nox.Session, package: str) -> None:
     session.install(TORCH)
     session.install(*local, "-e", f"packages/{package}[test]")
     session.run("pytest", f"packages/{package}/tests", "-m", "not gpu", *session.posargs)
+
+
+@nox.session
+def benchmarks(session: nox.Session) -> None:
+    """benchmarks/sweep.py's planning and bookkeeping: the standard library and pytest only, a few seconds."""
+    session.install("pytest")
+    session.run("pytest", "benchmarks/test_sweep.py", *session.posargs)
 
 
 @nox.session(python=False)

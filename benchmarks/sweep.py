@@ -1,0 +1,755 @@
+"""The GPU machine's benchmark sweep: GPU tests and run.py suites as an ordered list of steps, each measured once
+per version of the code, as many as fit one call's time. Its state is `results/sweep.json`.
+
+    python3 benchmarks/sweep.py --list [--budget-s 540]     # the plan: what is measured, what is left
+    python3 benchmarks/sweep.py --budget-s 540 --wheels .whl --export DIR
+    python3 benchmarks/sweep.py --only b3-none              # one step, measured or not
+    python3 benchmarks/sweep.py --pack-baseline             # where git is: the baseline engine into build/baseline
+
+A step is measured when its latest result carries the tree hash of `packages/` and `benchmarks/` as they are now
+(see `tree_hash`): a commit that touches neither leaves every step measured; a change under either re-queues all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import fnmatch
+import hashlib
+import io
+import json
+import os
+import pathlib
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+# The engine the acceptance comparisons run against, unpacked by --pack-baseline into BASELINE_DIR (ignored by git,
+# so it reaches the GPU machine only when named in what the call carries).
+BASELINE = "92d64f2"
+BASELINE_DIR = "build/baseline"
+VS_BASELINE = f"--baseline {BASELINE_DIR} --baseline-name {BASELINE}"
+# What one step may take, setup included: a call runs at most 600 s and the sweep's own checks take some of it.
+STEP_LIMIT_S = 480.0
+# The plain peer of the OLMoE shape: fp32 weights, gradients and AdamW moments of 6.9 B parameters are 103 GiB before
+# activations, more than an H100's 80 GB; an H200 (141 GB) holds them.
+MOE_PEER = dict(gpu_gib=120.0, why="the plain peer keeps fp32 weights, gradients and AdamW moments of 6.9 B "
+                                   "parameters (103 GiB) on the GPU, before activations")
+
+# The steps, most important first. `run`: commands in order, each "pytest PACKAGE" (its tests marked gpu) or
+# "run.py ARGS" (benchmarks/run.py), or a dict with `cmd` and the GPU memory it needs (`gpu_gib`, `why`): on a
+# smaller GPU that command is recorded as not fitting instead of run. `estimate_s`: the wall time assumed until the
+# step has been measured. `fresh_host`: only as a call's first step on a host nothing has run on yet.
+STEPS = [
+    # one pytest per package: each tests/ folder has its own conftest
+    {"name": "gpu-tests-kernels", "estimate_s": 150, "run": ["pytest slide-kernels"]},
+    {"name": "gpu-tests-memory", "estimate_s": 60, "run": ["pytest slide-memory"]},
+    {"name": "gpu-tests-io", "estimate_s": 60, "run": ["pytest slide-io"]},
+    {"name": "gpu-tests-scheduler", "estimate_s": 150, "run": ["pytest slide-scheduler"]},
+    {"name": "gpu-tests-train", "estimate_s": 200, "run": ["pytest slide-train"]},
+    # Against the baseline engine, old and new adjacent per clip mode and in the order old, new, new, old over each
+    # bench's two steps, so a drift of the machine touches both alike. B3's Liger peer runs in the same steps: b3.json
+    # then compares only figures that one step measured together (a later step's Slide figures would replace them).
+    # Every command names the baseline, so run.py sees one config and merges the steps' figures into one file.
+    {"name": "b3-none", "estimate_s": 240, "run": [f"run.py b3 --systems baseline --modes none {VS_BASELINE}",
+                                                   f"run.py b3 --systems slide,liger --modes none {VS_BASELINE}"]},
+    {"name": "b3-clip", "estimate_s": 240, "run": [f"run.py b3 --systems slide,baseline,liger --modes 1.0 "
+                                                   f"{VS_BASELINE}"]},
+    {"name": "b8-none", "estimate_s": 260, "run": [f"run.py b8 --systems baseline --modes none {VS_BASELINE}",
+                                                   f"run.py b8 --systems slide --modes none {VS_BASELINE}"]},
+    {"name": "b8-clip", "estimate_s": 260, "run": [f"run.py b8 --systems slide,baseline --modes 1.0 {VS_BASELINE}"]},
+    # against the Liger peer
+    {"name": "b1-liger", "estimate_s": 200, "run": ["run.py b1 --systems slide,liger --modes none,1.0"]},
+    {"name": "b3-documents-liger", "estimate_s": 360,
+     "run": ["run.py b3 --data documents --systems slide,liger --modes none,1.0"]},
+    # the mixture of experts against the plain HF peer (Liger's patches are Llama's); at 256k tokens per step one
+    # clip mode per step, to stay under the step limit
+    {"name": "moe", "estimate_s": 360, "run": ["run.py moe --systems slide --modes none,1.0",
+                                               {"cmd": "run.py moe --systems plain --modes none,1.0", **MOE_PEER}]},
+    {"name": "moe-256k-clip", "estimate_s": 400, "run": ["run.py moe-256k --systems slide --modes 1.0",
+                                                         {"cmd": "run.py moe-256k --systems plain --modes 1.0",
+                                                          **MOE_PEER}]},
+    {"name": "moe-256k-none", "estimate_s": 400, "run": ["run.py moe-256k --systems slide --modes none",
+                                                         {"cmd": "run.py moe-256k --systems plain --modes none",
+                                                          **MOE_PEER}]},
+    # the peers are recorded as not fitting by run.py itself (no process trains them)
+    {"name": "gemma2", "estimate_s": 360, "run": ["run.py gemma2 --systems slide,plain --modes none,1.0"]},
+    {"name": "long", "estimate_s": 400, "run": ["run.py long"]},
+    # the machine file's figures: host memory, PCIe and disk as a fresh host has them, before any run fills caches
+    {"name": "probe", "estimate_s": 120, "run": ["run.py probe"], "fresh_host": True},
+]
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results" / "sweep.json"
+PACKAGES = ("slide-kernels", "slide-memory", "slide-io", "slide-scheduler", "slide-train")
+# Wheels the GPU machine's image lacks, installed from --wheels where present (pytest for a bare image).
+WHEELS = ("liger-kernel", "kvikio-cu13", "libkvikio-cu13", "rapids-logger", "pytest", "pluggy", "iniconfig")
+WHEEL_SITE = pathlib.Path(tempfile.gettempdir()) / "slide-sweep-site"
+# Left by the first step a host runs: a host that has it is no longer fresh (the GPU machine keeps /tmp while warm).
+HOST_USED = pathlib.Path(tempfile.gettempdir()) / "slide-sweep.host-used"
+# The code whose version a result belongs to; results/ is what the sweep writes, not what it measures.
+TREE_PATHS = ("packages", "benchmarks")
+TREE_SKIPS = ("benchmarks/results",)
+GRACE_S = 20.0  # after an interrupt, before a step's processes are killed outright
+TAIL_LINES = 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    text: str  # as the table has it: "pytest PACKAGE" or "run.py ARGS"
+    gpu_gib: float | None = None  # GPU memory it needs; None: any GPU
+    why: str = ""
+
+    @property
+    def words(self) -> list[str]:
+        return shlex.split(self.text)
+
+    def suites(self) -> list[str]:
+        """The run.py suites it names (its arguments before the first option)."""
+        if self.words[0] != "run.py":
+            return []
+        suites = []
+        for word in self.words[1:]:
+            if word.startswith("-"):
+                break
+            suites.append(word)
+        return suites
+
+    def systems(self) -> list[str]:
+        """The systems a run.py command names with --systems (none named: none checked)."""
+        words = self.words
+        given = next((words[i + 1] for i, w in enumerate(words[:-1]) if w == "--systems"), "")
+        return [s for s in given.split(",") if s]
+
+    def uses_baseline(self) -> bool:
+        return "--baseline" in self.words
+
+    def argv(self, python: str) -> list[str]:
+        head, *rest = self.words
+        if head == "run.py":
+            return [python, str(HERE / "run.py"), *rest]
+        if head == "pytest":
+            (package,) = rest
+            return [python, "-m", "pytest", "-m", "gpu", "-q", f"packages/{package}/tests"]
+        raise ValueError(f"{self.text!r}: a command is 'run.py ARGS' or 'pytest PACKAGE'")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    name: str
+    estimate_s: float  # assumed until measured
+    commands: tuple[Command, ...]
+    fresh_host: bool = False
+
+
+def build_steps(table: list[dict]) -> list[Step]:
+    steps = []
+    for entry in table:
+        commands = tuple(Command(c) if isinstance(c, str) else Command(c["cmd"], c.get("gpu_gib"), c.get("why", ""))
+                         for c in entry["run"])
+        steps.append(Step(entry["name"], float(entry["estimate_s"]), commands, entry.get("fresh_host", False)))
+    names = [s.name for s in steps]
+    if len(set(names)) != len(names):
+        raise ValueError(f"step names repeat: {names}")
+    return steps
+
+
+# --- which version of the code a result belongs to ---------------------------------------------------------------
+
+def _git_object(kind: str, body: bytes) -> bytes:
+    return hashlib.sha1(f"{kind} {len(body)}\0".encode() + body).digest()
+
+
+def _tree_object(entries: list[tuple[str, str, bytes]]) -> bytes:
+    # git orders a tree's entries by name, a folder's as if it ended in "/"
+    entries = sorted(entries, key=lambda e: e[1].encode() + (b"/" if e[0] == "40000" else b""))
+    return _git_object("tree", b"".join(f"{mode} {name}".encode() + b"\0" + oid for mode, name, oid in entries))
+
+
+class Ignored:
+    """The .gitignore rules (and .git/info/exclude) that decide which files travel with a checkout: plain names and
+    globs at any depth, anchored paths, folder-only patterns; negations (`!`) are not read."""
+
+    def __init__(self, root: pathlib.Path):
+        self.root = root
+        self.rules: list[tuple[str, str, bool, bool]] = []  # (folder of the file, pattern, anchored, folders only)
+        for path in (root / ".git" / "info" / "exclude", root / ".gitignore"):
+            self.read(path, "")
+
+    def read(self, path: pathlib.Path, base: str) -> None:
+        if not path.is_file():
+            return
+        for line in path.read_text(errors="replace").splitlines():
+            line = line.rstrip()
+            if not line or line.startswith(("#", "!")):
+                continue
+            folders_only = line.endswith("/")
+            line = line.rstrip("/")
+            anchored = "/" in line
+            self.rules.append((base, line.lstrip("/"), anchored, folders_only))
+
+    def __call__(self, rel: str, is_folder: bool) -> bool:
+        for base, pattern, anchored, folders_only in self.rules:
+            if folders_only and not is_folder:
+                continue
+            if base:
+                if not rel.startswith(base + "/"):
+                    continue
+                inner = rel[len(base) + 1:]
+            else:
+                inner = rel
+            if fnmatch.fnmatchcase(inner if anchored else inner.rsplit("/", 1)[-1], pattern):
+                return True
+        return False
+
+
+def _folder_id(root: pathlib.Path, rel: str, ignored: Ignored) -> bytes | None:
+    """git's tree id of the folder `rel` as its files are now (None: nothing in it that git would keep)."""
+    folder = root / rel
+    ignored.read(folder / ".gitignore", rel)
+    entries = []
+    for child in sorted(os.scandir(folder), key=lambda e: e.name):
+        path = f"{rel}/{child.name}"
+        if child.name == ".git" or path in TREE_SKIPS:
+            continue
+        if child.is_symlink():
+            if not ignored(path, False):
+                entries.append(("120000", child.name, _git_object("blob", os.readlink(child.path).encode())))
+        elif child.is_dir():
+            if not ignored(path, True):
+                sub = _folder_id(root, path, ignored)
+                if sub is not None:
+                    entries.append(("40000", child.name, sub))
+        elif child.is_file() and not ignored(path, False):
+            mode = "100755" if os.access(child.path, os.X_OK) else "100644"
+            entries.append((mode, child.name, _git_object("blob", pathlib.Path(child.path).read_bytes())))
+    return _tree_object(entries) if entries else None
+
+
+def folder_id(root: pathlib.Path, rel: str) -> str:
+    """git's tree id of one folder of the working tree: `git rev-parse HEAD:REL` where it is clean and has no
+    untracked files that git would keep."""
+    oid = _folder_id(root, rel, Ignored(root))
+    return oid.hex() if oid else ""
+
+
+def tree_hash(root: pathlib.Path = ROOT) -> str:
+    """The version of the code a result belongs to: git's id of a tree holding TREE_PATHS (less TREE_SKIPS) as the
+    working tree has them, computed from the files themselves. So it needs no git and no .git (the GPU machine gets a
+    copy of the files without it), a dirty tree has its own hash, and a commit elsewhere leaves it unchanged."""
+    ignored = Ignored(root)
+    entries = []
+    for rel in TREE_PATHS:
+        if (root / rel).is_dir():
+            oid = _folder_id(root, rel, ignored)
+            if oid is not None:
+                entries.append(("40000", rel, oid))
+    return _tree_object(entries).hex()
+
+
+def git_state(root: pathlib.Path = ROOT) -> dict:
+    """The commit (SLIDE_COMMIT where set: a copy without .git cannot say) and whether TREE_PATHS differ from it;
+    informative only: whether a step is measured goes by the tree hash."""
+    state: dict = {"commit": os.environ.get("SLIDE_COMMIT"), "dirty": None}
+    try:
+        head = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+        changed = subprocess.check_output(["git", "status", "--porcelain", "--", *TREE_PATHS,
+                                           *(f":(exclude){p}" for p in TREE_SKIPS)], cwd=root, text=True,
+                                          stderr=subprocess.DEVNULL)
+    except (OSError, subprocess.CalledProcessError):
+        return state
+    state["commit"] = state["commit"] or head
+    state["dirty"] = bool(changed.strip())
+    return state
+
+
+# --- results -----------------------------------------------------------------------------------------------------
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+class Results:
+    """sweep.json: the latest call's environment and each step's latest result, rewritten whole after each step."""
+
+    def __init__(self, path: pathlib.Path):
+        self.path = path
+        self.doc = json.loads(path.read_text()) if path.is_file() else {}
+        self.doc.setdefault("steps", {})
+
+    def get(self, name: str) -> dict | None:
+        return self.doc["steps"].get(name)
+
+    def put(self, name: str, result: dict) -> None:
+        self.doc["steps"][name] = result
+        self.save()
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.doc, indent=1) + "\n")
+        os.replace(tmp, self.path)  # (a kill mid-write leaves the previous file whole)
+
+
+def timed(result: dict | None) -> bool:
+    """Whether a result's wall time measured the step (a skipped one ran nothing)."""
+    return bool(result) and result.get("wall_s") is not None and result["status"] not in ("skipped", "does not fit")
+
+
+def estimate_s(step: Step, result: dict | None) -> float:
+    """The step's last measured wall time, else the table's. A step stopped at a budget's end ran longer than
+    its wall time: a quarter more each time, until it fits or is seen to need splitting."""
+    if not timed(result):
+        return step.estimate_s
+    if result.get("stopped"):
+        return round(result["wall_s"] * 1.25, 1)
+    if result["status"] == "partial":  # (a part that needs a larger GPU did not run)
+        return max(result["wall_s"], step.estimate_s)
+    return result["wall_s"]
+
+
+def pending_why(step: Step, result: dict | None, tree: str, gpu_gib: float | None, retry_failed: bool = False
+                ) -> str | None:
+    """Why the step still has to run for this tree (None: measured)."""
+    if result is None:
+        return "never run"
+    if result.get("tree") != tree:
+        return "measured on another tree"
+    if result.get("stopped"):
+        return "stopped at a budget's end"
+    status = result["status"]
+    if status == "skipped":
+        return f"skipped: {result.get('reason')}"
+    if status == "failed" and retry_failed:
+        return "failed"
+    if status in ("partial", "does not fit") and gpu_gib is not None:
+        needs = max((c.gpu_gib or 0.0) for c in step.commands)
+        if result.get("gpu_gib") is not None and result["gpu_gib"] < needs <= gpu_gib:
+            return f"parts need {needs:.0f} GiB of GPU memory, which this GPU has"
+    return None
+
+
+# --- running steps -----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Outcome:
+    returncode: int
+    stopped: bool = False  # killed at the budget's end
+    tail: list[str] = dataclasses.field(default_factory=list)
+
+
+Runner = Callable[[Step, Command, "float | None"], Outcome]
+
+
+@dataclasses.dataclass
+class Context:
+    """What the sweep knows about this call: the code's version and the machine."""
+
+    tree: str
+    git: dict
+    env: dict  # from check_environment (gpu, gpu_gib, versions, disk)
+    suites: set[str]  # what run.py offers
+    baseline_problem: str | None  # why --baseline steps cannot run, or None
+    host_fresh: bool
+
+
+class ProcessRunner:
+    """Runs a command in a process group of its own, its output streamed to stdout and the log; at the deadline it is
+    interrupted (run.py then kills its worker, whose group is its own) and killed after GRACE_S."""
+
+    def __init__(self, env: dict[str, str], log: pathlib.Path | None = None):
+        self.env, self.log = env, log
+
+    def __call__(self, step: Step, command: Command, deadline_s: float | None) -> Outcome:
+        tail: deque[str] = deque(maxlen=TAIL_LINES)
+        log = self.log.open("a") if self.log else None
+        proc = subprocess.Popen(command.argv(sys.executable), cwd=ROOT, env=self.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
+
+        def pump() -> None:
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+                if log:
+                    log.write(line)
+                    log.flush()
+                tail.append(line.rstrip()[:300])
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        stopped = False
+        try:
+            try:
+                proc.wait(timeout=deadline_s)
+            except subprocess.TimeoutExpired:
+                stopped = True
+                self.stop(proc)
+        except KeyboardInterrupt:
+            self.stop(proc)
+            raise
+        finally:
+            reader.join(timeout=5)
+            if log:
+                log.close()
+        return Outcome(proc.returncode, stopped, list(tail))
+
+    @staticmethod
+    def stop(proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+
+
+def why_not_run(step: Step, ctx: Context) -> str | None:
+    """A reason the step cannot run here at all, recorded as skipped (it stays queued). A peer or test runner that
+    does not import would leave a step measured without its point, so a missing wheel skips the step."""
+    versions = ctx.env.get("versions", {})  # (empty until the environment is checked: --list assumes all there)
+    for command in step.commands:
+        missing = [s for s in command.suites() if s not in ctx.suites]
+        if missing:
+            return f"suite not available: run.py has no {', '.join(missing)}"
+        if command.uses_baseline() and ctx.baseline_problem:
+            return ctx.baseline_problem
+        if "liger" in command.systems() and versions.get("liger-kernel", "") is None:
+            return "liger-kernel is not installed: carry its wheel (--wheels)"
+        if command.words[0] == "pytest" and versions.get("pytest", "") is None:
+            return "pytest is not installed: carry its wheels (pytest, pluggy, iniconfig)"
+    return None
+
+
+class Sweep:
+    def __init__(self, steps: list[Step], results: Results, ctx: Context, runner: Runner,
+                 clock: Callable[[], float] = time.monotonic, after_step: Callable[[], None] = lambda: None,
+                 mark_host_used: Callable[[], None] = lambda: None, retry_failed: bool = False,
+                 say: Callable[[str], None] = print):
+        self.steps, self.results, self.ctx, self.runner, self.clock = steps, results, ctx, runner, clock
+        self.after_step, self.mark_host_used = after_step, mark_host_used
+        self.retry_failed, self.say = retry_failed, say
+        self.ran: list[str] = []  # steps this call ran or recorded, in order
+
+    def pending(self) -> list[Step]:
+        return [s for s in self.steps if pending_why(s, self.results.get(s.name), self.ctx.tree,
+                                                     self.ctx.env.get("gpu_gib"), self.retry_failed)]
+
+    def estimate(self, step: Step) -> float:
+        return estimate_s(step, self.results.get(step.name))
+
+    def choose(self, steps: list[Step], budget_s: float | None) -> list[Step]:
+        """The steps a budget would run by their estimates, most important first, a step that does not fit passed
+        over for smaller ones after it; a fresh-host step (only while the host is fresh) goes first."""
+        chosen, left = [], budget_s
+        for step in steps:
+            if step.fresh_host and not self.ctx.host_fresh:
+                continue
+            cost = 0.0 if why_not_run(step, self.ctx) else self.estimate(step)
+            if left is None or cost <= left:
+                chosen.append(step)
+                left = None if left is None else left - cost
+        return sorted(chosen, key=lambda s: not s.fresh_host)  # (stable: importance otherwise)
+
+    def run(self, budget_s: float | None, start: float, only: Step | None = None) -> None:
+        """Runs steps until none fits what is left of `budget_s` (counted from `start`, the call's checks
+        included), writing each result as it comes."""
+        queue = [only] if only else self.pending()
+        first = self.choose(queue, None if budget_s is None else budget_s - (self.clock() - start))
+        order = first + [s for s in queue if s not in first]  # (steps that run short leave room for more)
+        while True:
+            left = None if budget_s is None else budget_s - (self.clock() - start)
+            step = next((s for s in order if s.name not in self.ran and (only or self.may_start(s, left))), None)
+            if step is None:
+                return
+            self.ran.append(step.name)
+            self.run_step(step, left)
+
+    def may_start(self, step: Step, left: float | None) -> bool:
+        if why_not_run(step, self.ctx):
+            return True  # (recorded as skipped: takes no time)
+        if step.fresh_host and not self.ctx.host_fresh:
+            return False
+        return left is None or self.estimate(step) <= left
+
+    def run_step(self, step: Step, left: float | None) -> None:
+        base = {"tree": self.ctx.tree, **self.ctx.git, "date": now(), "gpu": self.ctx.env.get("gpu"),
+                "gpu_gib": self.ctx.env.get("gpu_gib")}
+        reason = why_not_run(step, self.ctx)
+        if reason:
+            self.say(f"== {step.name}: skipped ({reason})")
+            self.results.put(step.name, {**base, "status": "skipped", "reason": reason})
+            self.after_step()
+            return
+        self.say(f"== {step.name}: estimate {self.estimate(step):.0f} s"
+                 + ("" if left is None else f", {left:.0f} s left"))
+        self.ctx.host_fresh = False
+        self.mark_host_used()
+        began = self.clock()
+        parts, tail, stopped = [], [], False
+        for command in step.commands:
+            gpu_gib = self.ctx.env.get("gpu_gib")
+            if command.gpu_gib and (gpu_gib is None or gpu_gib < command.gpu_gib):
+                reason = (f"does not fit: needs a GPU of {command.gpu_gib:.0f} GiB or more ({command.why}); "
+                          f"this {self.ctx.env.get('gpu')} has {gpu_gib} GiB")
+                self.say(f"   {command.text}: {reason}")
+                parts.append({"command": command.text, "status": "does not fit", "reason": reason})
+                continue
+            deadline = None if left is None else left - (self.clock() - began)
+            if stopped or (deadline is not None and deadline <= 0):
+                parts.append({"command": command.text, "status": "not run", "reason": "the budget ran out"})
+                stopped = True
+                continue
+            self.say(f"-- {command.text}")
+            t0 = self.clock()
+            out = self.runner(step, command, deadline)
+            ok = out.returncode == 0 or (command.words[0] == "pytest" and out.returncode == 5)  # (5: none marked gpu)
+            part = {"command": command.text, "status": "ok" if ok and not out.stopped else "failed",
+                    "returncode": out.returncode, "wall_s": round(self.clock() - t0, 1)}
+            if out.stopped:
+                part["reason"] = "stopped at the budget's end"
+                stopped = True
+            parts.append(part)
+            tail = out.tail
+        ran = [p for p in parts if p["status"] != "does not fit"]
+        if not ran:
+            status = "does not fit"
+        elif any(p["status"] != "ok" for p in ran):
+            status = "failed"
+        else:
+            status = "partial" if len(ran) < len(parts) else "ok"
+        result = {**base, "status": status, "wall_s": round(self.clock() - began, 1), "commands": parts,
+                  "tail": tail}
+        if stopped:
+            result["stopped"] = True
+        self.results.put(step.name, result)
+        self.say(f"== {step.name}: {status} in {result['wall_s']:.0f} s")
+        self.after_step()
+
+    def describe(self, steps: list[Step]) -> list[str]:
+        """One line per step: its estimate and where it stands for this tree."""
+        lines = []
+        for i, step in enumerate(steps, 1):
+            result = self.results.get(step.name)
+            why = pending_why(step, result, self.ctx.tree, self.ctx.env.get("gpu_gib"), self.retry_failed)
+            if why is None:
+                state = f"measured: {result['status']}" + (f" on {result['gpu']}" if result.get("gpu") else "")
+            else:
+                state = why
+                blocked = why_not_run(step, self.ctx)
+                if blocked and not why.endswith(blocked):
+                    state += f"; here it would be skipped: {blocked}"
+                if step.fresh_host and not self.ctx.host_fresh:
+                    state += "; waits for a fresh host"
+            est = self.estimate(step)
+            over = "  over the step limit: split it" if est > STEP_LIMIT_S else ""
+            lines.append(f"{i:3} {step.name:22} {est:6.0f} s{' ' if timed(result) else '*'}  {state}{over}")
+        return lines
+
+
+# --- the call's setup: wheels, environment, baseline ---------------------------------------------------------------
+
+def install_wheels(folder: pathlib.Path) -> list[str]:
+    """WHEELS found in `folder`, installed (no index, no dependencies: the image has them) into WHEEL_SITE."""
+    present = {w.name.split("-")[0].lower().replace("_", "-") for w in folder.glob("*.whl")}
+    wanted = [name for name in WHEELS if name in present]
+    if not wanted:
+        print(f"wheels: none of {', '.join(WHEELS)} in {folder}", flush=True)
+        return []
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-cache-dir",
+                           "--upgrade", "--find-links", str(folder), "--target", str(WHEEL_SITE), *wanted])
+    if done.returncode != 0:
+        raise SystemExit(f"installing {', '.join(wanted)} from {folder} failed (pip's output above)")
+    print(f"wheels: installed {', '.join(wanted)} from {folder}", flush=True)
+    return wanted
+
+
+# Run in a process of its own: the sweep itself never touches the GPU, so it holds none of its memory.
+ENV_CHECK = """
+import importlib.metadata as md, json, platform
+out = {"python": platform.python_version(), "versions": {}}
+for dist in ("torch", "triton", "transformers", "liger-kernel", "kvikio-cu13", "pytest"):
+    try:
+        out["versions"][dist] = md.version(dist)
+    except md.PackageNotFoundError:
+        out["versions"][dist] = None
+import torch
+out["gpu"], out["gpu_gib"], out["gpus"] = None, None, torch.cuda.device_count()
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    out["gpu"], out["gpu_gib"] = p.name, round(p.total_memory / 2**30, 1)
+print(json.dumps(out))
+"""
+
+
+def check_environment(env: dict[str, str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", ENV_CHECK], env=env, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode != 0:
+        raise SystemExit(f"the environment check failed:\n{out.stderr[-2000:]}")
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    found["disk_free_gib"] = {str(p): round(shutil.disk_usage(p).free / 2**30, 1)
+                              for p in (ROOT, pathlib.Path(tempfile.gettempdir()))}
+    try:
+        meminfo = pathlib.Path("/proc/meminfo").read_text().splitlines()
+        found["host_memory_gib"] = round(int(next(ln.split()[1] for ln in meminfo if ln.startswith("MemTotal:")))
+                                         / 2**20, 1)
+    except (OSError, StopIteration):
+        found["host_memory_gib"] = None
+    found["cores"] = os.cpu_count()
+    found["date"] = now()
+    return found
+
+
+def baseline_problem(root: pathlib.Path = ROOT) -> str | None:
+    folder = root / BASELINE_DIR
+    hint = (f"run `python benchmarks/sweep.py --pack-baseline` where git is and carry {BASELINE_DIR} to the GPU "
+            "machine")
+    if not any((folder / "packages").glob("*/src")):
+        return f"no baseline engine in {BASELINE_DIR}: {hint}"
+    stamp = folder / "COMMIT"
+    if stamp.is_file() and not stamp.read_text().strip().startswith(BASELINE):
+        return f"{BASELINE_DIR} holds {stamp.read_text().strip()[:12]}, not {BASELINE}: {hint}"
+    return None
+
+
+def pack_baseline(root: pathlib.Path = ROOT) -> None:
+    """git archive BASELINE's packages/ into BASELINE_DIR, with its commit in COMMIT."""
+    folder = root / BASELINE_DIR
+    commit = subprocess.check_output(["git", "rev-parse", f"{BASELINE}^{{commit}}"], cwd=root, text=True).strip()
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", "--format=tar", commit, "packages"], cwd=root, check=True,
+                             capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(folder, filter="data")
+    (folder / "COMMIT").write_text(commit + "\n")
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    print(f"{BASELINE_DIR}: packages/ of {commit[:12]} ({size / 2**20:.1f} MiB)")
+    print(f"carry: {BASELINE_DIR}   (with the wheels: {BASELINE_DIR} .whl)")
+
+
+def export(folder: pathlib.Path, results: Results, since: float, suites: pathlib.Path = HERE / "results") -> None:
+    """results.tar in `folder`: the sweep's state and every suite file (`suites`/*.json) this call wrote, to unpack
+    into benchmarks/results where the call was made from."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / "results.tar.tmp"
+    with tarfile.open(tmp, "w") as tar:
+        tar.add(results.path, arcname=results.path.name)
+        for path in sorted(suites.glob("*.json")):
+            if path.resolve() != results.path.resolve() and path.stat().st_mtime >= since:
+                tar.add(path, arcname=path.name)
+    os.replace(tmp, folder / "results.tar")
+
+
+def available_suites() -> set[str]:
+    sys.path.insert(0, str(HERE))
+    import run
+
+    return set(run.TRAIN_SUITES) | set(run.OTHER_SUITES)
+
+
+def interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt  # (a stop from outside ends the running step's processes too, as Ctrl-C does)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budget-s", type=float, help="seconds this call may take, its checks included (default: all)")
+    p.add_argument("--list", action="store_true", help="print the plan and what is measured; run nothing")
+    p.add_argument("--only", metavar="NAME", help="run this step, measured or not")
+    p.add_argument("--retry-failed", action="store_true", help="run again steps that failed on this tree")
+    p.add_argument("--wheels", type=pathlib.Path, default=ROOT / ".whl", help="folder of wheels to install first")
+    p.add_argument("--export", type=pathlib.Path, help="folder to write results.tar and sweep.log into as steps end")
+    p.add_argument("--results", type=pathlib.Path, default=RESULTS, help="the sweep's state file")
+    p.add_argument("--pack-baseline", action="store_true",
+                   help=f"where git is: unpack {BASELINE}'s packages/ into {BASELINE_DIR} and print what to carry")
+    args = p.parse_args(argv)
+    if args.pack_baseline:
+        pack_baseline()
+        return
+    start, since = time.monotonic(), time.time()
+    steps = build_steps(STEPS)
+    only = None
+    if args.only:
+        only = next((s for s in steps if s.name == args.only), None)
+        if only is None:
+            p.error(f"--only: no step {args.only!r} (steps: {', '.join(s.name for s in steps)})")
+    results = Results(args.results)
+    ctx = Context(tree_hash(), git_state(), {}, available_suites(), baseline_problem(), not HOST_USED.exists())
+    head = f"tree {ctx.tree[:12]} (packages/ and benchmarks/ as they are here; commit {ctx.git['commit'] or '?'}" \
+           + {True: ", dirty)", False: ", clean)", None: ")"}[ctx.git["dirty"]]
+    if args.list:
+        sweep = Sweep(steps, results, ctx, runner=lambda *_: Outcome(0), retry_failed=args.retry_failed)
+        print(head)
+        print("  #  step                 estimate   state   (* the table's estimate: never measured)")
+        print("\n".join(sweep.describe(steps)))
+        pending = sweep.pending()
+        if args.budget_s is not None:
+            chosen = sweep.choose(pending, args.budget_s)
+            runs = [s for s in chosen if not why_not_run(s, ctx)]
+            print(f"--budget-s {args.budget_s:.0f} would run: {', '.join(s.name for s in runs) or 'nothing'} "
+                  f"({sum(sweep.estimate(s) for s in runs):.0f} s by estimate)")
+            skips = [s.name for s in chosen if s not in runs]
+            if skips:
+                print(f"and record as skipped: {', '.join(skips)}")
+        print(f"left: {len(pending)} steps, {sum(sweep.estimate(s) for s in pending):.0f} s by estimate")
+        return
+
+    signal.signal(signal.SIGTERM, interrupted)
+    print(head, flush=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    installed = install_wheels(args.wheels) if args.wheels.is_dir() else []
+    if installed:
+        env["PYTHONPATH"] = os.pathsep.join([str(WHEEL_SITE), *filter(None, [env.get("PYTHONPATH")])])
+    if ctx.git["commit"]:
+        env.setdefault("SLIDE_COMMIT", ctx.git["commit"])  # (run.py stamps results with it)
+    ctx.env = {**check_environment(env), "wheels": installed}
+    e = ctx.env
+    print(f"python {e['python']}; " + ", ".join(f"{k} {v}" for k, v in e["versions"].items()), flush=True)
+    print(f"GPU: {e['gpu']} ({e['gpu_gib']} GiB, {e['gpus']} visible); host {e['host_memory_gib']} GiB, "
+          f"{e['cores']} cores; free disk " + ", ".join(f"{k} {v} GiB" for k, v in e["disk_free_gib"].items()),
+          flush=True)
+    if e["gpu"] is None:
+        sys.exit("no CUDA GPU is visible: every step needs one (--list works anywhere)")
+    results.doc["environment"] = ctx.env
+    results.save()
+    srcs = [str(ROOT / "packages" / p / "src") for p in PACKAGES]
+    # GPU tests import this checkout's sources, as noxfile.py's gpu session has them; run.py puts them on its path
+    env["PYTHONPATH"] = os.pathsep.join([*srcs, *filter(None, [env.get("PYTHONPATH")])])
+    log = args.export / "sweep.log" if args.export else None
+    if args.export:
+        export(args.export, results, since)
+
+    def after_step() -> None:
+        if args.export:
+            export(args.export, results, since)
+
+    sweep = Sweep(steps, results, ctx, ProcessRunner(env, log), after_step=after_step,
+                  mark_host_used=lambda: HOST_USED.touch(), retry_failed=args.retry_failed)
+    sweep.run(args.budget_s, start, only)
+    elapsed = time.monotonic() - start
+    print(f"\nthis call: {elapsed:.0f} s" + ("" if args.budget_s is None else f" of {args.budget_s:.0f}"))
+    left = sweep.pending()
+    if left:
+        print(f"left for a later call ({sum(sweep.estimate(s) for s in left):.0f} s by estimate):")
+        print("\n".join(sweep.describe(left)))
+    else:
+        print("nothing left: every step is measured on this tree")
+    failed = [n for n in sweep.ran if results.get(n)["status"] == "failed"]
+    if failed:
+        sys.exit(f"failed in this call: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

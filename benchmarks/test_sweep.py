@@ -1,0 +1,348 @@
+"""sweep.py's planning and bookkeeping on a CPU: steps run by fake runners on a fake clock, over a small tree."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tarfile
+
+import pytest
+import sweep
+
+H100 = {"gpu": "NVIDIA H100 80GB HBM3", "gpu_gib": 79.2, "versions": {"liger-kernel": "0.8.5", "pytest": "8.4"}}
+H200 = {**H100, "gpu": "NVIDIA H200", "gpu_gib": 139.8}
+TABLE = [
+    {"name": "tests", "estimate_s": 100, "run": ["pytest slide-kernels"]},
+    {"name": "big", "estimate_s": 400, "run": ["run.py b3 --systems slide"]},
+    {"name": "small", "estimate_s": 50, "run": ["run.py b1 --systems slide,liger"]},
+    {"name": "probe", "estimate_s": 30, "run": ["run.py probe"], "fresh_host": True},
+]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Runner:
+    """Takes `took[name]` seconds of the fake clock per command (10 by default), or is stopped at the deadline."""
+
+    def __init__(self, clock: Clock, took: dict | None = None, fail: tuple = (), during=None):
+        self.clock, self.took, self.fail, self.during = clock, took or {}, fail, during
+        self.calls: list[str] = []
+
+    def __call__(self, step, command, deadline):
+        self.calls.append(step.name)
+        if self.during:
+            self.during(step)
+        took = self.took.get(step.name, 10.0)
+        if deadline is not None and took > deadline:
+            self.clock.t += deadline
+            return sweep.Outcome(-2, stopped=True)
+        self.clock.t += took
+        return sweep.Outcome(1 if step.name in self.fail else 0, tail=[f"{command.text}: done"])
+
+
+def make_tree(root):
+    (root / "packages" / "slide-x" / "src" / "slide_x").mkdir(parents=True)
+    (root / "packages" / "slide-x" / "src" / "slide_x" / "__init__.py").write_text("VALUE = 1\n")
+    (root / "benchmarks" / "results").mkdir(parents=True)
+    (root / "benchmarks" / "run.py").write_text("# suites\n")
+    (root / ".gitignore").write_text("__pycache__/\n*.egg-info/\nbuild/\nbenchmarks/results/*.partial.json\n")
+
+
+@pytest.fixture
+def tree(tmp_path):
+    make_tree(tmp_path / "repo")
+    return tmp_path / "repo"
+
+
+def make(tree, table=TABLE, env=H100, fresh=False, suites=("b1", "b3", "b8", "moe", "probe"), baseline=None,
+         clock=None, runner=None, **kw):
+    clock = clock or Clock()
+    runner = runner or Runner(clock)
+    ctx = sweep.Context(sweep.tree_hash(tree), {"commit": "abc", "dirty": False}, dict(env), set(suites), baseline,
+                        fresh)
+    results = sweep.Results(tree / "benchmarks" / "results" / "sweep.json")
+    return sweep.Sweep(sweep.build_steps(table), results, ctx, runner, clock=clock, say=lambda _: None, **kw)
+
+
+def saved(tree) -> dict:
+    return json.loads((tree / "benchmarks" / "results" / "sweep.json").read_text())["steps"]
+
+
+def test_steps_run_most_important_first_and_a_fresh_host_step_only_first(tree):
+    s = make(tree)
+    s.run(None, 0.0)
+    assert s.runner.calls == ["tests", "big", "small"]
+    assert "fresh host" in "\n".join(s.describe(s.pending()))  # (the host was not fresh: probe waits)
+
+    marked = []
+    s = make(tree, fresh=True, mark_host_used=lambda: marked.append(1))
+    s.run(None, 0.0)
+    assert s.runner.calls == ["probe"]  # (the others were measured above on the same tree)
+    assert marked == [1] and not s.ctx.host_fresh
+
+
+def test_fresh_host_step_runs_before_more_important_ones(tree):
+    s = make(tree, fresh=True)
+    s.run(None, 0.0)
+    assert s.runner.calls == ["probe", "tests", "big", "small"]
+
+
+def test_a_step_that_does_not_fit_is_passed_over_for_smaller_later_ones(tree):
+    s = make(tree)
+    s.run(200, 0.0)
+    assert s.runner.calls == ["tests", "small"]
+    assert set(saved(tree)) == {"tests", "small"}
+    assert [st.name for st in s.pending()] == ["big", "probe"]
+    assert s.estimate(s.steps[1]) == 400  # (what is left is listed with its estimate)
+
+
+def test_the_budget_counts_time_spent_before_the_steps(tree):
+    clock = Clock()
+    clock.t = 150.0  # the wheels and the environment check took 150 s of a 200 s budget
+    s = make(tree, clock=clock)
+    s.run(200, 0.0)
+    assert s.runner.calls == ["small"]
+
+
+def test_a_step_that_runs_long_leaves_less_and_one_that_runs_short_more(tree):
+    clock = Clock()
+    s = make(tree, clock=clock, runner=Runner(clock, took={"tests": 180}))
+    s.run(200, 0.0)
+    assert s.runner.calls == ["tests"]  # small's 50 s no longer fit
+
+    shutil.rmtree(tree / "benchmarks" / "results")
+    clock = Clock()
+    s = make(tree, clock=clock, runner=Runner(clock, took={"tests": 5, "small": 5, "big": 300}))
+    s.run(460, 0.0)  # by the estimates big does not fit after tests; tests ran short, so it does
+    assert s.runner.calls == ["tests", "small", "big"]
+
+
+def test_each_result_is_written_as_its_step_ends(tree):
+    seen = []
+
+    def during(step):
+        seen.append(set(saved(tree)) if (tree / "benchmarks" / "results" / "sweep.json").is_file() else set())
+        if step.name == "small":
+            raise KeyboardInterrupt  # the call is stopped from outside in the third step
+
+    clock = Clock()
+    s = make(tree, clock=clock, runner=Runner(clock, during=during))
+    with pytest.raises(KeyboardInterrupt):
+        s.run(None, 0.0)
+    assert seen == [set(), {"tests"}, {"tests", "big"}]
+    assert set(saved(tree)) == {"tests", "big"}
+    assert saved(tree)["big"]["status"] == "ok" and saved(tree)["big"]["wall_s"] == 10.0
+
+
+def test_a_measured_step_is_not_run_again_until_the_code_changes(tree):
+    make(tree).run(None, 0.0)
+    s = make(tree)
+    s.run(None, 0.0)
+    assert s.runner.calls == []
+
+    # results, caches and ignored files are not the code
+    (tree / "benchmarks" / "results" / "b3.json").write_text("{}")
+    (tree / "benchmarks" / "__pycache__").mkdir()
+    (tree / "benchmarks" / "__pycache__" / "run.cpython-312.pyc").write_bytes(b"\0")
+    (tree / "packages" / "slide-x" / "slide_x.egg-info").mkdir()
+    (tree / "build").mkdir()
+    s = make(tree)
+    s.run(None, 0.0)
+    assert s.runner.calls == []
+
+    (tree / "packages" / "slide-x" / "src" / "slide_x" / "__init__.py").write_text("VALUE = 2\n")
+    s = make(tree)
+    s.run(None, 0.0)
+    assert s.runner.calls == ["tests", "big", "small"]
+    assert all(r["tree"] == s.ctx.tree for r in saved(tree).values())
+
+
+def test_a_failing_step_is_recorded_and_the_sweep_goes_on(tree):
+    clock = Clock()
+    s = make(tree, clock=clock, runner=Runner(clock, fail=("tests",)))
+    s.run(None, 0.0)
+    assert s.runner.calls == ["tests", "big", "small"]
+    result = saved(tree)["tests"]
+    assert result["status"] == "failed" and result["commands"][0]["returncode"] == 1
+    assert result["tail"] == ["pytest slide-kernels: done"]
+    assert saved(tree)["big"]["status"] == "ok"
+
+    s = make(tree)
+    s.run(None, 0.0)
+    assert s.runner.calls == []  # a failure on this tree is its result
+    s = make(tree, retry_failed=True)
+    s.run(None, 0.0)
+    assert s.runner.calls == ["tests"]
+
+
+def test_a_step_stopped_at_the_budgets_end_stays_queued_with_a_larger_estimate(tree):
+    clock = Clock()
+    table = [{"name": "slow", "estimate_s": 100, "run": ["run.py b8"]}]
+    s = make(tree, table, clock=clock, runner=Runner(clock, took={"slow": 400}))
+    s.run(300, 0.0)
+    result = saved(tree)["slow"]
+    assert result["stopped"] and result["status"] == "failed" and result["wall_s"] == 300
+    assert [st.name for st in s.pending()] == ["slow"]
+    assert s.estimate(s.steps[0]) == 375
+
+
+def test_the_estimate_is_the_last_wall_time(tree):
+    clock = Clock()
+    s = make(tree, clock=clock, runner=Runner(clock, took={"small": 130}))
+    assert s.estimate(s.steps[2]) == 50
+    s.run(None, 0.0)
+    assert s.estimate(s.steps[2]) == 130
+    assert make(tree).estimate(make(tree).steps[2]) == 130  # (read back from the file)
+
+
+def test_a_suite_run_py_lacks_is_skipped_with_the_reason_and_stays_queued(tree):
+    table = [{"name": "long", "estimate_s": 300, "run": ["run.py long"]}, *TABLE[:1]]
+    s = make(tree, table)
+    s.run(120, 0.0)  # a skip takes no time: tests still fits
+    assert s.runner.calls == ["tests"]
+    assert saved(tree)["long"]["status"] == "skipped"
+    assert saved(tree)["long"]["reason"].startswith("suite not available")
+    assert [st.name for st in s.pending()] == ["long"]
+
+
+def test_steps_against_the_baseline_or_a_peer_need_them_there(tree):
+    table = [{"name": "b3-none", "estimate_s": 60, "run": [f"run.py b3 --systems baseline --modes none "
+                                                            f"{sweep.VS_BASELINE}"]}, *TABLE]
+    s = make(tree, table, env={**H100, "versions": {"liger-kernel": None, "pytest": "8.4"}},
+             baseline="no baseline engine in build/baseline")
+    s.run(None, 0.0)
+    assert s.runner.calls == ["tests", "big"]
+    assert saved(tree)["b3-none"]["reason"] == "no baseline engine in build/baseline"
+    assert saved(tree)["small"]["reason"].startswith("liger-kernel is not installed")
+    assert sweep.why_not_run(sweep.build_steps([{"name": "p", "estimate_s": 1, "run": ["run.py probe"]}])[0],
+                             s.ctx) is None  # (a suite without peers needs no Liger)
+
+
+def test_a_command_that_needs_a_larger_gpu_is_recorded_as_not_fitting(tree):
+    table = [{"name": "moe", "estimate_s": 100,
+              "run": ["run.py moe --systems slide", {"cmd": "run.py moe --systems plain", "gpu_gib": 120,
+                                                     "why": "fp32 states"}]}]
+    seen = []
+    clock = Clock()
+    s = make(tree, table, clock=clock, runner=Runner(clock, during=lambda step: seen.append(step.name)))
+    s.run(None, 0.0)
+    assert len(seen) == 1  # the peer did not run on the H100
+    result = saved(tree)["moe"]
+    assert result["status"] == "partial" and result["gpu_gib"] == 79.2
+    assert result["commands"][1]["status"] == "does not fit"
+    assert "120 GiB" in result["commands"][1]["reason"] and "fp32 states" in result["commands"][1]["reason"]
+    assert make(tree, table).pending() == []  # another H100 has nothing to add
+    s = make(tree, table, env=H200)
+    s.run(None, 0.0)
+    assert s.runner.calls == ["moe", "moe"]
+    assert saved(tree)["moe"]["status"] == "ok"
+
+
+def test_the_tree_hash_is_gits_tree_id_of_the_files(tmp_path):
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    root = tmp_path / "repo"
+    make_tree(root)
+    # git's order of names (a folder sorts as if it ended in "/"), an executable file, a nested .gitignore
+    pkg = root / "packages" / "slide-x"
+    (pkg / "a.b").write_text("x")
+    (pkg / "a").mkdir()
+    (pkg / "a" / "c").write_text("y")
+    (pkg / "a-b").write_text("z")
+    (pkg / "tool.sh").write_text("#!/bin/sh\n")
+    (pkg / "tool.sh").chmod(0o755)
+    (pkg / "tests").mkdir()
+    (pkg / "tests" / ".gitignore").write_text("scratch*\n")
+    (pkg / "tests" / "test_x.py").write_text("def test(): pass\n")
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "t")
+    # files git does not keep, made after the commit
+    (pkg / "tests" / "scratch.txt").write_text("ignored")
+    (pkg / "src" / "slide_x" / "__pycache__").mkdir()
+    (pkg / "src" / "slide_x" / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    (pkg / "empty").mkdir()
+    assert sweep.folder_id(root, "packages") == git("rev-parse", "HEAD:packages")
+    assert sweep.folder_id(root, "packages/slide-x/tests") == git("rev-parse", "HEAD:packages/slide-x/tests")
+    before = sweep.tree_hash(root)
+    (pkg / "a" / "c").write_text("changed")
+    assert sweep.tree_hash(root) != before
+
+
+def test_the_step_table(tree):
+    steps = sweep.build_steps(sweep.STEPS)
+    assert all(s.estimate_s <= sweep.STEP_LIMIT_S for s in steps)
+    import run
+
+    for step in steps:
+        for command in step.commands:
+            argv = command.argv("python3")
+            if command.words[0] == "pytest":
+                assert argv[2:5] == ["pytest", "-m", "gpu"]
+                continue
+            assert set(command.suites()) <= set(run.TRAIN_SUITES) | set(run.OTHER_SUITES) | {"long"}
+            assert set(command.systems()) <= set(run.SYSTEMS)
+    assert sweep.why_not_run(next(s for s in steps if s.name == "long"), make(tree).ctx).startswith(
+        "suite not available")
+
+    # old, new, new, old over each bench's steps against the baseline, run.py putting slide before the baseline
+    # within a mode and the peers after both
+    for bench in ("b3", "b8"):
+        order = []
+        for step in steps:
+            for command in step.commands:
+                words = command.words
+                if command.suites() == [bench] and command.uses_baseline():
+                    modes = words[words.index("--modes") + 1].split(",")
+                    systems = command.systems()
+                    order += [s for m in modes for s in ("slide", "baseline") if s in systems]
+        assert order == ["baseline", "slide", "slide", "baseline"], bench
+
+
+def test_export_holds_the_state_and_the_files_this_call_wrote(tree, tmp_path):
+    s = make(tree)
+    s.run(None, 0.0)
+    results = tree / "benchmarks" / "results"
+    (results / "old.json").write_text("{}")
+    import os
+
+    os.utime(results / "old.json", (1, 1))
+    (results / "b3.json").write_text("{}")
+    sweep.export(tmp_path / "out", s.results, since=1000.0, suites=results)
+    with tarfile.open(tmp_path / "out" / "results.tar") as tar:
+        assert sorted(tar.getnames()) == ["b3.json", "sweep.json"]
+
+
+def test_a_process_past_its_deadline_is_interrupted_then_killed(tmp_path, monkeypatch):
+    """The real runner: output streams into the tail and the log; at the deadline the process group gets an
+    interrupt, and one that ignores it is killed after the grace period."""
+    import sys
+    import time
+
+    monkeypatch.setattr(sweep, "GRACE_S", 0.5)
+    script = ("import signal, sys, time\n"
+              "if sys.argv[1] == 'stubborn':\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+              "print('started', flush=True)\ntime.sleep(30)\n")
+    runner = sweep.ProcessRunner(env={}, log=tmp_path / "sweep.log")
+    step = sweep.build_steps([{"name": "s", "estimate_s": 1, "run": ["run.py probe"]}])[0]
+    for kind in ("plain", "stubborn"):
+        monkeypatch.setattr(sweep.Command, "argv", lambda self, python, k=kind: [sys.executable, "-c", script, k])
+        t0 = time.monotonic()
+        out = runner(step, step.commands[0], 0.5)
+        assert out.stopped and out.returncode != 0 and out.tail[0] == "started", kind
+        assert time.monotonic() - t0 < 5, kind
+    assert (tmp_path / "sweep.log").read_text().count("started\n") == 2
+    monkeypatch.setattr(sweep.Command, "argv", lambda self, python: [sys.executable, "-c", "print('done')"])
+    out = runner(step, step.commands[0], 5.0)
+    assert not out.stopped and out.returncode == 0 and out.tail == ["done"]
