@@ -18,7 +18,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from test_engine import Model, ToyStack, batches  # noqa: E402
 
 from slide_memory import AdamWConfig  # noqa: E402
-from slide_scheduler import EngineConfig, Options, Ranks, SlidingEngine, StepShape, arrange, shapes_of  # noqa: E402
+from slide_scheduler import EngineConfig, Ranks, SlidingEngine, StepShape, arrange, run_facts, shapes_of  # noqa: E402
 
 
 def main(spec: dict) -> None:
@@ -29,16 +29,14 @@ def main(spec: dict) -> None:
     ranks = Ranks()
     torch.manual_seed(0)
     model = Model(tied=spec.get("tied", True))
-    config = EngineConfig(device="cpu", max_grad_norm=spec["clip"], pipeline=spec["pipeline"],
-                          optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1))
+    config = EngineConfig(pipeline=spec["pipeline"], optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1))
     stack = ToyStack(model)
-    placement = None  # (the engine's default: every unit sliding, updated on the host)
-    if spec.get("speculate"):
-        options = Options(clip=True, activations="cpu", compute_bytes=4, cuda=False, ranks=ranks.size)
-        placement = arrange(shapes_of(stack, ranks=ranks.size), StepShape(0, 0), options, resident=(), window=2,
-                            share=0.0, shared=False, held=0, speculate=True)
-        assert placement.speculated
-    engine = SlidingEngine(stack, config, placement, ranks)
+    # Every unit sliding and updated on the host (what data parallelism runs), speculating where asked
+    run = run_facts(device="cpu", max_grad_norm=spec["clip"], ranks=ranks.size)
+    placement = arrange(shapes_of(stack, ranks=ranks.size), StepShape(0, 0), run, resident=(), window=2, share=0.0,
+                        shared=False, held=0, speculate=bool(spec.get("speculate")))
+    assert bool(placement.speculated) == bool(spec.get("speculate"))
+    engine = SlidingEngine(stack, placement, config, ranks)
     for lane, seconds in spec.get("delays", {}).items():
         getattr(engine, lane).delay = seconds
     losses, norms, speculation = [], [], []

@@ -16,7 +16,7 @@ from torch import nn
 
 import slide_memory.adamw
 from slide_memory import AdamWConfig, StagingRing
-from slide_scheduler import EngineConfig, Options, SlidingEngine, arrange, shapes_of
+from slide_scheduler import DTYPES, EngineConfig, SlidingEngine, arrange, run_facts, shapes_of
 from slide_scheduler import engine as engine_module
 from slide_scheduler import placement as placement_module
 from slide_scheduler.lanes import DONE
@@ -119,27 +119,25 @@ def random_steps(seed: int, shapes: list[tuple[int, int]], device: str = "cpu"):
 
 PLACEMENT_KEYS = ("window", "resident", "device_update_share", "held_grads", "split_update",
                   "grads_share_activations", "nvme_fraction", "disk_loads", "speculate")
+FACT_KEYS = ("device", "compute_dtype", "states_dtype", "max_grad_norm", "activation_offload")
 
 
 def make_engine(stack, **kwargs) -> SlidingEngine:
-    """An engine over `stack` with EngineConfig keys and these placement choices: `window` (2), `resident`
-    (a count: the edges, then blocks from 0; or units), `device_update_share` (0), `held_grads` (0),
+    """An engine over `stack` with the run's facts (`device`, `compute_dtype`, `states_dtype`, `max_grad_norm`,
+    `activation_offload`: `run_facts`' words), EngineConfig keys, and these placement choices: `window` (2),
+    `resident` (a count: the edges, then blocks from 0; or units), `device_update_share` (0), `held_grads` (0),
     `split_update` (True), `grads_share_activations` (False), `nvme_fraction` (0), `disk_loads` (False),
     `speculate` (False)."""
     choices = {k: kwargs.pop(k) for k in PLACEMENT_KEYS if k in kwargs}
-    config = EngineConfig(**kwargs)
-    device = config.resolve_device()
-    options = Options(clip=bool(config.max_grad_norm), activations=config.activation_offload,
-                      compute_bytes=config.resolve_dtype(device).itemsize,
-                      state_bytes=engine_module.DTYPES[config.states_dtype].itemsize, cuda=device.type == "cuda",
-                      nvme_fraction=choices.get("nvme_fraction", 0.0), disk_loads=choices.get("disk_loads", False))
+    run = run_facts(**{k: kwargs.pop(k) for k in FACT_KEYS if k in kwargs})
     resident = choices.get("resident", 0)
-    placement = arrange(shapes_of(stack), placement_module.StepShape(0, 0), options,
+    placement = arrange(shapes_of(stack), placement_module.StepShape(0, 0), run,
                         resident=range(resident) if isinstance(resident, int) else resident,
                         window=choices.get("window", 2), share=choices.get("device_update_share") or 0.0,
                         shared=choices.get("grads_share_activations", False), held=choices.get("held_grads", 0),
-                        split=choices.get("split_update", True), speculate=choices.get("speculate", False))
-    return SlidingEngine(stack, config, placement)
+                        split=choices.get("split_update", True), speculate=choices.get("speculate", False),
+                        nvme_fraction=choices.get("nvme_fraction", 0.0), disk_loads=choices.get("disk_loads", False))
+    return SlidingEngine(stack, placement, EngineConfig(**kwargs))
 
 
 def run_both(window, offload, clip, tied, steps=3, micro=2):
@@ -1256,7 +1254,7 @@ def test_moments_on_disk_checkpoint_like_moments_in_memory(tmp_path, states):
     for u in range(DEPTH + 1):
         a, b = memory.optimizer_state(u), disk.optimizer_state(u)
         assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].equal(b[k]) for k in a), u
-    assert disk.optimizer_state(DEPTH)["exp_avg"].dtype == engine_module.DTYPES[states]
+    assert disk.optimizer_state(DEPTH)["exp_avg"].dtype == DTYPES[states]
     # swap the moments of two blocks on disk and give one a later step count (its bias correction changes):
     # the state read back, and the next step, follow
     first, last = disk.optimizer_state(1), disk.optimizer_state(DEPTH)

@@ -23,8 +23,8 @@ from slide_scheduler import (
     Budgets,
     EngineConfig,
     Machine,
-    Options,
     Placement,
+    RunFacts,
     Shapes,
     SlidingEngine,
     StepShape,
@@ -32,6 +32,7 @@ from slide_scheduler import (
     arrange,
     place,
     price,
+    run_facts,
     shapes_of,
 )
 from slide_scheduler import activations as activations_module
@@ -104,12 +105,8 @@ def measure(engine: SlidingEngine, stack, steps: int = 2) -> dict[str, int]:
     return peak
 
 
-def options_for(config: EngineConfig, nvme_fraction: float = 0.0, disk_loads: bool = False) -> Options:
-    device = config.resolve_device()
-    return Options(clip=bool(config.max_grad_norm), activations=config.activation_offload,
-                   compute_bytes=config.resolve_dtype(device).itemsize,
-                   state_bytes=2 if config.states_dtype == "bf16" else 4, cuda=device.type == "cuda",
-                   nvme_fraction=nvme_fraction, disk_loads=disk_loads)
+def facts_for(device: str, max_grad_norm: float | None = 0.05, **words) -> RunFacts:
+    return run_facts(device=device, max_grad_norm=max_grad_norm, **words)
 
 
 def toy_shapes(stack) -> Shapes:
@@ -118,7 +115,7 @@ def toy_shapes(stack) -> Shapes:
 
 STEP = StepShape(ROWS * LENGTH, MICRO, LENGTH)
 
-# name: EngineConfig keys, then the placement's choices (arrange's keywords; nvme_fraction, disk_loads for Options)
+# name: the run's facts (run_facts' words), then the placement's choices (arrange's keywords)
 MIXES = {
     "sliding": ({}, {}),
     "resident": ({}, {"resident": range(3)}),
@@ -140,17 +137,11 @@ def build(tmp_path, device: str, config_keys: dict, choices: dict):
     torch.manual_seed(0)
     model = Model(tied=False)
     stack = ToyStack(model)
-    config = EngineConfig(device=device, max_grad_norm=config_keys.get("max_grad_norm", 0.05),
-                          optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1), nvme_dir=str(tmp_path / "states"),
-                          activation_dir=str(tmp_path / "activations"),
-                          **{k: v for k, v in config_keys.items() if k != "max_grad_norm"})
-    choices = dict(choices)
-    options = options_for(config, choices.pop("nvme_fraction", 0.0), choices.pop("disk_loads", False))
-    placement = arrange(toy_shapes(stack), STEP, options, resident=choices.pop("resident", ()),
-                        window=choices.pop("window", 2), share=choices.pop("share", 0.0),
-                        shared=choices.pop("shared", False), held=choices.pop("held", 0),
-                        speculate=choices.pop("speculate", False))
-    return model, stack, SlidingEngine(stack, config, placement)
+    config = EngineConfig(optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1), nvme_dir=str(tmp_path / "states"),
+                          activation_dir=str(tmp_path / "activations"))
+    placement = arrange(toy_shapes(stack), STEP, facts_for(device, **config_keys), **{"resident": (), "window": 2,
+                        "share": 0.0, "shared": False, "held": 0} | choices)
+    return model, stack, SlidingEngine(stack, placement, config)
 
 
 @pytest.mark.parametrize("mix", MIXES)
@@ -168,7 +159,7 @@ def test_the_placements_bytes_are_what_the_engine_allocates(tmp_path, mix):
         assert held[DISK] > 0
 
 
-def hand_written(stack, options: Options) -> Placement:
+def hand_written(stack, run: RunFacts) -> Placement:
     """A placement the planner never makes: block 1 resident between sliding blocks 0 and 2, block 2's moments on
     disk, block 3 updated on the device with its gradient held there, the edges sliding and updated on the host."""
     units = (
@@ -179,9 +170,7 @@ def hand_written(stack, options: Options) -> Placement:
         UnitPlacement(False, "stream", "held", HOST),  # block 3
     )
     assert len(units) == DEPTH + 1
-    return Placement(toy_shapes(stack), STEP, units, window=2, clip=options.clip, activations=options.activations,
-                     compute_bytes=options.compute_bytes, state_bytes=options.state_bytes,
-                     device_is_host=not options.cuda)
+    return Placement(toy_shapes(stack), STEP, units, window=2, run=run)
 
 
 def run_hand_written(tmp_path, device: str):
@@ -190,9 +179,9 @@ def run_hand_written(tmp_path, device: str):
     ref = copy.deepcopy(model).to(device)
     stack = ToyStack(model)
     opt = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    config = EngineConfig(device=device, max_grad_norm=0.05, optimizer=opt, nvme_dir=str(tmp_path / "states"))
-    placement = hand_written(stack, options_for(config))
-    engine = SlidingEngine(stack, config, placement)
+    config = EngineConfig(optimizer=opt, nvme_dir=str(tmp_path / "states"))
+    placement = hand_written(stack, facts_for(device))
+    engine = SlidingEngine(stack, placement, config)
     torch_opt = torch.optim.AdamW(ref.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
                                   weight_decay=opt.weight_decay)
     return model, ref, stack, engine, torch_opt
@@ -229,8 +218,7 @@ def test_a_hand_written_placement_runs_and_matches_plain_pytorch(tmp_path):
 
 def test_a_placement_the_engine_cannot_run_is_refused_naming_the_unit():
     stack = ToyStack(Model(tied=False))
-    options = Options(clip=True, cuda=False, compute_bytes=4)
-    good = hand_written(stack, options)
+    good = hand_written(stack, facts_for("cpu"))
     cases = {
         2: (UnitPlacement(False, "stream", "ring", DISK), "block 1: moments on disk are for sliding blocks updated "
                                                           "on the host"),
@@ -244,9 +232,11 @@ def test_a_placement_the_engine_cannot_run_is_refused_naming_the_unit():
             dataclasses.replace(good, units=tuple(units))
     with pytest.raises(ValueError, match="one entry per unit"):
         dataclasses.replace(good, units=good.units[:-1])
-    config = EngineConfig(device="cpu", max_grad_norm=None)
-    with pytest.raises(ValueError, match=r"made for another run: clip=True \(this run: False\)"):
-        SlidingEngine(stack, config, good)
+    with pytest.raises(ValueError, match="for 2 data-parallel rank"):  # (this process group has one)
+        SlidingEngine(stack, arrange(shapes_of(stack, ranks=2), STEP, facts_for("cpu", ranks=2), resident=(), window=2,
+                                     share=0.0, shared=False, held=0))
+    with pytest.raises(ValueError, match="moments on disk: set nvme_dir"):
+        SlidingEngine(stack, good, EngineConfig())
 
 
 # -- the cost model --------------------------------------------------------------------------------------------
@@ -268,7 +258,7 @@ def test_the_bottleneck_follows_the_machines_rates():
     on a striped NVMe array): compute-bound on the fast machine; halve PCIe until it binds; a single slow drive
     binds instead; so does a weak host optimizer."""
     step = StepShape(8192, 4, 8192)
-    p = arrange(LLAMA_3B, step, Options(clip=False, nvme_fraction=0.25), resident=(), window=2, share=0.0,
+    p = arrange(LLAMA_3B, step, RunFacts(clip=None), nvme_fraction=0.25, resident=(), window=2, share=0.0,
                 shared=False, held=0)
     assert len(p.on_disk) == 7
     fast = price(p, FAST)
@@ -292,8 +282,8 @@ def test_loads_that_read_the_master_from_disk_cost_two_fp32_reads_a_step_and_sav
     """Blocks whose master is on disk without a copy of their parameters in RAM: the disk lane reads each such
     master twice a step (forward and backward loads), the host holds two load buffers instead of the copies."""
     step = StepShape(8192, 4, 8192)
-    copies, lean = (arrange(LLAMA_3B, step, Options(clip=False, nvme_fraction=0.25, disk_loads=loads), resident=(),
-                            window=2, share=0.0, shared=False, held=0) for loads in (False, True))
+    copies, lean = (arrange(LLAMA_3B, step, RunFacts(clip=None), resident=(), window=2, share=0.0,
+                            shared=False, held=0, nvme_fraction=0.25, disk_loads=loads) for loads in (False, True))
     assert lean.loads_from_disk == lean.masters_on_disk == copies.masters_on_disk and not copies.loads_from_disk
     numel = sum(LLAMA_3B.unit_numels[u] for u in lean.loads_from_disk)
     slow = with_rates(FAST, disk={"read_gbps": 2.0, "write_gbps": 1.5})
@@ -309,8 +299,8 @@ def test_each_rank_prices_its_shard_over_pcie_and_the_rest_over_the_gpus_link(cl
     host's memory and cores, which the ranks share, carry what one process of the whole does. The link's rate is
     the machine's (PCIe's where not measured)."""
     step = StepShape(8192, 4, 8192)
-    one, two = (arrange(LLAMA_3B, step, Options(clip=clip, activations="none", ranks=r), resident=(), window=2,
-                        share=0.0, shared=False, held=0) for r in (1, 2))
+    one, two = (arrange(LLAMA_3B, step, RunFacts(clip=1.0 if clip else None, activations="none", ranks=r),
+                        resident=(), window=2, share=0.0, shared=False, held=0) for r in (1, 2))
     link = with_rates(FAST, gpu={"link_gbps": 400})
     single, ranked = price(one, link), price(two, link)
     assert "gpu_link" not in single.lanes
@@ -329,7 +319,7 @@ def test_the_planner_takes_the_cheapest_candidate_that_fits():
     """Among windows and device-update shares, what `place` returns is priced no higher (beyond its tie margin)
     than any candidate that fits, and it fits."""
     step = StepShape(8192, 4, 8192)
-    options = Options(clip=True)
+    options = RunFacts(clip=1.0)
     budgets = Budgets(gpu=0.92 * 24 * 2**30, host=None)
     plan = place(LLAMA_3B, step, options, budgets, FAST)
     assert plan.fits and plan.placement.bytes(GPU) <= budgets.gpu
@@ -391,12 +381,15 @@ def test_asked_to_speculate_the_planner_speculates_where_it_pays_and_the_host_ha
     step, gib = StepShape(8192, 4, 4096), 2**30
     h200 = with_rates(FAST, host={"memory_gbps": 132, "adamw_gparams": 3.68, "cores": 16})
     budgets = Budgets(gpu=0.92 * 24 * gib)
-    plain = place(LLAMA_3B, step, Options(clip=True), budgets, h200)
-    asked = place(LLAMA_3B, step, Options(clip=True), budgets, h200, Overrides(speculate=True))
+    plain = place(LLAMA_3B, step, RunFacts(clip=1.0), budgets, h200)
+    asked = place(LLAMA_3B, step, RunFacts(clip=1.0), budgets, h200, Overrides(speculate="auto"))
     assert not plain.placement.speculated and asked.placement.speculated
     assert asked.estimate_unclipped.step_s < plain.estimate_unclipped.step_s
     assert asked.placement.bytes(HOST) > plain.placement.bytes(HOST)
-    assert not place(LLAMA_3B, step, Options(clip=True), budgets, FAST, Overrides(speculate=True)).placement.speculated
+    # where it prices no faster, `auto` does not speculate, and `true` does all the same
+    fast = {how: place(LLAMA_3B, step, RunFacts(clip=1.0), budgets, FAST, Overrides(speculate=how)).placement
+            for how in ("auto", True)}
+    assert not fast["auto"].speculated and fast[True].speculated
     tight = Budgets(gpu=budgets.gpu, host=(plain.placement.bytes(HOST) + asked.placement.bytes(HOST)) / 2)
-    fallback = place(LLAMA_3B, step, Options(clip=True), tight, h200, Overrides(speculate=True))
+    fallback = place(LLAMA_3B, step, RunFacts(clip=1.0), tight, h200, Overrides(speculate=True))
     assert fallback.fits and fallback.placement.bytes(HOST) <= tight.host

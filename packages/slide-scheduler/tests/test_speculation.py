@@ -13,7 +13,7 @@ import torch
 from test_engine import DEPTH, Model, ToyStack, batches, make_engine
 
 from slide_memory import AdamWConfig
-from slide_scheduler import HOST, Options, UnitPlacement, arrange, shapes_of
+from slide_scheduler import HOST, RunFacts, UnitPlacement, arrange, shapes_of
 from slide_scheduler import placement as placement_module
 
 STEPS = 5
@@ -159,7 +159,7 @@ def test_speculation_needs_a_gradient_buffer_of_its_own():
     """A pooled gradient lies under the next forward's activations, which cannot wait for an update that runs
     late: such blocks do not speculate, and a placement that says they do is refused."""
     stack = ToyStack(Model(tied=True))
-    options = Options(clip=True, cuda=False, compute_bytes=4)
+    options = RunFacts(clip=1.0, device="cpu", compute_bytes=4)
     shapes = shapes_of(stack)
     step = placement_module.StepShape(30, 3, 10)
     pooled = arrange(shapes, step, options, resident=(), window=2, share=0.0, shared=True, held=0, speculate=True)
@@ -171,7 +171,7 @@ def test_speculation_needs_a_gradient_buffer_of_its_own():
     units[1] = dataclasses.replace(units[1], speculate=True)
     with pytest.raises(ValueError, match="block 0: only a clipped sliding block updated on the host"):
         dataclasses.replace(pooled, units=tuple(units))
-    unclipped = arrange(shapes, step, dataclasses.replace(options, clip=False), resident=(), window=2, share=0.0,
+    unclipped = arrange(shapes, step, dataclasses.replace(options, clip=None), resident=(), window=2, share=0.0,
                         shared=False, held=0, speculate=True)
     assert not unclipped.speculated
     with pytest.raises(ValueError, match="speculates"):

@@ -188,7 +188,7 @@ def test_an_earlier_run_is_never_silently_mixed_with_a_new_one(tmp_path):
     ("--engine.activation_dir=/tmp/x", r"'engine.activation_dir' was replaced by engine.nvme.dir"),
     ("--engine.grads_share_activations=true", r"'engine.grads_share_activations' was replaced by nothing: the "
                                               "placement shares"),
-    ("--engine.activation_offload=disk", r"engine.activation_offload must be one of none, cpu, nvme"),
+    ("--engine.activation_offload=disk", r"engine.activation_offload must be one of auto, none, cpu, nvme"),
     ("--checkpoint.every=-2", "checkpoint.every must be 0 or more"),
     ("--schedule.min_lr_ratio=3", r"schedule.min_lr_ratio must be in \[0, 1\]"),
     ("--optimizer.eps=0", "optimizer.eps must be positive"),

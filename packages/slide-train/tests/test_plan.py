@@ -18,7 +18,7 @@ from slide_train.config import load_config
 from slide_train.errors import ConfigError
 from slide_train.machines import load_machine
 from slide_train.models.build import load_model
-from slide_train.plan import GIB, budgets_for, disk_share, make_plan, model_shapes, refuse
+from slide_train.plan import GIB, budgets_for, facts_of, make_plan, model_shapes, refuse, share_on_disk
 from slide_train.trainer import plan_run
 
 DOCS = pathlib.Path(__file__).resolve().parents[3] / "docs" / "machines"
@@ -69,31 +69,33 @@ def test_a_machine_file_with_less_host_memory_plans_as_that_host_and_the_refusal
     model = load_model(cfg.model, 0, need_tokenizer=False)
     shapes = model_shapes(model, model.stack(kernels=False))
     budgets = budgets_for(small, True, None)
-    plan = make_plan(cfg, shapes, small, True, budgets)
+    plan = make_plan(cfg, shapes, small, facts_of(cfg, "cuda"), budgets)
     assert not plan.fits and plan.placement.bytes(HOST) > budgets.host == pytest.approx(0.95 * 32 * GIB)
     assert any(problem.startswith("host: needs ~") for problem in plan.problems)
     with pytest.raises(ConfigError, match=r"this run cannot fit: host: needs .*What would: host memory: "
                                           r"engine.nvme.fraction=([0-9.]+) \(or auto\) keeps the fp32 masters "
                                           r"and AdamW moments of (\d+) of") as no:
-        refuse(plan, cfg, share=lambda: disk_share(cfg, shapes, small, True, budgets, plan))
+        refuse(plan, cfg, share=lambda: share_on_disk(cfg, shapes, small, facts_of(cfg, "cuda"), budgets))
     assert "engine.states_dtype=bf16" in str(no.value) and "max_grad_norm=null" in str(no.value)
     fraction = float(re.search(r"engine.nvme.fraction=([0-9.]+)", str(no.value)).group(1))
-    fixed = make_plan(cfg, shapes, small, True, budgets, nvme_fraction=fraction)
+    fixed = make_plan(cfg, shapes, small, facts_of(cfg, "cuda"), budgets, nvme_fraction=fraction)
     assert fixed.fits and fixed.placement.on_disk and fixed.placement.bytes("disk") > 0
-    less = make_plan(cfg, shapes, small, True, budgets, nvme_fraction=fraction - 1 / len(shapes.unit_numels),
-                     disk_loads=False)
+    less = make_plan(cfg, shapes, small, facts_of(cfg, "cuda"), budgets,
+                     nvme_fraction=fraction - 1 / len(shapes.unit_numels), disk_loads=False)
     # the least that fits with copies of the parameters in RAM: a smaller share fits only where the planner then
     # slides more blocks (the share is of the sliding ones) and still puts as many on disk
     assert not less.fits or len(less.placement.on_disk) >= len(fixed.placement.on_disk)
     assert not fixed.placement.loads_from_disk
     auto = load_config(None, ["--model=llama-3.2-3b", "--seq_len=4096", "--micro_batch_size=2", "--grad_accum=4",
                               "--engine.nvme.fraction=auto"])
-    chosen = make_plan(auto, shapes, small, True, budgets)  # auto: that same least share
+    chosen = make_plan(auto, shapes, small, facts_of(auto, "cuda"), budgets)  # auto: that same least share
     assert chosen.fits and chosen.placement.on_disk == fixed.placement.on_disk
-    roomy = make_plan(auto, shapes, machine_with(gpu={"memory_gib": 24}, host={"memory_gib": 512}), True,
+    roomy = make_plan(auto, shapes, machine_with(gpu={"memory_gib": 24}, host={"memory_gib": 512}),
+                      facts_of(auto, "cuda"),
                       budgets_for(machine_with(host={"memory_gib": 512}), True, 24.0))
     assert roomy.fits and not roomy.placement.on_disk  # nothing on disk where RAM holds it all
-    big = make_plan(cfg, shapes, machine_with(gpu={"memory_gib": 24}, host={"memory_gib": 512}), True,
+    big = make_plan(cfg, shapes, machine_with(gpu={"memory_gib": 24}, host={"memory_gib": 512}),
+                    facts_of(cfg, "cuda"),
                     budgets_for(machine_with(host={"memory_gib": 512}), True, 24.0))
     assert big.fits
 

@@ -49,8 +49,10 @@ PARTS = ("all", "params", "moments", "speculate")
 
 @dataclass
 class AdamWConfig:
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's hyperparameters, the one type for them across the packages (slide-train's `optimizer` keys)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.0
 

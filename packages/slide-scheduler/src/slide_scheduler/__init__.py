@@ -4,25 +4,28 @@ placement it executes and the cost model that prices it on a machine."""
 from .__about__ import __version__
 from .activations import ActivationStore
 from .cost import Estimate, price
-from .engine import DTYPES, EngineConfig, SlidingEngine, StepStats
+from .engine import EngineConfig, SlidingEngine, StepStats
 from .machine import Disk, Gpu, Host, Machine, Pcie
 from .placement import (
     DISK,
+    DTYPES,
     GPU,
     HOST,
     TIERS,
     Allocation,
     Budgets,
-    Options,
     Overrides,
     Placement,
+    RunFacts,
     Shapes,
     StepShape,
     UnitPlacement,
     arrange,
+    resolve_device,
+    run_facts,
     shapes_of,
 )
-from .planner import Plan, place
+from .planner import Plan, disk_share, place
 from .probe import host_cores, host_memory_bytes, probe_disk
 from .probe import probe as probe_machine
 from .ranks import Ranks
@@ -48,7 +51,7 @@ __all__ = [
     "Gpu",
     "Host",
     "Machine",
-    "Options",
+    "RunFacts",
     "Overrides",
     "Pcie",
     "Placement",
@@ -62,6 +65,7 @@ __all__ = [
     "UnitPlacement",
     "__version__",
     "arrange",
+    "disk_share",
     "host_cores",
     "host_memory_bytes",
     "place",
@@ -69,6 +73,8 @@ __all__ = [
     "price",
     "probe_disk",
     "probe_machine",
+    "resolve_device",
+    "run_facts",
     "shapes_of",
     "write_trace",
 ]

@@ -69,54 +69,23 @@ from .activations import ActivationStore
 from .disk_states import LOAD_SLOTS, DiskStates
 from .disk_states import SLOTS as STAGING_SLOTS
 from .lanes import DONE, Lane, Signal
-from .placement import Placement, Shapes, StepShape, UnitPlacement, early_reads_wait
+from .placement import Placement, early_reads_wait
 from .pool import SharedPool
 from .ranks import Ranks
 from .stack import Batch, Stack
 from .timeline import Span, Timeline, summarize
 from .updater import HostUpdater
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 @dataclass
 class EngineConfig:
-    """How the engine runs; where everything lives is the placement's (placement.py)."""
+    """How the engine runs: mechanism only. What the run is and where everything lives is the plan's
+    (`Placement` and its `RunFacts`, placement.py)."""
 
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    compute_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
-    activation_offload: str = "cpu"  # none | cpu | nvme (files in `activation_dir`, see disk_activations.py)
-    max_grad_norm: float | None = 1.0
     optimizer: AdamWConfig = field(default_factory=AdamWConfig)
     pipeline: bool = True  # False: the synchronous reference schedule (everything in order on one thread)
-    states_dtype: str = "fp32"  # fp32 | bf16: AdamW m and v of host units stored in bf16 (half the host memory)
-    nvme_dir: str | None = None  # where AdamW moments placed on disk live
-    activation_dir: str | None = None  # where activation_offload=nvme keeps the boundary activations
-
-    def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dev = torch.device(self.device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("engine.device is 'cuda' but no CUDA device is available; use engine.device=cpu")
-        return dev
-
-    def resolve_dtype(self, device: torch.device) -> torch.dtype:
-        if self.compute_dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        if self.compute_dtype not in DTYPES:
-            raise ValueError(f"compute_dtype must be one of auto, {', '.join(DTYPES)}; got {self.compute_dtype!r}")
-        return DTYPES[self.compute_dtype]
-
-    def validate(self) -> None:
-        if self.states_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"states_dtype must be fp32 or bf16, got {self.states_dtype!r}")
-        if self.activation_offload not in ("none", "cpu", "nvme"):
-            raise ValueError("activation_offload must be 'none' (keep on device), 'cpu' or 'nvme', got "
-                             f"{self.activation_offload!r}")
-        if self.activation_offload == "nvme" and not self.activation_dir:
-            raise ValueError("activations on the nvme tier go to files: set activation_dir to a directory on a fast "
-                             "local disk")
+    nvme_dir: str | None = None  # where masters and AdamW moments placed on disk live
+    activation_dir: str | None = None  # where boundary activations placed on disk live (disk_activations.py)
 
 
 @dataclass
@@ -176,13 +145,14 @@ class Unit:
 class SlidingEngine:
     """Executes a `Placement`: allocates what it says where it says, and runs steps over it."""
 
-    def __init__(self, stack: Stack, config: EngineConfig, placement: Placement | None = None,
+    def __init__(self, stack: Stack, placement: Placement, config: EngineConfig | None = None,
                  ranks: Ranks | None = None):
-        config.validate()
-        self.config = config
+        self.config = config = config or EngineConfig()
         self.ranks = ranks = ranks or Ranks()
-        self.device = config.resolve_device()
-        self.dtype = config.resolve_dtype(self.device)
+        run = placement.run
+        self.device = torch.device(run.device)
+        self.dtype = run.compute_dtype
+        self.clip = run.clip
         self.num_blocks = stack.num_blocks
         # What each block sees of the head's context (its layer's mask and rotary tables); the whole of it without.
         self._block_context = getattr(stack, "block_context", None)
@@ -191,29 +161,11 @@ class SlidingEngine:
         self._tail_ctx = "ctx" in inspect.signature(self.edges.tail).parameters
         edge_layout = FlatLayout(self.edges, shards=ranks.size)
         block_layout = FlatLayout(stack.make_block(), shards=ranks.size)
-        if placement is None:  # every unit sliding, nothing held or pooled: the simplest placement
-            placement = default_placement(stack, config, ranks.size)
-        self._check(placement, edge_layout, block_layout)
+        _check(placement, (edge_layout.numel,) + (block_layout.numel,) * self.num_blocks, config, ranks)
         self.placement = placement
         self._make_lanes(config)
         self._allocate(stack, placement, edge_layout, block_layout)
         self.closed = False
-
-    def _check(self, p: Placement, edge_layout: FlatLayout, block_layout: FlatLayout) -> None:
-        """Refuse a placement made for another model or another run."""
-        numels = (edge_layout.numel,) + (block_layout.numel,) * self.num_blocks
-        if p.shapes.unit_numels != numels:
-            raise ValueError(f"the placement is for units of {p.shapes.unit_numels[:2]}... parameters, this model's "
-                             f"are {numels[:2]}... ({len(numels)} units)")
-        run = {"clip": bool(self.config.max_grad_norm), "activations": self.config.activation_offload,
-               "compute_bytes": self.dtype.itemsize, "state_bytes": DTYPES[self.config.states_dtype].itemsize,
-               "device_is_host": self.device.type != "cuda", "ranks": self.ranks.size}
-        wrong = [f"{k}={getattr(p, k)!r} (this run: {v!r})" for k, v in run.items() if getattr(p, k) != v]
-        if wrong:
-            raise ValueError("the placement was made for another run: " + ", ".join(wrong))
-        if p.on_disk and not self.config.nvme_dir:
-            raise ValueError("the placement keeps AdamW moments on disk: set nvme_dir to a directory on a fast local "
-                             "disk")
 
     def _make_lanes(self, config: EngineConfig) -> None:
         inline = not config.pipeline
@@ -244,7 +196,7 @@ class SlidingEngine:
         # Every unit's fp32 master on the host, or on disk with a compute-dtype copy of its parameters on the host;
         # a window of device slots for the sliding blocks.
         self.on_disk, self.streamed, away = p.on_disk, p.streamed, p.masters_on_disk
-        self.disk = DiskStates(sorted(self.on_disk), numel, config.nvme_dir, DTYPES[config.states_dtype],
+        self.disk = DiskStates(sorted(self.on_disk), numel, config.nvme_dir, self.placement.run.states_dtype,
                                masters=sorted(away)) if self.on_disk else None
         read = p.loads_from_disk  # (their loads read the master from disk: no copy of it in host memory)
         self.units = [Unit(edge_layout, ranks=self.ranks)] + [
@@ -284,7 +236,7 @@ class SlidingEngine:
         masters = [None if u in self.resident else self.disk.slots[0][2] if u in away else unit.master
                    for u, unit in enumerate(self.units)]
         self.optimizer = HostAdamW(masters,
-                                   config.optimizer, DTYPES[config.states_dtype],
+                                   config.optimizer, self.placement.run.states_dtype,
                                    pinned=[self.device.type == "cuda" and u in self.streamed
                                            for u in range(len(self.units))],
                                    bounds=[tuple(b - self.units[0].start for b in (tail_from,)
@@ -343,7 +295,7 @@ class SlidingEngine:
         for slot in [self.edge_slot, *self.resident_slots.values()] + (self.slots.slots if self.slots else []):
             slot.shard = torch.zeros(slot.grads.numel() // self.ranks.size, dtype=self.dtype, device=self.device) \
                 if self.ranks.sharded else slot.grads
-        self.activations = ActivationStore(config.activation_offload, self.device, self.d2h, self.h2d, self.compute,
+        self.activations = ActivationStore(p.activations, self.device, self.d2h, self.h2d, self.compute,
                                            self.pool, config.activation_dir)
         # Backward fetches activations for at most window + 1 blocks at a time: that many sets of device buffers,
         # each free again once the backward that read it is done (window sets would do when every block slides,
@@ -706,7 +658,7 @@ class SlidingEngine:
         del hidden
         clock.lap("tail")
 
-        clip = self.config.max_grad_norm
+        clip = self.clip
         if not clip and self._edge_tail:  # the edges' tail-only gradient is final: update it during backward
             self._pending[0] = PendingUpdate(self.edge_slot.grads, self.compute.record(), lr, 1.0,
                                              list(self._edge_tail), False)
@@ -810,7 +762,7 @@ class SlidingEngine:
         """Queue the step's updates once the gradients are final (scaled by `scale`): resident units' now on
         the compute lane, the others on the optimizer thread or at their next load. The `speculated` units' next
         loads take their speculated parameters: their updates run whole, whenever the thread gets to them."""
-        clip = self.config.max_grad_norm
+        clip = self.clip
         with self.timeline.span("compute", "update resident", self.compute.stream):
             for u, opt in self.device_optimizers.items():
                 slot = self.edge_slot if u == 0 else self.resident_slots[u - 1]
@@ -989,20 +941,20 @@ def _drain(spans: list[tuple[str, float, float]], origin: float) -> list[tuple[s
     return [(label, start - origin, end - origin) for label, start, end in seen if end >= origin]
 
 
-def default_placement(stack: Stack, config: EngineConfig, ranks: int = 1) -> Placement:
-    """Every unit sliding through two slots and updated on the host, gradients in the ring: the placement of an
-    engine built without one (slide-scheduler's `place` chooses for a budget and a machine)."""
-    edges = FlatLayout(stack.make_edges(), shards=ranks).numel
-    block = FlatLayout(stack.make_block(), shards=ranks).numel
-    device = config.resolve_device()
-    clip = bool(config.max_grad_norm)
-    host = UnitPlacement(False, "host", "ring", "host", split=clip)
-    units = (dataclasses.replace(host, grad="own"),) + (host,) * stack.num_blocks
-    return Placement(Shapes((edges,) + (block,) * stack.num_blocks, hidden=0), StepShape(0, 0), units, window=2,
-                     clip=clip, activations=config.activation_offload,
-                     compute_bytes=config.resolve_dtype(device).itemsize,
-                     state_bytes=DTYPES[config.states_dtype].itemsize, device_is_host=device.type != "cuda",
-                     ranks=ranks)
+def _check(p: Placement, numels: tuple[int, ...], config: EngineConfig, ranks: Ranks) -> None:
+    """Refuse a placement made for another model, for another number of ranks than this process group has, or
+    needing a folder the config does not give."""
+    if p.shapes.unit_numels != numels:
+        raise ValueError(f"the placement is for units of {p.shapes.unit_numels[:2]}... parameters, this model's "
+                         f"are {numels[:2]}... ({len(numels)} units)")
+    if p.ranks != ranks.size:
+        raise ValueError(f"the placement is for {p.ranks} data-parallel rank(s), this process group has {ranks.size}")
+    if p.on_disk and not config.nvme_dir:
+        raise ValueError("the placement keeps masters and AdamW moments on disk: set nvme_dir to a directory on a "
+                         "fast local disk")
+    if p.activations == "nvme" and not config.activation_dir:
+        raise ValueError("the placement keeps boundary activations on disk: set activation_dir to a directory on a "
+                         "fast local disk")
 
 
 def _tail_only_from(edges, layout: FlatLayout) -> int:

@@ -67,6 +67,79 @@ def shapes_of(stack, hidden: int = 0, intermediate: int = 0, vocab: int = 0, ran
     return Shapes((edges,) + (block,) * stack.num_blocks, hidden, intermediate, vocab)
 
 
+ACTIVATION_TIERS = ("none", "cpu", "nvme")  # where boundary activations wait: the device, host memory, files
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the one name -> dtype table
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # what a run computes in or keeps its AdamW moments in
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the run is, decided once from its config: the plan carries it, the cost model prices it and the engine
+    runs it. Nothing here is decided again at run time."""
+
+    clip: float | None = 1.0  # the global gradient norm exact clipping keeps to; None: no clipping
+    activations: str = "cpu"  # none | cpu | nvme: where boundary activations wait for the backward (auto: the plan's)
+    compute_bytes: int = 2  # parameters, gradients and activations on the device: 2 (bf16) or 4 (fp32)
+    state_bytes: int = 4  # per AdamW moment of a host unit: 4 (fp32) or 2 (bf16)
+    device: str = "cuda"  # cpu | cuda | cuda:N
+    ranks: int = 1  # data-parallel ranks (ranks.py): each keeps 1/ranks of every unit's host state
+
+    def __post_init__(self):
+        if self.activations not in (*ACTIVATION_TIERS, "auto"):
+            raise ValueError(f"activations must be auto or one of {', '.join(ACTIVATION_TIERS)}, got "
+                             f"{self.activations!r}")
+        if self.compute_bytes not in (2, 4) or self.state_bytes not in (2, 4):
+            raise ValueError("compute and state bytes are 2 (bf16) or 4 (fp32), got "
+                             f"{self.compute_bytes} and {self.state_bytes}")
+        if self.clip is not None and not self.clip >= 0:
+            raise ValueError(f"the clipping norm must be positive (or None for no clipping), got {self.clip}")
+        if self.ranks < 1:
+            raise ValueError(f"a run has at least one rank, got {self.ranks}")
+        torch.device(self.device)  # (a name torch does not know is refused here)
+
+    @property
+    def clips(self) -> bool:
+        return bool(self.clip)
+
+    @property
+    def cuda(self) -> bool:
+        return torch.device(self.device).type == "cuda"
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.float32 if self.compute_bytes == 4 else torch.bfloat16
+
+    @property
+    def states_dtype(self) -> torch.dtype:
+        return torch.float32 if self.state_bytes == 4 else torch.bfloat16
+
+
+def resolve_device(name: str = "auto") -> str:
+    """A device name as the run uses it: `auto` is CUDA where there is a device, else the CPU. CUDA asked for
+    where there is none is refused."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(name).type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"the device is {name!r} but no CUDA device is available here; use cpu")
+    return name
+
+
+def run_facts(*, device: str = "auto", compute_dtype: str = "auto", states_dtype: str = "fp32",
+              max_grad_norm: float | None = 1.0, activation_offload: str = "cpu", ranks: int = 1,
+              here: bool = True) -> RunFacts:
+    """A run's facts from its config's words: `auto` compute is bf16 on CUDA and fp32 on a CPU. `here`: the
+    device is this machine's (resolved, refused where absent); otherwise a name for planning elsewhere."""
+    device = resolve_device(device) if here else ("cuda" if device == "auto" else device)
+    cuda = torch.device(device).type == "cuda"
+    if compute_dtype not in ("auto", *DTYPE_BYTES):
+        raise ValueError(f"compute_dtype must be auto, fp32 or bf16, got {compute_dtype!r}")
+    if states_dtype not in DTYPE_BYTES:
+        raise ValueError(f"states_dtype must be fp32 or bf16, got {states_dtype!r}")
+    compute = 2 if compute_dtype == "bf16" or (compute_dtype == "auto" and cuda) else 4
+    return RunFacts(clip=max_grad_norm or None, activations=activation_offload, compute_bytes=compute,
+                    state_bytes=DTYPE_BYTES[states_dtype], device=device, ranks=ranks)
+
+
 @dataclass(frozen=True)
 class StepShape:
     tokens_per_micro: int  # micro-batch size x sequence length
@@ -109,20 +182,40 @@ class Placement:
     step: StepShape
     units: tuple[UnitPlacement, ...]
     window: int  # device slots for sliding blocks
-    clip: bool
-    activations: str = "cpu"  # none | cpu | nvme: where boundary activations wait for the backward
-    compute_bytes: int = 2  # parameters, gradients and activations on the device (bf16)
-    state_bytes: int = 4  # per AdamW moment of a host unit (fp32; 2 with bf16 states)
-    device_is_host: bool = False  # a CPU run: the "device" is host memory too
+    run: RunFacts = field(default_factory=RunFacts)
     stream_piece: int = field(default_factory=lambda: STREAM_PIECE)  # (read when made: tests shrink them)
     stream_buffers: int = field(default_factory=lambda: STREAM_BUFFERS)
     threads: int = field(default_factory=torch.get_num_threads)  # host optimizer threads (its scratch)
-    # Data-parallel ranks (ranks.py): each keeps 1/ranks of every unit's master, moments and host gradient; the
-    # placement's bytes are one rank's
-    ranks: int = 1
 
     def __post_init__(self):
         validate(self)
+
+    # -- the run's facts (one rank's bytes where there are several) ------------------------------------------------
+
+    @property
+    def clip(self) -> bool:
+        return self.run.clips
+
+    @property
+    def activations(self) -> str:
+        return self.run.activations
+
+    @property
+    def compute_bytes(self) -> int:
+        return self.run.compute_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        return self.run.state_bytes
+
+    @property
+    def device_is_host(self) -> bool:
+        """A CPU run: the "device" is host memory too."""
+        return not self.run.cuda
+
+    @property
+    def ranks(self) -> int:
+        return self.run.ranks
 
     # -- views by unit --------------------------------------------------------------------------------------------
 
@@ -215,13 +308,14 @@ def _names(units: list[int]) -> str:
 
 def validate(p: Placement) -> None:
     """Refuse a placement the engine cannot run, saying which unit and why."""
+    if p.activations not in ACTIVATION_TIERS:
+        raise ValueError(f"a placement puts the boundary activations in one of {', '.join(ACTIVATION_TIERS)}, got "
+                         f"{p.activations!r} (the planner chooses for `auto`)")
     if len(p.units) != len(p.shapes.unit_numels):
         raise ValueError(f"a placement needs one entry per unit ({len(p.shapes.unit_numels)}), got {len(p.units)}")
     if p.window < 1:
         raise ValueError(f"the window needs at least one slot, got {p.window}")
-    if p.activations not in ("none", "cpu", "nvme"):
-        raise ValueError(f"activations must be none, cpu or nvme, got {p.activations!r}")
-    if p.ranks < 1 or any(n % p.ranks for n in p.shapes.unit_numels):
+    if any(n % p.ranks for n in p.shapes.unit_numels):
         raise ValueError(f"units of {p.shapes.unit_numels[:2]}... elements do not split into {p.ranks} shards")
     if p.ranks > 1:
         other = [_names([u]) for u, unit in enumerate(p.units)
@@ -378,21 +472,14 @@ class Overrides:
     held_grads: int | None = None  # blocks whose clipped gradient waits on the device (None: what fits)
     share_grads: bool | None = None  # pooled host gradients (None: wherever there is something to share)
     split: bool = True
-    speculate: bool | None = None  # clipped host updates speculated during backward (None: off)
-
-
-@dataclass(frozen=True)
-class Options:
-    """What the run asks for, beside the budgets."""
-
-    clip: bool = True
-    activations: str = "cpu"
-    compute_bytes: int = 2
-    state_bytes: int = 4
-    cuda: bool = True
-    nvme_fraction: float = 0.0
-    disk_loads: bool = False  # blocks whose master is on disk read it for their loads (no copy in host memory)
-    ranks: int = 1  # data-parallel ranks: every unit then slides and updates on the host (ranks.py)
+    # clipped host updates speculated during backward: True wherever the host has room, "auto" where the cost
+    # model prices it faster, None or False: off
+    speculate: bool | str | None = None
+    # The share of the sliding blocks whose masters and moments live on disk (None: the least that fits host
+    # memory), and whether their loads read the master from disk (None: only where copies of their parameters do
+    # not fit)
+    nvme_fraction: float | None = None
+    disk_loads: bool | None = None
 
 
 def device_updated(sliding: int, share: float) -> list[int]:
@@ -416,20 +503,21 @@ def held_on_device(device_units: list[int], count: int, shared: bool) -> list[in
     return device_units[len(device_units) - count:] if shared else device_units[:count]
 
 
-def arrange(shapes: Shapes, step: StepShape, options: Options, *, resident: Iterable[int], window: int,
-            share: float, shared: bool, held: int, split: bool = True, speculate: bool | int = False,
+def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterable[int] = (), window: int = 2,
+            share: float = 0.0, shared: bool = False, held: int = 0, split: bool = True,
+            speculate: bool | int = False, nvme_fraction: float = 0.0, disk_loads: bool = False,
             threads: int | None = None) -> Placement:
     """The placement these choices make: `resident` units on the device; of the sliding blocks, the last
     `nvme_fraction` with masters and moments on disk, `share` of the rest (spread out) updated on the device
     with clipping, `held` of those keeping their gradient there, the others' gradients pooled (`shared`) or in
     the ring, where with `speculate` their clipped updates speculate (a number: only the first that many such
     blocks, whose loads the next forward needs soonest)."""
-    o, n = options, shapes.num_blocks
+    o, n = run, shapes.num_blocks
     if o.ranks > 1:  # what data parallelism runs so far: host updates of host states, gradients in the ring
         share, shared = 0.0, False
     resident = set(resident)
     sliding = [u for u in range(1, n + 1) if u not in resident]
-    disk = {1 + b for b in on_disk_blocks(n, len(sliding), o.nvme_fraction)} & set(sliding)
+    disk = {1 + b for b in on_disk_blocks(n, len(sliding), nvme_fraction)} & set(sliding)
     streamed = {sliding[j] for j in device_updated(len(sliding), share)} - disk if o.clip else set()
     shared = shared and o.clip and bool(sliding)  # (without clipping no gradient waits)
     on_device = set(held_on_device(sorted(streamed), held, shared))
@@ -449,10 +537,9 @@ def arrange(shapes: Shapes, step: StepShape, options: Options, *, resident: Iter
             units.append(UnitPlacement(False, "host" if host else "stream", grad, DISK if u in disk else HOST,
                                        split=o.clip and split and grad == "ring" and u not in disk,
                                        speculate=u in speculating, disk_master=u in disk,
-                                       disk_loads=o.disk_loads and u in disk))
+                                       disk_loads=disk_loads and u in disk))
     extra = {} if threads is None else {"threads": threads}
-    return Placement(shapes, step, tuple(units), window, o.clip, o.activations, o.compute_bytes, o.state_bytes,
-                     device_is_host=not o.cuda, ranks=o.ranks, **extra)
+    return Placement(shapes, step, tuple(units), window, run, **extra)
 
 
 def resident_units(resident: int | Iterable[int]) -> set[int]:
@@ -460,7 +547,7 @@ def resident_units(resident: int | Iterable[int]) -> set[int]:
     return set(range(resident)) if isinstance(resident, int) else set(resident)
 
 
-def size_for_budget(shapes: Shapes, step: StepShape, options: Options, budget: float | None, *, window: int,
+def size_for_budget(shapes: Shapes, step: StepShape, run: RunFacts, budget: float | None, *, window: int,
                     share: float, shared: bool, overrides: Overrides | None = None,
                     threads: int | None = None, speculate: bool | int | None = None) -> Placement:
     """The placement with as many units resident as the device budget allows (edges first, then blocks from 0),
@@ -468,16 +555,17 @@ def size_for_budget(shapes: Shapes, step: StepShape, options: Options, budget: f
     n, overrides = shapes.num_blocks, overrides or Overrides()
 
     def make(res, held=0):
-        return arrange(shapes, step, options, resident=res, window=window, share=share, shared=shared, held=held,
+        return arrange(shapes, step, run, resident=res, window=window, share=share, shared=shared, held=held,
                        split=overrides.split, threads=threads,
-                       speculate=bool(overrides.speculate) if speculate is None else speculate)
+                       speculate=overrides.speculate is True if speculate is None else speculate,
+                       nvme_fraction=overrides.nvme_fraction or 0.0, disk_loads=bool(overrides.disk_loads))
 
     if overrides.resident is not None:
         chosen = make(resident_units(overrides.resident))
-    elif options.ranks > 1:
+    elif run.ranks > 1:
         chosen = make(set())
-    elif not options.cuda or budget is None:
-        chosen = make(set() if not options.cuda else set(range(n + 1)))
+    elif not run.cuda or budget is None:
+        chosen = make(set() if not run.cuda else set(range(n + 1)))
     else:
         every = make(set(range(n + 1)))
         if every.bytes(GPU) <= budget:
@@ -491,9 +579,9 @@ def size_for_budget(shapes: Shapes, step: StepShape, options: Options, budget: f
                 chosen = candidate
     if overrides.held_grads is not None:
         return make(chosen.resident, overrides.held_grads)
-    if options.cuda and budget is not None and options.clip and chosen.streamed - {0} and options.ranks == 1:
+    if run.cuda and budget is not None and run.clip and chosen.streamed - {0} and run.ranks == 1:
         room = budget - chosen.bytes(GPU) - max(0.5 * GIB, HELD_HEADROOM * budget)
-        held = int(max(0.0, room) // (options.compute_bytes * shapes.block_numel))
+        held = int(max(0.0, room) // (run.compute_bytes * shapes.block_numel))
         chosen = make(chosen.resident, held)
     return chosen
 

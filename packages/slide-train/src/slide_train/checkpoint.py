@@ -111,8 +111,9 @@ def checkpoint_bytes(unit_numels, resident: set[int], states_dtype: str, trainer
 
 def engine_checkpoint_bytes(engine, trainer_state: dict | None = None, step: int = 0,
                             rng: dict[str, torch.Tensor] | None = None) -> int:
-    return checkpoint_size([u.layout.base_numel for u in engine.units], engine.resident, engine.config.states_dtype,
-                           trainer_state, step, rng).needed
+    states = "bf16" if engine.placement.state_bytes == 2 else "fp32"
+    return checkpoint_size([u.layout.base_numel for u in engine.units], engine.resident, states, trainer_state, step,
+                           rng).needed
 
 
 def save_checkpoint(root: pathlib.Path, step: int, engine, trainer_state: dict, check=None) -> pathlib.Path:

@@ -17,17 +17,11 @@ from typing import Any
 
 import yaml
 
+from slide_memory import AdamWConfig
+
 from .data import FORMATS, DataConfig
 from .data.config import check_config as check_data_config
 from .errors import ConfigError
-
-
-@dataclass
-class OptimizerConfig:
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
 
 
 @dataclass
@@ -69,7 +63,8 @@ PLACEMENT_KEYS = {
     "resident": "units kept on the GPU: a count (the edges, then blocks from 0) or a list such as [edges, block.3]",
     "device_update_share": "share of the sliding blocks whose clipped update runs on the GPU (0 to 1)",
     "speculate": "true: clipped host updates also run during backward as if clipping will not act (the same "
-                 "result bit for bit, more host memory; off by default, docs/findings.md)",
+                 "result bit for bit, more host memory); auto: where the cost model prices it faster; off by default "
+                 "(docs/findings.md)",
     "synchronous": "true: the synchronous reference schedule, no overlap",
 }
 # Keys that were renamed or removed, with what replaces them.
@@ -103,7 +98,7 @@ class TrainConfig:
     grad_accum: int = 2
     steps: int = 60
     epochs: float | None = None  # when set, overrides `steps`
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    optimizer: AdamWConfig = field(default_factory=AdamWConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     max_grad_norm: float | None = 1.0
     seed: int = 0
@@ -122,7 +117,7 @@ CHOICES = {
     "data.format": FORMATS,
     "schedule.decay": ("constant", "cosine", "linear"),
     "engine.compute_dtype": ("auto", "bf16", "fp32"),
-    "engine.activation_offload": ("none", "cpu", "nvme"),
+    "engine.activation_offload": ("auto", "none", "cpu", "nvme"),
     "engine.states_dtype": ("fp32", "bf16"),
     "engine.kernels": ("auto", "on", "off"),
     "export_dtype": ("auto", "bf16", "fp16", "fp32"),
@@ -136,7 +131,8 @@ KEY_HELP = {
                  "null: the built-in corpus",
     "data.format": "the rows' layout",
     "data.text_key": "the field holding the text, for text and jsonl rows",
-    "data.roles": "other role names mapped to user, assistant or system, e.g. {usr: user}, for chat and sharegpt rows",
+    "data.roles": "other role names mapped to user, assistant, system or tool, e.g. {usr: user}, for chat and "
+                  "sharegpt rows (a role of the model's own template maps to itself)",
     "data.shuffle": "shuffle the examples (seeded by `seed`)",
     "data.pack": "pack short examples into seq_len rows (attention stays within each document); text, and tokens "
                  "rows without labels, are cut at a row's end and continue in the next, other examples stay whole",
@@ -162,7 +158,8 @@ KEY_HELP = {
     "engine.compute_dtype": "parameters and activations on the device; auto: bf16 on CUDA, fp32 on the CPU",
     "engine.states_dtype": "AdamW m and v on the host; bf16 halves their memory and is no longer exact AdamW",
     "engine.kernels": "slide-kernels' Triton kernels; auto: on CUDA",
-    "engine.activation_offload": "where boundary activations wait for the backward: GPU, pinned host memory, files",
+    "engine.activation_offload": "where boundary activations wait for the backward: GPU, pinned host memory, files; "
+                                 "auto: the fastest that fits, as the plan prices them",
     "engine.nvme.dir": "scratch folder for what the placement puts on disk; null: <output_dir>/nvme",
     "engine.nvme.fraction": "share of the sliding blocks whose masters and AdamW moments live on disk, in [0, 1]; "
                             "auto: the "
@@ -347,10 +344,11 @@ def check_placement(overrides: dict, states_dtype: str) -> None:
                                                    for u in resident))):
         raise ConfigError(f"engine.placement.resident must be a count of at least 0 or a list of units such as "
                           f"[edges, block.3], got {resident!r}")
-    for key in ("synchronous", "speculate"):
-        value = overrides.get(key)
-        if value is not None and not isinstance(value, bool):
-            raise ConfigError(f"engine.placement.{key} must be true or false, got {value!r}")
+    synchronous, speculate = overrides.get("synchronous"), overrides.get("speculate")
+    if synchronous is not None and not isinstance(synchronous, bool):
+        raise ConfigError(f"engine.placement.synchronous must be true or false, got {synchronous!r}")
+    if speculate is not None and not isinstance(speculate, bool) and speculate != "auto":
+        raise ConfigError(f"engine.placement.speculate must be true, false or auto, got {speculate!r}")
 
 
 def get_key(cfg, dotted: str):

@@ -4,7 +4,6 @@ words of the config (what each tier holds, the predicted step, what would make a
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 
 from slide_scheduler import (
@@ -13,12 +12,14 @@ from slide_scheduler import (
     HOST,
     Budgets,
     Machine,
-    Options,
     Overrides,
     Plan,
+    RunFacts,
     Shapes,
     StepShape,
+    disk_share,
     place,
+    run_facts,
     shapes_of,
 )
 
@@ -29,7 +30,6 @@ from .models.families import family_of
 GIB = 2**30
 GPU_USABLE = 0.92  # of a card or a cap: the rest for the CUDA context and what the plan does not see
 HOST_USABLE = 0.95  # of host memory: the rest for the operating system and the data pipeline
-STATE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 def params_text(count: int) -> str:
@@ -69,18 +69,17 @@ def overrides_of(cfg: TrainConfig, num_blocks: int) -> Overrides:
     elif resident is not None and resident > num_blocks + 1:
         raise ConfigError(f"engine.placement.resident={resident}, but this model has {num_blocks + 1} units (the "
                           f"edges and {num_blocks} blocks): use at most {num_blocks + 1}")
+    fraction = cfg.engine.nvme.fraction
     return Overrides(window=o.get("window"), resident=resident, device_update_share=o.get("device_update_share"),
-                     speculate=o.get("speculate"))
+                     speculate=o.get("speculate"), nvme_fraction=None if fraction == "auto" else fraction)
 
 
-def run_options(cfg: TrainConfig, cuda: bool, nvme_fraction: float | None = None,
-                disk_loads: bool = False, ranks: int = 1) -> Options:
+def facts_of(cfg: TrainConfig, device: str, ranks: int = 1) -> RunFacts:
+    """The run's facts from its config, for `device` (a name this machine need not have: `plan` prices another)."""
     e = cfg.engine
-    return Options(clip=bool(cfg.max_grad_norm), activations=e.activation_offload,
-                   compute_bytes=4 if e.compute_dtype == "fp32" or not cuda else 2,
-                   state_bytes=STATE_BYTES[e.states_dtype], cuda=cuda,
-                   nvme_fraction=e.nvme.fraction if nvme_fraction is None else nvme_fraction, disk_loads=disk_loads,
-                   ranks=ranks)
+    return run_facts(device=device, compute_dtype=e.compute_dtype, states_dtype=e.states_dtype,
+                     max_grad_norm=cfg.max_grad_norm, activation_offload=e.activation_offload, ranks=ranks,
+                     here=False)
 
 
 def budgets_for(machine: Machine, cuda: bool, cap_gib: float | None, card_gib: float | None = None,
@@ -96,34 +95,15 @@ def budgets_for(machine: Machine, cuda: bool, cap_gib: float | None, card_gib: f
     return Budgets(gpu=gpu, host=host, disk=disk)
 
 
-def make_plan(cfg: TrainConfig, shapes: Shapes, machine: Machine, cuda: bool, budgets: Budgets,
-              nvme_fraction: float | None = None, disk_loads: bool | None = None, ranks: int = 1) -> Plan:
-    """The run's plan; with engine.nvme.fraction `auto`, at the least share on disk that fits host memory.
-
-    Blocks whose master is on disk keep a copy of their parameters in RAM for their loads where that fits
-    (`disk_loads` None: the placement's choice); where it does not, their loads read the master from disk. `auto`
-    reads from disk only where no share fits with the copies."""
-    if nvme_fraction is None and cfg.engine.nvme.fraction == "auto":
-        plan = make_plan(cfg, shapes, machine, cuda, budgets, 0.0, disk_loads=False, ranks=ranks)
-        if budgets.host is None or plan.placement.bytes(HOST) <= budgets.host or ranks > 1:
-            return plan  # (data-parallel ranks keep their states in host memory: ranks.py)
-        found = disk_share(cfg, shapes, machine, cuda, budgets, plan)
-        return make_plan(cfg, shapes, machine, cuda, budgets, found[0], disk_loads=found[2]) if found else plan
+def make_plan(cfg: TrainConfig, shapes: Shapes, machine: Machine, run: RunFacts, budgets: Budgets,
+              nvme_fraction: float | None = None, disk_loads: bool | None = None) -> Plan:
+    """The run's plan (slide-scheduler's planner: with engine.nvme.fraction `auto`, the least share on disk that
+    fits host memory); `nvme_fraction` and `disk_loads` replace the config's choice where given."""
     step = StepShape(cfg.micro_batch_size * cfg.seq_len, cfg.grad_accum, cfg.seq_len)
-
-    def placed(loads: bool) -> Plan:
-        return place(shapes, step, run_options(cfg, cuda, nvme_fraction, disk_loads=loads, ranks=ranks), budgets,
-                     machine, overrides_of(cfg, shapes.num_blocks))
-
-    if disk_loads is not None:
-        return placed(disk_loads)
-    plan = placed(False)
-    p = plan.placement
-    if p.masters_on_disk and budgets.host is not None and p.bytes(HOST) > budgets.host:
-        lean = placed(True)  # (their loads read the master from disk, twice a step, fp32)
-        if lean.placement.bytes(HOST) < p.bytes(HOST):
-            return lean
-    return plan
+    overrides = overrides_of(cfg, shapes.num_blocks)
+    if nvme_fraction is not None:
+        overrides = dataclasses.replace(overrides, nvme_fraction=nvme_fraction)
+    return place(shapes, step, run, budgets, machine, dataclasses.replace(overrides, disk_loads=disk_loads))
 
 
 def checkpoint_cost(plan: Plan, machine: Machine) -> tuple[int, float | None]:
@@ -184,45 +164,16 @@ def describe(plan: Plan, machine: Machine | None = None) -> str:
     return "\n".join(lines)
 
 
-def least_disk_share(plan: Plan, replan) -> tuple[float, int] | None:
-    """The least engine.nvme.fraction at which `replan(fraction)` fits, and the blocks it puts on disk; None
-    where no share fits (even every sliding block's state on disk leaves the host short, or the least share
-    the host needs is more than the disk holds)."""
-    sliding = len(plan.placement.sliding_blocks)
-    if plan.placement.device_is_host or not sliding:
-        return None
-
-    def share(blocks: int) -> float:
-        return math.ceil(100 * blocks / sliding) / 100
-
-    def fits_in_memory(candidate: Plan) -> bool:  # the disk aside: more on disk only ever needs more of it
-        p, b = candidate.placement, candidate.budgets
-        return (b.host is None or p.bytes(HOST) <= b.host) and (b.gpu is None or p.bytes(GPU) <= b.gpu)
-
-    if not fits_in_memory(replan(share(sliding))):
-        return None
-    low, high = 0, sliding  # more blocks on disk only ever take less host memory: bisect, a plan per halving
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (low, middle) if fits_in_memory(replan(share(middle))) else (middle, high)
-    return (share(high), high) if replan(share(high)).fits else None
-
-
-def disk_share(cfg: TrainConfig, shapes: Shapes, machine: Machine, cuda: bool, budgets: Budgets,
-               plan: Plan) -> tuple[float, int, bool] | None:
-    """The share `auto` takes: the least engine.nvme.fraction that fits with copies of the disk masters'
-    parameters in RAM, else the least that fits with their loads read from disk; the blocks it puts on disk and
-    whether their loads read from disk. None where no share fits."""
-    for loads in (False, True):
-        found = least_disk_share(plan, lambda f, loads=loads: make_plan(cfg, shapes, machine, cuda, budgets, f,
-                                                                       disk_loads=loads))
-        if found:
-            return *found, loads
-    return None
+def share_on_disk(cfg: TrainConfig, shapes: Shapes, machine: Machine, run: RunFacts,
+                  budgets: Budgets) -> tuple[float, int, bool] | None:
+    """The share `auto` takes (the least engine.nvme.fraction that fits), the blocks it puts on disk and whether
+    their loads read from disk; None where no share fits."""
+    step = StepShape(cfg.micro_batch_size * cfg.seq_len, cfg.grad_accum, cfg.seq_len)
+    return disk_share(shapes, step, run, budgets, machine, overrides_of(cfg, shapes.num_blocks))
 
 
 def refuse(plan: Plan, cfg: TrainConfig, share=None) -> None:
-    """Raise a ConfigError naming what does not fit and what would. `share()` is `disk_share` for the run: the
+    """Raise a ConfigError naming what does not fit and what would. `share()` is `share_on_disk` for the run: the
     share on disk `auto` would take is offered."""
     if plan.fits:
         return

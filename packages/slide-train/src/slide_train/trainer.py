@@ -24,7 +24,6 @@ import torch
 import yaml
 
 from slide_io import free_bytes
-from slide_memory import AdamWConfig
 from slide_scheduler import (
     DISK,
     HOST,
@@ -36,6 +35,7 @@ from slide_scheduler import (
     plot_timeline,
     write_trace,
 )
+from slide_scheduler import resolve_device as slide_resolve_device
 
 from . import checkpoint as ckpt
 from .config import TrainConfig, to_dict
@@ -50,7 +50,7 @@ from .machines import resolve_machine
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics
 from .models.build import BASE_MODEL_DIR, check_fits, load_model, saved_model_source
 from .models.loss import loss_rows
-from .plan import budgets_for, describe, disk_share, make_plan, model_shapes, params_text, refuse
+from .plan import budgets_for, describe, facts_of, make_plan, model_shapes, params_text, refuse, share_on_disk
 from .progress import bar
 from .schedule import lr_at
 from .space import Size
@@ -87,9 +87,9 @@ def use_expandable_segments() -> bool:
 def resolve_device(name: str) -> torch.device:
     """`engine.device` as a device, or a ConfigError saying why it cannot be used here."""
     try:
-        device = EngineConfig(device=name).resolve_device()
+        device = torch.device(slide_resolve_device(name))
     except RuntimeError as e:
-        raise ConfigError(str(e)) from e
+        raise ConfigError(f"engine.device={name}, but no CUDA device is available; use engine.device=cpu") from e
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         raise ConfigError(f"engine.device={name}, but this machine has {torch.cuda.device_count()} CUDA device(s): "
                           f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
@@ -102,17 +102,20 @@ def nvme_dir(cfg: TrainConfig) -> pathlib.Path:
 
 def uses_disk(cfg: TrainConfig) -> bool:
     fraction = cfg.engine.nvme.fraction
-    return fraction == "auto" or fraction > 0 or cfg.engine.activation_offload == "nvme"
+    return fraction == "auto" or fraction > 0 or cfg.engine.activation_offload in ("nvme", "auto")
 
 
-def engine_config(cfg: TrainConfig, ranks: int = 1) -> EngineConfig:
-    e, folder = cfg.engine, nvme_dir(cfg)
-    return EngineConfig(
-        device=rank_device(e.device, ranks), compute_dtype=e.compute_dtype, activation_offload=e.activation_offload,
-        max_grad_norm=cfg.max_grad_norm, pipeline=not e.placement.get("synchronous", False),
-        states_dtype=e.states_dtype,
-        optimizer=AdamWConfig(**dataclasses.asdict(cfg.optimizer)),  # same fields; the front end has its defaults
-        nvme_dir=str(folder / STATES_DIR), activation_dir=str(folder / ACTIVATIONS_DIR))
+def asks_for_disk(cfg: TrainConfig) -> bool:
+    """Whether the config itself puts something on disk (`auto` leaves it to the plan)."""
+    return cfg.engine.nvme.fraction not in (0, "auto") or cfg.engine.activation_offload == "nvme"
+
+
+def engine_config(cfg: TrainConfig) -> EngineConfig:
+    """The engine's mechanism: its schedule, AdamW's hyperparameters and the folders of the disk tier (what the
+    run is and where everything lives is the plan's)."""
+    folder = nvme_dir(cfg)
+    return EngineConfig(optimizer=cfg.optimizer, pipeline=not cfg.engine.placement.get("synchronous", False),
+                        nvme_dir=str(folder / STATES_DIR), activation_dir=str(folder / ACTIVATIONS_DIR))
 
 
 def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True,
@@ -126,11 +129,12 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True,
     """
     e = cfg.engine
     card_gib = None
-    if ranks > 1 and uses_disk(cfg):
+    if ranks > 1 and asks_for_disk(cfg):  # (`auto` keeps everything in memory for them)
         raise ConfigError("data-parallel ranks keep every state in host memory and activations on the host or the "
                           "device: set engine.nvme.fraction=0 and engine.activation_offload to cpu or none")
     if not running:
         cuda = machine.has_gpu and e.device != "cpu"
+        device = (e.device if e.device.startswith("cuda") else "cuda") if cuda else "cpu"
     elif (device := resolve_device(rank_device(e.device, ranks))).type == "cuda":
         cuda = True
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
@@ -143,14 +147,15 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True,
             torch.cuda.set_per_process_memory_fraction(e.gpu_memory_limit_gb * 2**30 / total, device)
     else:
         cuda = False
+    run = facts_of(cfg, str(device), ranks)
     kernels = e.kernels == "on" or (e.kernels == "auto" and cuda)
     stack = model.stack(kernels=kernels)
     shapes = model_shapes(model, stack, ranks)
     budgets = budgets_for(machine, cuda, e.gpu_memory_limit_gb, card_gib,
                           ranks_here=min(ranks, ranks_here()) if running else ranks)
-    plan = make_plan(cfg, shapes, machine, cuda, budgets, ranks=ranks)
+    plan = make_plan(cfg, shapes, machine, run, budgets)
     if not running and budgets.host is not None and plan.placement.bytes(HOST) > budgets.host and ranks == 1:
-        every = make_plan(cfg, shapes, machine, cuda, budgets, nvme_fraction=1.0)
+        every = make_plan(cfg, shapes, machine, run, budgets, nvme_fraction=1.0)
         if every.placement.bytes(HOST) > budgets.host:
             plan.problems.append(
                 f"even with every sliding block's master and AdamW moments on disk (engine.nvme.fraction=1) the "
@@ -158,18 +163,17 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True,
                 + ", ".join(f"{kind} {nbytes / 2**30:.0f}" for kind, nbytes in every.placement.tiers()[HOST].items()
                             if nbytes >= 2**30))
     if running:
-        refuse(plan, cfg, share=lambda: disk_share(cfg, shapes, machine, cuda, budgets, plan))
-        if e.placement.get("speculate") and not plan.placement.speculated:
+        refuse(plan, cfg, share=lambda: share_on_disk(cfg, shapes, machine, run, budgets))
+        if e.placement.get("speculate") is True and not plan.placement.speculated:
             why = ("without clipping nothing waits for the norm" if not cfg.max_grad_norm else
-                   "the cost model prices it no faster on this machine, or the host's memory budget has no room "
-                   "for it")
+                   "the host's memory budget has no room for it")
             warnings.warn(f"engine.placement.speculate=true, but no block speculates: {why}", stacklevel=2)
         if e.nvme.fraction not in (0, "auto") and not plan.placement.on_disk:  # the share rounds to no block
             sliding = len(plan.placement.sliding_blocks)
             warnings.warn(f"engine.nvme.fraction={e.nvme.fraction} puts no master or AdamW state on disk: " + (
                 f"it is none of the {sliding} sliding blocks (a share of {1 / sliding:.3g} keeps one block's "
                 "states there)" if sliding else "every block is resident, its states on the device"), stacklevel=2)
-    return plan, engine_config(cfg, ranks), stack
+    return plan, engine_config(cfg), stack
 
 
 def default_disk_folders(cfg: TrainConfig) -> list[str]:
@@ -214,7 +218,7 @@ def build_engine(cfg: TrainConfig, model, machine: Machine, progress: bool = Fal
 
         stack.load_block = load_block
         try:
-            return SlidingEngine(stack, engine_cfg, plan.placement, ranks), plan
+            return SlidingEngine(stack, plan.placement, engine_cfg, ranks), plan
         finally:
             stack.load_block = read
 
@@ -662,6 +666,8 @@ class Trainer:
             i = self.step_index
             if self.progress and not bar_shown and (i % line_every == 0 or i == self.total_steps or i == 1):
                 say(f"step {i}/{self.total_steps}: {figures}")
+            elif bar_shown and (i % line_every == 0 or i == self.total_steps or i == 1):
+                say(f"step {i}/{self.total_steps}: {figures}", screen=False)  # (the bar shows it; log.txt keeps it)
             if cfg.eval_every and self.step_index % cfg.eval_every == 0:
                 ev = self.evaluate()
                 say(f"step {self.step_index}: validation loss {ev['eval_loss']:.4f} (ppl {ev['eval_ppl']:.2f})")
