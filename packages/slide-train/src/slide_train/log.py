@@ -84,10 +84,34 @@ class _RunFile(logging.Handler):
             self.file = None
 
 
+class _NoWidth:
+    """stderr on a terminal that reports 0 columns (some CI runners' and tools' pseudo-terminals): no bar can be
+    drawn in no width, so the stream says it is no terminal and a run prints plain progress lines instead."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def isatty(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _no_width(stream) -> bool:
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns == 0
+    except (OSError, ValueError, AttributeError):  # (a stream with no file descriptor, or a closed one)
+        return False
+
+
 @contextlib.contextmanager
 def console():
     """While the command runs: warnings as `slide-train: warning: ...` lines (each distinct one once), and
-    everything the logger hears kept for the run's log.txt."""
+    everything the logger hears kept for the run's log.txt. A terminal of no width is shown no bars."""
+    stderr = sys.stderr
+    if _no_width(stderr):
+        sys.stderr = _NoWidth(stderr)
     log = logger()
     screen = _Console()
     screen.setFormatter(_OneLine())
@@ -109,6 +133,8 @@ def console():
             run_file.close_file()
             log.setLevel(previous[0])
             log.propagate = previous[1]
+            if isinstance(sys.stderr, _NoWidth):
+                sys.stderr = stderr
 
 
 def open_run_log(run_dir: str | pathlib.Path) -> pathlib.Path | None:
@@ -121,13 +147,15 @@ def open_run_log(run_dir: str | pathlib.Path) -> pathlib.Path | None:
     return None
 
 
-def say(text: str) -> None:
-    """A line for the user: on stdout (above a progress bar, if one shows), and in the run's log.txt. Of a
-    data-parallel run, the first rank speaks for all."""
+def say(text: str, screen: bool = True) -> None:
+    """A line for the user: on stdout (above a progress bar, if one shows), and in the run's log.txt; with
+    `screen` False in log.txt only (what a bar on the terminal already shows). Of a data-parallel run, the first
+    rank speaks for all."""
     if os.environ.get("RANK", "0") != "0":
         return
-    tqdm.write(text, file=sys.stdout)
-    sys.stdout.flush()
+    if screen:
+        tqdm.write(text, file=sys.stdout)
+        sys.stdout.flush()
     for handler in logger().handlers:
         if isinstance(handler, _RunFile):
             handler.handle(logger().makeRecord(LOGGER, logging.INFO, "", 0, text, None, None))
