@@ -51,7 +51,7 @@ def test_render_marks_no_loss_spans(tmp_path):
     out = render_examples(DataConfig(path=str(path), format="alpaca"), builtin_tokenizer(), 64)
     lines = out.splitlines()
     assert lines[0].endswith(
-        "1 examples from 1 records; 0 truncated to seq_len=64, 0 dropped (no loss token)"
+        "1 example from 1 record; 0 truncated to seq_len=64, 0 dropped (no loss token)"
     )
     assert lines[3] == f"--- {path}:1: 48 tokens, 2 with loss"
     assert "\n".join(lines[4:]) == "⟦<bos>### Instruction:\nAdd 2 and 3.\n\n### Response:\n⟧5<eos>"

@@ -52,7 +52,7 @@ def test_empty_text_file_yields_no_tokens(tmp_path):
 def test_no_label_tokens_after_truncation(tmp_path):
     path = jsonl(tmp_path / "a.jsonl", [{"instruction": "a long instruction " * 5, "output": "y"}])
     with pytest.raises(
-        DataError, match=r"a\.jsonl: .*none has a label token; 1 were truncated to seq_len=64"
+        DataError, match=r"a\.jsonl: .*none has a label token; 1 was truncated to seq_len=64"
     ):
         build(path, fmt="alpaca")
 
@@ -67,7 +67,7 @@ def test_chat_without_assistant_turns_has_no_labels(tmp_path):
 
 def test_tokens_with_all_labels_masked(tmp_path):
     path = jsonl(tmp_path / "t.jsonl", [{"input_ids": [5, 6], "labels": [-100, -100]}])
-    with pytest.raises(DataError, match=r"t\.jsonl: the dataset yields no tokens to train on \(1 rows read"):
+    with pytest.raises(DataError, match=r"t\.jsonl: the dataset yields no tokens to train on \(1 row read"):
         build(path, fmt="tokens")
 
 
@@ -103,7 +103,7 @@ def test_json_file_not_a_list(tmp_path):
             "tokens",
             [{"input_ids": [1, 2], "labels": [1]}],
             ":1",
-            "'labels' has 1 entries but 'input_ids' has 2",
+            "'labels' has 1 entry but 'input_ids' has 2",
         ),
         (
             "tokens",
@@ -179,7 +179,7 @@ def test_impossible_settings(tmp_path, kw, seq_len, message):
 
 
 def test_eval_split_too_small(tmp_path):
-    with pytest.raises(DataError, match=r"data\.eval_fraction=0\.5: .*a\.txt has only 1 examples"):
+    with pytest.raises(DataError, match=r"data\.eval_fraction=0\.5: .*a\.txt has only 1 example,"):
         build(write(tmp_path / "a.txt", "x"), eval_fraction=0.5)
 
 

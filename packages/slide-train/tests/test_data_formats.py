@@ -191,7 +191,7 @@ def test_truncation_of_alpaca_warns_with_count(tmp_path):
     rows = [{"instruction": "i", "output": "x" * 100}, {"instruction": "i", "output": "short"}]
     path = write_jsonl(tmp_path / "a.jsonl", rows)
     cfg = DataConfig(path=path, format="alpaca", shuffle=False)
-    with pytest.warns(UserWarning, match=r"1 of 2 examples are longer than seq_len=48"):
+    with pytest.warns(UserWarning, match=r"1 of 2 examples is longer than seq_len=48"):
         data = build_data(cfg, builtin_tokenizer(), 48, 2, 0)
     assert data.stats["truncated"] == 1
     batch = data.train.next_micro_batch()

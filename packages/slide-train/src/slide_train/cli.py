@@ -8,8 +8,8 @@ import os
 import sys
 
 from .config import describe_keys, load_config
-from .errors import SlideError
-from .log import console
+from .errors import ConfigError, SlideError, plural
+from .log import console, say
 
 
 def _keys_help() -> str:
@@ -37,7 +37,10 @@ def cmd_finetune(args, overrides) -> int:
     if args.no_progress:  # checkpoints and the export included
         hide_bars()
     try:
-        Trainer(cfg, progress=not args.no_progress, machine=machine).fit()
+        trainer = Trainer(cfg, progress=not args.no_progress, machine=machine)
+        if cfg.resume == "auto" and trainer.resumed_from is None:
+            say(f"resume=auto: no checkpoint in {trainer.checkpoints}, so the run starts from step 0")
+        trainer.fit()
     finally:
         leave()  # (data-parallel ranks: their process group)
     return 0
@@ -57,8 +60,8 @@ def cmd_data(args, overrides) -> int:
     model = load_model(cfg.model, cfg.seed)
     data = build_data(cfg.data, model.tokenizer, cfg.seq_len, cfg.micro_batch_size, cfg.seed,
                       vocab_size=model.hf_config.vocab_size)
-    print(data.summary())
-    print(render_examples(cfg.data, model.tokenizer, cfg.seq_len, n=args.n, loaded=data.loaded))
+    print(data.summary())  # (the examples below without a summary of their own)
+    print(render_examples(cfg.data, model.tokenizer, cfg.seq_len, n=args.n, loaded=data.loaded, summary=False))
     return 0
 
 
@@ -71,7 +74,12 @@ def cmd_plan(args, overrides) -> int:
     from .trainer import nvme_dir, plan_run, uses_disk
 
     cfg = load_config(args.config, overrides)
+    named = args.machine or os.environ.get("SLIDE_MACHINE")
     machine = resolve_machine(args.machine, disk_dir=str(nvme_dir(cfg)) if uses_disk(cfg) else None)
+    if cfg.engine.device.startswith("cuda") and not machine.has_gpu:  # (plan_run would plan for the CPU)
+        where = f"the machine file {named} has no GPU" if named else "no CUDA device is available here"
+        raise ConfigError(f"engine.device={cfg.engine.device}, but {where}: `slide-train plan --machine FILE` "
+                          "prices a GPU machine (FILE from `slide-train probe --out FILE` on it)")
     model = load_model(cfg.model, cfg.seed, need_tokenizer=False, need_weights=False)  # config.json is enough
     check_fits(model, cfg.seq_len)
     plan, _, _ = plan_run(cfg, model, machine, running=False, ranks=args.nproc)
@@ -84,10 +92,10 @@ def cmd_plan(args, overrides) -> int:
                          indent=1))
     else:
         shapes = plan.placement.shapes
+        ranks = f" per rank, {args.nproc} ranks (host memory below: one rank)" if args.nproc > 1 else ""
         print(f"model: {cfg.model} ({model.hf_config.model_type}, {params_text(sum(shapes.unit_numels))} params, "
-              f"{shapes.num_blocks} blocks); {cfg.grad_accum} x {cfg.micro_batch_size} x {cfg.seq_len} tokens per "
-              f"step{f' per rank, {args.nproc} ranks (host memory below: one rank)' if args.nproc > 1 else ''}; "
-              f"machine: {args.machine or os.environ.get('SLIDE_MACHINE') or 'this one (last probe)'}")
+              f"{plural(shapes.num_blocks, 'block')}); {cfg.grad_accum} x {cfg.micro_batch_size} x {cfg.seq_len} "
+              f"tokens per step{ranks}; machine: {named or 'this one (last probe)'}")
         print(describe(plan, machine))
     return 0 if plan.fits else 2
 
@@ -161,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a few seconds, smaller transfers (rougher figures)")
     p.set_defaults(func=cmd_probe)
     p = sub.add_parser("export", help="write a run's weights as an HF model directory")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="the run's folder (its output_dir), which holds config.yaml and checkpoints/")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/export)")
     p.set_defaults(func=cmd_export)

@@ -33,3 +33,8 @@ def size_text(nbytes: float) -> str:
     """Bytes for a message: GB, or MB below 0.1 GB (where GB would read 0.0)."""
     return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
 
+
+
+def plural(count: int, noun: str, nouns: str | None = None) -> str:
+    """A count with its noun in agreement: "1 example", "2 examples" (`nouns`: an irregular plural)."""
+    return f"{count} {noun if count == 1 else nouns or noun + 's'}"

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import plural
 from ..progress import bar
 from .config import DataConfig, DataError
 from .conversations import SHAREGPT_ROLES, RoleMap, chat_messages, sharegpt_messages
@@ -226,7 +227,8 @@ def _tokens_examples(out: ExampleSet, records: Iterable[Record], tokenizer, seq_
                 f"{where}: 'input_ids' must be integers in [0, {vocab}) (the vocabulary)"
             )
         if len(labels) != len(ids):
-            raise DataError(f"{where}: 'labels' has {len(labels)} entries but 'input_ids' has {len(ids)}")
+            raise DataError(f"{where}: 'labels' has {plural(len(labels), 'entry', 'entries')} but 'input_ids' "
+                            f"has {len(ids)}")
         if not all(type(t) is int and (t == IGNORE or 0 <= t < vocab) for t in labels):
             raise DataError(f"{where}: 'labels' must be integers in [0, {vocab}) or -100")
         if not ids:
@@ -292,11 +294,12 @@ def _empty_reason(out: ExampleSet, cfg: DataConfig, seq_len: int) -> str:
     if out.records == 0:
         what = "documents (it is empty, or only blank lines)" if cfg.format == "text" else "rows"
         return f"{out.source}: the dataset yields no tokens: the file has no {what}"
-    unit = "documents" if cfg.format in ("text", "jsonl") else "rows"
-    reason = f"{out.records} {unit} read, none has a label token"
+    unit = "document" if cfg.format in ("text", "jsonl") else "row"
+    reason = f"{plural(out.records, unit)} read, none has a label token"
     if out.truncated:
         reason += (
-            f"; {out.truncated} were truncated to seq_len={seq_len}, which cut off the part with the loss"
+            f"; {out.truncated} {'was' if out.truncated == 1 else 'were'} truncated to seq_len={seq_len}, which "
+            "cut off the part with the loss"
         )
     if cfg.format in CHAT_FORMATS:
         reason += "; only assistant turns carry a loss"

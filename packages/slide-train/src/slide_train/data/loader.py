@@ -8,6 +8,7 @@ import random
 import warnings
 from dataclasses import dataclass
 
+from ..errors import plural
 from .config import DataConfig, DataError, check_config
 from .formats import CHAT_FORMATS, Example, ExampleSet, load_examples
 from .packing import Row, collate, pack_rows, pad_id
@@ -123,12 +124,13 @@ class TokenData:
     def summary(self) -> str:
         s = self.stats
         text = (
-            f"data: {s['source']} ({s['format']}): {s['train_examples']} train examples, "
-            f"{s['train_tokens']} tokens ({s['train_label_tokens']} with loss), "
-            f"{self.train.rows_per_epoch} rows of {s['seq_len']} per epoch"
+            f"data: {s['source']} ({s['format']}): {plural(s['train_examples'], 'train example')}, "
+            f"{plural(s['train_tokens'], 'token')} ({s['train_label_tokens']} with loss), "
+            f"{plural(self.train.rows_per_epoch, 'row')} of {s['seq_len']} per epoch"
         )
         if self.eval is not None:
-            text += f"; {s['eval_examples']} eval examples in {len(self.eval)} micro-batches"
+            batches = plural(len(self.eval), "micro-batch", "micro-batches")
+            text += f"; {plural(s['eval_examples'], 'eval example')} in {batches}"
         if s["truncated"] or s["dropped"]:
             text += f"; {s['truncated']} truncated, {s['dropped']} dropped (no loss token"
             text += f": {self.loaded.dropped_where()})" if s["dropped"] else ")"
@@ -142,7 +144,7 @@ def split_eval(n: int, fraction: float, seed: int, source) -> tuple[list[int], l
     k = max(1, round(fraction * n))
     if k >= n:
         raise DataError(
-            f"data.eval_fraction={fraction}: {source} has only {n} examples, too few to hold out {k} "
+            f"data.eval_fraction={fraction}: {source} has only {plural(n, 'example')}, too few to hold out {k} "
             "and still train; lower eval_fraction or add data"
         )
     order = list(range(n))
@@ -156,14 +158,17 @@ def build_data(cfg: DataConfig, tokenizer, seq_len: int, micro_batch_size: int, 
     loaded: ExampleSet = load_examples(cfg, tokenizer, seq_len, vocab_size, progress)
     if loaded.truncated:
         warnings.warn(
-            f"{loaded.source}: {loaded.truncated} of {loaded.records} examples are longer than "
-            f"seq_len={seq_len} and were truncated (their ends are not trained on)",
+            f"{loaded.source}: {loaded.truncated} of {plural(loaded.records, 'example')} "
+            f"{'is' if loaded.truncated == 1 else 'are'} longer than seq_len={seq_len} and "
+            f"{'was' if loaded.truncated == 1 else 'were'} truncated (their ends are not trained on)",
             stacklevel=2,
         )
     if loaded.dropped:
         hint = "; only assistant turns carry a loss" if cfg.format in CHAT_FORMATS else ""
         warnings.warn(
-            f"{loaded.source}: {loaded.dropped} examples have no token with a loss and were dropped "
+            f"{loaded.source}: {plural(loaded.dropped, 'example')} "
+            f"{'has' if loaded.dropped == 1 else 'have'} no token with a loss and "
+            f"{'was' if loaded.dropped == 1 else 'were'} dropped "
             f"({loaded.dropped_where()}){hint}",
             stacklevel=2,
         )

@@ -90,7 +90,7 @@ def read_rows(path: Path) -> Records:
         try:
             items = json.loads(text)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}: not valid JSON ({e})") from e
+            raise DataError(f"{path}:{e.lineno}: not valid JSON ({_json_problem(e, f'line {e.lineno}, ')})") from e
         if not isinstance(items, list):
             raise DataError(
                 f"{path}: a .json dataset must be a list of objects (use .jsonl for one per line)"
@@ -105,12 +105,19 @@ def read_rows(path: Path) -> Records:
             try:
                 rows.append(Record(number, f"{path}:{number}", json.loads(line)))
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{number}: not valid JSON ({e.msg})") from e
+                raise DataError(f"{path}:{number}: not valid JSON ({_json_problem(e)})") from e
         unit = "line"
     for row in rows:
         if not isinstance(row.value, dict):
             raise DataError(f"{row.where}: expected a JSON object, got {type(row.value).__name__}")
     return Records(path, rows, len(rows), unit)
+
+
+def _json_problem(e: json.JSONDecodeError, line: str = "") -> str:
+    """What the JSON parser found, with where: its message alone ends mid-sentence for some problems
+    ("Unterminated string starting at"), the position being kept apart from it."""
+    where = f"{line}column {e.colno}"
+    return f"{e.msg} {where}" if e.msg.endswith(" at") else f"{e.msg} at {where}"
 
 
 def _arrow_rows(path: Path) -> Records:
