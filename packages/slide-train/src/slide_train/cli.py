@@ -10,6 +10,7 @@ import sys
 from .config import describe_keys, load_config
 from .errors import ConfigError, SlideError, plural
 from .log import console, say
+from .preflight import check_config_file, check_data, check_finetune, check_writable
 
 
 def _keys_help() -> str:
@@ -27,12 +28,18 @@ def _config_parser(sub, name: str, help: str):
     return p
 
 
+def _config(args, overrides):
+    check_config_file(args.config)
+    return load_config(args.config, overrides)
+
+
 def cmd_finetune(args, overrides) -> int:
     from .distributed import leave
     from .progress import hide_bars
     from .trainer import Trainer
 
-    cfg = load_config(args.config, overrides)
+    cfg = _config(args, overrides)
+    check_finetune(cfg)  # before minutes of loading and tokenizing
     machine = _machine(args.machine)
     if args.no_progress:  # checkpoints and the export included
         hide_bars()
@@ -56,8 +63,9 @@ def cmd_data(args, overrides) -> int:
     from .data import build_data, render_examples
     from .models.build import load_model
 
-    cfg = load_config(args.config, overrides)
-    model = load_model(cfg.model, cfg.seed)
+    cfg = _config(args, overrides)
+    check_data(cfg)
+    model = load_model(cfg.model, cfg.seed, need_tokenizer=cfg.data.format != "tokens")
     data = build_data(cfg.data, model.tokenizer, cfg.seq_len, cfg.micro_batch_size, cfg.seed,
                       vocab_size=model.hf_config.vocab_size)
     print(data.summary())  # (the examples below without a summary of their own)
@@ -73,8 +81,10 @@ def cmd_plan(args, overrides) -> int:
     from .plan import checkpoint_cost, describe, params_text
     from .trainer import nvme_dir, plan_run, uses_disk
 
-    cfg = load_config(args.config, overrides)
+    cfg = _config(args, overrides)
     named = args.machine or os.environ.get("SLIDE_MACHINE")
+    if not named and uses_disk(cfg) and cfg.engine.nvme.dir:  # this machine's disk there is measured
+        check_writable("engine.nvme.dir", nvme_dir(cfg))
     machine = resolve_machine(args.machine, disk_dir=str(nvme_dir(cfg)) if uses_disk(cfg) else None)
     if cfg.engine.device.startswith("cuda") and not machine.has_gpu:  # (plan_run would plan for the CPU)
         where = f"the machine file {named} has no GPU" if named else "no CUDA device is available here"

@@ -32,6 +32,7 @@ from .config import DataConfig, DataError
 from .conversations import SHAREGPT_ROLES, RoleMap, chat_messages, sharegpt_messages
 from .corpus import builtin_corpus_path
 from .sources import ROW_FILES, Record, Records, check_file, get_key, has_rows, read_documents, read_rows
+from .tokenizer import check_tokenizer
 
 IGNORE = -100
 ENCODE_BATCH = 1024  # documents per tokenizer call: parallel inside a call, progress shown between calls
@@ -269,6 +270,8 @@ def load_examples(cfg: DataConfig, tokenizer, seq_len: int, vocab_size: int | No
         raise DataError(
             f"data.format {cfg.format!r} needs a tokenizer; only format 'tokens' runs without one"
         )
+    if cfg.format != "tokens":
+        check_tokenizer(tokenizer, cfg.format)
     text = cfg.format in ("text", "jsonl")
     if not text and not has_rows(path):
         raise DataError(f"{path}: format {cfg.format!r} reads {ROW_FILES}")

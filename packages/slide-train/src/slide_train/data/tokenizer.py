@@ -5,6 +5,8 @@ from __future__ import annotations
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from .config import DataError
+
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 
 # A tiny chat template, enough to fine-tune and to test chat masking with the built-in tokenizer. The end of
@@ -47,3 +49,25 @@ def builtin_tokenizer() -> PreTrainedTokenizerFast:
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok
+
+
+# Text a tokenizer with a vocabulary encodes into some ordinary token: one built without its vocabulary files
+# gives nothing, or only its unknown token.
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789"
+
+
+def check_tokenizer(tokenizer, fmt: str) -> None:
+    """What data format `fmt` needs of the tokenizer: a vocabulary, and an EOS token for the formats that end each
+    document or answer with one (text, jsonl, alpaca): without it a model never learns where one ends."""
+    name = getattr(tokenizer, "name_or_path", "") or "the model"
+    ids = list(tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"])
+    special = set(tokenizer.all_special_ids)
+    if not any(t not in special for t in ids):
+        got = " ".join(tokenizer.convert_ids_to_tokens(ids)) or "nothing"
+        raise DataError(f"the tokenizer of {name} has no vocabulary ({len(tokenizer)} tokens; {PROBE_TEXT!r} "
+                        f"encodes to {got}): its vocabulary file (tokenizer.json, tokenizer.model, or vocab.json "
+                        "with merges.txt) is missing or empty; copy the model's tokenizer files next to its "
+                        "config.json")
+    if fmt in ("text", "jsonl", "alpaca") and tokenizer.eos_token_id is None:
+        raise DataError(f"the tokenizer of {name} has no EOS token, which data.format={fmt} puts at the end of "
+                        "each example so the model learns to stop: set eos_token in its tokenizer_config.json")

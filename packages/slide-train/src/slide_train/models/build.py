@@ -12,6 +12,7 @@ import transformers
 
 from ..data import builtin_tokenizer
 from ..errors import ConfigError, ModelError
+from ..preflight import no_tokenizer_files, tokenizer_files
 from .adapter import HFStack, check_supported
 from .families import FAMILIES, supported_text
 from .presets import PRESETS, preset_config
@@ -58,12 +59,16 @@ def load_model(name: str, seed: int = 0, need_tokenizer: bool = True, need_weigh
     check_supported(config)
     weights = SafetensorsWeights(path) if need_weights else None
     tokenizer = None
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-    except (OSError, ValueError) as e:
+    if not tokenizer_files(path):  # (transformers may build an empty tokenizer rather than fail)
         if need_tokenizer:
-            raise ModelError(f"cannot load the tokenizer of {path}: {e}. Put the tokenizer files next to the "
-                             "weights, or use data.format=tokens with pre-tokenized data") from e
+            raise no_tokenizer_files(path)
+    else:
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        except (OSError, ValueError) as e:
+            if need_tokenizer:
+                raise ModelError(f"cannot load the tokenizer of {path}: {e}. Put the tokenizer files next to the "
+                                 "weights, or use data.format=tokens with pre-tokenized data") from e
     dtype = getattr(config, "dtype", None) or torch.float32  # (transformers maps an older torch_dtype here)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)

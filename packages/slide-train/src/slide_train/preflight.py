@@ -1,0 +1,119 @@
+"""Checks a command runs before any real work: the config file, the model's tokenizer files and every folder the
+run reads or writes, each refused in one line that names the key or file at fault."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+
+import yaml
+
+from .data import FORMATS
+from .data.config import DataError
+from .data.sources import check_file
+from .errors import ConfigError, ModelError
+from .models.presets import PRESETS
+
+# The formats whose rows are text for the model's tokenizer; `tokens` rows are ids already.
+TEXT_FORMATS = tuple(f for f in FORMATS if f != "tokens")
+
+
+def check_config_file(path: str | os.PathLike | None) -> None:
+    """A config file that is not valid YAML, named with the line and column at fault (yaml names a string it is
+    given `<unicode string>`, so the file is read here as a stream, which it names by its path)."""
+    if path is None or not pathlib.Path(path).is_file():
+        return  # (load_config says that the file does not exist)
+    try:
+        with open(path, encoding="utf-8") as stream:
+            yaml.safe_load(stream)
+    except UnicodeDecodeError:
+        return  # (load_config says how to fix the encoding)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        what = "; ".join(part for part in (e.context, e.problem) if part)
+        raise ConfigError(f"{path}{where}: not valid YAML: {what}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from e
+
+
+def tokenizer_files(model_dir: pathlib.Path) -> list[str]:
+    """The tokenizer files present in a model directory, of those transformers reads."""
+    from .export import TOKENIZER_FILES  # (export imports the model builder, which uses this module)
+
+    return [name for name in TOKENIZER_FILES if (model_dir / name).is_file()]
+
+
+def no_tokenizer_files(model_dir: pathlib.Path, fmt: str | None = None) -> ModelError:
+    """The error for a model directory without a tokenizer. transformers may build an empty one there instead of
+    failing, which turns every document into unknown tokens, so the files are looked for first."""
+    from .export import TOKENIZER_FILES
+
+    needs = f"data.format={fmt}" if fmt else "training on text"
+    return ModelError(
+        f"model {model_dir} has no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}): {needs} needs the "
+        "model's tokenizer; copy its tokenizer files next to config.json, or give pre-tokenized rows with "
+        "data.format=tokens")
+
+
+def check_tokenizer_files(model: str, fmt: str) -> None:
+    """A local model trained on text needs its tokenizer's files; presets bring a tokenizer of their own."""
+    if fmt not in TEXT_FORMATS or model in PRESETS:
+        return
+    model_dir = pathlib.Path(model).expanduser()
+    if not (model_dir / "config.json").is_file():
+        return  # (load_model says what the directory lacks)
+    if not tokenizer_files(model_dir):
+        raise no_tokenizer_files(model_dir, fmt)
+
+
+def check_data_path(path: str | None) -> None:
+    """data.path exists and can be read (None: the built-in corpus)."""
+    if path is None:
+        return
+    path = pathlib.Path(path)
+    check_file(path)
+    try:
+        if path.is_dir():
+            os.listdir(path)
+        else:
+            with open(path, "rb") as file:
+                file.read(1)
+    except OSError as e:
+        raise DataError(f"data.path: cannot read {path} ({e.strerror or e}): check its permissions") from e
+
+
+def check_writable(key: str, folder: str | os.PathLike) -> None:
+    """`folder` is, or can be made, a folder that takes files: a file is created and removed in it, or in the
+    nearest folder above it that exists (which is left as it was)."""
+    folder = pathlib.Path(folder).absolute()
+    existing = folder
+    try:
+        while not existing.exists() and existing.parent != existing:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise ConfigError(f"{key}: {existing} is a file, so {folder} cannot be a folder: choose another path")
+        fd, probe = tempfile.mkstemp(prefix=".slide-check-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot create files in {existing} ({e.strerror or e}): set {key} to a folder on "
+                          "a disk this user can write") from e
+
+
+def check_finetune(cfg) -> None:
+    """What `slide-train finetune` refuses before it loads the model or reads the data."""
+    from .trainer import nvme_dir, uses_disk
+
+    check_tokenizer_files(cfg.model, cfg.data.format)
+    check_data_path(cfg.data.path)
+    check_writable("output_dir", cfg.output_dir)
+    if uses_disk(cfg) and cfg.engine.nvme.dir:  # (its default folder is under output_dir, checked above)
+        check_writable("engine.nvme.dir", nvme_dir(cfg))
+
+
+def check_data(cfg) -> None:
+    """What `slide-train data` refuses before it loads the model or reads the data (it writes nothing)."""
+    check_tokenizer_files(cfg.model, cfg.data.format)
+    check_data_path(cfg.data.path)
