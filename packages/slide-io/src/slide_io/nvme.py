@@ -49,7 +49,9 @@ class NVMeStore(TensorStore):
 
     `store.path` says how bytes move: "gds" (kvikio, GPUDirect Storage), "kvikio-compat" (kvikio doing
     POSIX I/O itself) or "posix" (os.pwrite/os.preadv here, O_DIRECT where allowed; host tensors only).
-    `store.path_reason` says why. `reserve` runs `preflight(directory, reserve)` first.
+    `store.path_reason` says why. `path="auto"` takes $SLIDE_IO_PATH where set, else the path `prefer_path`
+    named (a machine file's measured choice), else kvikio wherever it runs; "kvikio" and "posix" are taken as
+    asked. `reserve` runs `preflight(directory, reserve)` first.
     """
 
     def __init__(
