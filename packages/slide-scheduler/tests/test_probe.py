@@ -1,17 +1,25 @@
-"""The machine probe: figures the OS reports are taken as reported, measured rates are positive, and the disk
-probe leaves nothing behind."""
+"""The machine probe: figures the OS reports are taken as reported, measured rates are positive, host memory is
+measured under a step's mix with every lane's bytes counted, the disk is measured through each path slide-io can
+take and the choice between them recorded, and the disk probe leaves nothing behind."""
 
+import dataclasses
 import os
 import shutil
+import threading
+import time
+import types
 
 import pytest
 import torch
 
+import slide_io.kvikio_path as kvikio_path
 import slide_scheduler.probe as probe_module
+from slide_io import PathChoice, PathRates, kvikio_choice
 from slide_scheduler.machine import Gpu, Machine, Pcie
-from slide_scheduler.probe import probe, probe_disk
+from slide_scheduler.probe import QUICK, Lane, LaneRun, mix_lanes, probe, probe_disk, probe_host, run_mix
 
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 def test_quick_probe_on_the_host(tmp_path):
@@ -27,31 +35,230 @@ def test_quick_probe_on_the_host(tmp_path):
     assert machine.host.memory_gbps > 0 and machine.host.adamw_gparams > 0
     assert machine.disk.read_gbps > 0 and machine.disk.write_gbps > 0
     assert machine.disk.free_gib == pytest.approx(shutil.disk_usage(tmp_path).free / GIB, rel=0.03)
-    assert list(tmp_path.iterdir()) == []  # the probe's file and folder are gone
+    assert machine.disk.posix_read_gbps > 0 and machine.disk.posix_write_gbps > 0
+    if kvikio_choice().kvikio is None:  # (CI: only posix can run, and the file says why)
+        assert machine.disk.path == "posix" and "posix measured alone" in machine.disk.path_reason
+        assert machine.disk.kvikio_read_gbps == machine.disk.kvikio_write_gbps == 0
+        assert machine.disk.read_gbps == machine.disk.posix_read_gbps
+    assert list(tmp_path.iterdir()) == []  # the probe's files and folder are gone
     assert Machine.from_dict(machine.to_dict()) == machine  # a machine file can hold what was measured
 
 
-def test_disk_probe_defaults_to_the_current_directory(tmp_path, monkeypatch):
+@pytest.fixture
+def small_disk(monkeypatch):
+    """A quick probe that moves 8 MiB through each disk path."""
+    monkeypatch.setattr(probe_module, "QUICK", dataclasses.replace(QUICK, disk_bytes=8 * MIB))
+
+
+def test_disk_probe_defaults_to_the_current_directory(tmp_path, monkeypatch, small_disk):
     monkeypatch.chdir(tmp_path)
     disk = probe_disk(quick=True)
     assert disk.read_gbps > 0 and disk.write_gbps > 0
     assert list(tmp_path.iterdir()) == []
 
 
-def test_disk_probe_makes_a_missing_folder(tmp_path):
+def test_disk_probe_makes_a_missing_folder(tmp_path, small_disk):
     target = tmp_path / "not" / "yet"
     assert probe_disk(target, quick=True).write_gbps > 0
     assert target.is_dir() and list(target.iterdir()) == []
 
 
 def test_disk_probe_cleans_up_after_a_failure(tmp_path, monkeypatch):
-    def broken(directory, sizes):
+    def broken(directory, sizes, paths):
         assert os.listdir(directory) == [] and os.path.dirname(directory) == str(tmp_path)
         raise OSError("disk gone")
 
     monkeypatch.setattr(probe_module, "_disk_gbps", broken)
     with pytest.raises(OSError, match="disk gone"):
         probe_disk(tmp_path, quick=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- host memory under a step's mix -------------------------------------------------------------------------
+
+
+class ThreadClock:
+    """A clock of its own for each thread, moved on only by the ops that thread runs (the mix's timing without
+    waiting); a thread's clock starts where its maker's stood when it first read it."""
+
+    def __init__(self):
+        self._maker = threading.get_ident()
+        self._now = {self._maker: 0.0}
+
+    def __call__(self) -> float:
+        return self._now.setdefault(threading.get_ident(), self._now[self._maker])
+
+    def advance(self, seconds: float) -> None:
+        self._now[threading.get_ident()] = self() + seconds
+
+
+def test_the_mix_counts_each_lanes_ops_bytes_and_time():
+    clock = ThreadClock()
+    calls = {"a": 0, "b": 0}
+
+    def op(name, seconds):
+        def run():
+            calls[name] += 1
+            clock.advance(seconds)
+        return run
+
+    # (steps a binary fraction can hold exactly, so no rounding moves an op across the deadline)
+    lanes = [Lane("a", op("a", 0.125), nbytes=1000, warmup=2), Lane("b", op("b", 0.375), nbytes=3000, warmup=0)]
+    runs = {run.name: run for run in run_mix(lanes, seconds=1.0, clock=clock)}
+    # (a's warm-up moves the clock to 0.25 first, so the mix runs from 0.25 to 1.25)
+    # a: 8 ops end exactly at the deadline; b: its third op starts at 1.0 and is let finish, at 1.375
+    assert runs["a"] == LaneRun("a", ops=8, nbytes=8000, seconds=1.0)
+    assert runs["b"] == LaneRun("b", ops=3, nbytes=9000, seconds=1.125)
+    assert calls == {"a": 2 + 8, "b": 3}  # warm-up calls are made but not counted
+    assert runs["a"].gbps == pytest.approx(8000 / 1.0 / 1e9) and runs["b"].gbps == pytest.approx(9000 / 1.125 / 1e9)
+
+
+def test_the_lanes_run_at_once():
+    # Each op waits for the other lane's op: one lane at a time would never get past the barrier.
+    barrier = threading.Barrier(2, timeout=10)
+    lanes = [Lane(name, barrier.wait, nbytes=1, warmup=0) for name in ("x", "y")]
+    runs = run_mix(lanes, seconds=0.05)
+    assert [run.name for run in runs] == ["x", "y"] and all(run.ops >= 1 for run in runs)
+
+
+def test_a_failing_lane_stops_the_mix_and_raises():
+    def broken():
+        raise RuntimeError("copy engine gone")
+
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="copy engine gone"):
+        run_mix([Lane("ok", lambda: time.sleep(1e-3), nbytes=1, warmup=0), Lane("bad", broken, nbytes=1, warmup=0)],
+                seconds=60)
+    assert time.perf_counter() - start < 30  # the healthy lane stopped with it, long before its minute
+
+
+def test_host_lanes_count_the_bytes_they_move():
+    sizes = dataclasses.replace(QUICK, adamw_params=1 << 16, memory_bytes=1 * MIB, mix_seconds=0.2)
+    lanes = {lane.name: lane for lane in mix_lanes(sizes, "cpu")}
+    assert set(lanes) == {"adamw", "to_device", "from_device"}
+    # AdamW with fp32 master, m and v and a bf16 gradient: reads 4 + 4 + 4 + 2, writes 4 + 4 + 4 bytes a parameter
+    assert lanes["adamw"].nbytes == 26 * sizes.adamw_params
+    # a host copy stands in for each DMA direction: every byte read once and written once
+    assert lanes["to_device"].nbytes == lanes["from_device"].nbytes == 2 * sizes.memory_bytes
+    counts = dict.fromkeys(lanes, 0)
+
+    def counting(lane):
+        def op():
+            counts[lane.name] += 1
+            return lane.op()
+        return dataclasses.replace(lane, op=op)
+
+    runs = run_mix([counting(lane) for lane in lanes.values()], sizes.mix_seconds)
+    for run in runs:
+        lane = lanes[run.name]
+        assert run.ops == counts[run.name] - lane.warmup >= 1
+        assert run.nbytes == run.ops * lane.nbytes and 0 < run.seconds < 10 * sizes.mix_seconds
+
+
+def test_host_memory_is_the_sum_of_the_lanes(monkeypatch):
+    seen = {}
+
+    def fake_run_mix(lanes, seconds):
+        seen["lanes"], seen["seconds"] = [lane.name for lane in lanes], seconds
+        return [LaneRun("adamw", 10, 52e9, 1.0), LaneRun("to_device", 20, 40e9, 1.0),
+                LaneRun("from_device", 20, 40e9, 0.8)]
+
+    sizes = dataclasses.replace(QUICK, adamw_params=1 << 10, memory_bytes=4096)
+    monkeypatch.setattr(probe_module, "run_mix", fake_run_mix)
+    host = probe_host(sizes, "cpu")
+    assert host.memory_gbps == 52 + 40 + 50  # every lane's bytes over its own time, summed
+    assert seen == {"lanes": ["adamw", "to_device", "from_device"], "seconds": sizes.mix_seconds}
+
+
+def test_the_quick_mix_stays_short():
+    assert QUICK.mix_seconds <= 1.0 and probe_module.FULL.mix_seconds <= 5.0
+
+
+# -- the disk's paths -------------------------------------------------------------------------------------------
+
+
+def kvikio_here(monkeypatch):
+    """kvikio in compat mode as far as the probe can tell (the measurement itself is stood in for)."""
+    monkeypatch.setattr(probe_module, "kvikio_choice",
+                        lambda: PathChoice("kvikio-compat", "kvikio in compat mode", kvikio=object()))
+
+
+def measured(posix: PathRates, kvikio: PathRates | None, direct: bool = True):
+    def fake(directory, sizes, paths):
+        assert paths == (["posix", "kvikio-compat"] if kvikio else ["posix"])
+        runs = {"posix": probe_module._DiskRun(posix, direct)}
+        if kvikio:
+            runs["kvikio-compat"] = probe_module._DiskRun(kvikio, True)
+        return runs
+    return fake
+
+
+KVIKIO = PathRates(read_gbps=1.74, write_gbps=2.01)
+
+
+def test_the_disk_takes_posix_where_it_is_much_faster(tmp_path, monkeypatch):
+    kvikio_here(monkeypatch)
+    monkeypatch.setattr(probe_module, "_disk_gbps", measured(PathRates(2.16, 2.65), KVIKIO))
+    disk = probe_disk(tmp_path, quick=True)
+    assert disk.path == "posix" and "1.28x kvikio-compat" in disk.path_reason
+    assert (disk.read_gbps, disk.write_gbps) == (2.16, 2.65)  # the rates of the path taken
+    assert (disk.posix_read_gbps, disk.posix_write_gbps) == (2.16, 2.65)
+    assert (disk.kvikio_read_gbps, disk.kvikio_write_gbps) == (1.74, 2.01)
+
+
+def test_the_disk_keeps_kvikio_where_posix_is_barely_faster(tmp_path, monkeypatch):
+    kvikio_here(monkeypatch)
+    monkeypatch.setattr(probe_module, "_disk_gbps", measured(PathRates(1.74 * 1.05, 2.01 * 1.05), KVIKIO))
+    disk = probe_disk(tmp_path, quick=True)
+    assert disk.path == "kvikio-compat" and "1.05x" in disk.path_reason
+    assert (disk.read_gbps, disk.write_gbps) == (1.74, 2.01)
+    assert (disk.posix_read_gbps, disk.posix_write_gbps) == (1.83, 2.11)
+
+
+def test_the_disk_without_kvikio_measures_posix_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(probe_module, "kvikio_choice", lambda: PathChoice("posix", "kvikio is not installed"))
+    monkeypatch.setattr(probe_module, "_disk_gbps", measured(PathRates(1.5, 1.2), None, direct=False))
+    disk = probe_disk(tmp_path, quick=True)
+    assert (disk.path, disk.read_gbps, disk.write_gbps) == ("posix", 1.5, 1.2)
+    assert disk.path_reason.startswith("kvikio is not installed") and "page cache" in disk.path_reason
+    assert disk.kvikio_read_gbps == disk.kvikio_write_gbps == 0
+
+
+class _Done:
+    def __init__(self, n):
+        self._n = n
+
+    def get(self):
+        return self._n
+
+
+class FakeCuFile:
+    """kvikio's CuFile on os calls: the probe's two-path measurement runs through two real stores."""
+
+    def __init__(self, path, flags):
+        self._fd = os.open(path, os.O_RDWR)
+
+    def pwrite(self, buf, size, file_offset=0):
+        return _Done(os.pwrite(self._fd, memoryview(buf)[:size], file_offset))
+
+    def pread(self, buf, size, file_offset=0):
+        return _Done(os.preadv(self._fd, [memoryview(buf)[:size]], file_offset))
+
+    def close(self):
+        os.close(self._fd)
+
+
+def test_the_probe_measures_both_paths_through_the_store(tmp_path, monkeypatch, small_disk):
+    fake = types.SimpleNamespace(defaults=types.SimpleNamespace(is_compat_mode_preferred=lambda: True),
+                                 CuFile=FakeCuFile)
+    monkeypatch.setattr(kvikio_path, "_import_kvikio", lambda: fake)
+    monkeypatch.setattr(kvikio_path, "_cuda_driver", lambda: True)
+    disk = probe_disk(tmp_path, quick=True)
+    assert min(disk.posix_read_gbps, disk.posix_write_gbps, disk.kvikio_read_gbps, disk.kvikio_write_gbps) > 0
+    assert disk.path in ("posix", "kvikio-compat") and "kvikio-compat's rate" in disk.path_reason
+    rates = {"posix": (disk.posix_read_gbps, disk.posix_write_gbps),
+             "kvikio-compat": (disk.kvikio_read_gbps, disk.kvikio_write_gbps)}
+    assert (disk.read_gbps, disk.write_gbps) == rates[disk.path]
     assert list(tmp_path.iterdir()) == []
 
 
@@ -65,4 +272,15 @@ def test_quick_probe_on_a_gpu(tmp_path):
     assert pcie.h2d_gbps > 0 and pcie.d2h_gbps > 0 and pcie.duplex_gbps > 0
     # Both ways at once move at least as much as the faster single direction, up to measurement noise.
     assert pcie.duplex_gbps >= 0.8 * max(pcie.h2d_gbps, pcie.d2h_gbps)
+    # Host memory under the mix carries at least what the copies alone move across PCIe.
+    assert machine.host.memory_gbps >= 0.8 * pcie.duplex_gbps
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.gpu
+def test_dma_lanes_count_the_bytes_that_cross():
+    sizes = dataclasses.replace(QUICK, adamw_params=1 << 16, pcie_bytes=4 * MIB, mix_seconds=0.2)
+    lanes = {lane.name: lane for lane in mix_lanes(sizes, "cuda")}
+    assert lanes["to_device"].nbytes == lanes["from_device"].nbytes == 4 * sizes.pcie_bytes  # four copies a call
+    runs = run_mix(list(lanes.values()), sizes.mix_seconds)
+    assert all(run.ops >= 1 and run.gbps > 0 for run in runs)

@@ -5,9 +5,11 @@ The same figures a machine file holds (`slide-train probe` measures them; docs/m
     gpu:  {memory_gib, bf16_tflops, link_gbps}
     host: {memory_gib, cores, memory_gbps, adamw_gparams}
     pcie: {h2d_gbps, d2h_gbps, duplex_gbps}
-    disk: {free_gib, read_gbps, write_gbps}
+    disk: {free_gib, read_gbps, write_gbps, path, path_reason, posix_read_gbps, posix_write_gbps,
+           kvikio_read_gbps, kvikio_write_gbps}
 
 Rates are what a step can get (GB/s are 1e9 bytes per second, TFLOP/s are dense bf16 matrix work), sizes are GiB.
+Every figure is a number except the disk's path and its reason, which are words.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ class Gpu:
 class Host:
     memory_gib: float = 16.0
     cores: int = 2
-    memory_gbps: float = 10.0  # streaming copy bandwidth of host memory (read + write counted once each)
+    # what host memory moves under a step's mix: DMA copies both ways beside the AdamW threads (every byte read
+    # or written counted once)
+    memory_gbps: float = 10.0
     adamw_gparams: float = 0.1  # fused AdamW over fp32 masters, billions of parameters per second
 
 
@@ -44,8 +48,17 @@ class Pcie:
 @dataclass(frozen=True)
 class Disk:
     free_gib: float = 0.0
-    read_gbps: float = 0.5
+    read_gbps: float = 0.5  # of the path the disk tier takes (`path`)
     write_gbps: float = 0.5
+    # slide-io's NVMe path chosen from the probe's measurement ("posix", "kvikio-compat", "gds") and why; "": not
+    # measured (the store then takes its default)
+    path: str = ""
+    path_reason: str = ""
+    # each path's rates as the probe measured them; 0: not measured (kvikio cannot run here)
+    posix_read_gbps: float = 0.0
+    posix_write_gbps: float = 0.0
+    kvikio_read_gbps: float = 0.0
+    kvikio_write_gbps: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -59,13 +72,13 @@ class Machine:
     def has_gpu(self) -> bool:
         return self.gpu.memory_gib > 0
 
-    def to_dict(self) -> dict[str, dict[str, float]]:
+    def to_dict(self) -> dict[str, dict[str, float | str]]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], source: str = "machine file") -> Machine:
-        """A machine from the four sections of a machine file; every key must be known and every figure a
-        non-negative number (a section or key left out keeps its default)."""
+        """A machine from the four sections of a machine file; every key must be known, every figure a
+        non-negative number and every word a string (a section or key left out keeps its default)."""
         if not isinstance(values, dict):
             raise ValueError(f"{source}: expected a mapping with sections gpu, host, pcie, disk")
         sections = {f.name: f.type for f in dataclasses.fields(cls)}
@@ -82,6 +95,11 @@ class Machine:
             for key, value in body.items():
                 if key not in known:
                     raise ValueError(f"{source}: unknown key {name}.{key} (keys: {', '.join(known)})")
+                if known[key].type in (str, "str"):
+                    if not isinstance(value, str):
+                        raise ValueError(f"{source}: {name}.{key} must be a string, got {value!r}")
+                    figures[key] = value
+                    continue
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                     raise ValueError(f"{source}: {name}.{key} must be a number of at least 0, got {value!r}")
                 figures[key] = int(value) if key == "cores" else float(value)

@@ -1,20 +1,23 @@
 """Measuring this machine: the sizes and rates of a machine file, taken from short runs of the operations a
-training step is made of (bf16 GEMMs, pinned copies over PCIe, host memory copies, host AdamW, store I/O).
+training step is made of (bf16 GEMMs, pinned copies over PCIe, host memory under a step's mix of copies and
+AdamW, host AdamW, store I/O through each path slide-io can take).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from slide_io import NVMeStore, free_bytes
+from slide_io import NVMeStore, PathRates, choose_path, free_bytes, kvikio_choice
 from slide_memory import AdamWConfig, HostAdamW, host_empty
 
 from .machine import Disk, Gpu, Host, Machine, Pcie
@@ -35,12 +38,15 @@ class Sizes:
     adamw_params: int
     disk_bytes: int
     reps: int
+    mix_seconds: float = 1.0  # how long the host memory mix runs, every lane at once
+    disk_reps: int = 3  # timed writes and reads of `disk_bytes` per disk path
 
 
+# The disk moves 1 GiB per path: shorter transfers read faster than a step's states sustain (a drive's cache).
 FULL = Sizes(gemm_n=8192, gemm_reps=20, pcie_bytes=512 * MIB, memory_bytes=512 * MIB, adamw_params=64 << 20,
-             disk_bytes=512 * MIB, reps=5)
+             disk_bytes=GIB, reps=5, mix_seconds=3.0, disk_reps=3)
 QUICK = Sizes(gemm_n=4096, gemm_reps=10, pcie_bytes=64 * MIB, memory_bytes=128 * MIB, adamw_params=16 << 20,
-              disk_bytes=32 * MIB, reps=5)
+              disk_bytes=128 * MIB, reps=5, mix_seconds=1.0, disk_reps=3)
 
 
 def probe(disk_dir: str | os.PathLike[str] | None = None, device: torch.device | str | None = None,
@@ -54,13 +60,14 @@ def probe(disk_dir: str | os.PathLike[str] | None = None, device: torch.device |
     sizes = QUICK if quick else FULL
     device = _device(device)
     gpu, pcie = (probe_gpu(device, sizes), probe_pcie(device, sizes)) if device.type == "cuda" else (Gpu(), Pcie())
-    return Machine(gpu=gpu, host=probe_host(sizes), pcie=pcie, disk=probe_disk(disk_dir, quick=quick))
+    return Machine(gpu=gpu, host=probe_host(sizes, device), pcie=pcie, disk=probe_disk(disk_dir, quick=quick))
 
 
-def probe_host(sizes: Sizes = FULL) -> Host:
-    """Host memory and cores as the OS reports them, streaming copy bandwidth and fused AdamW throughput."""
+def probe_host(sizes: Sizes = FULL, device: torch.device | str | None = None) -> Host:
+    """Host memory and cores as the OS reports them, what host memory moves under a step's mix (copies to and
+    from `device` beside the AdamW threads: `host_memory_gbps`) and fused AdamW throughput alone."""
     return Host(memory_gib=_figure(host_memory_bytes() / GIB), cores=host_cores(),
-                memory_gbps=_figure(_memory_gbps(sizes)), adamw_gparams=_figure(_adamw_gparams(sizes)))
+                memory_gbps=_figure(host_memory_gbps(sizes, device)), adamw_gparams=_figure(_adamw_gparams(sizes)))
 
 
 def probe_gpu(device: torch.device, sizes: Sizes = FULL) -> Gpu:
@@ -94,17 +101,31 @@ def probe_pcie(device: torch.device, sizes: Sizes = FULL) -> Pcie:
 
 def probe_disk(disk_dir: str | os.PathLike[str] | None = None, quick: bool = False) -> Disk:
     """Free space under `disk_dir` (default: the current directory) and the rates slide-io's disk store reaches
-    there, from a file written and read in a temporary folder that is removed afterwards."""
+    there through each path it can take (posix, and kvikio where it runs), from files written and read in a
+    temporary folder that is removed afterwards. The disk's rates are those of the path `slide_io.choose_path`
+    takes from the two measurements; the machine file keeps both and why."""
     sizes = QUICK if quick else FULL
     directory = os.path.abspath(os.fspath(disk_dir if disk_dir is not None else os.curdir))
-    free_gib = free_bytes(directory) / GIB  # before the probe's own file takes room
+    free_gib = free_bytes(directory) / GIB  # before the probe's own files take room
+    kvikio = kvikio_choice()
+    paths = ["posix"] + ([kvikio.path] if kvikio.kvikio is not None else [])
     os.makedirs(directory, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="slide-probe-", dir=directory)
     try:
-        read_gbps, write_gbps = _disk_gbps(scratch, sizes)
+        runs = _disk_gbps(scratch, sizes, paths)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return Disk(free_gib=_figure(free_gib), read_gbps=_figure(read_gbps), write_gbps=_figure(write_gbps))
+    posix = runs["posix"]
+    other = runs[kvikio.path] if kvikio.kvikio is not None else None
+    choice = choose_path(posix.rates, other.rates if other else None, kvikio_path=kvikio.path,
+                         unavailable=kvikio.reason)
+    reason = choice.reason + ("" if posix.direct else "; posix went through the page cache (no O_DIRECT here)")
+    chosen = runs[choice.path]
+    return Disk(free_gib=_figure(free_gib), read_gbps=_figure(chosen.rates.read_gbps),
+                write_gbps=_figure(chosen.rates.write_gbps), path=choice.path, path_reason=reason,
+                posix_read_gbps=_figure(posix.rates.read_gbps), posix_write_gbps=_figure(posix.rates.write_gbps),
+                kvikio_read_gbps=_figure(other.rates.read_gbps) if other else 0.0,
+                kvikio_write_gbps=_figure(other.rates.write_gbps) if other else 0.0)
 
 
 def host_memory_bytes() -> int:
@@ -189,12 +210,126 @@ def _gemm_tflops(device: torch.device, sizes: Sizes) -> float:
     return 2 * n**3 * sizes.gemm_reps / seconds / 1e12
 
 
-def _memory_gbps(sizes: Sizes) -> float:
-    src = torch.ones(sizes.memory_bytes // 4)
+# -- host memory under a step's mix ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One kind of traffic in the host memory mix: each call of `op` does one piece of it, which moves `nbytes`
+    bytes through host memory (a byte read and a byte written count as two)."""
+
+    name: str
+    op: Callable[[], object]
+    nbytes: int
+    warmup: int = 1  # untimed calls first (page faults, a fresh optimizer settling)
+
+
+@dataclass(frozen=True)
+class LaneRun:
+    """What a lane did in the mix: `ops` calls, `nbytes` in all, over `seconds` from its first call's start to
+    its last one's end."""
+
+    name: str
+    ops: int
+    nbytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / max(self.seconds, 1e-9) / 1e9
+
+
+def run_mix(lanes: list[Lane], seconds: float, clock: Callable[[], float] = time.perf_counter) -> list[LaneRun]:
+    """Every lane's op called over and over, each lane on its own thread and all at once, until `seconds` have
+    passed; a call under way then finishes. The lanes' warm-up calls run first, one lane after another."""
+    for lane in lanes:
+        for _ in range(lane.warmup):
+            lane.op()
+    runs: list[LaneRun | None] = [None] * len(lanes)
+    errors: list[BaseException] = []
+    stop = threading.Event()  # set by a lane that failed: the others stop too
+    deadline = clock() + seconds
+
+    def work(index: int, lane: Lane) -> None:
+        try:
+            begin = now = clock()
+            ops = 0
+            while now < deadline and not stop.is_set():
+                lane.op()
+                ops += 1
+                now = clock()
+            runs[index] = LaneRun(lane.name, ops, ops * lane.nbytes, now - begin)
+        except BaseException as error:  # (raised again on the calling thread)
+            errors.append(error)
+            stop.set()
+
+    threads = [threading.Thread(target=work, args=(i, lane), name=f"slide-probe-{lane.name}")
+               for i, lane in enumerate(lanes)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return [run for run in runs if run is not None]
+
+
+def host_memory_gbps(sizes: Sizes = FULL, device: torch.device | str | None = None) -> float:
+    """GB/s host memory moves under a training step's mix: copies to and from the device both at once beside
+    the host AdamW on all of torch's threads, the sum of what each moves (`mix_lanes`, `run_mix`). One streaming
+    copy alone understates it: DMA engines and cores each reach only part of the memory's bandwidth."""
+    return sum(run.gbps for run in run_mix(mix_lanes(sizes, device), sizes.mix_seconds))
+
+
+def mix_lanes(sizes: Sizes, device: torch.device | str | None = None) -> list[Lane]:
+    """The lanes of a step's host traffic. With a CUDA `device`: pinned host->device and device->host copies on
+    a stream each (a byte crossing reads or writes host memory once). Without one: a host copy in each
+    direction stands in for them, on one core each, as a DMA engine takes no cores from the update (a byte
+    copied is read and written: twice). And the host AdamW over a flat fp32 master with a bf16 gradient, which
+    reads master, m, v and the gradient and writes master, m and v: 26 bytes per parameter."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    lanes = [_adamw_lane(sizes.adamw_params)]
+    if device.type == "cuda":
+        lanes += _dma_lanes(device, sizes.pcie_bytes)
+    else:
+        lanes += [_host_copy_lane("to_device", sizes.memory_bytes), _host_copy_lane("from_device", sizes.memory_bytes)]
+    return lanes
+
+
+def _adamw_lane(numel: int) -> Lane:
+    master = torch.randn(numel)
+    grad = torch.randn(numel, dtype=torch.bfloat16)
+    optimizer = HostAdamW([master], AdamWConfig(lr=1e-4, weight_decay=0.01))
+    moved = numel * (3 * 2 * master.element_size() + grad.element_size())
+    return Lane("adamw", lambda: optimizer.step_unit(0, grad, lr=1e-4), moved, warmup=2)
+
+
+def _host_copy_lane(name: str, nbytes: int) -> Lane:
+    src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    seconds = _wall_seconds(lambda: dst.copy_(src), sizes.reps, warmup=2)
-    # A copy reads every byte once and writes it once: 2 x size bytes of memory traffic.
-    return 2 * sizes.memory_bytes / seconds / 1e9
+    # memmove runs on the calling thread alone and without the GIL (ctypes lets it go), as one engine would.
+    return Lane(name, lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes), 2 * nbytes)
+
+
+def _dma_lanes(device: torch.device, nbytes: int, copies: int = 4) -> list[Lane]:
+    """A lane per direction: `copies` copies of a pinned buffer queued on its own stream, then waited for (a
+    few per call keep the copy engine busy while the thread comes back for more)."""
+    lanes = []
+    for name, up in (("to_device", True), ("from_device", False)):
+        host = host_empty(nbytes, torch.uint8, pinned=True)
+        host.fill_(1)
+        dev = torch.ones(nbytes, dtype=torch.uint8, device=device)
+        stream = torch.cuda.Stream(device)
+        dst, src = (dev, host) if up else (host, dev)
+
+        def op(dst: torch.Tensor = dst, src: torch.Tensor = src, stream: torch.cuda.Stream = stream) -> None:
+            with torch.cuda.stream(stream):
+                for _ in range(copies):
+                    dst.copy_(src, non_blocking=True)
+            stream.synchronize()
+
+        lanes.append(Lane(name, op, copies * nbytes))
+    return lanes
 
 
 def _adamw_gparams(sizes: Sizes) -> float:
@@ -213,28 +348,45 @@ def _aligned_bytes(nbytes: int) -> torch.Tensor:
     return raw[start : start + nbytes]
 
 
-def _disk_gbps(directory: str, sizes: Sizes) -> tuple[float, float]:
-    """(read, write) GB/s of the NVMe store under `directory`: one buffer in a few keys moved concurrently, as
-    the store's workers move a step's states; rewrites of existing keys, as in the steady state."""
+@dataclass(frozen=True)
+class _DiskRun:
+    rates: PathRates
+    direct: bool  # the store moved whole blocks with O_DIRECT (else through the page cache)
+
+
+def _disk_gbps(directory: str, sizes: Sizes, paths: list[str]) -> dict[str, _DiskRun]:
+    """The NVMe store's rates under `directory` through each of `paths` (slide-io path names): one buffer in a
+    few keys moved concurrently, as the store's workers move a step's states; rewrites of existing keys, as in
+    the steady state. The paths take turns, each rep, so that a drive slowing down (its cache filling, heat)
+    weighs on all of them alike."""
     pieces = 4
     piece = sizes.disk_bytes // pieces // PAGE * PAGE
     buffer = _aligned_bytes(piece * pieces)
     buffer.view(torch.float32).uniform_()  # random bytes: a compressing filesystem cannot shrink them
     parts = [buffer[i * piece : (i + 1) * piece] for i in range(pieces)]
-    store = NVMeStore(directory)
+    stores: dict[str, NVMeStore] = {}
     try:
+        for path in paths:
+            stores[path] = NVMeStore(directory, path="posix" if path == "posix" else "kvikio")
 
-        def write() -> None:
-            for future in [store.write(f"probe-{i}", part) for i, part in enumerate(parts)]:
+        def move(store: NVMeStore, op: str) -> float:
+            start = time.perf_counter()
+            for future in [getattr(store, op)(f"probe-{i}", part) for i, part in enumerate(parts)]:
                 future.result()
+            return time.perf_counter() - start
 
-        def read() -> None:
-            for future in [store.read(f"probe-{i}", part) for i, part in enumerate(parts)]:
-                future.result()
-
-        write_s = _wall_seconds(write, sizes.reps)  # the untimed first run makes the files
-        read_s = _wall_seconds(read, sizes.reps)
+        times: dict[tuple[str, str], list[float]] = {(path, op): [] for path in paths for op in ("write", "read")}
+        for op in ("write", "read"):
+            for rep in range(sizes.disk_reps + 1):  # the untimed first write makes the files
+                for path, store in stores.items():
+                    seconds = move(store, op)
+                    if rep:
+                        times[path, op].append(seconds)
     finally:
-        store.close()
+        for store in stores.values():
+            store.close()
     total = piece * pieces
-    return total / read_s / 1e9, total / write_s / 1e9
+    return {path: _DiskRun(PathRates(read_gbps=total / max(statistics.median(times[path, "read"]), 1e-9) / 1e9,
+                                     write_gbps=total / max(statistics.median(times[path, "write"]), 1e-9) / 1e9),
+                           stores[path].direct)
+            for path in paths}
