@@ -1,5 +1,6 @@
 """Machine files: reading and writing them, and the cached probe of this machine that a run uses when it is
-given none (`--machine FILE` overrides it)."""
+given none (`--machine FILE` overrides it). A probe that runs says so in one line on stderr, and where it keeps
+what it measured."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import math
 import os
 import pathlib
 import platform
+import sys
 import tempfile
 
 import torch
@@ -21,6 +23,7 @@ from slide_scheduler import __version__ as scheduler_version
 from slide_scheduler import probe_machine as probe
 
 from .errors import ConfigError
+from .log import logger
 
 GIB = 1 << 30
 PROBE_HINT = "run `slide-train probe --out FILE` to measure this machine"
@@ -48,7 +51,7 @@ def load_machine(path: str | os.PathLike[str]) -> Machine:
     # from_dict takes .nan and .inf as numbers; no cost can be computed from them.
     for section, figures in machine.to_dict().items():
         for key, value in figures.items():
-            if not math.isfinite(value):
+            if not isinstance(value, str) and not math.isfinite(value):
                 raise ConfigError(f"machine file {path}: {section}.{key} must be a finite number, got {value!r}")
     return machine
 
@@ -96,6 +99,8 @@ def this_machine(disk_dir: str | os.PathLike[str] | None = None, refresh: bool =
     machine = None if refresh else _cached(machine_file)
     disk = None
     if machine is None:
+        _announce(f"measuring this machine (a quick probe, a few seconds); keeping its figures in {machine_file}"
+                  + (f" and the disk's in {_disk_file(folder, key, disk_dir)}" if disk_dir is not None else ""))
         # Without a folder of its own the probe's disk part runs where a file can surely be written.
         machine = probe(disk_dir=disk_dir if disk_dir is not None else tempfile.gettempdir(), quick=True)
         sections = machine.to_dict()
@@ -109,6 +114,7 @@ def this_machine(disk_dir: str | os.PathLike[str] | None = None, refresh: bool =
         disk_file = _disk_file(folder, key, disk_dir)
         cached = None if refresh else _cached(disk_file)
         if cached is None:
+            _announce(f"measuring the disk under {disk_dir} (a few seconds); keeping its rates in {disk_file}")
             disk = probe_disk(disk_dir, quick=True)
             _write({"disk": dataclasses.asdict(disk)}, disk_file, _quick_probe())
         else:
@@ -126,13 +132,23 @@ def resolve_machine(path: str | os.PathLike[str] | None, disk_dir: str | os.Path
     return this_machine(disk_dir)
 
 
+def _announce(text: str) -> None:
+    """One line on stderr (stdout may be a plan's JSON), and in the run's log.txt; of data-parallel ranks, the
+    first speaks."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    print(f"slide-train: {text}", file=sys.stderr, flush=True)
+    logger().info("%s", text)
+
+
 def _write(sections: dict, path: str | os.PathLike[str], measured_by: str) -> None:
     # Replaced whole (written beside it, then renamed): a reader, or a run started meanwhile, never sees half.
     path = pathlib.Path(path)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"# Slide machine file: measured by {measured_by}, {when}.\n"
               "# Sizes in GiB, rates in GB/s (1e9 bytes/s), bf16_tflops of dense matrix work, adamw_gparams in\n"
-              "# billions of fp32 parameters updated per second.\n")
+              "# billions of fp32 parameters updated per second; disk.path is slide-io's path the disk rates are\n"
+              "# of (chosen from both paths' measured rates, disk.path_reason says why).\n")
     body = yaml.safe_dump(sections, default_flow_style=None, sort_keys=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
