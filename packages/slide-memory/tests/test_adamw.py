@@ -149,7 +149,7 @@ def test_chunks_are_cut_at_bounds_and_the_math_is_unchanged():
     cfg = AdamWConfig(lr=1e-2, weight_decay=0.1)
     opt = FlatAdamW(master, cfg, chunk=256, bounds=(640, 0, 5000))
     assert opt.ranges == [(0, 256), (256, 512), (512, 640), (640, 896), (896, 1000)]
-    ref_opt = torch.optim.AdamW([ref], lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
+    ref_opt = torch.optim.AdamW([ref], lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=False)
     for _ in range(3):
         grad = torch.randn(1000)
         ref.grad = grad.clone()

@@ -29,7 +29,8 @@ def main(spec: dict) -> None:
     ranks = Ranks()
     torch.manual_seed(0)
     model = Model(tied=spec.get("tied", True))
-    config = EngineConfig(pipeline=spec["pipeline"], optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1))
+    config = EngineConfig(pipeline=spec["pipeline"],
+                          optimizer=AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1))
     stack = ToyStack(model)
     # Every unit sliding and updated on the host (what data parallelism runs), speculating where asked
     run = run_facts(device="cpu", max_grad_norm=spec["clip"], ranks=ranks.size)

@@ -17,8 +17,8 @@ from torch import nn
 import slide_memory.adamw
 from slide_memory import AdamWConfig, StagingRing
 from slide_scheduler import DTYPES, EngineConfig, SlidingEngine, arrange, run_facts, shapes_of
-from slide_scheduler import engine as engine_module
 from slide_scheduler import placement as placement_module
+from slide_scheduler import updates as updates_module
 from slide_scheduler.lanes import DONE
 
 VOCAB, DIM, DEPTH = 17, 12, 4
@@ -196,13 +196,13 @@ def test_evaluate_equals_the_reference_loss_and_changes_nothing():
 def test_each_block_visits_a_slot_once_per_pass():
     engine, *_ = run_both(window=2, offload="none", clip=None, tied=False, steps=1)
     loads = []
-    original = engine._stage
+    original = engine.stage
 
     def spy(block, boundary, micro):
         loads.append(block)
         return original(block, boundary, micro)
 
-    engine._stage = spy
+    engine.stage = spy
     step = batches(seed=2, steps=1, micro=3)[0]
     engine.step(step, lr=1e-3, normalizer=10)
     # Layer-major: one visit per block in forward, one in backward, whatever the number of micro-batches.
@@ -218,7 +218,7 @@ def test_forward_keeps_every_slot_loading_a_block_ahead(resident, order):
     compute, not a window before their own turn."""
     engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, resident=resident)
     events: list[str] = []
-    stage, span = engine._stage, engine.timeline.span
+    stage, span = engine.stage, engine.timeline.span
 
     def spy_stage(block, boundary, micro):
         events.append(f"stage {block}")
@@ -228,7 +228,7 @@ def test_forward_keeps_every_slot_loading_a_block_ahead(resident, order):
         events.append(label)
         return span(lane, label, stream)
 
-    engine._stage, engine.timeline.span = spy_stage, spy_span
+    engine.stage, engine.timeline.span = spy_stage, spy_span
     engine.step(batches(seed=2, steps=1, micro=2)[0], lr=1e-3, normalizer=10)
     engine.close()
     assert events[: events.index("tail")] == ["head", *order]
@@ -344,7 +344,7 @@ def test_a_gradient_buffer_is_reused_only_after_the_moments_part_read_it():
     _, ref = run_engine(pipeline=False, window=2, clip=0.05, split=False)
 
     def reuse_after_params_part(engine):
-        take = engine.grad_ring.take
+        take = engine.homes.ring.take
 
         def take_early(owner):
             buffer, previous = take(owner)
@@ -352,7 +352,7 @@ def test_a_gradient_buffer_is_reused_only_after_the_moments_part_read_it():
                 engine.updater.wait(previous, params_only=True)
             return buffer, None
 
-        engine.grad_ring.take = take_early
+        engine.homes.ring.take = take_early
 
     # Each update first sleeps 50 ms: the moments parts queued after the forward then run well after the next
     # backward has reused their buffers, even on a loaded machine (at 10 ms, a run beside two other test
@@ -362,7 +362,7 @@ def test_a_gradient_buffer_is_reused_only_after_the_moments_part_read_it():
 
 
 def one_gradient_buffer(engine):
-    engine.grad_ring = StagingRing(1, engine.grad_ring.buffers[0].numel(), engine.dtype)
+    engine.homes.ring = StagingRing(1, engine.homes.ring.buffers[0].numel(), engine.dtype)
 
 
 def test_one_gradient_buffer_for_all_blocks_is_enough_and_its_wait_matters():
@@ -375,8 +375,8 @@ def test_one_gradient_buffer_for_all_blocks_is_enough_and_its_wait_matters():
 
     def no_wait(engine):
         one_gradient_buffer(engine)
-        take = engine.grad_ring.take
-        engine.grad_ring.take = lambda owner: (take(owner)[0], None)
+        take = engine.homes.ring.take
+        engine.homes.ring.take = lambda owner: (take(owner)[0], None)
 
     # 50 ms per update, as above: at 10 ms, runs beside two busy processes saw no overwrite 6 times in 10 (the
     # next backward and copy-out took longer than the sleep), and CI's machine has two cores.
@@ -482,8 +482,8 @@ def overlaps(engine) -> list[tuple[int, int]]:
         return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
 
     pairs = set()
-    for block in engine.pool.blocks:
-        g0, g1 = span(engine.pool.gradient(block))
+    for block in engine.homes.pool.blocks:
+        g0, g1 = span(engine.homes.pool.gradient(block))
         for (boundary, _), (saved, _) in engine.activations._saved.items():
             a0, a1 = span(saved)
             if a0 < g1 and g0 < a1:
@@ -506,9 +506,9 @@ def test_gradients_sharing_the_activations_memory_give_the_synchronous_result(mo
 
     def check(engine):
         streamed = sorted(u for u in engine.streamed if u)
-        assert sorted(engine.held_grads) == streamed[len(streamed) - min(held, len(streamed)):]
-        assert engine.grad_ring is None and engine.pool.blocks == [
-            b for b in range(max(resident - 1, 0), DEPTH) if b + 1 not in engine.held_grads]
+        assert sorted(engine.homes.held) == streamed[len(streamed) - min(held, len(streamed)):]
+        assert engine.homes.ring is None and engine.homes.pool.blocks == [
+            b for b in range(max(resident - 1, 0), DEPTH) if b + 1 not in engine.homes.held]
         step = engine.step
 
         def step_and_look(*args, **kwargs):
@@ -531,7 +531,7 @@ def test_a_split_update_over_shared_memory_reads_activations_and_is_caught():
     _, ref = run_engine(pipeline=False, window=2, clip=0.05)
 
     def split_anyway(engine):
-        engine._split = lambda unit: True
+        engine.host_updates.split = set(engine.host_updates.units)
 
     _, got = run_engine(pipeline=True, window=2, clip=0.05, shared=True, patch=split_anyway)
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
@@ -545,18 +545,18 @@ def test_shared_memory_follows_steps_of_other_shapes():
     sizes, kept = [], []
 
     def record_allocations(engine):
-        fit, drop = engine.pool.fit, engine.pool.drop_replaced
+        fit, drop = engine.homes.pool.fit, engine.homes.pool.drop_replaced
 
         def fit_and_record(micro_bytes):
             new = fit(micro_bytes)
-            sizes.append((new, engine.pool.nbytes))
+            sizes.append((new, engine.homes.pool.nbytes))
             return new
 
         def drop_and_record():  # a replaced allocation is kept to the end of the step that replaced it: on
-            kept.append(len(engine.pool._replaced))  # CUDA, queued copies of its gradients hold no reference
+            kept.append(len(engine.homes.pool._replaced))  # CUDA, queued copies of its gradients hold no reference
             drop()
 
-        engine.pool.fit, engine.pool.drop_replaced = fit_and_record, drop_and_record
+        engine.homes.pool.fit, engine.homes.pool.drop_replaced = fit_and_record, drop_and_record
 
     losses, got = run_engine(pipeline=True, window=2, clip=0.05, shared=True, steps_data=data,
                              delays={"updater": 0.003}, patch=record_allocations)
@@ -586,7 +586,7 @@ def same_state(a, b) -> bool:
 
 
 def assert_buffers(engine, count):
-    assert len(engine.stream_buffers) == count
+    assert len(engine.stream.buffers) == count
 
 
 @pytest.mark.parametrize("share, held", [(0.5, 1), (1.0, 2), (1.0, DEPTH)])
@@ -599,8 +599,8 @@ def test_gradients_held_on_the_device_for_device_updates_give_the_same_result(mo
 
     def check(engine):
         blocks = sorted(u for u in engine.streamed if u)
-        assert sorted(engine.held_grads) == blocks[:held] and len(blocks) >= held
-        ring = len(engine.grad_ring.buffers) if engine.grad_ring else 0
+        assert sorted(engine.homes.held) == blocks[:held] and len(blocks) >= held
+        ring = len(engine.homes.ring.buffers) if engine.homes.ring else 0
         assert ring == DEPTH - held
 
     losses, got = run_engine(pipeline=True, window=2, clip=0.05, device_share=share, held=held,
@@ -651,13 +651,13 @@ def test_a_held_gradient_is_what_the_device_update_reads(monkeypatch):
     _, ref = run_engine(pipeline=False, window=2, clip=0.05, device_share=1.0, held=2)
 
     def zero_held_before_updates(engine):
-        update = engine._update_on_device
+        update = engine.stream.update_on_device
 
         def zeroed(unit, slot, chunks=None):
-            if unit in engine.held_grads:
-                engine.held_grads[unit].zero_()
+            if unit in engine.homes.held:
+                engine.homes.held[unit].zero_()
             update(unit, slot, chunks)
-        engine._update_on_device = zeroed
+        engine.stream.update_on_device = zeroed
 
     _, got = run_engine(pipeline=False, window=2, clip=0.05, device_share=1.0, held=2,
                         patch=zero_held_before_updates)
@@ -668,8 +668,8 @@ def expect_streamed(share, resident, clip=True):
     def check(engine):
         sliding = DEPTH - max(resident - 1, 0)
         blocks = int(sliding * share) if clip else 0
-        assert len(engine.streamed) == blocks + (resident == 0) and len(engine.stream_buffers) == 2
-        assert (engine.edge_grad is None) == (0 in engine.streamed or resident > 0)  # no host copy of it
+        assert len(engine.streamed) == blocks + (resident == 0) and len(engine.stream.buffers) == 2
+        assert (engine.homes.own is None) == (0 in engine.streamed or resident > 0)  # no host copy of it
     return check
 
 
@@ -694,10 +694,10 @@ def test_a_device_update_still_on_its_way_home_is_waited_for(monkeypatch):
             return default
 
     def forget(engine):
-        engine._written = Forgetful()
+        engine.stream.written = Forgetful()
         # The edges' tail-only update at the end of the forward shares the device buffers with the blocks', and
         # waiting for a free buffer would order the backward loads after every store: keep the edges whole here.
-        engine._edge_tail = []
+        engine.stream.tail = []
 
     _, got = run_engine(pipeline=True, window=2, clip=0.05, device_share=1.0, delays={"store": 0.01}, patch=forget)
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
@@ -780,8 +780,8 @@ def test_gradients_arrive_and_update_chunk_by_chunk(monkeypatch, clip, share):
         return  # clipped updates start after backward: every piece has arrived by then anyway
 
     def last_wait_only(engine):
-        copy_out = engine._copy_out
-        engine._copy_out = lambda *a: [DONE] * (len(p := copy_out(*a)) - 1) + p[-1:]
+        copy_out = engine.homes.copy_out
+        engine.homes.copy_out = lambda *a: [DONE] * (len(p := copy_out(*a)) - 1) + p[-1:]
 
     _, got = run_engine(pipeline=True, window=2, clip=clip, delays={"d2h": 0.004}, patch=last_wait_only)
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
@@ -827,7 +827,7 @@ def test_device_updates_on_cuda_track_host_updates():
         engine = make_engine(ToyStack(Model(tied=True)),
             device="cuda", compute_dtype="fp32", window=2, max_grad_norm=0.05, device_update_share=share,
             held_grads=2 if share else 0, split_update=split, optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1))
-        assert len(engine.streamed) == (DEPTH + 1 if share else 0) and len(engine.held_grads) == (2 if share else 0)
+        assert len(engine.streamed) == (DEPTH + 1 if share else 0) and len(engine.homes.held) == (2 if share else 0)
         for step in batches(seed=4, steps=4, micro=3):
             engine.step([{k: v.cuda() for k, v in b.items()} for b in step], lr=1e-2, normalizer=10)
         results.append({k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()})
@@ -853,7 +853,7 @@ def test_gradients_sharing_the_activations_memory_on_cuda_give_the_same_result()
             device="cuda", compute_dtype="fp32", window=2, max_grad_norm=0.05, device_update_share=share,
             held_grads=2 if share else 0, grads_share_activations=shared,
             optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1))
-        assert (engine.pool is not None) == shared and (engine.grad_ring is None) == shared
+        assert (engine.homes.pool is not None) == shared and (engine.homes.ring is None) == shared
         engine.updater.delay = 0.005
         losses = [engine.step([{k: v.cuda() for k, v in b.items()} for b in step], lr=1e-2, normalizer=10).loss
                   for step in batches(seed=4, steps=4, micro=3)]
@@ -899,7 +899,7 @@ def test_shared_memory_replaced_on_cuda_keeps_the_gradients_its_queued_copies_re
                     torch.cuda._sleep(100_000_000)
                 losses.append(engine.step(batch, lr=1e-2, normalizer=10).loss)
                 if shared:
-                    allocations.append(engine.pool.nbytes)
+                    allocations.append(engine.homes.pool.nbytes)
             results[shared] = losses, {k: {n: t.clone() for n, t in v.items()}
                                        for k, v in engine.named_masters().items()}
             engine.close()
@@ -964,7 +964,7 @@ def test_a_failed_device_update_stops_the_lane_that_would_store_it(monkeypatch):
     def broken(*args):
         raise RuntimeError("device step failed")
 
-    monkeypatch.setattr(engine_module, "_step_piece", broken)
+    monkeypatch.setattr(updates_module, "step_piece", broken)
     with pytest.raises(RuntimeError, match="lane failed"):
         engine.step(step, lr=1e-2, normalizer=10)
     engine.updater.close()
@@ -989,12 +989,12 @@ def test_the_edges_tail_only_part_updates_apart_with_the_same_result(monkeypatch
     def record_calls(engine):
         opt = engine.optimizer.units[0]
         embed = engine.edge_slot.layout.entries[0]
-        assert embed.name == "embed.weight" and len(engine._edge_tail) > 2
-        assert all((a >= embed.numel) == (k in engine._edge_tail) for k, (a, _) in enumerate(opt.ranges))
+        assert embed.name == "embed.weight" and len(engine.stream.tail) > 2
+        assert all((a >= embed.numel) == (k in engine.stream.tail) for k, (a, _) in enumerate(opt.ranges))
         calls.append(engine)
-        original = engine._update_on_device
-        engine._update_on_device = lambda unit, slot, chunks=None: (
-            calls.append((unit, list(engine._pending[unit].chunks if chunks is None else chunks))),
+        original = engine.stream.update_on_device
+        engine.stream.update_on_device = lambda unit, slot, chunks=None: (
+            calls.append((unit, list(engine.stream.pending[unit].chunks if chunks is None else chunks))),
             original(unit, slot, chunks))
 
     losses, got = run_engine(pipeline=True, window=2, clip=clip, tied=False, device_share=0.5,
@@ -1002,7 +1002,7 @@ def test_the_edges_tail_only_part_updates_apart_with_the_same_result(monkeypatch
     assert losses == ref_losses
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
     engine, *calls = calls
-    tail = engine._edge_tail
+    tail = engine.stream.tail
     head = [k for k in range(len(engine.optimizer.units[0].ranges)) if k not in tail]
     # Each of the 3 updates: the tail part a chunk per block (then the rest at once), and the head part in one
     # call, tail first without clipping (during backward) and head first with it (at the next load).
@@ -1022,7 +1022,7 @@ def test_a_tied_output_projection_is_not_tail_only():
     names = [e.name for e in engine.edge_slot.layout.entries]
     assert names == ["embed.weight", "norm.weight", "norm.bias"]
     norm = engine.edge_slot.layout.entries[1]
-    assert [engine.optimizer.units[0].ranges[k][0] for k in engine._edge_tail] == [norm.offset]
+    assert [engine.optimizer.units[0].ranges[k][0] for k in engine.stream.tail] == [norm.offset]
     engine.close()
 
 
@@ -1392,10 +1392,10 @@ def test_clipped_steps_read_the_first_updates_states_under_the_backward(tmp_path
                          nvme_fraction=1.0, nvme_dir=str(tmp_path), disk_loads=backward_reads == "masters for loads",
                          **acts)
     events = []
-    fetch, queue = engine.disk.fetch, engine._queue_updates
+    fetch, queue = engine.disk.fetch, engine.host_updates.norm_known
     main = threading.current_thread()  # (the updater's bind fetches too, a no-op for what is queued)
     engine.disk.fetch = lambda u: (threading.current_thread() is main and events.append(("fetch", u)), fetch(u))[1]
-    engine._queue_updates = lambda *a, **k: (events.append(("norm known", None)), queue(*a, **k))[1]
+    engine.host_updates.norm_known = lambda *a, **k: (events.append(("norm known", None)), queue(*a, **k))[1]
     steps = batches(seed=6, steps=2, micro=2)
     engine.step(steps[0], lr=1e-2, normalizer=10)
     events.clear()
@@ -1495,11 +1495,11 @@ def test_an_engine_whose_step_failed_before_its_disk_updates_ran_still_closes(tm
     engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, max_grad_norm=None,
                                                                     nvme_fraction=0.75, nvme_dir=str(tmp_path))
     assert len(engine.on_disk) == 3 and len(engine.disk.slots) == 2
-    send = engine._send_grads
-    engine._send_grads = lambda block, slot: (_ for _ in ()).throw(RuntimeError("backward broke"))
+    send = engine.homes.send
+    engine.homes.send = lambda unit, seat, made: (_ for _ in ()).throw(RuntimeError("backward broke"))
     with pytest.raises(RuntimeError, match="backward broke"):
         engine.step(batches(seed=4, steps=1, micro=2)[0], lr=1e-2, normalizer=10)
-    engine._send_grads = send
+    engine.homes.send = send
     closer = threading.Thread(target=engine.close, daemon=True)
     closer.start()
     closer.join(timeout=30)
@@ -1517,19 +1517,19 @@ def test_a_step_after_one_that_failed_before_its_disk_updates_ran_gives_the_righ
         torch.manual_seed(0)
         engine = make_engine(ToyStack(Model(tied=True)),
             device="cpu", window=2, max_grad_norm=None, nvme_fraction=nvme, nvme_dir=str(tmp_path))
-        send, sent = engine._send_grads, []
+        send, sent = engine.homes.send, []
 
-        def fail_second(block, slot, send=send, sent=sent):
-            sent.append(block)
+        def fail_second(unit, seat, made, send=send, sent=sent):
+            sent.append(unit)
             if len(sent) == 2:
                 raise RuntimeError("backward broke")
-            return send(block, slot)
+            return send(unit, seat, made)
 
-        engine._send_grads = fail_second
+        engine.homes.send = fail_second
         data = batches(seed=4, steps=3, micro=2)
         with pytest.raises(RuntimeError, match="backward broke"):
             engine.step(data[0], lr=1e-2, normalizer=10)
-        engine._send_grads = send
+        engine.homes.send = send
         losses = []
         stepper = threading.Thread(target=lambda engine=engine, losses=losses, data=data: losses.extend(
             engine.step(step, lr=1e-2, normalizer=10).loss for step in data[1:]), daemon=True)

@@ -33,7 +33,7 @@ def plain_pytorch(clip, steps: int = 3, micro: int = 4):
     """The same model trained by torch: every micro-batch of a step, one AdamW step, global clipping."""
     torch.manual_seed(0)
     model = Model(tied=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)  # (the engine's)
     norms = []
     for step in batches(seed=1, steps=steps, micro=micro):
         n = sum(int((b["targets"] != -100).sum()) for b in step)

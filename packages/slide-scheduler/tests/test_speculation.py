@@ -139,15 +139,15 @@ def test_a_step_that_fails_after_speculating_leaves_the_masters_in_charge(monkey
         data = batches(seed=4, steps=3, micro=3)
         n = [sum(int((b["targets"] != -100).sum()) for b in step) for step in data]
         assert engine.step(data[0], lr=1e-2, normalizer=n[0]).speculation == ("held" if speculate else "off")
-        queue = engine._queue_updates
+        queue = engine.host_updates.norm_known
 
         def fail(*args):
             raise RuntimeError("stopped before its updates")
 
-        engine._queue_updates = fail
+        engine.host_updates.norm_known = fail
         with pytest.raises(RuntimeError, match="stopped before its updates"):
             engine.step(data[1], lr=1e-2, normalizer=n[1])
-        engine._queue_updates = queue
+        engine.host_updates.norm_known = queue
         loss = engine.evaluate(data[2], normalizer=n[2])
         engine.close()
         return loss

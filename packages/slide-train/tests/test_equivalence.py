@@ -99,7 +99,7 @@ def test_three_steps_match_plain_pytorch(tmp_path, family, window, offload):
                        **{"engine.placement.window": window, "engine.activation_offload": offload})
     trainer = Trainer(cfg, progress=False)
     assert trainer.engine.placement.window == window
-    assert (trainer.engine.pool is None) == (offload == "none")
+    assert (trainer.engine.homes.pool is None) == (offload == "none")
     records = [trainer.step() for _ in range(STEPS)]
     ref_model, ref_losses, ref_norms = reference_run(model, rows, labels)
     assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5)
@@ -118,8 +118,8 @@ def test_gradients_sharing_the_activations_memory_match(tmp_path):
     records = [trainer.step() for _ in range(STEPS)]
     assert all(r["grad_norm"] > CLIP for r in records)
     placement = trainer.memory_plan.placement
-    assert placement.pooled and trainer.engine.grad_ring is None
-    assert trainer.engine.pool.nbytes == placement.tiers()["host"]["gradients + boundary activations"]
+    assert placement.pooled and trainer.engine.homes.ring is None
+    assert trainer.engine.homes.pool.nbytes == placement.tiers()["host"]["gradients + boundary activations"]
     ref_model, _, _ = reference_run(model, rows, labels)
     compare(trainer, ref_model, reference_run(model, rows, labels, torch.float64)[0])
 
@@ -295,7 +295,7 @@ def test_edges_updated_on_the_device_with_their_tail_apart_match(tmp_path, clip,
     trainer = Trainer(cfg, progress=False)
     engine = trainer.engine
     norm = next(e for e in engine.edge_slot.layout.entries if e.name == "norm.weight")
-    assert [engine.optimizer.units[0].ranges[k][0] for k in engine._edge_tail] == [norm.offset]
+    assert [engine.optimizer.units[0].ranges[k][0] for k in engine.stream.tail] == [norm.offset]
     records = [trainer.step() for _ in range(STEPS)]
     assert all(r["grad_norm"] > CLIP for r in records)  # clipping acts when on
     monkeypatch.setitem(globals(), "CLIP", clip or 1e9)  # the reference loop's clipping
@@ -320,7 +320,7 @@ def test_activations_on_disk_match_plain_pytorch_and_leave_no_files(tmp_path, fo
         records = [trainer.step() for _ in range(STEPS)]
         results.append(([r["loss"] for r in records], dict(hf_tensors(trainer.engine.named_masters())), trainer))
     (ref_losses, ref, _), (losses, got, trainer) = results
-    assert trainer.engine.activations.disk is not None and trainer.engine.pool is None
+    assert trainer.engine.activations.disk is not None and trainer.engine.homes.pool is None
     assert trainer.memory_plan.placement.tiers()["disk"]["boundary activations"] > 0
     assert "boundary activations" in trainer.plan()
     assert losses == ref_losses and all(got[name].equal(t) for name, t in ref.items())

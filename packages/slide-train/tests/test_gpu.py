@@ -31,7 +31,7 @@ def test_bf16_loss_curve_tracks_gpu_resident_reference(tmp_path, family, residen
         "--engine.device=cuda", f"--engine.placement.resident={resident}", f"--output_dir={tmp_path / 'run'}",
         "--export=false"])
     trainer = Trainer(cfg, progress=False)
-    assert (trainer.engine.pool is not None) == (resident == "1")
+    assert (trainer.engine.homes.pool is not None) == (resident == "1")
     # The reference sees the very same micro-batches: a second loader built from the same config and seed.
     from slide_train.data import build_data
 

@@ -44,7 +44,6 @@ the synchronous engine, kept as the reference the pipelined one is tested agains
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import math
 import time
@@ -52,29 +51,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slide_memory import (
-    AdamWConfig,
-    FlatAdamW,
-    FlatLayout,
-    HostAdamW,
-    Slot,
-    SlotQueue,
-    StagingRing,
-    StreamedStep,
-    host_zeros,
-)
-from slide_memory.adamw import CHUNK
+from slide_memory import AdamWConfig, FlatLayout, HostAdamW, Slot, SlotQueue, host_zeros
 
 from .activations import ActivationStore
 from .disk_states import LOAD_SLOTS, DiskStates
-from .disk_states import SLOTS as STAGING_SLOTS
+from .homes import GradientHomes
 from .lanes import DONE, Lane, Signal
-from .placement import Placement, early_reads_wait
-from .pool import SharedPool
+from .placement import Placement
 from .ranks import Ranks
 from .stack import Batch, Stack
 from .timeline import Span, Timeline, summarize
 from .updater import HostUpdater
+from .updates import Gradient, Host, Moments, Resident, Streamed, clip_scale
 
 
 @dataclass
@@ -89,28 +77,6 @@ class EngineConfig:
 
 
 @dataclass
-class PendingUpdate:
-    """A unit's update waiting for the unit's next load, to run on the device as it loads."""
-
-    grad: torch.Tensor
-    arrived: Signal  # the gradient is where `grad` says
-    lr: float
-    scale: float
-    chunks: list[int]  # optimizer chunks still to update
-    split: bool  # the host steps the moments afterwards (a MomentsPart)
-
-
-@dataclass
-class MomentsPart:
-    """The moments part of a split update whose params part has been queued."""
-
-    grad: torch.Tensor
-    arrived: list[Signal]  # per optimizer chunk
-    lr: float
-    scale: float
-
-
-@dataclass
 class StepStats:
     loss: float
     grad_norm: float
@@ -121,6 +87,19 @@ class StepStats:
     # "held" (speculated, clipping did not act), "discarded" (speculated, it acted) or "off" (no block speculated:
     # none may, no clipping, or the step after one whose clipping acted)
     speculation: str = "off"
+
+
+@dataclass
+class Seat:
+    """A slot and the engine's scheduling state of it: when compute is done with its contents (`free`), when its
+    gradient has left (`drained`), when what was staged into it has landed (`ready`), and where this rank's shard
+    of its gradient lands from the reduce-scatter (`shard`: the gradient itself for one rank)."""
+
+    slot: Slot
+    shard: torch.Tensor
+    free: Signal = DONE
+    drained: Signal = DONE
+    ready: Signal = DONE
 
 
 class Unit:
@@ -159,6 +138,8 @@ class SlidingEngine:
         self.edges = stack.make_edges()
         # A tail that takes `ctx` gets its micro-batch's head context (what the blocks recorded there)
         self._tail_ctx = "ctx" in inspect.signature(self.edges.tail).parameters
+        # What the head's backward recomputes: its activation alone where the edges say how, without the context
+        self._head_activation = getattr(self.edges, "head_activation", None) or (lambda b: self.edges.head(b)[0])
         edge_layout = FlatLayout(self.edges, shards=ranks.size)
         block_layout = FlatLayout(stack.make_block(), shards=ranks.size)
         _check(placement, (edge_layout.numel,) + (block_layout.numel,) * self.num_blocks, config, ranks)
@@ -196,7 +177,7 @@ class SlidingEngine:
         # Every unit's fp32 master on the host, or on disk with a compute-dtype copy of its parameters on the host;
         # a window of device slots for the sliding blocks.
         self.on_disk, self.streamed, away = p.on_disk, p.streamed, p.masters_on_disk
-        self.disk = DiskStates(sorted(self.on_disk), numel, config.nvme_dir, self.placement.run.states_dtype,
+        self.disk = DiskStates(sorted(self.on_disk), numel, config.nvme_dir, p.run.states_dtype,
                                masters=sorted(away)) if self.on_disk else None
         read = p.loads_from_disk  # (their loads read the master from disk: no copy of it in host memory)
         self.units = [Unit(edge_layout, ranks=self.ranks)] + [
@@ -206,6 +187,61 @@ class SlidingEngine:
         self._load_ring = [host_zeros(numel, torch.float32) for _ in range(LOAD_SLOTS)] if read else []
         self._load_free = [DONE] * len(self._load_ring)
         self._load_next = 0
+        self._load_weights(stack, edge_layout, block_layout, away)
+        self.resident = p.resident
+        self.slots = SlotQueue(block_layout, stack.make_block, p.window, self.device, self.dtype) \
+            if p.sliding_blocks else None
+        tail_from = _tail_only_from(self.edges, edge_layout)
+        # Only the states of units updated on the device cross PCIe: only they are page-locked. A master on disk
+        # is bound before each update, as its moments are (a staging buffer stands in until then).
+        masters = [None if u in self.resident else self.disk.slots[0][2] if u in away else unit.master
+                   for u, unit in enumerate(self.units)]
+        self.optimizer = HostAdamW(masters, config.optimizer, p.run.states_dtype,
+                                   pinned=[self.device.type == "cuda" and u in self.streamed
+                                           for u in range(len(self.units))],
+                                   bounds=[tuple(b - self.units[0].start for b in (tail_from,)
+                                                 if self.units[0].start < b < self.units[0].end)]
+                                   + [()] * self.num_blocks,
+                                   external=[u in self.on_disk for u in range(len(self.units))])
+        # Resident blocks get a slot of their own. Every slot has a seat: the engine's scheduling state of it.
+        self.resident_slots: dict[int, Slot] = {
+            u - 1: Slot(block_layout, stack.make_block(), self.device, self.dtype) for u in sorted(self.resident) if u}
+        self.seats: dict[int, Seat] = {id(slot): self._seat(slot) for slot in [
+            self.edge_slot, *self.resident_slots.values(), *(self.slots.slots if self.slots else [])]}
+        self._edges_loaded: Signal | None = None  # set once the edges' latest parameters are queued to the device
+        # Speculating blocks: the parameters their update gives if clipping does not act, written during backward
+        self.speculative = {u: host_zeros(numel // self.ranks.size, self.dtype) for u in sorted(p.speculated)}
+        self.updater = HostUpdater(self.optimizer, inline=not config.pipeline, disk=self.disk)
+        self.moments = Moments(self.updater)
+        # Each unit's update kind (updates.py), and where each gradient waits for it (homes.py)
+        edge_ranges = self.optimizer.units[0].ranges if 0 in self.streamed else []
+        self.resident_updates = Resident(self, self.resident)
+        self.host_updates = Host(self, p.where("update", "host"))
+        self.stream = Streamed(self, self.streamed, [k for k, (a, _) in enumerate(edge_ranges) if a >= tail_from])
+        self.updates = (self.resident_updates, self.host_updates, self.stream)  # (the order their work is queued)
+        self.update_of = {u: kind for kind in self.updates for u in kind.units}
+        self.homes = GradientHomes(self)
+        self._load_resident()
+        self._disk_counted: tuple[int, int] | None = None  # disk_traffic() when the last step ended
+        self.activations = ActivationStore(p.activations, self.device, self.d2h, self.h2d, self.compute,
+                                           self.homes.pool, config.activation_dir)
+        # Backward fetches activations for at most window + 1 blocks at a time: that many sets of device buffers,
+        # each free again once the backward that read it is done (window sets would do when every block slides,
+        # since a slot's load already waits for that; resident blocks wait for no slot, so one more gives slack).
+        self._act_landing = [_Landing() for _ in range(self.window + 1)]
+        # The step's one device->host read: its loss, then each unit's squared gradient norm (reduced on the
+        # device as gradients are made).
+        self._readout = torch.zeros(1 + len(self.units), dtype=torch.float32, device=self.device)
+        self._loss, self._sq_norms = self._readout[0], self._readout[1:]
+
+    def _seat(self, slot: Slot) -> Seat:
+        shard = slot.grads if not self.ranks.sharded else \
+            torch.zeros(slot.grads.numel() // self.ranks.size, dtype=self.dtype, device=self.device)
+        return Seat(slot, shard)
+
+    def _load_weights(self, stack: Stack, edge_layout: FlatLayout, block_layout: FlatLayout, away: set[int]) -> None:
+        """The model's weights into every unit's master (this rank's shard of it; on disk where the placement puts
+        it)."""
         whole = torch.zeros(max(edge_layout.numel, block_layout.numel)) if self.ranks.sharded else None
 
         def whole_master(unit: int) -> torch.Tensor:  # (loaded whole, kept as this rank's shard)
@@ -224,182 +260,42 @@ class SlidingEngine:
                 staged = self.disk.slots[0][2]  # (free until the first update)
                 stack.load_block(i, block_layout.views(staged))
                 self.load_master(i + 1, staged)
-        self.resident = p.resident
-        sliding = p.sliding_blocks
-        self.slots = SlotQueue(block_layout, stack.make_block, p.window, self.device, self.dtype) if sliding else None
-        for slot in self.slots.slots if self.slots else []:
-            slot.free = DONE  # compute is done with the slot's contents
-            slot.drained = DONE  # the slot's gradient has been copied out
-        tail_from = _tail_only_from(self.edges, edge_layout)
-        # Only the states of units updated on the device cross PCIe: only they are page-locked. A master on disk
-        # is bound before each update, as its moments are (a staging buffer stands in until then).
-        masters = [None if u in self.resident else self.disk.slots[0][2] if u in away else unit.master
-                   for u, unit in enumerate(self.units)]
-        self.optimizer = HostAdamW(masters,
-                                   config.optimizer, self.placement.run.states_dtype,
-                                   pinned=[self.device.type == "cuda" and u in self.streamed
-                                           for u in range(len(self.units))],
-                                   bounds=[tuple(b - self.units[0].start for b in (tail_from,)
-                                                 if self.units[0].start < b < self.units[0].end)]
-                                   + [()] * self.num_blocks,
-                                   external=[u in self.on_disk for u in range(len(self.units))])
-        # Edges updated on the device update their tail-only part (final norm, untied lm head) apart from the
-        # rest: its gradient is final after the tail and nothing reads it before the next tail, so without
-        # clipping it updates during backward, and with clipping after the next forward's loads; only the part
-        # the head reads stands between one step and the next.
-        edge_ranges = self.optimizer.units[0].ranges if 0 in self.streamed else []
-        self._edge_tail = [k for k, (a, _) in enumerate(edge_ranges) if a >= tail_from]
-        # Resident units: device fp32 master + AdamW on the device; resident blocks get a slot of their own.
-        self.resident_slots: dict[int, Slot] = {
-            u - 1: Slot(block_layout, stack.make_block(), self.device, self.dtype) for u in sorted(self.resident) if u}
-        self.device_optimizers: dict[int, FlatAdamW] = {}
-        if self.resident:
-            largest = max(self.units[u].layout.numel for u in self.resident)
-            scratch = torch.empty(min(CHUNK, largest), dtype=torch.float32, device=self.device)
-            for u in sorted(self.resident):
-                master = self.units[u].master.to(self.device, copy=True)
-                self.device_optimizers[u] = FlatAdamW(master, config.optimizer, scratch)
-        self._edges_loaded: Signal | None = None  # set once the edges' latest parameters are queued to the device
-        self._load_resident()
-        # Gradients wait for their update where the placement says: held on the device, in their place in the
-        # pool shared with the boundary activations, or in a ring buffer on the host; sliding edges updated on the
-        # host have a buffer of their own.
-        self.held_grads = {u: torch.zeros(numel, dtype=self.dtype, device=self.device) for u in sorted(p.held)}
-        self.pool = SharedPool(p.pooled, numel, self.dtype, self.num_blocks) if p.pooled else None
-        self.grad_ring = StagingRing(p.ring, numel // self.ranks.size, self.dtype) if p.ring else None
-        # Speculating blocks: the parameters their update gives if clipping does not act, written during backward;
-        # `_from_speculation` are the blocks whose loads take them (the step's clipping did not act), until their
-        # next update.
-        self.speculative = {u: host_zeros(numel // self.ranks.size, self.dtype) for u in sorted(p.speculated)}
-        self._from_speculation: set[int] = set()
-        # A step whose clipping acted is followed by one that does not speculate (the next norm is most likely
-        # over the limit too), until a step's clipping does not act again.
-        self._speculating = True
-        self._disk_counted: tuple[int, int] | None = None  # disk_traffic() when the last step ended
-        # What the head's backward recomputes: its activation alone where the edges say how, without the context
-        self._head_activation = getattr(self.edges, "head_activation", None) or (lambda b: self.edges.head(b)[0])
-        self.updater = HostUpdater(self.optimizer, inline=not config.pipeline, disk=self.disk)
-        self.stream_buffers = [StreamedStep(p.stream_piece_numel, config.optimizer, self.device, self.dtype)
-                               for _ in range(p.stream_buffers if self.streamed else 0)]
-        for buf in self.stream_buffers:
-            buf.free = DONE  # its last store has left
-        self._next_buffer = 0
-        self._pending: dict[int, PendingUpdate] = {}  # unit -> its update, to run at its next load
-        self._written: dict[int, Signal] = {}  # unit -> what its device update stores is back on the host
-        # unit -> the moments part of its split update; submitted after the forward, last block first (the order
-        # in which backward reuses the gradient buffers, each waiting for it: _send_grads).
-        self._moments_due: dict[int, MomentsPart] = {}
-        self.edge_grad = host_zeros(edge_layout.numel // self.ranks.size, self.dtype) if p.units[0].grad == "own" \
-            else None
-        # Sharded: where each slot's gradient shard lands from the reduce-scatter, before it leaves the device
-        for slot in [self.edge_slot, *self.resident_slots.values()] + (self.slots.slots if self.slots else []):
-            slot.shard = torch.zeros(slot.grads.numel() // self.ranks.size, dtype=self.dtype, device=self.device) \
-                if self.ranks.sharded else slot.grads
-        self.activations = ActivationStore(p.activations, self.device, self.d2h, self.h2d, self.compute,
-                                           self.pool, config.activation_dir)
-        # Backward fetches activations for at most window + 1 blocks at a time: that many sets of device buffers,
-        # each free again once the backward that read it is done (window sets would do when every block slides,
-        # since a slot's load already waits for that; resident blocks wait for no slot, so one more gives slack).
-        self._act_landing = [_Landing() for _ in range(self.window + 1)]
-        # The step's one device->host read: its loss, then each unit's squared gradient norm (reduced on the
-        # device as gradients are made).
-        self._readout = torch.zeros(1 + len(self.units), dtype=torch.float32, device=self.device)
-        self._loss, self._sq_norms = self._readout[0], self._readout[1:]
 
-    def _update_on_device(self, unit: int, slot: Slot | None, chunks: list[int] | None = None) -> None:
-        """Queue unit's pending update on the device (only optimizer `chunks` of it, if given), writing the new
-        parameters into `slot` (if any)."""
-        pending = self._pending.pop(unit)
-        grad, arrived, lr, scale, split = pending.grad, pending.arrived, pending.lr, pending.scale, pending.split
-        chunks = pending.chunks if chunks is None else chunks
-        if rest := [k for k in pending.chunks if k not in chunks]:
-            self._pending[unit] = dataclasses.replace(pending, chunks=rest)
-        opt = self.optimizer.units[unit]
-        name = unit - 1 if unit else "edges"
-        self._wait_for_update(unit)  # the host's moments part of its last update is done with m and v
-        self.h2d.wait(arrived)
-        self.h2d.wait(self._written.get(unit, DONE))
-        for k in chunks:
-            (a, b), step = opt.ranges[k], opt.steps[k]
-            count = int(step)
-            for start in range(a, b, self.stream_buffers[0].numel):
-                end = min(start + self.stream_buffers[0].numel, b)
-                buf = self.stream_buffers[self._next_buffer]
-                self._next_buffer = (self._next_buffer + 1) % len(self.stream_buffers)
-                self.h2d.wait(buf.free)
-                self.h2d.run(buf.load, opt, start, end, grad, label=f"update {name}")
-                self.land.wait(self.h2d.record())
-                self.land.run(_step_piece, buf, start, end, grad, count, lr, scale, slot, label=f"update {name}")
-                self.store.wait(self.land.record())
-                self.store.run(buf.store, opt, start, end, not split, label=f"store {name}")
-                buf.free = self.store.record()
-            step += 1  # host bookkeeping of the chunk's AdamW step count (in place: the chunk's state)
-        if split:  # m and v stay as they were: the host steps them once they have been read (and, so that a failed
-            # device step stops the host's part too, once the steps are done)
-            self._moments_due[unit] = MomentsPart(grad, [self._landed()] * len(opt.ranges), lr, scale)
-        self._written[unit] = self.store.record()
-        if slot is not None:
-            slot.unit = unit - 1 if unit else None
+    def slot_of(self, unit: int) -> Slot:
+        """A resident unit's slot."""
+        return self.edge_slot if unit == 0 else self.resident_slots[unit - 1]
 
-    def _copy_out(self, unit: int, buffer: torch.Tensor, grads: torch.Tensor, label: str) -> list[Signal]:
-        """Queue a gradient's copy to the host in the chunks the host optimizer steps, with a signal per chunk:
-        the update of a chunk starts as soon as that chunk has arrived."""
-        pieces = []
-        for a, b in self.optimizer.units[unit].ranges:
-            self.d2h.run(buffer[a:b].copy_, grads[a:b], True, label=label)
-            pieces.append(self.d2h.record())
-        return pieces
+    def seat(self, slot: Slot) -> Seat:
+        return self.seats[id(slot)]
 
-    def _send_grads(self, block: int, slot: Slot) -> tuple[torch.Tensor, list[Signal]]:
-        """Queue a sliding block's gradient out of its slot once compute is done with it: into its held device
-        buffer, or into its place in the pool or a ring buffer on the host, in optimizer chunks. Returns the
-        buffer and its arrival signals."""
-        unit = block + 1
-        self.d2h.wait(slot.free)
-        if unit in self.held_grads:  # kept on the device for its update: a device copy frees the slot
-            buffer = self.held_grads[unit]
-            self.d2h.run(buffer.copy_, slot.grads, True, label=f"hold grads {block}")
-            return buffer, [self.d2h.record()]
-        if self.pool is not None:  # its own place, over boundaries the backward has read (see pool.py)
-            self._wait_for_update(unit)  # (a host update, whole, finished before its block's load already)
-            buffer = self.pool.gradient(block)
-            return buffer, self._copy_out(unit, buffer, slot.shard, f"grads {block}")
-        buffer, previous = self.grad_ring.take(unit)
-        if previous is not None:  # the buffer's last gradient has been used by its update (both parts), and by its
-            self._wait_for_update(previous)  # speculation (which, after a non-finite step, no update follows)
-            self._wait_for_update(previous, speculated=True)
-        return buffer, self._copy_out(unit, buffer, slot.shard, f"grads {block}")
+    def shard_of_slot(self, unit: int, slot: Slot) -> torch.Tensor:
+        """This rank's shard of `slot`'s parameters (all of them, alone)."""
+        return slot.params[self.units[unit].start:self.units[unit].end]
 
-    def _flush_device_updates(self) -> None:
-        """Run the device updates still waiting for their block's next load, and wait until all are home (the
-        host's moments parts are queued)."""
-        for unit in list(self._pending):
-            self._update_on_device(unit, None)
-        self._submit_moments()
-        for signal in self._written.values():
-            signal.wait_host()
+    def edges_stale(self) -> None:
+        """The edges' parameters changed on the host: the next forward reloads them."""
+        self._edges_loaded = None
 
-    def _submit_moments(self) -> None:
-        """Queue the moments parts of split updates on the optimizer thread, last block first."""
-        for unit in sorted(self._moments_due, reverse=True):
-            due = self._moments_due.pop(unit)
-            self.updater.submit(unit, due.grad, due.arrived, due.lr, due.scale, part="moments")
+    def landed(self) -> Signal:
+        """A signal for everything queued so far on the h2d and land lanes."""
+        self.land.wait(self.h2d.record())
+        return self.land.record()
 
     # -- parameters ---------------------------------------------------------------------------------------------
 
     def synchronize(self) -> None:
         """Wait for every queued update: afterwards the host fp32 masters are the model."""
-        self._flush_device_updates()
+        self.stream.flush()
         self.updater.wait_all()
-        for u, opt in self.device_optimizers.items():  # resident masters live on the device
+        for u, opt in self.resident_updates.optimizers.items():  # resident masters live on the device
             self.units[u].master.copy_(opt.master)
 
     def refresh(self) -> None:
         """After host masters were changed from outside (a checkpoint load): rebuild every copy of them."""
-        self._flush_device_updates()
+        self.stream.flush()
         self.updater.wait_all()
-        self._from_speculation = set()
-        for u, opt in self.device_optimizers.items():
+        self.host_updates.flush()
+        for u, opt in self.resident_updates.optimizers.items():
             opt.master.copy_(self.units[u].master)
         self._edges_loaded = None
         self._load_resident()
@@ -407,7 +303,7 @@ class SlidingEngine:
     def _load_resident(self) -> None:
         for i, slot in self.resident_slots.items():
             slot.load(self.units[i + 1].master, i)
-            slot.free = slot.drained = DONE
+            self.seat(slot).free = self.seat(slot).drained = DONE
         if 0 in self.resident:
             self.edge_slot.load(self.units[0].master)
             self._edges_loaded = DONE
@@ -416,31 +312,28 @@ class SlidingEngine:
         """A unit's AdamW state as host tensors (for checkpoints; call `synchronize()` first; moments on disk are
         their files memory-mapped, to read before the unit's next update). Sharded, every rank calls it and gets
         the whole unit's on the first rank, in the layout of one process (`base_numel` long); None on the others."""
-        if self.ranks.sharded:
-            state = self.optimizer.state_tensors(unit)
-            # (every rank has stepped alike: all have a state or none has)
-            return {k: v if k == "step" else self._whole(unit, v) for k, v in state.items()}
-        if unit in self.device_optimizers:
-            return self.device_optimizers[unit].state_tensors(to_host=True)
+        if unit in self.resident_updates.optimizers:
+            return self.resident_updates.optimizers[unit].state_tensors(to_host=True)
         if unit in self.on_disk:
             opt, moments = self.optimizer.units[unit], self.disk.state(unit)
             if not opt.step_count or moments is None:
                 return {}
             return {"step": opt.steps[0].clone(), "exp_avg": moments[0], "exp_avg_sq": moments[1]}
-        return self.optimizer.state_tensors(unit)
+        state = self.optimizer.state_tensors(unit)
+        # (sharded, every rank has stepped alike: all have a state or none has)
+        return {k: v if k == "step" else self._whole(unit, v) for k, v in state.items()}
 
     def load_optimizer_state(self, unit: int, tensors: dict[str, torch.Tensor]) -> None:
         """Load `optimizer_state(unit)` output (sharded: each rank takes its shard of the whole)."""
-        if self.ranks.sharded:
-            tensors = {k: v if k == "step" else self._shard_of(unit, v) for k, v in tensors.items()}
-        if unit in self.device_optimizers:
-            self.device_optimizers[unit].load_state_tensors(tensors)
+        if unit in self.resident_updates.optimizers:
+            self.resident_updates.optimizers[unit].load_state_tensors(tensors)
         elif unit in self.on_disk:
             self.disk.load(unit, tensors.get("exp_avg"), tensors.get("exp_avg_sq"))
             for step in self.optimizer.units[unit].steps:
                 step.fill_(float(tensors["step"]) if tensors else 0.0)
         else:
-            self.optimizer.load_state_tensors(unit, tensors)
+            self.optimizer.load_state_tensors(unit, {k: v if k == "step" else self._shard_of(unit, v)
+                                                     for k, v in tensors.items()})
 
     def unit_names(self) -> list[str]:
         return ["edges"] + [f"block.{i}" for i in range(self.num_blocks)]
@@ -459,18 +352,22 @@ class SlidingEngine:
         memory-mapped (read it before the unit's next update). Sharded, every rank calls it; the first gets the
         whole master, gathered, in the layout of one process (`base_numel` long), the others None."""
         u = self.units[unit]
-        if self.ranks.sharded:
-            return self._whole(unit, u.master)
-        return u.master if u.master is not None else self.disk.master(unit)
+        if u.master is None:
+            return self.disk.master(unit)
+        return self._whole(unit, u.master)
 
     def _whole(self, unit: int, shard: torch.Tensor) -> torch.Tensor | None:
         """Every rank's `shard` of a unit's flat host tensor, without the padding that made it split evenly, on
-        the first rank (None on the others)."""
+        the first rank (None on the others); one rank's is the tensor itself."""
+        if not self.ranks.sharded:
+            return shard
         whole = self.ranks.gather_host(shard)
         return None if whole is None else whole[:self.units[unit].layout.base_numel]
 
     def _shard_of(self, unit: int, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a unit's flat tensor given whole (padded or not)."""
+        """This rank's shard of a unit's flat tensor given whole (padded or not); one rank's is the whole."""
+        if not self.ranks.sharded:
+            return whole
         u = self.units[unit]
         if whole.numel() not in (u.layout.numel, u.layout.base_numel):
             raise ValueError(f"unit {unit}: {whole.numel()} elements given, its layout has {u.layout.base_numel}")
@@ -489,11 +386,8 @@ class SlidingEngine:
         """Replace a unit's fp32 master (a checkpoint's; call `refresh()` after the last; sharded, each rank
         takes its shard of the whole)."""
         u = self.units[unit]
-        if self.ranks.sharded:
-            u.master.copy_(self._shard_of(unit, master))
-            return
         if u.master is not None:
-            u.master.copy_(master)
+            u.master.copy_(self._shard_of(unit, master))
             return
         self.disk.load_master(unit, master)
         if u.params is not None:
@@ -502,38 +396,28 @@ class SlidingEngine:
     # -- loading units --------------------------------------------------------------------------------------------
 
     def _load(self, unit: int, slot: Slot, chunks: list[int] | None = None) -> None:
-        """Queue the unit's newest parameters into `slot` (copies on the h2d lane, kernels on land): its pending
-        device update (`chunks` of it, if given) writes them there; otherwise its master is copied in once its
-        host update has written it (which also means its gradient has left the slot) and any device update's
-        store is home."""
-        if unit in self._pending:
-            self._update_on_device(unit, slot, chunks)
-            return
+        """Queue the unit's newest parameters into `slot` (copies on the h2d lane, kernels on land): its update
+        kind's where that runs at the load (a device update, `chunks` of it if given) or keeps them apart
+        (speculated); otherwise its master (or its copy in the compute dtype) once its host update has written it
+        (which also means its gradient has left the slot) and any device update's store is home. Loads gather the
+        other ranks' shards."""
         block = unit - 1 if unit else None
-        # Parameters already in the compute dtype: the speculated update's, or (its master on disk) the copy its
-        # update wrote
-        if unit in self._from_speculation:
-            self._wait_for_update(unit, speculated=True)
-            ready, label = self.speculative[unit], f"params {block} (speculated)"
-        else:
-            self._wait_for_update(unit, params_only=True)
-            self.h2d.wait(self._written.get(unit, DONE))
-            ready, label = self.units[unit].params, f"params {block}"
-        into = slot.params[self.units[unit].start:self.units[unit].end]  # (this rank's shard: all of it, alone)
-        if ready is not None:
-            self.h2d.run(into.copy_, ready, True, label=label)
-        else:
-            self._load_master(unit, slot, into)
-        if self.ranks.sharded:  # the other ranks' shards, updated by them
-            self.land.wait(self.h2d.record())
-            self.land.run(self.ranks.all_gather, slot.params, label=f"gather {label}")
+        label = f"params {'edges' if unit == 0 else block}"
+        if not self.update_of[unit].load(unit, slot, chunks):
+            self.wait_for_update(unit, params_only=True)
+            self.h2d.wait(self.stream.home(unit))
+            into, ready = self.shard_of_slot(unit, slot), self.units[unit].params
+            if ready is not None:  # (a master on disk: the copy its update wrote)
+                self.h2d.run(into.copy_, ready, True, label=label)
+            else:
+                self._load_master(unit, slot, into, label)
+        self.ranks.gather_load(slot.params, self.h2d, self.land, label)
         slot.unit = block
 
-    def _load_master(self, unit: int, slot: Slot, into: torch.Tensor) -> None:
+    def _load_master(self, unit: int, slot: Slot, into: torch.Tensor, label: str) -> None:
         """Queue the unit's fp32 master into `into` (its part of `slot`'s parameters), narrowed where the slot is
         narrower."""
-        block = unit - 1 if unit else None
-        master, label = self.units[unit].master, f"params {'edges' if unit == 0 else block}"
+        master = self.units[unit].master
         ring = None
         if master is None:  # its master is on disk and host memory keeps no copy: read it for this load
             ring, self._load_next = self._load_next, (self._load_next + 1) % len(self._load_ring)
@@ -554,52 +438,37 @@ class SlidingEngine:
         if ring is not None:
             self._load_free[ring] = self.h2d.record()
 
-    def _landed(self) -> Signal:
-        """A signal for everything queued so far on the h2d and land lanes."""
-        self.land.wait(self.h2d.record())
-        return self.land.record()
-
-    def _update_edges_tail(self, chunks: int | None = 1) -> bool:
-        """Queue `chunks` more optimizer chunks (None: all that are left) of the edges' pending tail-only update;
-        False when none is pending. (Outside `_load_edges`, the only pending edges update is that part.)"""
-        if 0 not in self._pending:
-            return False
-        todo = self._pending[0].chunks
-        self._update_on_device(0, self.edge_slot, todo if chunks is None else todo[:chunks])
-        return True
-
     def _load_edges(self) -> None:
         """Refresh the resident edge parameters once their pending update is done (the tail-only part of a
         device update waits: see _forward)."""
         if self._edges_loaded is None:
-            head = [k for k in self._pending[0].chunks if k not in self._edge_tail] if 0 in self._pending else None
-            self._load(0, self.edge_slot, head)
-            self._edges_loaded = self._landed()
+            self._load(0, self.edge_slot, self.stream.head_chunks())
+            self._edges_loaded = self.landed()
         self.compute.wait(self._edges_loaded)
 
-    def _stage(self, block: int, boundary: int | None, micro: int):
+    def stage(self, block: int, boundary: int | None, micro: int) -> tuple[Seat, list | None]:
         """Queue block `block` into the next slot (and, for backward, its input activations) on the h2d and land
-        lanes; `slot.ready` covers both."""
+        lanes; the seat's `ready` covers both."""
         if block in self.resident_slots:  # always loaded; its update runs on the compute lane
-            slot = self.resident_slots[block]
+            seat = self.seat(self.resident_slots[block])
         else:
-            slot = self.slots.next()
-            self.h2d.wait(slot.free)
-            self.h2d.wait(slot.drained)  # loading lands in the gradient buffer: its last gradient has left
-            self._load(block + 1, slot)  # never before its update has finished (or it runs now, into the slot)
+            seat = self.seat(self.slots.next())
+            self.h2d.wait(seat.free)
+            self.h2d.wait(seat.drained)  # loading lands in the gradient buffer: its last gradient has left
+            self._load(block + 1, seat.slot)  # never before its update has finished (or it runs now, into the slot)
         acts = None
         if boundary is not None:  # into the buffers of the block window + 1 later, whose backward is done
             landing = self._act_landing[block % len(self._act_landing)]
             self.h2d.wait(landing.free)
             acts = [self.activations.fetch(boundary, j, owner=landing) for j in range(micro)]
-        slot.ready = self._landed()
-        return slot, acts
+        seat.ready = self.landed()
+        return seat, acts
 
     @property
     def window(self) -> int:
         return len(self.slots) if self.slots else 1
 
-    def _wait_for_update(self, unit: int, params_only: bool = False, speculated: bool = False) -> None:
+    def wait_for_update(self, unit: int, params_only: bool = False, speculated: bool = False) -> None:
         """Block until unit's last host update is done (`params_only`: its params part; `speculated`: its
         speculated parameters); the time goes on the timeline's `waits` lane, where the GPU running out of work
         counts as exposed CPU-update time."""
@@ -629,173 +498,121 @@ class SlidingEngine:
             raise
 
     def _step(self, micro_batches: list[Batch], lr: float, normalizer: float) -> StepStats:
+        """stage -> forward -> tail -> backward (each gradient handed to its unit's update) -> the one readout ->
+        the clip decision -> commit."""
+        clock = self._begin()
+        batches = self._to_device(micro_batches)
+        self.activations.trim(len(batches))
+        hidden, contexts = self._forward(batches)
+        self.moments.submit()
+        clock.lap("forward")
+
+        grads = self._tail(hidden, batches, contexts, normalizer)
+        del hidden
+        self.stream.tail_final(lr)
+        clock.lap("tail")
+
+        for kind in self.updates:
+            kind.before_backward()
+        gradients: dict[int, Gradient] = {}
+        n, m, stream = self.num_blocks, len(batches), self.compute.stream
+        staged = {n - 1: self.stage(n - 1, n - 1, m)}
+        for i in reversed(range(n)):
+            self._edges_tail()  # a piece of the edges' early update: backward's loads leave room for it
+            seat, acts = staged.pop(i)
+            self.compute.wait(seat.ready)
+            self.compute.wait(seat.drained)  # the slot's last gradient has left before it is zeroed
+            with self.timeline.span("compute", f"backward {i}", stream):
+                seat.slot.grads.zero_()
+                for j, ctx in enumerate(contexts):
+                    h = acts[j].detach().requires_grad_()
+                    seat.slot.module(h, self._context(i, ctx)).backward(grads[j])
+                    grads[j] = h.grad
+                self._gradient_made(i + 1, seat)
+            seat.free = self._act_landing[i % len(self._act_landing)].free = self.compute.record()
+            gradients[i + 1] = self.homes.send(i + 1, seat, seat.free)
+            seat.drained = gradients[i + 1].arrived[-1]
+            self.update_of[i + 1].gradient_ready(i + 1, gradients[i + 1], lr)
+            for k in range(i - 1, max(i - self.window - 1, -1), -1):  # prefetch: every slot not in use
+                if k not in staged:
+                    staged[k] = self.stage(k, k, m)
+        self._edges_tail(None)
+        with self.timeline.span("compute", "head backward", stream):
+            for j, batch in enumerate(batches):
+                self._head_activation(batch).backward(grads[j])
+            self._gradient_made(0, self.seat(self.edge_slot))
+        gradients[0] = self.homes.send(0, self.seat(self.edge_slot), self.compute.record())
+        clock.lap("backward")
+
+        # The one read of the step: loss and the per-unit squared norms (the clip needs the global norm), summed
+        # over ranks. A clipped step has changed no weight yet: with a non-finite norm it leaves every weight and
+        # AdamW state as it was (without clipping, sliding blocks were updated during backward already).
+        self.ranks.readout(self.compute, self._readout)
+        loss_value, *sq = self._readout.tolist()
+        grad_norm = math.sqrt(sum(sq))
+        scale = clip_scale(self.clip, grad_norm)
+        for kind in self.updates:
+            if math.isfinite(scale):
+                kind.norm_known(gradients, lr, scale)
+            else:
+                kind.norm_not_finite()
+        return self._end(clock, loss_value, grad_norm)
+
+    def _edges_tail(self, chunks: int | None = 1) -> bool:
+        """Queue `chunks` more of the edges' early update (None: what is left); whether any was pending."""
+        return any([kind.edges_tail(chunks) for kind in self.updates])
+
+    def _gradient_made(self, unit: int, seat: Seat) -> None:
+        """On the compute lane, once a unit's gradient is made: this rank's shard of it summed over ranks, and its
+        squared norm."""
+        self.ranks.reduce_gradient(seat.shard, seat.slot.grads)
+        self._sq_norms[unit] = torch.linalg.vector_norm(seat.shard, dtype=torch.float32).square()
+
+    def _begin(self) -> _Clock:
         memory = self._memory_counters()
         if self._disk_counted is None:  # (not the tier's first fill, when the weights were loaded)
             self._disk_counted = self.disk_traffic()
         # Phase laps synchronize the device only in the synchronous schedule; pipelined, the timeline says more.
         clock = _Clock(self.device, sync=not self.config.pipeline)
+        clock.memory = memory
         self.timeline.begin()
         self._wait_update_s = 0.0
-        span = self.timeline.span
-        stream = self.compute.stream
-        n, m, window = self.num_blocks, len(micro_batches), self.window
-        batches = self._to_device(micro_batches)
-        self.activations.trim(m)
-        hidden, contexts = self._forward(batches)
-        self._submit_moments()
-        clock.lap("forward")
+        return clock
 
-        with span("compute", "tail", stream):
-            self.edge_slot.grads.zero_()
-            self._readout.zero_()
-            grads = []
-            for j, batch in enumerate(batches):
-                h = hidden[j].detach().requires_grad_()
-                share = self._tail(h, batch, normalizer, contexts[j])
-                share.backward()
-                self._loss += share.detach().float()
-                grads.append(h.grad)
-        del hidden
-        clock.lap("tail")
-
-        clip = self.clip
-        if not clip and self._edge_tail:  # the edges' tail-only gradient is final: update it during backward
-            self._pending[0] = PendingUpdate(self.edge_slot.grads, self.compute.record(), lr, 1.0,
-                                             list(self._edge_tail), False)
-        arrived: dict[int, list[Signal]] = {}  # unit -> one signal per optimizer chunk of its host gradient
-        host_grads: dict[int, torch.Tensor] = {}
-        if not clip and self.disk:  # moments from disk, in the order backward will submit their updates
-            for u in sorted(self.on_disk, reverse=True):
-                self.disk.fetch(u)
-        elif self.disk and not early_reads_wait(self.placement):  # the first clipped updates' states are read
-            for u in sorted(self.on_disk)[:STAGING_SLOTS]:  # under the backward, one per staging slot
-                self.disk.fetch(u)
-        staged = {n - 1: self._stage(n - 1, n - 1, m)}
-        for i in reversed(range(n)):
-            # A chunk of the edges' tail-only update per block: backward's loads leave the lanes room for it.
-            self._update_edges_tail()
-            slot, acts = staged.pop(i)
-            self.compute.wait(slot.ready)
-            self.compute.wait(slot.drained)  # the slot's last gradient has left before it is zeroed
-            with span("compute", f"backward {i}", stream):
-                slot.grads.zero_()
-                for j, ctx in enumerate(contexts):
-                    h = acts[j].detach().requires_grad_()
-                    slot.module(h, self._context(i, ctx)).backward(grads[j])
-                    grads[j] = h.grad
-                if self.ranks.sharded:  # this rank's shard of the gradient summed over ranks
-                    self.ranks.reduce_scatter(slot.shard, slot.grads)
-                self._sq_norms[i + 1] = torch.linalg.vector_norm(slot.shard, dtype=torch.float32).square()
-            slot.free = self._act_landing[i % len(self._act_landing)].free = self.compute.record()
-            if i not in self.resident_slots:
-                host_grads[i + 1], arrived[i + 1] = self._send_grads(i, slot)
-                slot.drained = arrived[i + 1][-1]
-                if not clip:  # no clipping: the update starts as soon as its first piece is on the host
-                    self.updater.submit(i + 1, host_grads[i + 1], arrived[i + 1], lr, 1.0,
-                                        into=self.units[i + 1].params)
-                elif i + 1 in self.speculative and self._speculating:
-                    # As if clipping will not act: only new parameters are written (over the ones its loads took:
-                    # until this step says otherwise, later loads take the master)
-                    self._from_speculation.discard(i + 1)
-                    self.updater.submit(i + 1, host_grads[i + 1], arrived[i + 1], lr, 1.0, part="speculate",
-                                        into=self.speculative[i + 1])
-            for k in range(i - 1, max(i - window - 1, -1), -1):  # prefetch: every slot not in use
-                if k not in staged:
-                    staged[k] = self._stage(k, k, m)
-        self._update_edges_tail(None)
-        with span("compute", "head backward", stream):
-            for j, batch in enumerate(batches):
-                h = self._head_activation(batch)
-                h.backward(grads[j])
-            if self.ranks.sharded:
-                self.ranks.reduce_scatter(self.edge_slot.shard, self.edge_slot.grads)
-            self._sq_norms[0] = torch.linalg.vector_norm(self.edge_slot.shard, dtype=torch.float32).square()
-        if 0 in self.streamed:  # updated on the device from the gradient where it is (kept until then)
-            host_grads[0], arrived[0] = self.edge_slot.grads, [self.compute.record()]
-        elif 0 not in self.resident:
-            host_grads[0] = self.edge_grad
-            self._wait_for_update(0)  # the last update of the edges is done reading their gradient buffer
-            self.d2h.wait(self.compute.record())
-            arrived[0] = self._copy_out(0, self.edge_grad, self.edge_slot.shard, "grads edges")
-        clock.lap("backward")
-
-        # The one read of the step: loss and the per-unit squared norms (the clip needs the global norm), summed
-        # over ranks.
-        if self.ranks.sharded:
-            self.compute.run(self.ranks.all_reduce, self._readout)
-        loss_value, *sq = self._readout.tolist()
-        grad_norm = math.sqrt(sum(sq))
-        # A clipped step has changed no weight yet: with a non-finite norm it leaves every weight and AdamW state
-        # as it was (without clipping, sliding blocks were updated during backward already).
-        scale = min(1.0, clip / (grad_norm + 1e-6)) if clip else 1.0
-        # Clipping that does not act multiplies by exactly 1: the speculated parameters are the update's own
-        acted = bool(clip) and not (math.isfinite(grad_norm) and scale == 1.0)
-        tried = bool(clip and self.speculative and self._speculating)
-        held = set(self.speculative) if tried and not acted else set()
-        speculation = "off" if not tried else "held" if held else "discarded"
-        self._speculating = not acted
-        if not clip or math.isfinite(grad_norm):
-            self._queue_updates(host_grads, arrived, lr, scale, held)
-        elif self.disk:  # no update follows: the states read for them stay as they are on disk
-            self.disk.call_off()
-        self._from_speculation = held
+    def _end(self, clock: _Clock, loss: float, grad_norm: float) -> StepStats:
+        """The step's work is queued: wait for every lane (in the synchronous schedule, every update), and count
+        what it took."""
         if not self.config.pipeline:
             self.synchronize()
         for lane in self.lanes:  # the spans of every lane are complete (and a failed copy raises here)
             lane.record().wait_host()
-        if self.pool is not None:  # this step's loads read the last gradients in an allocation it replaced
-            self.pool.drop_replaced()
+        self.homes.step_ends()
         clock.lap("update")
         spans = self._spans(clock.start)
         timeline = summarize(spans, clock.total)
         timeline["wait_update_s"] = self._wait_update_s
-        timeline.update(memory)
+        timeline.update(clock.memory)
         traffic = self.disk_traffic()  # (write-backs still running finish in the next step's count)
         timeline["disk_read_gb"] = (traffic[0] - self._disk_counted[0]) / 1e9
         timeline["disk_written_gb"] = (traffic[1] - self._disk_counted[1]) / 1e9
         self._disk_counted = traffic
-        return StepStats(loss=loss_value, grad_norm=grad_norm, seconds=clock.total, phases=clock.laps,
-                         timeline=timeline, spans=spans, speculation=speculation)
+        return StepStats(loss=loss, grad_norm=grad_norm, seconds=clock.total, phases=clock.laps,
+                         timeline=timeline, spans=spans, speculation=self.host_updates.speculation)
 
-    def _queue_updates(self, host_grads: dict[int, torch.Tensor], arrived: dict[int, list[Signal]], lr: float,
-                       scale: float, speculated: set[int]) -> None:
-        """Queue the step's updates once the gradients are final (scaled by `scale`): resident units' now on
-        the compute lane, the others on the optimizer thread or at their next load. The `speculated` units' next
-        loads take their speculated parameters: their updates run whole, whenever the thread gets to them."""
-        clip = self.clip
-        with self.timeline.span("compute", "update resident", self.compute.stream):
-            for u, opt in self.device_optimizers.items():
-                slot = self.edge_slot if u == 0 else self.resident_slots[u - 1]
-                opt.step(slot.grads, lr, scale)
-                slot.params.copy_(opt.master)
-        if clip and self.disk:  # their moments start coming in, in the order the updates below will run
-            for u in sorted(self.on_disk):
-                self.disk.fetch(u)
-        for u in range(len(self.units)):
-            if u in self.resident:
-                continue
-            split = self._split(u)
-            if u in self.streamed:  # runs when the unit next loads
-                chunks = range(len(self.optimizer.units[u].ranges))
-                if u == 0 and not clip:  # the tail-only part is done already
-                    chunks = [k for k in chunks if k not in self._edge_tail]
-                self._pending[u] = PendingUpdate(host_grads[u], arrived[u][-1], lr, scale, list(chunks), split)
-            elif u in speculated:
-                continue  # below, after the updates the next forward waits for
-            elif u == 0 or clip:  # without clipping, sliding blocks were submitted during backward
-                self.updater.submit(u, host_grads[u], arrived[u], lr, scale, part="params" if split else "all",
-                                    into=self.units[u].params)
-                if split:
-                    self._moments_due[u] = MomentsPart(host_grads[u], arrived[u], lr, scale)
-        # Whole, last block first: the next backward reuses the last block's gradient buffer first
-        for u in sorted(speculated, reverse=True):
-            self.updater.submit(u, host_grads[u], arrived[u], lr, scale)
-        if 0 not in self.resident:
-            self._edges_loaded = None
-
-    def _split(self, unit: int) -> bool:
-        """Whether a clipped update of `unit` splits: the placement's word."""
-        return self.placement.units[unit].split
+    def _tail(self, hidden: list[torch.Tensor], batches: list[Batch], contexts: list, normalizer: float) -> list:
+        """The loss of every micro-batch (summed into the readout) and its gradient w.r.t. the last boundary
+        activation."""
+        grads = []
+        with self.timeline.span("compute", "tail", self.compute.stream):
+            self.edge_slot.grads.zero_()
+            self._readout.zero_()
+            for j, batch in enumerate(batches):
+                h = hidden[j].detach().requires_grad_()
+                share = self._loss_of(h, batch, normalizer, contexts[j])
+                share.backward()
+                self._loss += share.detach().float()
+                grads.append(h.grad)
+        return grads
 
     def _spans(self, origin: float):
         """This step's spans, plus the optimizer thread's updates that ran during it (host times)."""
@@ -830,11 +647,11 @@ class SlidingEngine:
         batches = self._to_device(micro_batches)
         with torch.no_grad():
             hidden, contexts = self._forward(batches, keep=False)
-            self._submit_moments()
-            loss = sum((self._tail(h, batch, normalizer, ctx).float() for h, batch, ctx in zip(hidden, batches,
-                                                                                                 contexts)),
+            self.moments.submit()
+            loss = sum((self._loss_of(h, batch, normalizer, ctx).float() for h, batch, ctx in zip(hidden, batches,
+                                                                                                    contexts)),
                        torch.zeros((), device=self.device))  # (a rank may have no micro-batch of the last group)
-            self.compute.run(self.ranks.all_reduce, loss)
+            self.ranks.readout(self.compute, loss)
         return float(loss)  # one read for all micro-batches
 
     def _to_device(self, micro_batches: list[Batch]) -> list[Batch]:
@@ -854,9 +671,8 @@ class SlidingEngine:
                 h, ctx = self.edges.head(batch)
                 hidden.append(h)
                 contexts.append(ctx)
-        if keep:
-            if self.pool is not None:  # (every boundary holds what the head made: the residual stream)
-                self.pool.fit([h.numel() * h.element_size() for h in hidden])
+        if keep:  # (every boundary holds what the head made: the residual stream)
+            self.homes.forward_begins([h.numel() * h.element_size() for h in hidden])
             made = self.compute.record()
             for j, h in enumerate(hidden):
                 acts.put(0, j, h, made)
@@ -866,25 +682,25 @@ class SlidingEngine:
         for i in range(n):
             # Not staged yet when its host update was still running: nothing else can be queued before it now,
             # not even the chunk of the edges' update below, which the tail alone waits for.
-            slot, _ = staged.pop(i) if i in staged else self._stage(i, None, 0)
-            if self._update_edges_tail():
-                tail_ready = self._landed()
-            self.compute.wait(slot.ready)
+            seat, _ = staged.pop(i) if i in staged else self.stage(i, None, 0)
+            if self._edges_tail():
+                tail_ready = self.landed()
+            self.compute.wait(seat.ready)
             with self.timeline.span("compute", f"forward {i}", self.compute.stream):
-                hidden = [slot.module(h, self._context(i, ctx)) for h, ctx in zip(hidden, contexts)]
-            slot.free = self.compute.record()
+                hidden = [seat.slot.module(h, self._context(i, ctx)) for h, ctx in zip(hidden, contexts)]
+            seat.free = self.compute.record()
             acts.release()  # this block's inputs (all that is held): compute has queued its last read of them
             if keep and i + 1 < n:  # the last output goes straight to the tail; backward never reads it
                 for j, h in enumerate(hidden):
-                    acts.put(i + 1, j, h, slot.free)
+                    acts.put(i + 1, j, h, seat.free)
             self._prefetch(staged, i + 1)
-        if self._update_edges_tail(None):
-            tail_ready = self._landed()
+        if self._edges_tail(None):
+            tail_ready = self.landed()
         if tail_ready is not None:  # the tail reads it
             self.compute.wait(tail_ready)
         return hidden, contexts
 
-    def _tail(self, hidden, batch: Batch, normalizer: float, ctx):
+    def _loss_of(self, hidden, batch: Batch, normalizer: float, ctx):
         if self._tail_ctx:
             return self.edges.tail(hidden, batch, normalizer, ctx=ctx)
         return self.edges.tail(hidden, batch, normalizer)
@@ -905,18 +721,10 @@ class SlidingEngine:
             if ahead >= self.window:
                 return
             if k not in staged:
-                if not self._updated(k):
+                if not self.update_of[k + 1].loadable(k + 1):
                     return
-                staged[k] = self._stage(k, None, 0)
+                staged[k] = self.stage(k, None, 0)
                 ahead += k not in self.resident_slots
-
-    def _updated(self, block: int) -> bool:
-        """Whether the host is done with what loading `block` waits for: its update's params part, or, for a
-        pending device update, its last moments part (resident blocks update on the compute lane)."""
-        unit = block + 1
-        if unit in self._from_speculation:
-            return self.updater.speculated[unit].is_set()
-        return block in self.resident_slots or self.updater.ready(unit, params_only=unit not in self._pending)
 
     def close(self) -> None:
         """Finish pending updates and stop the worker threads (they stop even when an update failed)."""
@@ -931,14 +739,6 @@ class SlidingEngine:
                 later.callback(self.disk.close)
             later.callback(self.updater.close)
             self.synchronize()
-
-
-def _drain(spans: list[tuple[str, float, float]], origin: float) -> list[tuple[str, float, float]]:
-    """Take the (label, start, end) host spans a worker thread has appended so far, as times from `origin`,
-    dropping those that ended before it. The worker may append meanwhile: only what was read is removed."""
-    seen = list(spans)
-    del spans[: len(seen)]
-    return [(label, start - origin, end - origin) for label, start, end in seen if end >= origin]
 
 
 def _check(p: Placement, numels: tuple[int, ...], config: EngineConfig, ranks: Ranks) -> None:
@@ -957,6 +757,14 @@ def _check(p: Placement, numels: tuple[int, ...], config: EngineConfig, ranks: R
                          "fast local disk")
 
 
+def _drain(spans: list[tuple[str, float, float]], origin: float) -> list[tuple[str, float, float]]:
+    """Take the (label, start, end) host spans a worker thread has appended so far, as times from `origin`,
+    dropping those that ended before it. The worker may append meanwhile: only what was read is removed."""
+    seen = list(spans)
+    del spans[: len(seen)]
+    return [(label, start - origin, end - origin) for label, start, end in seen if end >= origin]
+
+
 def _tail_only_from(edges, layout: FlatLayout) -> int:
     """Flat offset from which every edge parameter is one only the tail reads (`edges.tail_only`, a tuple of
     parameter names; a parameter tied to one the head reads does not count), or the layout's end."""
@@ -973,15 +781,6 @@ def _tail_only_from(edges, layout: FlatLayout) -> int:
     return start
 
 
-def _step_piece(buf: StreamedStep, start: int, end: int, grad: torch.Tensor, count: int, lr: float, scale: float,
-                slot: Slot | None) -> None:
-    """The device's part of a streamed update piece, once `buf.load` has landed it: AdamW, then the new
-    parameters into the slot (if any)."""
-    buf.step(start, end, grad, count, lr, scale)
-    if slot is not None:
-        slot.params[start:end].copy_(buf.param[: end - start])
-
-
 class _Landing:
     free: Signal = DONE  # compute is done with the activations last fetched into it
 
@@ -991,6 +790,7 @@ class _Clock:
         self.sync = torch.cuda.synchronize if device.type == "cuda" and sync else (lambda: None)
         self.start = self.last = time.perf_counter()
         self.laps: dict[str, float] = {}
+        self.memory: dict[str, float] = {}
 
     def lap(self, name: str) -> None:
         self.sync()
@@ -1001,4 +801,3 @@ class _Clock:
     @property
     def total(self) -> float:
         return self.last - self.start
-

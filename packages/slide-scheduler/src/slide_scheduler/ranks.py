@@ -47,6 +47,28 @@ class Ranks:
         size = numel // self.size
         return self.rank * size, (self.rank + 1) * size
 
+    # -- the engine's hooks: at the backward, the load and the readout (one rank: nothing to do) ----------------------
+
+    def reduce_gradient(self, shard: torch.Tensor, grads: torch.Tensor) -> None:
+        """Once a unit's gradient is made (on the compute lane): `shard` = this rank's shard of its sum over ranks
+        (one rank's shard is the gradient itself)."""
+        if self.sharded:
+            self.reduce_scatter(shard, grads)
+
+    def gather_load(self, params: torch.Tensor, h2d, land, label: str) -> None:
+        """After a load has queued this rank's shard into a slot's `params`: the other ranks' shards, gathered on
+        the land lane once the copies are in."""
+        if self.sharded:
+            land.wait(h2d.record())
+            land.run(self.all_gather, params, label=f"gather {label}")
+
+    def readout(self, compute, tensor: torch.Tensor) -> None:
+        """The step's readout (its loss and squared norms) summed over ranks, on the compute lane."""
+        if self.sharded:
+            compute.run(self.all_reduce, tensor)
+
+    # -- collectives -----------------------------------------------------------------------------------------------
+
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor) -> None:
         """`out` = this rank's shard of the sum of `flat` over ranks."""
         _reduce_scatter(out, flat, group=self._group_of(flat))

@@ -1,0 +1,71 @@
+"""Gradient homes: where each unit's gradient waits for its update once the backward has made it, as the placement
+says (`UnitPlacement.grad`): in its slot (resident units, and streamed edges), held in a device buffer, in its place
+in the host memory it shares with the boundary activations (pool.py), in a ring of host buffers the sliding blocks
+take turns in, or in a host buffer of its own (sliding edges). A home answers one call, `send`: queue the
+gradient there and say when each optimizer chunk of it has arrived."""
+
+from __future__ import annotations
+
+import torch
+
+from slide_memory import StagingRing, host_zeros
+
+from .lanes import Signal
+from .pool import SharedPool
+from .updates import Gradient
+
+
+class GradientHomes:
+    def __init__(self, engine):
+        e, p = engine, engine.placement
+        self.engine = e
+        self.kind = [unit.grad for unit in p.units]
+        numel = p.shapes.block_numel
+        self.held = {u: torch.zeros(numel, dtype=e.dtype, device=e.device) for u in sorted(p.held)}
+        self.pool = SharedPool(p.pooled, numel, e.dtype, e.num_blocks) if p.pooled else None
+        self.ring = StagingRing(p.ring, numel // e.ranks.size, e.dtype) if p.ring else None
+        self.own = host_zeros(e.units[0].layout.numel // e.ranks.size, e.dtype) if self.kind[0] == "own" else None
+
+    def send(self, unit: int, seat, made: Signal) -> Gradient:
+        """Queue unit's gradient (this rank's shard of it, `seat.shard`) out of its slot once compute has made it
+        (`made`): the d2h lane copies it home in the optimizer's chunks."""
+        e, kind = self.engine, self.kind[unit]
+        label = f"grads {unit - 1 if unit else 'edges'}"
+        if kind == "slot":  # updated from where it is (kept until then)
+            return Gradient(seat.slot.grads, [made])
+        e.d2h.wait(made)
+        if kind == "held":  # kept on the device for its update: a device copy frees the slot
+            buffer = self.held[unit]
+            e.d2h.run(buffer.copy_, seat.slot.grads, True, label=f"hold {label}")
+            return Gradient(buffer, [e.d2h.record()])
+        if kind == "own":
+            e.wait_for_update(unit)  # the unit's last update is done reading its buffer
+            buffer = self.own
+        elif kind == "pool":  # its own place, over boundaries the backward has read (see pool.py)
+            e.wait_for_update(unit)  # (a host update, whole, finished before its block's load already)
+            buffer = self.pool.gradient(unit - 1)
+        else:
+            buffer, previous = self.ring.take(unit)
+            if previous is not None:  # the buffer's last gradient has been used by its update (both parts), and
+                e.wait_for_update(previous)  # by its speculation (which, after a non-finite step, no update follows)
+                e.wait_for_update(previous, speculated=True)
+        return Gradient(buffer, self.copy_out(unit, buffer, seat.shard, label))
+
+    def copy_out(self, unit: int, buffer: torch.Tensor, grads: torch.Tensor, label: str) -> list[Signal]:
+        """Queue a gradient's copy to the host in the chunks the host optimizer steps, with a signal per chunk:
+        the update of a chunk starts as soon as that chunk has arrived."""
+        e, pieces = self.engine, []
+        for a, b in e.optimizer.units[unit].ranges:
+            e.d2h.run(buffer[a:b].copy_, grads[a:b], True, label=label)
+            pieces.append(e.d2h.record())
+        return pieces
+
+    def forward_begins(self, boundary_bytes: list[int]) -> None:
+        """The step's boundary activations, one micro-batch's bytes each: the pool lays itself out for them."""
+        if self.pool is not None:
+            self.pool.fit(boundary_bytes)
+
+    def step_ends(self) -> None:
+        """Nothing queued can still read a gradient in an allocation the pool replaced this step."""
+        if self.pool is not None:
+            self.pool.drop_replaced()

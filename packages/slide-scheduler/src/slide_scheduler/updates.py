@@ -1,0 +1,367 @@
+"""Update kinds: where and when a unit's AdamW update runs, as parts the step talks to through the same events.
+
+Every unit has one kind, the placement's `update`: `Resident` (on the device for good), `Host` (the optimizer
+thread: whole, split into a params and a moments part, speculated during backward, its states on disk or not) and
+`Streamed` (through device buffers as the unit next loads, with the edges' tail-only part early). The step tells
+each kind what happened, in this order:
+  before_backward()                 the backward is about to start
+  gradient_ready(unit, grad, lr)    a unit's gradient has left its slot (`grad`: where it waits, and when it is there)
+  edges_tail(chunks)                between blocks: room on the lanes for a piece of the edges' early update
+  loadable(unit)                    whether loading the unit now would queue at once
+  norm_known(grads, lr, scale)      the step's clip decision (scale 1.0 without clipping; exact when it does not act)
+  norm_not_finite()                 the clipped step changes nothing
+  load(unit, slot, chunks)          queue the unit's newest parameters into a slot, its update first where it runs
+                                    there; False where the unit's master (or copy of it) is what to load
+and the engine queues the moments parts of split updates (`Moments`) after the next forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from slide_memory import FlatAdamW, Slot, StreamedStep
+from slide_memory.adamw import CHUNK
+
+from .disk_states import SLOTS as STAGING_SLOTS
+from .lanes import DONE, Signal
+from .placement import early_reads_wait
+
+
+@dataclass
+class Gradient:
+    """Where a unit's gradient waits for its update, and when each optimizer chunk of it is there."""
+
+    buffer: torch.Tensor
+    arrived: list[Signal]
+
+
+@dataclass
+class PendingUpdate:
+    """A unit's update waiting for the unit's next load, to run on the device as it loads."""
+
+    grad: torch.Tensor
+    arrived: Signal  # the gradient is where `grad` says
+    lr: float
+    scale: float
+    chunks: list[int]  # optimizer chunks still to update
+    split: bool  # the host steps the moments afterwards (a MomentsPart)
+
+
+@dataclass
+class MomentsPart:
+    """The moments part of a split update whose params part has been queued."""
+
+    grad: torch.Tensor
+    arrived: list[Signal]  # per optimizer chunk
+    lr: float
+    scale: float
+
+
+class Moments:
+    """Split updates' moments parts, queued on the optimizer thread after the next forward, last block first (the
+    order in which backward reuses the gradient buffers, each waiting for it)."""
+
+    def __init__(self, updater):
+        self.updater = updater
+        self.due: dict[int, MomentsPart] = {}
+
+    def add(self, unit: int, part: MomentsPart) -> None:
+        self.due[unit] = part
+
+    def submit(self) -> None:
+        for unit in sorted(self.due, reverse=True):
+            due = self.due.pop(unit)
+            self.updater.submit(unit, due.grad, due.arrived, due.lr, due.scale, part="moments")
+
+
+class UpdateKind:
+    """The events every kind answers; a kind acts on those that concern it."""
+
+    def __init__(self, engine, units):
+        self.engine = engine
+        self.units = sorted(units)
+
+    def before_backward(self) -> None:
+        pass
+
+    def gradient_ready(self, unit: int, grad: Gradient, lr: float) -> None:
+        pass
+
+    def edges_tail(self, chunks: int | None = 1) -> bool:
+        return False
+
+    def loadable(self, unit: int) -> bool:
+        return self.engine.updater.ready(unit, params_only=True)
+
+    def norm_known(self, grads: dict[int, Gradient], lr: float, scale: float) -> None:
+        pass
+
+    def norm_not_finite(self) -> None:
+        pass
+
+    def load(self, unit: int, slot: Slot, chunks: list[int] | None = None) -> bool:
+        return False
+
+    def flush(self) -> None:
+        pass
+
+
+class Resident(UpdateKind):
+    """Units on the device for good: fp32 master and AdamW there, updated on the compute lane once the norm is
+    known, from the gradient in their slot."""
+
+    def __init__(self, engine, units):
+        super().__init__(engine, units)
+        e = engine
+        self.optimizers: dict[int, FlatAdamW] = {}
+        if self.units:
+            largest = max(e.units[u].layout.numel for u in self.units)
+            scratch = torch.empty(min(CHUNK, largest), dtype=torch.float32, device=e.device)
+            for u in self.units:
+                master = e.units[u].master.to(e.device, copy=True)
+                self.optimizers[u] = FlatAdamW(master, e.config.optimizer, scratch)
+
+    def loadable(self, unit: int) -> bool:
+        return True
+
+    def norm_known(self, grads: dict[int, Gradient], lr: float, scale: float) -> None:
+        e = self.engine
+        with e.timeline.span("compute", "update resident", e.compute.stream):
+            for u, opt in self.optimizers.items():
+                slot = e.slot_of(u)
+                opt.step(slot.grads, lr, scale)
+                slot.params.copy_(opt.master)
+
+
+class Host(UpdateKind):
+    """Units updated on the optimizer thread. Without clipping a block's update starts as soon as its gradient
+    reaches the host; with clipping every update waits for the norm, split where the placement says (the next
+    forward waits only for new masters). A speculating block also runs its clipped update during backward as if
+    clipping will not act, writing only its parameters; when it does not act its next loads take those, and the
+    update proper runs whole after the others. A step whose clipping acted is followed by one that does not
+    speculate (the next norm is most likely over the limit too), until a step's clipping does not act again.
+    Blocks whose moments (and master) live on disk have them read in ahead of their updates."""
+
+    def __init__(self, engine, units):
+        super().__init__(engine, units)
+        e, p = engine, engine.placement
+        self.disk = e.disk
+        self.on_disk = sorted(set(self.units) & p.on_disk)
+        self.split = {u for u in self.units if p.units[u].split}
+        self.speculative = {u: e.speculative[u] for u in self.units if u in e.speculative}
+        self.from_speculation: set[int] = set()  # blocks whose loads take their speculated parameters
+        self.speculating = True
+        self.speculation = "off"  # the last step's: held, discarded, or off
+
+    def before_backward(self) -> None:
+        e = self.engine
+        if self.disk is None:
+            return
+        if not e.clip:  # moments from disk, in the order backward will submit their updates
+            for u in reversed(self.on_disk):
+                self.disk.fetch(u)
+        elif not early_reads_wait(e.placement):  # the first clipped updates' states are read under the backward,
+            for u in self.on_disk[:STAGING_SLOTS]:  # one per staging slot
+                self.disk.fetch(u)
+
+    def gradient_ready(self, unit: int, grad: Gradient, lr: float) -> None:
+        e = self.engine
+        if unit == 0:  # (the edges' update waits for the step's end: nothing reads their gradient before)
+            return
+        if not e.clip:  # the update starts as soon as its first piece is on the host
+            e.updater.submit(unit, grad.buffer, grad.arrived, lr, 1.0, into=e.units[unit].params)
+        elif unit in self.speculative and self.speculating:
+            # As if clipping will not act: only new parameters are written (over the ones its loads took: until
+            # this step says otherwise, later loads take the master)
+            self.from_speculation.discard(unit)
+            e.updater.submit(unit, grad.buffer, grad.arrived, lr, 1.0, part="speculate",
+                             into=self.speculative[unit])
+
+    def norm_known(self, grads: dict[int, Gradient], lr: float, scale: float) -> None:
+        e = self.engine
+        # Clipping that does not act multiplies by exactly 1: the speculated parameters are the update's own
+        acted = bool(e.clip) and scale != 1.0
+        tried = bool(e.clip and self.speculative and self.speculating)
+        held = set(self.speculative) if tried and not acted else set()
+        self._speculated(tried, held, acted)
+        if e.clip and self.disk:  # their moments start coming in, in the order the updates below will run
+            for u in self.on_disk:
+                self.disk.fetch(u)
+        for u in self.units:
+            if u in held:
+                continue  # below, after the updates the next forward waits for
+            if u == 0 or e.clip:  # without clipping, sliding blocks were submitted during backward
+                g, split = grads[u], u in self.split
+                e.updater.submit(u, g.buffer, g.arrived, lr, scale, part="params" if split else "all",
+                                 into=e.units[u].params)
+                if split:
+                    e.moments.add(u, MomentsPart(g.buffer, g.arrived, lr, scale))
+        # Whole, last block first: the next backward reuses the last block's gradient buffer first
+        for u in sorted(held, reverse=True):
+            e.updater.submit(u, grads[u].buffer, grads[u].arrived, lr, scale)
+        self.from_speculation = held
+        if 0 in self.units:
+            e.edges_stale()
+
+    def norm_not_finite(self) -> None:
+        self._speculated(bool(self.engine.clip and self.speculative and self.speculating), set(), True)
+        self.from_speculation = set()
+        if self.disk is not None:  # no update follows: the states read for them stay as they are on disk
+            self.disk.call_off()
+
+    def _speculated(self, tried: bool, held: set[int], acted: bool) -> None:
+        self.speculation = "off" if not tried else "held" if held else "discarded"
+        self.speculating = not acted
+
+    def load(self, unit: int, slot: Slot, chunks: list[int] | None = None) -> bool:
+        """Speculated parameters, where this step's clipping did not act; else the master (or its copy)."""
+        e = self.engine
+        if unit not in self.from_speculation:
+            return False
+        e.wait_for_update(unit, speculated=True)
+        e.h2d.run(e.shard_of_slot(unit, slot).copy_, self.speculative[unit], True,
+                  label=f"params {unit - 1 if unit else None} (speculated)")
+        return True
+
+    def loadable(self, unit: int) -> bool:
+        """Whether loading `unit` would queue at once (its update's params part, or its speculation, is done)."""
+        e = self.engine
+        if unit in self.from_speculation:
+            return e.updater.speculated[unit].is_set()
+        return e.updater.ready(unit, params_only=True)
+
+    def flush(self) -> None:
+        self.from_speculation = set()
+
+
+class Streamed(UpdateKind):
+    """Units updated on the device as they next load: master, moments and gradient streamed in piece by piece
+    over h2d, stepped on the land lane, the new master (and moments, unless split) home on the store lane. The
+    edges' tail-only part (final norm, untied lm head) updates apart from the rest: its gradient is final after the
+    tail and nothing reads it before the next tail, so without clipping it updates during backward, and with
+    clipping after the next forward's loads; only the part the head reads stands between one step and the next."""
+
+    def __init__(self, engine, units, tail_chunks: list[int]):
+        super().__init__(engine, units)
+        e = engine
+        self.split = {u for u in self.units if e.placement.units[u].split}
+        self.tail = list(tail_chunks)  # the edges' optimizer chunks only the tail reads
+        self.buffers = [StreamedStep(e.placement.stream_piece_numel, e.config.optimizer, e.device, e.dtype)
+                        for _ in range(e.placement.stream_buffers if self.units else 0)]
+        self.buffer_free = [DONE] * len(self.buffers)  # each buffer's last store has left
+        self.next_buffer = 0
+        self.pending: dict[int, PendingUpdate] = {}  # unit -> its update, to run at its next load
+        self.written: dict[int, Signal] = {}  # unit -> what its device update stores is back on the host
+
+    def tail_final(self, lr: float) -> None:
+        """Without clipping the edges' tail-only gradient is final after the tail: it updates during backward."""
+        e = self.engine
+        if not e.clip and self.tail:
+            self.pending[0] = PendingUpdate(e.edge_slot.grads, e.compute.record(), lr, 1.0, list(self.tail), False)
+
+    def edges_tail(self, chunks: int | None = 1) -> bool:
+        """Queue `chunks` more optimizer chunks (None: all that are left) of the edges' pending tail-only update;
+        False when none is pending. (Outside the edges' own load, the only pending edges update is that part.)"""
+        if 0 not in self.pending:
+            return False
+        todo = self.pending[0].chunks
+        self.update_on_device(0, self.engine.edge_slot, todo if chunks is None else todo[:chunks])
+        return True
+
+    def loadable(self, unit: int) -> bool:
+        """A pending device update waits for the host's moments part of the last one; a load, for its master."""
+        return self.engine.updater.ready(unit, params_only=unit not in self.pending)
+
+    def head_chunks(self) -> list[int] | None:
+        """The edges' chunks their load updates now (the tail-only part waits); None: no update pending."""
+        return [k for k in self.pending[0].chunks if k not in self.tail] if 0 in self.pending else None
+
+    def norm_known(self, grads: dict[int, Gradient], lr: float, scale: float) -> None:
+        e = self.engine
+        for u in self.units:
+            chunks = range(len(e.optimizer.units[u].ranges))
+            if u == 0 and not e.clip:  # the tail-only part is done already
+                chunks = [k for k in chunks if k not in self.tail]
+            self.pending[u] = PendingUpdate(grads[u].buffer, grads[u].arrived[-1], lr, scale, list(chunks),
+                                            u in self.split)
+        if 0 in self.units:
+            e.edges_stale()
+
+    def load(self, unit: int, slot: Slot, chunks: list[int] | None = None) -> bool:
+        if unit not in self.pending:
+            return False
+        self.update_on_device(unit, slot, chunks)
+        return True
+
+    def update_on_device(self, unit: int, slot: Slot | None, chunks: list[int] | None = None) -> None:
+        """Queue unit's pending update on the device (only optimizer `chunks` of it, if given), writing the new
+        parameters into `slot` (if any)."""
+        e = self.engine
+        pending = self.pending.pop(unit)
+        grad, arrived, lr, scale, split = pending.grad, pending.arrived, pending.lr, pending.scale, pending.split
+        chunks = pending.chunks if chunks is None else chunks
+        if rest := [k for k in pending.chunks if k not in chunks]:
+            self.pending[unit] = dataclasses.replace(pending, chunks=rest)
+        opt = e.optimizer.units[unit]
+        name = unit - 1 if unit else "edges"
+        e.wait_for_update(unit)  # the host's moments part of its last update is done with m and v
+        e.h2d.wait(arrived)
+        e.h2d.wait(self.written.get(unit, DONE))
+        piece = self.buffers[0].numel
+        for k in chunks:
+            (a, b), step = opt.ranges[k], opt.steps[k]
+            count = int(step)
+            for start in range(a, b, piece):
+                end = min(start + piece, b)
+                n = self.next_buffer
+                buf = self.buffers[n]
+                self.next_buffer = (n + 1) % len(self.buffers)
+                e.h2d.wait(self.buffer_free[n])
+                e.h2d.run(buf.load, opt, start, end, grad, label=f"update {name}")
+                e.land.wait(e.h2d.record())
+                e.land.run(step_piece, buf, start, end, grad, count, lr, scale, slot, label=f"update {name}")
+                e.store.wait(e.land.record())
+                e.store.run(buf.store, opt, start, end, not split, label=f"store {name}")
+                self.buffer_free[n] = e.store.record()
+            step += 1  # host bookkeeping of the chunk's AdamW step count (in place: the chunk's state)
+        if split:  # m and v stay as they were: the host steps them once they have been read (and, so that a failed
+            # device step stops the host's part too, once the steps are done)
+            e.moments.add(unit, MomentsPart(grad, [e.landed()] * len(opt.ranges), lr, scale))
+        self.written[unit] = e.store.record()
+        if slot is not None:
+            slot.unit = unit - 1 if unit else None
+
+    def home(self, unit: int) -> Signal:
+        """When what the unit's last device update stores is back on the host."""
+        return self.written.get(unit, DONE)
+
+    def flush(self) -> None:
+        """Run the device updates still waiting for their unit's next load, and wait until all are home."""
+        for unit in list(self.pending):
+            self.update_on_device(unit, None)
+        self.engine.moments.submit()
+        for signal in self.written.values():
+            signal.wait_host()
+
+
+def step_piece(buf: StreamedStep, start: int, end: int, grad: torch.Tensor, count: int, lr: float, scale: float,
+               slot: Slot | None) -> None:
+    """The device's part of a streamed update piece, once `buf.load` has landed it: AdamW, then the new
+    parameters into the slot (if any)."""
+    buf.step(start, end, grad, count, lr, scale)
+    if slot is not None:
+        slot.params[start:end].copy_(buf.param[: end - start])
+
+
+def clip_scale(clip: float | None, grad_norm: float) -> float:
+    """The factor gradients are scaled by: torch's clip_grad_norm_ factor, exactly 1.0 where clipping does not
+    act (or is off); NaN for a non-finite norm."""
+    if not clip:
+        return 1.0
+    if not math.isfinite(grad_norm):
+        return math.nan
+    return min(1.0, clip / (grad_norm + 1e-6))
