@@ -16,7 +16,18 @@ import slide_io.kvikio_path as kvikio_path
 import slide_scheduler.probe as probe_module
 from slide_io import PathChoice, PathRates, kvikio_choice
 from slide_scheduler.machine import Gpu, Machine, Pcie
-from slide_scheduler.probe import QUICK, Lane, LaneRun, mix_lanes, probe, probe_disk, probe_host, run_mix
+from slide_scheduler.probe import (
+    QUICK,
+    Lane,
+    LaneRun,
+    last_level_cache_bytes,
+    mix_lanes,
+    past_cache,
+    probe,
+    probe_disk,
+    probe_host,
+    run_mix,
+)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -82,14 +93,22 @@ class ThreadClock:
     waiting); a thread's clock starts where its maker's stood when it first read it."""
 
     def __init__(self):
-        self._maker = threading.get_ident()
-        self._now = {self._maker: 0.0}
+        self._maker = threading.current_thread()
+        self._main = 0.0
+        self._local = threading.local()  # (per thread object: a new thread never inherits a finished one's time)
 
     def __call__(self) -> float:
-        return self._now.setdefault(threading.get_ident(), self._now[self._maker])
+        if threading.current_thread() is self._maker:
+            return self._main
+        if not hasattr(self._local, "now"):
+            self._local.now = self._main
+        return self._local.now
 
     def advance(self, seconds: float) -> None:
-        self._now[threading.get_ident()] = self() + seconds
+        if threading.current_thread() is self._maker:
+            self._main += seconds
+        else:
+            self._local.now = self() + seconds
 
 
 def test_the_mix_counts_each_lanes_ops_bytes_and_time():
@@ -114,11 +133,20 @@ def test_the_mix_counts_each_lanes_ops_bytes_and_time():
 
 
 def test_the_lanes_run_at_once():
-    # Each op waits for the other lane's op: one lane at a time would never get past the barrier.
-    barrier = threading.Barrier(2, timeout=10)
-    lanes = [Lane(name, barrier.wait, nbytes=1, warmup=0) for name in ("x", "y")]
-    runs = run_mix(lanes, seconds=0.05)
+    lock = threading.Lock()
+    inside = {"now": 0, "most": 0}
+
+    def op():
+        with lock:
+            inside["now"] += 1
+            inside["most"] = max(inside["most"], inside["now"])
+        time.sleep(0.01)
+        with lock:
+            inside["now"] -= 1
+
+    runs = run_mix([Lane(name, op, nbytes=1, warmup=0) for name in ("x", "y")], seconds=0.2)
     assert [run.name for run in runs] == ["x", "y"] and all(run.ops >= 1 for run in runs)
+    assert inside["most"] == 2  # one lane's op ran while the other's did
 
 
 def test_a_failing_lane_stops_the_mix_and_raises():
@@ -159,15 +187,70 @@ def test_host_memory_is_the_sum_of_the_lanes(monkeypatch):
     seen = {}
 
     def fake_run_mix(lanes, seconds):
-        seen["lanes"], seen["seconds"] = [lane.name for lane in lanes], seconds
+        seen["lanes"] = [(lane.name, lane.warmup) for lane in lanes]
+        seen["seconds"] = seconds
         return [LaneRun("adamw", 10, 52e9, 1.0), LaneRun("to_device", 20, 40e9, 1.0),
                 LaneRun("from_device", 20, 40e9, 0.8)]
 
-    sizes = dataclasses.replace(QUICK, adamw_params=1 << 10, memory_bytes=4096)
+    def fake_wall_seconds(fn, reps, warmup, budget):
+        seen["alone"] = (reps, warmup, budget)
+        return 0.5
+
+    sizes = dataclasses.replace(QUICK, adamw_params=1 << 20, memory_bytes=4096)
     monkeypatch.setattr(probe_module, "run_mix", fake_run_mix)
+    monkeypatch.setattr(probe_module, "_wall_seconds", fake_wall_seconds)
     host = probe_host(sizes, "cpu")
     assert host.memory_gbps == 52 + 40 + 50  # every lane's bytes over its own time, summed
-    assert seen == {"lanes": ["adamw", "to_device", "from_device"], "seconds": sizes.mix_seconds}
+    assert host.adamw_gparams == float(f"{(1 << 20) / 0.5 / 1e9:.3g}")  # AdamW timed alone, before the mix
+    # The AdamW warmed up when it was timed alone; the copies warm up in the mix.
+    assert seen == {"alone": (sizes.reps, 2, sizes.mix_seconds), "seconds": sizes.mix_seconds,
+                    "lanes": [("adamw", 0), ("to_device", 1), ("from_device", 1)]}
+
+
+def test_timing_alone_stops_at_its_budget(monkeypatch):
+    now = {"t": 0.0}
+    monkeypatch.setattr(probe_module.time, "perf_counter", lambda: now["t"])
+    calls = []
+
+    def step(seconds):
+        def run():
+            calls.append(seconds)
+            now["t"] += seconds
+        return run
+
+    # (binary fractions: the clock's differences come out exact)
+    assert probe_module._wall_seconds(step(0.375), reps=5, warmup=2, budget=1.0) == 0.375
+    assert len(calls) == 2 + 3  # timed runs until 1.125 s had passed, not five
+    calls.clear()
+    assert probe_module._wall_seconds(step(0.125), reps=5, warmup=1, budget=1.0) == 0.125
+    assert len(calls) == 1 + 5
+
+
+def write_cache(root, cpu, index, level, kind, size, shared):
+    folder = root / f"cpu{cpu}" / "cache" / f"index{index}"
+    folder.mkdir(parents=True)
+    for name, value in (("level", level), ("type", kind), ("size", size), ("shared_cpu_list", shared)):
+        (folder / name).write_text(f"{value}\n")
+
+
+def test_last_level_caches_are_summed_once_each(tmp_path):
+    # Two sockets of two cores: an L3 of 32 MiB per socket (listed by each of its cores), an L2 per core.
+    for cpu in range(4):
+        socket = "0-1" if cpu < 2 else "2-3"
+        write_cache(tmp_path, cpu, 0, 1, "Data", "48K", str(cpu))
+        write_cache(tmp_path, cpu, 1, 1, "Instruction", "64K", str(cpu))
+        write_cache(tmp_path, cpu, 2, 2, "Unified", "2048K", str(cpu))
+        write_cache(tmp_path, cpu, 3, 3, "Unified", "32768K", socket)
+    assert last_level_cache_bytes(str(tmp_path)) == 64 * MIB
+    assert last_level_cache_bytes(str(tmp_path / "nothing")) == 0
+
+
+def test_the_adamw_spans_past_the_caches():
+    sizes = dataclasses.replace(QUICK, adamw_params=16 << 20)
+    assert past_cache(sizes, cache_bytes=0) == sizes  # no cache reported: the sizes as they are
+    assert past_cache(sizes, cache_bytes=32 * MIB).adamw_params == 16 << 20  # 224 MB already spans 64 MiB
+    grown = past_cache(sizes, cache_bytes=480 * MIB).adamw_params
+    assert grown % MIB == 0 and grown * 14 >= 2 * 480 * MIB > (grown - MIB) * 14
 
 
 def test_the_quick_mix_stays_short():
@@ -279,8 +362,8 @@ def test_quick_probe_on_a_gpu(tmp_path):
 
 @pytest.mark.gpu
 def test_dma_lanes_count_the_bytes_that_cross():
-    sizes = dataclasses.replace(QUICK, adamw_params=1 << 16, pcie_bytes=4 * MIB, mix_seconds=0.2)
+    sizes = dataclasses.replace(QUICK, adamw_params=1 << 16, memory_bytes=4 * MIB, mix_seconds=0.2)
     lanes = {lane.name: lane for lane in mix_lanes(sizes, "cuda")}
-    assert lanes["to_device"].nbytes == lanes["from_device"].nbytes == 4 * sizes.pcie_bytes  # four copies a call
+    assert lanes["to_device"].nbytes == lanes["from_device"].nbytes == 4 * sizes.memory_bytes  # four copies a call
     runs = run_mix(list(lanes.values()), sizes.mix_seconds)
     assert all(run.ops >= 1 and run.gbps > 0 for run in runs)

@@ -6,6 +6,9 @@ AdamW, host AdamW, store I/O through each path slide-io can take).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import glob
+import math
 import os
 import shutil
 import statistics
@@ -33,8 +36,8 @@ class Sizes:
 
     gemm_n: int
     gemm_reps: int
-    pcie_bytes: int
-    memory_bytes: int
+    pcie_bytes: int  # each PCIe copy's, measured alone
+    memory_bytes: int  # each copy's in the host memory mix
     adamw_params: int
     disk_bytes: int
     reps: int
@@ -42,11 +45,16 @@ class Sizes:
     disk_reps: int = 3  # timed writes and reads of `disk_bytes` per disk path
 
 
-# The disk moves 1 GiB per path: shorter transfers read faster than a step's states sustain (a drive's cache).
+# The disk moves 1 GiB per path: shorter transfers read faster than a step's states sustain.
 FULL = Sizes(gemm_n=8192, gemm_reps=20, pcie_bytes=512 * MIB, memory_bytes=512 * MIB, adamw_params=64 << 20,
              disk_bytes=GIB, reps=5, mix_seconds=3.0, disk_reps=3)
 QUICK = Sizes(gemm_n=4096, gemm_reps=10, pcie_bytes=64 * MIB, memory_bytes=128 * MIB, adamw_params=16 << 20,
-              disk_bytes=128 * MIB, reps=5, mix_seconds=1.0, disk_reps=3)
+              disk_bytes=128 * MIB, reps=3, mix_seconds=1.0, disk_reps=3)
+# The AdamW's master, m, v and gradient (14 bytes a parameter) span at least this many times the machine's
+# last-level caches: from a cache it runs several times faster than from memory (16 Mi parameters, 224 MB,
+# measured 2.3x the rate of 64 Mi on an H100 host and 7x on a 2-core VM that reports 480 MB of L3).
+PAST_CACHE = 2
+ADAMW_FOOTPRINT = 14
 
 
 def probe(disk_dir: str | os.PathLike[str] | None = None, device: torch.device | str | None = None,
@@ -57,17 +65,25 @@ def probe(disk_dir: str | os.PathLike[str] | None = None, device: torch.device |
     Takes well under a minute; `quick` uses smaller sizes and takes a few seconds. Without a CUDA device the
     GPU and PCIe figures are 0.
     """
-    sizes = QUICK if quick else FULL
+    sizes = past_cache(QUICK if quick else FULL)
     device = _device(device)
     gpu, pcie = (probe_gpu(device, sizes), probe_pcie(device, sizes)) if device.type == "cuda" else (Gpu(), Pcie())
     return Machine(gpu=gpu, host=probe_host(sizes, device), pcie=pcie, disk=probe_disk(disk_dir, quick=quick))
 
 
 def probe_host(sizes: Sizes = FULL, device: torch.device | str | None = None) -> Host:
-    """Host memory and cores as the OS reports them, what host memory moves under a step's mix (copies to and
-    from `device` beside the AdamW threads: `host_memory_gbps`) and fused AdamW throughput alone."""
+    """Host memory and cores as the OS reports them, fused AdamW throughput alone, and what host memory moves
+    under a step's mix: copies to and from `device` beside the AdamW threads, the sum of what each moves
+    (`mix_lanes`, `run_mix`). One streaming copy alone understates the mix: DMA engines and cores each reach only
+    part of the memory's bandwidth."""
+    lanes = mix_lanes(sizes, device)
+    adamw = lanes[0]  # timed alone first, on the buffers the mix then uses (one allocation for both)
+    # (a slow host's steps over a buffer past its cache take long: the timed ones stop after the mix's time)
+    alone_s = _wall_seconds(adamw.op, sizes.reps, warmup=adamw.warmup, budget=sizes.mix_seconds)
+    runs = run_mix([dataclasses.replace(adamw, warmup=0), *lanes[1:]], sizes.mix_seconds)
     return Host(memory_gib=_figure(host_memory_bytes() / GIB), cores=host_cores(),
-                memory_gbps=_figure(host_memory_gbps(sizes, device)), adamw_gparams=_figure(_adamw_gparams(sizes)))
+                memory_gbps=_figure(sum(run.gbps for run in runs)),
+                adamw_gparams=_figure(sizes.adamw_params / alone_s / 1e9))
 
 
 def probe_gpu(device: torch.device, sizes: Sizes = FULL) -> Gpu:
@@ -140,6 +156,43 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu") -> int:
+    """The bytes of this machine's last-level caches together (each shared cache counted once), as Linux's sysfs
+    under `root` lists them; 0 where it says nothing."""
+    caches: dict[tuple[int, str], int] = {}
+    for index in glob.glob(os.path.join(root, "cpu[0-9]*", "cache", "index[0-9]*")):
+        try:
+            with open(os.path.join(index, "type")) as file:
+                if file.read().strip() == "Instruction":
+                    continue
+            with open(os.path.join(index, "level")) as file:
+                level = int(file.read())
+            with open(os.path.join(index, "shared_cpu_list")) as file:
+                shared = file.read().strip()
+            with open(os.path.join(index, "size")) as file:
+                size = _cache_size(file.read().strip())
+        except (OSError, ValueError):  # (a cache entry this kernel describes differently)
+            continue
+        caches[level, shared] = size
+    top = max((level for level, _ in caches), default=0)
+    return sum(size for (level, _), size in caches.items() if level == top)
+
+
+def past_cache(sizes: Sizes, cache_bytes: int | None = None) -> Sizes:
+    """`sizes` with the AdamW's buffers spanning at least PAST_CACHE times the last-level caches (`cache_bytes`,
+    by default this machine's), so that the host figures are of memory, not of a cache."""
+    cache_bytes = last_level_cache_bytes() if cache_bytes is None else cache_bytes
+    needed = math.ceil(PAST_CACHE * cache_bytes / ADAMW_FOOTPRINT / MIB) * MIB  # (whole Mi of parameters)
+    return dataclasses.replace(sizes, adamw_params=max(sizes.adamw_params, needed))
+
+
+def _cache_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if text[-1:].upper() in units:
+        return int(text[:-1]) * units[text[-1].upper()]
+    return int(text)
+
+
 # -- measurements ---------------------------------------------------------------------------------------------
 
 
@@ -157,12 +210,13 @@ def _figure(value: float) -> float:
     return float(f"{value:.3g}")
 
 
-def _wall_seconds(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
-    """Median wall time of `fn` over `reps` runs, after `warmup` untimed ones (first-touch page faults, caches)."""
+def _wall_seconds(fn: Callable[[], object], reps: int, warmup: int = 1, budget: float = math.inf) -> float:
+    """Median wall time of `fn` over `reps` runs, after `warmup` untimed ones (first-touch page faults, caches);
+    fewer runs (at least one) once the timed ones have taken `budget` seconds."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
+    times: list[float] = []
+    while len(times) < max(reps, 1) and (not times or sum(times) < budget):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -274,31 +328,25 @@ def run_mix(lanes: list[Lane], seconds: float, clock: Callable[[], float] = time
     return [run for run in runs if run is not None]
 
 
-def host_memory_gbps(sizes: Sizes = FULL, device: torch.device | str | None = None) -> float:
-    """GB/s host memory moves under a training step's mix: copies to and from the device both at once beside
-    the host AdamW on all of torch's threads, the sum of what each moves (`mix_lanes`, `run_mix`). One streaming
-    copy alone understates it: DMA engines and cores each reach only part of the memory's bandwidth."""
-    return sum(run.gbps for run in run_mix(mix_lanes(sizes, device), sizes.mix_seconds))
-
-
 def mix_lanes(sizes: Sizes, device: torch.device | str | None = None) -> list[Lane]:
-    """The lanes of a step's host traffic. With a CUDA `device`: pinned host->device and device->host copies on
-    a stream each (a byte crossing reads or writes host memory once). Without one: a host copy in each
-    direction stands in for them, on one core each, as a DMA engine takes no cores from the update (a byte
-    copied is read and written: twice). And the host AdamW over a flat fp32 master with a bf16 gradient, which
-    reads master, m, v and the gradient and writes master, m and v: 26 bytes per parameter."""
+    """The lanes of a step's host traffic, the AdamW's first: the host AdamW over a flat fp32 master with a bf16
+    gradient, which reads master, m, v and the gradient and writes master, m and v (26 bytes per parameter). With a
+    CUDA `device`, pinned host->device and device->host copies on a stream each (a byte crossing reads or writes
+    host memory once). Without one, a host copy in each direction stands in for them, on one core each, as a DMA
+    engine takes no cores from the update (a byte copied is read and written: twice)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     lanes = [_adamw_lane(sizes.adamw_params)]
     if device.type == "cuda":
-        lanes += _dma_lanes(device, sizes.pcie_bytes)
+        lanes += _dma_lanes(device, sizes.memory_bytes)
     else:
         lanes += [_host_copy_lane("to_device", sizes.memory_bytes), _host_copy_lane("from_device", sizes.memory_bytes)]
     return lanes
 
 
 def _adamw_lane(numel: int) -> Lane:
-    master = torch.randn(numel)
-    grad = torch.randn(numel, dtype=torch.bfloat16)
+    # (the kernel's time does not depend on the values, and filling is quicker than drawing random numbers)
+    master = torch.full((numel,), 0.5)
+    grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16)
     optimizer = HostAdamW([master], AdamWConfig(lr=1e-4, weight_decay=0.01))
     moved = numel * (3 * 2 * master.element_size() + grad.element_size())
     return Lane("adamw", lambda: optimizer.step_unit(0, grad, lr=1e-4), moved, warmup=2)
@@ -330,16 +378,6 @@ def _dma_lanes(device: torch.device, nbytes: int, copies: int = 4) -> list[Lane]
 
         lanes.append(Lane(name, op, copies * nbytes))
     return lanes
-
-
-def _adamw_gparams(sizes: Sizes) -> float:
-    n = sizes.adamw_params
-    master = torch.randn(n)
-    grad = torch.randn(n, dtype=torch.bfloat16)  # gradients reach the host in the compute dtype
-    optimizer = HostAdamW([master], AdamWConfig(lr=1e-4, weight_decay=0.01))
-    # The first steps of a fresh optimizer run slower (its states and scratch settle in memory): two go untimed.
-    seconds = _wall_seconds(lambda: optimizer.step_unit(0, grad, lr=1e-4), sizes.reps, warmup=2)
-    return n / seconds / 1e9
 
 
 def _aligned_bytes(nbytes: int) -> torch.Tensor:
