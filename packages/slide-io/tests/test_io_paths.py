@@ -97,6 +97,8 @@ def test_real_probes_on_this_machine(tmp_path, monkeypatch):
     (tmp_path / "kvikio" / "defaults.py").write_text("def is_compat_mode_preferred():\n    return True\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "kvikio")
+    # (a real kvikio imported by an earlier test left its submodule, which the import would find instead)
+    monkeypatch.delitem(sys.modules, "kvikio.defaults", raising=False)
     try:
         found = kp._import_kvikio()
         assert found is not None and kp.compat_preferred(found) is True
