@@ -1,5 +1,7 @@
 """Independent float64 references in plain torch (no slide_kernels code, no transformers)."""
 
+import math
+
 import torch
 
 
@@ -23,9 +25,25 @@ def rope_ref(q, k, cos, sin, unsqueeze_dim=1):
     return q * cos + rot(q) * sin, k * cos + rot(k) * sin
 
 
+def partial_rope_ref(q, k, cos, sin, unsqueeze_dim=1):
+    """The first cos.shape[-1] dims rotate, the rest pass (Phi-3's partial rotary)."""
+    rot = cos.shape[-1]
+    qr, kr = rope_ref(q[..., :rot], k[..., :rot], cos, sin, unsqueeze_dim)
+    return torch.cat([qr, q[..., rot:].double()], -1), torch.cat([kr, k[..., rot:].double()], -1)
+
+
 def swiglu_ref(a, b):
     a = a.double()
     return a * torch.sigmoid(a) * b.double()
+
+
+def gelu_tanh_ref(a):
+    a = a.double()
+    return 0.5 * a * (1 + torch.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a**3)))
+
+
+def geglu_ref(a, b):
+    return gelu_tanh_ref(a) * b.double()
 
 
 def linear_ce_ref(hidden, weight, labels, bias=None, ignore_index=-100, reduction="mean", normalizer=None,

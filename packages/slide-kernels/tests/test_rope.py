@@ -1,6 +1,6 @@
 import pytest
 import torch
-from kernels_reference import max_err, rope_ref
+from kernels_reference import max_err, partial_rope_ref, rope_ref
 
 import slide_kernels as sk
 
@@ -56,6 +56,64 @@ def test_transposed_views(path):
     qr2, kr2 = rope_ref(b2.transpose(1, 2), k2.transpose(1, 2), cos, sin)
     (qr2.sum() + 2 * kr2.sum()).backward()
     assert max_err(base.grad, b2.grad) < 1e-5 and max_err(kbase.grad, k2.grad) < 1e-5
+
+
+@pytest.mark.parametrize("unsqueeze_dim, rotary, cos_batch", [(1, 12, None), (2, 6, 2), (1, 16, 1)])
+def test_partial_rotary_forward_backward_fp32(path, unsqueeze_dim, rotary, cos_batch):
+    """Phi-3's partial rotary: of 16 dims per head the first `rotary` rotate and the rest pass (16 of 16: all
+    rotate, as `rope` does)."""
+    torch.manual_seed(3)
+    q, k, _, _ = _inputs(2, 5, 3, 13, 16, unsqueeze_dim, None)
+    _, _, cos, sin = _inputs(2, 1, 1, 13, rotary, 1, cos_batch)
+    qo, ko = sk.partial_rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    dq, dk = torch.randn_like(qo), torch.randn_like(ko)
+    ((qo * dq).sum() + (ko * dk).sum()).backward()
+    qr, kr = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    c, s = (cos, sin) if cos_batch else (cos[None], sin[None])
+    qor, kor = partial_rope_ref(qr, kr, c, s, unsqueeze_dim)
+    ((qor * dq.double()).sum() + (kor * dk.double()).sum()).backward()
+    assert qo.shape == q.shape and ko.shape == k.shape
+    for a, b in ((qo, qor), (ko, kor), (q.grad, qr.grad), (k.grad, kr.grad)):
+        assert max_err(a, b) < 1e-5
+    if rotary == 16:
+        qf, kf = sk.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        assert torch.equal(qf, qo) and torch.equal(kf, ko)
+    else:  # the passed dims are the inputs' own values, and their gradient is the upstream one
+        assert torch.equal(qo[..., rotary:], q[..., rotary:]) and torch.equal(k.grad[..., rotary:], dk[..., rotary:])
+
+
+def test_partial_rotary_on_transposed_views(path):
+    torch.manual_seed(4)
+    base = torch.randn(2, 9, 4, 10, requires_grad=True)
+    kbase = torch.randn(2, 9, 2, 10, requires_grad=True)
+    _, _, cos, sin = _inputs(2, 1, 1, 9, 4, 1, 2)
+    qo, ko = sk.partial_rope(base.transpose(1, 2), kbase.transpose(1, 2), cos, sin)
+    (qo.sum() + 2 * ko.sum()).backward()
+    b2, k2 = base.detach().double().requires_grad_(), kbase.detach().double().requires_grad_()
+    qr, kr = partial_rope_ref(b2.transpose(1, 2), k2.transpose(1, 2), cos, sin)
+    (qr.sum() + 2 * kr.sum()).backward()
+    assert max_err(qo, qr) < 1e-5 and max_err(ko, kr) < 1e-5
+    assert max_err(base.grad, b2.grad) < 1e-5 and max_err(kbase.grad, k2.grad) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_partial_bf16_tolerance():
+    torch.manual_seed(0)
+    q, k, _, _ = _inputs(2, 24, 8, 333, 128, 1, None, torch.bfloat16, "cuda")
+    _, _, cos, sin = _inputs(2, 1, 1, 333, 96, 1, 2, torch.bfloat16, "cuda")
+    from slide_kernels.ops.rope import partial_rope_torch
+    dq, dk = torch.randn_like(q), torch.randn_like(k)
+    outs = []
+    for fn in (sk.partial_rope, partial_rope_torch):
+        q.grad = k.grad = None
+        qo, ko = fn(q, k, cos, sin)
+        ((qo * dq).sum() + (ko * dk).sum()).backward()
+        outs.append((qo, ko, q.grad, k.grad))
+    qr, kr = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    qor, kor = partial_rope_ref(qr, kr, cos, sin)
+    ((qor * dq.double()).sum() + (kor * dk.double()).sum()).backward()
+    for ours, peer, ref in zip(outs[0], outs[1], (qor, kor, qr.grad, kr.grad)):
+        assert max_err(ours, ref) <= 1.1 * max_err(peer, ref) + 1e-3
 
 
 @pytest.mark.gpu

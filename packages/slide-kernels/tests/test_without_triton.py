@@ -10,7 +10,7 @@ import pathlib
 import subprocess
 import sys
 
-OPS = ["rms_norm", "swiglu", "rope", "linear_cross_entropy"]
+OPS = ["rms_norm", "swiglu", "swiglu_gate_up", "geglu", "rope", "partial_rope", "linear_cross_entropy"]
 
 
 class _NoTriton(importlib.abc.MetaPathFinder):
@@ -52,7 +52,7 @@ def _check(name, op, ref, *inputs, tol=1e-4):
 
 def _check_ops() -> None:
     import torch
-    from kernels_reference import linear_ce_ref, rms_norm_ref, rope_ref, swiglu_ref
+    from kernels_reference import geglu_ref, linear_ce_ref, partial_rope_ref, rms_norm_ref, rope_ref, swiglu_ref
 
     import slide_kernels as sk
     from slide_kernels import _dispatch
@@ -63,9 +63,17 @@ def _check_ops() -> None:
     _check("rms_norm", lambda x, w: sk.rms_norm(x, w, 1e-5), lambda x, w: rms_norm_ref(x, w, 1e-5), x, w)
     a, b = torch.randn(3, 5, 37, requires_grad=True), torch.randn(3, 5, 37, requires_grad=True)
     _check("swiglu", sk.swiglu, swiglu_ref, a, b)
+    gate_up = torch.randn(3, 5, 2 * 37, requires_grad=True)
+    _check("swiglu_gate_up", sk.swiglu_gate_up, lambda x: swiglu_ref(x[..., :37], x[..., 37:]), gate_up)
+    a, b = (torch.randn(3, 5, 37, requires_grad=True) for _ in range(2))
+    _check("geglu", sk.geglu, geglu_ref, a, b)
     q, k = torch.randn(2, 4, 7, 16, requires_grad=True), torch.randn(2, 2, 7, 16, requires_grad=True)
     cos, sin = torch.randn(2, 7, 16), torch.randn(2, 7, 16)
     _check("rope", lambda q, k: sk.rope(q, k, cos, sin), lambda q, k: rope_ref(q, k, cos, sin), q, k)
+    q, k = torch.randn(2, 4, 7, 16, requires_grad=True), torch.randn(2, 2, 7, 16, requires_grad=True)
+    c6, s6 = cos[..., :6], sin[..., :6]
+    _check("partial_rope", lambda q, k: sk.partial_rope(q, k, c6, s6), lambda q, k: partial_rope_ref(q, k, c6, s6),
+           q, k)
     hidden, weight = torch.randn(3, 11, 29, requires_grad=True), (torch.randn(123, 29) * 0.3).requires_grad_()
     bias, labels = (torch.randn(123) * 0.1).requires_grad_(), torch.randint(0, 123, (3, 11))
     labels[:, :2] = -100

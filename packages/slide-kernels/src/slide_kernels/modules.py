@@ -1,11 +1,11 @@
-"""nn.Module wrappers around the ops, drop-in for the HF Llama-family RMSNorm, MLP and lm-head + loss."""
+"""nn.Module wrappers around the ops, drop-in for the HF RMSNorms, gated MLPs and lm-head + loss."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .ops import linear_cross_entropy, rms_norm, swiglu
+from .ops import geglu, linear_cross_entropy, rms_norm, swiglu, swiglu_gate_up
 
 
 class RMSNorm(nn.Module):
@@ -40,6 +40,27 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class GeGLUMLP(SwiGLUMLP):
+    """`down(gelu_tanh(gate(x)) * up(x))`, the Gemma MLP (`gelu_pytorch_tanh`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class SwiGLUGateUpMLP(nn.Module):
+    """`down(silu(gate) * up)` with gate and up the halves of one `gate_up_proj` output, the Phi-3 MLP."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu_gate_up(self.gate_up_proj(x)))
 
 
 class LinearCrossEntropy(nn.Module):

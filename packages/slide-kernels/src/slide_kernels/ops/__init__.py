@@ -1,8 +1,9 @@
 """One file per op: Triton kernels, their launchers, the autograd Function and the torch fallback."""
 
+from .geglu import geglu
 from .linear_cross_entropy import linear_cross_entropy
 from .rms_norm import rms_norm
-from .rope import rope
-from .swiglu import swiglu
+from .rope import partial_rope, rope
+from .swiglu import swiglu, swiglu_gate_up
 
-__all__ = ["linear_cross_entropy", "rms_norm", "rope", "swiglu"]
+__all__ = ["geglu", "linear_cross_entropy", "partial_rope", "rms_norm", "rope", "swiglu", "swiglu_gate_up"]
