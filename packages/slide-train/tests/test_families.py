@@ -6,6 +6,7 @@ one bit for bit; unsupported checkpoints are refused with the reason."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -147,16 +148,24 @@ def test_refused_checkpoints_say_why(tmp_path):
         load_model(gpt2)
 
 
-def test_kernels_stay_off_where_they_are_not_verified(capsys):
-    """engine.kernels on a family slide-kernels does not patch exactly: a warning, and the torch path."""
-    with pytest.warns(UserWarning, match=r"Gemma 2 \(gemma2\) runs the torch path"):
+def test_the_torch_path_warning_names_only_what_is_left(capsys):
+    """engine.kernels on a family slide-kernels fuses everywhere: no warning. On a mixture of experts: one line
+    saying the experts run the torch path (the norms and RoPE are fused)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         stack = HFStack(tiny_config("gemma2"), None, kernels=True)
-    assert not stack.kernels and stack.eager
-    assert not hasattr(stack.make_block().layer.mlp, "_slide_kernels_patched")
-    # `slide-train plan` on a GPU machine (kernels auto) says so too
+    assert stack.kernels and stack.eager
+    assert getattr(stack.make_block().layer.mlp, "_slide_kernels_patched", False)
+    with pytest.warns(UserWarning, match=r"OLMoE \(olmoe\) runs slide-kernels' fused RMSNorm and RoPE; the experts "
+                                         r"\(transformers' grouped matmuls\) run the torch path"):
+        assert HFStack(tiny_config("olmoe"), None, kernels=True).kernels
+    # `slide-train plan` on a GPU machine (kernels auto) says so too, and only there
+    assert main(["plan", "--model=olmoe-1b-7b", "--seq_len=1024", "--micro_batch_size=1"]) == 0
+    out, err = capsys.readouterr()
+    assert "olmoe" in out and "experts" in err and "torch path" in err
     assert main(["plan", "--model=gemma-2-2b", "--seq_len=1024", "--micro_batch_size=1"]) == 0
     out, err = capsys.readouterr()
-    assert "gemma2" in out and "torch path" in err
+    assert "gemma2" in out and "torch path" not in err
 
 
 def test_gemma_presets_start_from_neutral_norms():

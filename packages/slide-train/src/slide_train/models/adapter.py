@@ -242,10 +242,10 @@ class HFStack:
 
     def __init__(self, config: transformers.PretrainedConfig, weights, kernels: bool = False):
         self.family = family = check_supported(config)
-        if kernels and not family.kernels:
+        if kernels and (family.unfused or not family.kernels):  # only what is left on the torch path
             warnings.warn(f"engine.kernels: {family.title} ({family.model_type}) runs {kernel_note(family)}",
                           stacklevel=2)
-        self.kernels = kernels and family.kernels  # slide-kernels' fused RMSNorm / RoPE / SwiGLU in every block
+        self.kernels = kernels and family.kernels  # slide-kernels' fused ops (family.fused) in every block
         self.softcap = getattr(config, family.final_softcap, None) if family.final_softcap else None
         # Soft-capped attention: FlexAttention on CUDA, HF's eager path elsewhere (which adds a float mask)
         self.eager = bool(family.attn_softcap and getattr(config, family.attn_softcap, None) is not None)

@@ -5,8 +5,9 @@ Every family here keeps the usual layout of an HF causal LM: `model.embed_tokens
 inside it (fused qkv and gate/up projections, q/k norms, post-norms, residual and attention multipliers,
 attention soft-capping, query_pre_attn_scalar) needs no entry. An entry declares what the adapter does outside
 the layers: the embedding's scale, the logits' divisor and soft-cap, the norm's neutral weight, and whether
-attention needs HF's eager path. Which layers slide a window, and with which rotary base, comes from the
-config's `layer_types` (or, with `window_everywhere`, from `sliding_window` alone).
+attention needs HF's eager path; and which of slide-kernels' fused ops run inside them with engine.kernels on
+(`slide_kernels.apply_to` swaps them into the layer's modules). Which layers slide a window, and with which rotary
+base, comes from the config's `layer_types` (or, with `window_everywhere`, from `sliding_window` alone).
 
 Adding a family with that layout is one entry in FAMILIES (see docs/models.md).
 """
@@ -41,9 +42,11 @@ class Family:
     window_everywhere: bool = False
     # A norm weight's neutral value, for random init: Gemma's norms scale by (1 + weight).
     norm_init: float = 1.0
-    # slide-kernels' `apply_to` patches exactly this family's modules (RMSNorm, SwiGLU MLP, RoPE): on CUDA its
-    # fused kernels run in the blocks; otherwise the family runs the torch path.
-    kernels: bool = False
+    # slide-kernels' ops that `apply_to` swaps into this family's blocks (and the final norm) with engine.kernels
+    # on; on CUDA they run as fused Triton kernels. Names of slide_kernels functions (see OP_TITLES).
+    fused: tuple[str, ...] = ()
+    # What still runs the torch path in the blocks with kernels on (None: nothing).
+    unfused: str | None = None
     # Mixture of experts: the config attribute holding the number of experts (None: a dense family). The layer's
     # router and experts are transformers' own; a block holds all of its layer's experts.
     experts: str | None = None
@@ -55,6 +58,21 @@ class Family:
 
     def describe(self) -> str:
         return f"{self.model_type} ({self.title})"
+
+    @property
+    def kernels(self) -> bool:
+        return bool(self.fused)
+
+
+OP_TITLES = {"rms_norm": "RMSNorm", "rope": "RoPE", "partial_rope": "partial RoPE", "swiglu": "SwiGLU",
+             "swiglu_gate_up": "SwiGLU over the fused gate/up projection", "geglu": "GeGLU (tanh GELU)"}
+# What each kind of family runs fused. RMSNorm covers every norm of a layer: q/k norms and post-norms too, each
+# with the family's casting (Gemma's 1 + weight, OLMo 2/3's fp32 product).
+DENSE = ("rms_norm", "rope", "swiglu")
+GEMMA = ("rms_norm", "rope", "geglu")
+PHI3 = ("rms_norm", "partial_rope", "swiglu_gate_up")
+MOE = ("rms_norm", "rope")
+EXPERTS = "the experts (transformers' grouped matmuls)"
 
 
 # Experts as Qwen2/3-MoE and OLMoE checkpoints store them (transformers' conversion mapping fuses gate and up).
@@ -70,22 +88,25 @@ MIXTRAL_EXPERTS = (
 )
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    Family("llama", "Llama 2 / 3.x", kernels=True),
-    Family("mistral", "Mistral", window_everywhere=True, kernels=True),
-    Family("qwen2", "Qwen2 / Qwen2.5", kernels=True),
-    Family("qwen3", "Qwen3 (dense)", kernels=True),
-    Family("phi3", "Phi-3 / Phi-3.5 / Phi-4", window_everywhere=True),
-    Family("olmo2", "OLMo 2"),
-    Family("olmo3", "OLMo 3"),
-    Family("granite", "Granite 3.x", embed_multiplier="embedding_multiplier", logits_divisor="logits_scaling"),
-    Family("gemma", "Gemma", embed_sqrt_hidden=True, norm_init=0.0),
+    Family("llama", "Llama 2 / 3.x", fused=DENSE),
+    Family("mistral", "Mistral", window_everywhere=True, fused=DENSE),
+    Family("qwen2", "Qwen2 / Qwen2.5", fused=DENSE),
+    Family("qwen3", "Qwen3 (dense)", fused=DENSE),
+    Family("phi3", "Phi-3 / Phi-3.5 / Phi-4", window_everywhere=True, fused=PHI3),
+    Family("olmo2", "OLMo 2", fused=DENSE),
+    Family("olmo3", "OLMo 3", fused=DENSE),
+    Family("granite", "Granite 3.x", embed_multiplier="embedding_multiplier", logits_divisor="logits_scaling",
+           fused=DENSE),
+    Family("gemma", "Gemma", embed_sqrt_hidden=True, norm_init=0.0, fused=GEMMA),
     Family("gemma2", "Gemma 2", embed_sqrt_hidden=True, final_softcap="final_logit_softcapping",
-           attn_softcap="attn_logit_softcapping", norm_init=0.0),
+           attn_softcap="attn_logit_softcapping", norm_init=0.0, fused=GEMMA),
     Family("gemma3_text", "Gemma 3 text", embed_sqrt_hidden=True, final_softcap="final_logit_softcapping",
-           attn_softcap="attn_logit_softcapping", norm_init=0.0),
-    Family("qwen3_moe", "Qwen3 MoE", window_everywhere=True, experts="num_experts", checkpoint=PER_EXPERT),
-    Family("mixtral", "Mixtral", window_everywhere=True, experts="num_local_experts", checkpoint=MIXTRAL_EXPERTS),
-    Family("olmoe", "OLMoE", experts="num_experts", checkpoint=PER_EXPERT),
+           attn_softcap="attn_logit_softcapping", norm_init=0.0, fused=GEMMA),
+    Family("qwen3_moe", "Qwen3 MoE", window_everywhere=True, experts="num_experts", checkpoint=PER_EXPERT,
+           fused=MOE, unfused=EXPERTS),
+    Family("mixtral", "Mixtral", window_everywhere=True, experts="num_local_experts", checkpoint=MIXTRAL_EXPERTS,
+           fused=MOE, unfused=EXPERTS),
+    Family("olmoe", "OLMoE", experts="num_experts", checkpoint=PER_EXPERT, fused=MOE, unfused=EXPERTS),
 )}
 
 # Model types that are known and deliberately refused, with the reason.
@@ -157,7 +178,9 @@ def layer_types(config: transformers.PretrainedConfig, family: Family) -> list[s
 
 def kernel_note(family: Family) -> str:
     """What runs in the blocks on CUDA with engine.kernels on."""
-    if family.kernels:
-        return "slide-kernels' fused RMSNorm, RoPE and SwiGLU"
-    fused = ", ".join(f.model_type for f in FAMILIES.values() if f.kernels)
-    return f"the torch path (slide-kernels' fused kernels are verified for {fused} only)"
+    if not family.fused:
+        return "the torch path (slide-kernels has no fused ops for it)"
+    names = [OP_TITLES[op] for op in family.fused]
+    listed = f"{', '.join(names[:-1])} and {names[-1]}" if len(names) > 1 else names[0]
+    fused = f"slide-kernels' fused {listed}"
+    return fused if family.unfused is None else f"{fused}; {family.unfused} run the torch path"
