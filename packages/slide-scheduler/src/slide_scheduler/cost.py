@@ -13,6 +13,7 @@ host (its memory, its cores) carries every rank's copies and shard updates.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from .disk_states import SLOTS as DISK_STAGING_SLOTS
@@ -30,18 +31,29 @@ SPECULATIVE_PASS = 2.0
 # kernel is bound by host memory, which the copies share (docs/findings.md)
 ADAMW_BESIDE_COPIES = 0.73
 CPU_FLOPS_PER_CORE = 2e10  # fp32 on a CPU device
+BOUND_SHARE = 0.05  # a lane that adds less than this share of the step to the GPU's work binds nothing
 LANES = ("gpu", "pcie_h2d", "pcie_d2h", "gpu_link", "host_memory", "host_adamw", "disk")
 
 
 @dataclass
 class Estimate:
-    step_s: float
+    """A step's time, phase by phase, and the lanes that set it. The lanes are those of LANES, but for a run on the
+    CPU, whose device is the host: its lane is `compute`, and it has no PCIe lanes."""
+
+    step_s: float  # the sum of the phases
+    # the lane that adds the most to the compute's time in `critical`, where that is over BOUND_SHARE of the step;
+    # else the compute's lane
     bottleneck: str
-    lanes: dict[str, float] = field(default_factory=dict)  # busy seconds per step
-    phases: dict[str, float] = field(default_factory=dict)  # forward, tail, backward (and exposed updates)
+    lanes: dict[str, float] = field(default_factory=dict)  # busy seconds per step (the GPU's: its compute alone)
+    phases: dict[str, float] = field(default_factory=dict)  # forward, backward, tail (and exposed updates, backlog)
+    # forward and backward: each lane's busy seconds in that phase (the GPU's: its compute and its waits)
+    phase_lanes: dict[str, dict[str, float]] = field(default_factory=dict)
+    # per phase, what sets its length: the compute's time, and what the lane that outlasts it adds
+    setters: dict[str, dict[str, float]] = field(default_factory=dict)
+    critical: dict[str, float] = field(default_factory=dict)  # per lane, its part of the step (the setters summed)
 
     def to_dict(self) -> dict:
-        return {"step_s": self.step_s, "bottleneck": self.bottleneck, "lanes": self.lanes, "phases": self.phases}
+        return dataclasses.asdict(self)
 
 
 @dataclass
@@ -198,9 +210,14 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
     if not clip and host_order:  # the last blocks' updates (block 0's, the edges') run after the backward
         exposed_updates = update_s[min(host_order)] + (e / adamw if edges.update == "host" else 0.0)
 
-    phases = {}
-    bound: dict[str, float] = {lane: 0.0 for lane in LANES}
-    for name, w, sim in (("forward", fwd, fwd_s), ("backward", bwd, bwd_s)):
+    # Each phase lasts as long as its slowest lane. Of its length, the GPU's compute is the GPU's; what the phase
+    # lasts beyond it is set by that slowest lane or, where the GPU is slowest because it waited, by what it waited
+    # for: the loads (PCIe, or the GPUs' link) or the host updates a clipped forward's loads wait for.
+    phases: dict[str, float] = {}
+    setters: dict[str, dict[str, float]] = {}
+    phase_lanes: dict[str, dict[str, float]] = {}
+    busy: dict[str, float] = {lane: 0.0 for lane in LANES}
+    for name, w, (sim, waits) in (("forward", fwd, fwd_s), ("backward", bwd, bwd_s)):
         if pcie:
             copies = max(w.h2d / h2d, w.d2h / d2h, (w.h2d + w.d2h) / duplex)
         else:
@@ -211,55 +228,92 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
         if pcie and copies > max(lanes["pcie_h2d"], lanes["pcie_d2h"]):  # duplex-bound: the busier direction
             key = "pcie_h2d" if w.h2d >= w.d2h else "pcie_d2h"
             lanes[key] = copies
-        phase = max(lanes.values())
-        phases[name] = phase
-        for lane, busy in lanes.items():
-            bound[lane] += busy
-        # what stretched this phase beyond the GPU's own work (its compute and the loads it waited for)
-        if phase > w.gpu * 1.02:
-            worst = max(lanes, key=lambda k: lanes[k] if k != "gpu" else -1.0)
-            culprit = worst if lanes[worst] >= sim else _wait_culprit(load_f if name == "forward" else load_b,
-                                                                   ready, w)
-            bound[f"_excess_{culprit}"] = bound.get(f"_excess_{culprit}", 0.0) + phase - w.gpu
+        phases[name] = max(lanes.values())
+        phase_lanes[name] = lanes
+        for lane, seconds in lanes.items():
+            busy[lane] += seconds
+        top = max(lanes, key=lanes.get)  # (the GPU first among equals)
+        if top == "gpu":
+            loads = "gpu_link" if lanes["gpu_link"] > lanes["pcie_h2d"] else "pcie_h2d"
+            setters[name] = {"gpu": w.gpu, loads: waits["loads"], "host_adamw": waits["updates"]}
+        else:
+            setters[name] = {"gpu": w.gpu, top: phases[name] - w.gpu}
     phases["tail"] = tail_s
+    setters["tail"] = {"gpu": tail_s}
     phases["exposed_updates"] = exposed_updates
+    setters["exposed_updates"] = {"host_adamw": exposed_updates}
     if anywhere.adamw:  # fits in whatever the phases leave the host thread and its memory, or lengthens the step
         span = phases["forward"] + phases["backward"]
         room = max(anywhere.adamw - (span - fwd.adamw - bwd.adamw),
                    (anywhere.host_bytes - (span * mem - fwd.host_bytes - bwd.host_bytes)) / mem)
         phases["host_backlog"] = max(0.0, room)
-        bound["host_adamw"] += anywhere.adamw
-        bound["host_memory"] += anywhere.host_bytes / mem
-        if phases["host_backlog"]:
-            lane = "host_adamw" if anywhere.adamw - (span - fwd.adamw - bwd.adamw) >= room else "host_memory"
-            bound[f"_excess_{lane}"] = bound.get(f"_excess_{lane}", 0.0) + phases["host_backlog"]
+        busy["host_adamw"] += anywhere.adamw
+        busy["host_memory"] += anywhere.host_bytes / mem
+        lane = "host_adamw" if anywhere.adamw - (span - fwd.adamw - bwd.adamw) >= room else "host_memory"
+        setters["host_backlog"] = {lane: phases["host_backlog"]}
+    critical = {lane: 0.0 for lane in LANES}
+    for part in setters.values():
+        for lane, seconds in part.items():
+            critical[lane] += seconds
+    busy["gpu"] = fwd.gpu + bwd.gpu + tail_s  # its compute alone (its waits are other lanes' time)
     step = sum(phases.values())
-    excess = {k.removeprefix("_excess_"): v for k, v in bound.items() if k.startswith("_excess_")}
-    excess["host_adamw"] = excess.get("host_adamw", 0.0) + exposed_updates
-    worst = max(excess, key=excess.get, default="gpu")
-    bottleneck = worst if excess.get(worst, 0.0) > 0.05 * step else "gpu"
-    lanes = {k: v for k, v in bound.items() if not k.startswith("_") and (k != "gpu_link" or ranks > 1)}
-    lanes["gpu"] = fwd.gpu + bwd.gpu + tail_s
-    return Estimate(step, bottleneck, lanes, phases)
+    # The bottleneck: the lane that lengthens the step most beyond the GPU's work, where that is more than the
+    # model's own uncertainty
+    worst = max((lane for lane in LANES if lane != "gpu"), key=critical.get)
+    bottleneck = worst if critical[worst] > BOUND_SHARE * step else "gpu"
+    # A CPU run's device is the host: its lane is the host's compute, and nothing crosses PCIe or a GPU link
+    kept = [lane for lane in LANES if (pcie or not lane.startswith("pcie")) and (lane != "gpu_link" or ranks > 1)]
+
+    def named(lanes: dict[str, float]) -> dict[str, float]:
+        return {compute_lane(p) if k == "gpu" else k: lanes.get(k, 0.0) for k in kept}
+
+    return Estimate(step_s=step, bottleneck=compute_lane(p) if bottleneck == "gpu" else bottleneck,
+                    lanes=named(busy), phases=phases, phase_lanes={k: named(v) for k, v in phase_lanes.items()},
+                    setters={k: {lane: s for lane, s in named(v).items() if s > 0} for k, v in setters.items()},
+                    critical=named(critical))
 
 
-def _wait_culprit(loads: list[float], ready: list[float], w: _Work) -> str:
-    """Which lane the GPU waited for where no lane's total exceeds the phase: the host updates, or the copies."""
-    return "host_adamw" if max(ready, default=0.0) > sum(loads) else "pcie_h2d"
+def disk_traffic(p: Placement) -> tuple[int, int]:
+    """Bytes the disk tier reads and writes per step, as `price` moves them: the states of each block there
+    (its AdamW moments, and its master where that is there too) read and written back once, a master read for
+    each load (forward and backward) where its parameters have no copy in host memory, and the boundary
+    activations on disk written in the forward and read in the backward."""
+    s, t = p.shapes, p.step
+    read = written = 0
+    for u in p.on_disk:
+        numel = s.unit_numels[u]
+        states = (2 * p.state_bytes + (4 if p.units[u].disk_master else 0)) * numel
+        read, written = read + states, written + states
+    read += sum(2 * 4 * s.unit_numels[u] for u in p.loads_from_disk)
+    if p.activations == "nvme":
+        boundaries = s.num_blocks * t.tokens_per_micro * s.hidden * p.compute_bytes * t.micro_batches
+        read, written = read + boundaries, written + boundaries
+    return read, written
 
 
-def _slide(loads: list[float], compute: list[float], ready: list[float], window: int, resident: list[bool]) -> float:
+def compute_lane(p: Placement) -> str:
+    """The name of the lane that computes: `gpu`, or `compute` where the device is the host."""
+    return "compute" if p.device_is_host else "gpu"
+
+
+def _slide(loads: list[float], compute: list[float], ready: list[float], window: int,
+           resident: list[bool]) -> tuple[float, dict[str, float]]:
     """When the last of these blocks (in running order) finishes: each sliding one loads after the previous load
     and once the slot it takes (`window` sliding blocks back) is free and its update is `ready`; each runs after
-    the previous one and its own load."""
+    the previous one and its own load. Also how long the compute waited: for `updates` where the late load had
+    waited for its block's update, for `loads` otherwise."""
     load_end, done = 0.0, 0.0
+    waits = {"loads": 0.0, "updates": 0.0}
     finished: list[float] = []  # compute end of each sliding block, in order
     for load, run, at, res in zip(loads, compute, ready, resident):
         if res:
             done += run
             continue
         slot_free = finished[-window] if len(finished) >= window else 0.0
+        cause = "updates" if at > max(load_end, slot_free) else "loads"
         load_end = max(load_end, slot_free, at) + load
+        if load_end > done:
+            waits[cause] += load_end - done
         done = max(done, load_end) + run
         finished.append(done)
-    return done
+    return done, waits
