@@ -3,7 +3,7 @@ placement it executes and the cost model that prices it on a machine."""
 
 from .__about__ import __version__
 from .activations import ActivationStore
-from .cost import Estimate, price
+from .cost import Estimate, disk_traffic, price
 from .engine import EngineConfig, SlidingEngine, StepStats
 from .machine import Disk, Gpu, Host, Machine, Pcie
 from .placement import (
@@ -25,7 +25,7 @@ from .placement import (
     run_facts,
     shapes_of,
 )
-from .planner import Plan, disk_share, place
+from .planner import Plan, Suggestion, compute_bound_step, disk_share, place, suggest
 from .probe import host_cores, host_memory_bytes, probe_disk
 from .probe import probe as probe_machine
 from .ranks import Ranks
@@ -62,10 +62,13 @@ __all__ = [
     "Stack",
     "StepShape",
     "StepStats",
+    "Suggestion",
     "UnitPlacement",
     "__version__",
     "arrange",
+    "compute_bound_step",
     "disk_share",
+    "disk_traffic",
     "host_cores",
     "host_memory_bytes",
     "place",
@@ -76,5 +79,6 @@ __all__ = [
     "resolve_device",
     "run_facts",
     "shapes_of",
+    "suggest",
     "write_trace",
 ]

@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from .cost import Estimate, price
 from .machine import Machine
@@ -42,6 +43,10 @@ class Plan:
     estimate_unclipped: Estimate
     budgets: Budgets
     problems: list[str] = field(default_factory=list)  # why it does not fit, each with what would
+    # Where it does not fit, settings near it that do (`suggest`); where it fits but another lane than the GPU's
+    # compute binds it, the step at which the GPU would (`compute_bound_step`). Filled in by whoever asks.
+    suggestions: list[Suggestion] = field(default_factory=list)
+    compute_bound: Suggestion | None = None
 
     @property
     def fits(self) -> bool:
@@ -57,6 +62,8 @@ class Plan:
             "bottleneck": self.estimate.bottleneck,
             "bottleneck_unclipped": self.estimate_unclipped.bottleneck,
             "lanes_s": self.estimate.lanes,
+            "phases_s": self.estimate.phases,
+            "critical_s": self.estimate.critical,
             "gpu_bytes": p.bytes(GPU),
             "host_bytes": p.bytes(HOST),
             "disk_bytes": p.bytes(DISK),
@@ -167,6 +174,158 @@ def disk_share(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets,
         if at(share(high), loads).fits:
             return share(high), high, loads
     return None
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """Settings near a run's own and their plan. `changes` names what differs, in the planner's words:
+    `nvme_fraction`, `activations`, `speculate` and `window` only place the same training; `state_bytes`,
+    `clip`, `rows` (per micro-batch), `seq_len` and `micro_batches` change it."""
+
+    changes: dict[str, Any]
+    plan: Plan
+
+    @property
+    def keeps_training(self) -> bool:
+        return set(self.changes) <= PLACEMENT_CHANGES
+
+
+PLACEMENT_CHANGES = {"nvme_fraction", "activations", "speculate", "window"}
+HALVINGS = 3  # smaller micro-batches and shorter rows are tried down to an eighth of the run's own
+SHORTEST_ROWS = 128
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """A run's settings as the planner takes them, and what was changed to reach them."""
+
+    step: StepShape
+    run: RunFacts
+    overrides: Overrides
+    changes: tuple[tuple[str, Any], ...] = ()
+
+    def but(self, name: str, value: Any, **replaced) -> _Setting:
+        step = dataclasses.replace(self.step, **replaced.pop("step", {}))
+        run = dataclasses.replace(self.run, **replaced.pop("run", {}))
+        overrides = dataclasses.replace(self.overrides, **replaced.pop("overrides", {}))
+        return _Setting(step, run, overrides, (*self.changes, (name, value)))
+
+
+def suggest(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, machine: Machine,
+            overrides: Overrides | None = None) -> list[Suggestion]:
+    """Settings near the run's that fit, each with its plan. First those that place the same training
+    otherwise (the least share of the states on disk, another tier for the boundary activations, no
+    speculation, one slot): each change that fits alone, then pairs where neither fits alone. Then each change
+    to the training (AdamW moments in bf16, no clipping, fewer rows per micro-batch, shorter rows: the first
+    halving that fits), alone or with the first of those placements it needs."""
+    base = _Setting(step, run, overrides or Overrides())
+
+    def tried(s: _Setting, atoms: tuple[str, ...]) -> Suggestion | None:
+        for atom in atoms:
+            s = _apply(atom, s, shapes, budgets, machine)
+            if s is None:  # (it does not apply here)
+                return None
+        plan = place(shapes, s.step, s.run, budgets, machine, s.overrides)
+        return Suggestion(dict(s.changes), plan) if plan.fits else None
+
+    atoms = _placement_atoms(base, budgets, place(shapes, step, run, budgets, machine, base.overrides))
+    pairs = [(a, b) for a, b in itertools.combinations(atoms, 2) if a.split("=")[0] != b.split("=")[0]]
+    out: list[Suggestion] = []
+    enough = set()  # placement changes that fit alone
+    for atom in atoms:
+        if found := tried(base, (atom,)):
+            out.append(found)
+            enough.add(atom)
+    for pair in pairs:
+        if enough.isdisjoint(pair) and (found := tried(base, pair)):
+            out.append(found)
+    for kind in _training_changes(base):
+        found = next((s for variant in kind for extra in [(), *((a,) for a in atoms), *pairs]
+                      if (s := tried(variant, extra))), None)
+        if found:
+            out.append(found)
+    return out
+
+
+def compute_bound_step(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, machine: Machine,
+                       overrides: Overrides | None = None, most: int = 64) -> Suggestion | None:
+    """The fewest micro-batches per step (each as it is) at which the step is bound by the compute, and that
+    plan: doublings of the run's own up to `most` times it, then a bisection down to the first. None where no
+    such step fits first (more tokens per step need more memory for their boundary activations)."""
+    o = overrides or Overrides()
+
+    def at(micro: int) -> Plan:
+        return place(shapes, dataclasses.replace(step, micro_batches=micro), run, budgets, machine, o)
+
+    def bound(plan: Plan) -> bool:
+        return plan.estimate.bottleneck in ("gpu", "compute")
+
+    low, high, plan = step.micro_batches, step.micro_batches, None
+    while high < most * step.micro_batches:
+        low, high = high, 2 * high
+        plan = at(high)
+        if not plan.fits:
+            return None
+        if bound(plan):
+            break
+    else:
+        return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        tried = at(middle)
+        if tried.fits and bound(tried):
+            high, plan = middle, tried
+        else:
+            low = middle
+    return Suggestion({"micro_batches": high}, plan)
+
+
+def _placement_atoms(s: _Setting, budgets: Budgets, plan: Plan) -> list[str]:
+    """The placement changes that could help `s` (whose plan is `plan`): names of `_apply`."""
+    run, o, p = s.run, s.overrides, plan.placement
+    atoms = []
+    if o.nvme_fraction is not None and run.cuda and run.ranks == 1:  # (`auto` searches the disk itself)
+        atoms.append("disk")
+    if run.activations != "auto":
+        atoms += [f"activations={t}" for t in ACTIVATION_PREFERENCE
+                  if t != run.activations and (t != "nvme" or run.ranks == 1)]
+    if p.speculated:
+        atoms.append("speculate=off")
+    if budgets.gpu is not None and p.bytes(GPU) > budgets.gpu and p.window > 1 and p.sliding_blocks:
+        atoms.append("window=1")
+    return atoms
+
+
+def _apply(atom: str, s: _Setting, shapes: Shapes, budgets: Budgets, machine: Machine) -> _Setting | None:
+    if atom == "disk":  # the least share on disk that fits (a number, as a user would write it)
+        found = disk_share(shapes, s.step, s.run, budgets, machine, s.overrides)
+        return None if found is None else s.but("nvme_fraction", found[0], overrides={"nvme_fraction": found[0]})
+    if atom.startswith("activations="):
+        tier = atom.removeprefix("activations=")
+        return s.but("activations", tier, run={"activations": tier})
+    if atom == "speculate=off":
+        return s.but("speculate", False, overrides={"speculate": False})
+    if atom == "window=1":
+        return s.but("window", 1, overrides={"window": 1})
+    raise ValueError(f"no placement change {atom!r}")
+
+
+def _training_changes(s: _Setting) -> list[list[_Setting]]:
+    """Each kind of change to the training, as the settings to try in turn: bf16 AdamW moments; no clipping;
+    fewer rows per micro-batch, halving; shorter rows, halving (the tokens per step shrink with either)."""
+    run, step, o = s.run, s.step, s.overrides
+    out = []
+    if run.state_bytes == 4 and not o.device_update_share:  # (streamed updates carry fp32 moments)
+        out.append([s.but("state_bytes", 2, run={"state_bytes": 2})])
+    if run.clip:
+        out.append([s.but("clip", None, run={"clip": None})])
+    seq = step.seq_len or step.tokens_per_micro
+    rows = step.tokens_per_micro // seq
+    out.append([s.but("rows", rows >> k, step={"tokens_per_micro": (rows >> k) * seq})
+                for k in range(1, HALVINGS + 1) if rows >> k >= 1])
+    out.append([s.but("seq_len", seq >> k, step={"tokens_per_micro": rows * (seq >> k), "seq_len": seq >> k})
+                for k in range(1, HALVINGS + 1) if seq >> k >= SHORTEST_ROWS])
+    return [kind for kind in out if kind]
 
 
 def _better(key: tuple, than: tuple) -> bool:
