@@ -18,7 +18,7 @@ from slide_train.config import load_config
 from slide_train.errors import ConfigError
 from slide_train.machines import load_machine
 from slide_train.models.build import load_model
-from slide_train.plan import GIB, budgets_for, facts_of, make_plan, model_shapes, refuse, share_on_disk
+from slide_train.plan import GIB, advise, budgets_for, facts_of, make_plan, model_shapes, refuse
 from slide_train.trainer import plan_run
 
 DOCS = pathlib.Path(__file__).resolve().parents[3] / "docs" / "machines"
@@ -63,20 +63,25 @@ def test_the_config_cap_and_the_machine_file_each_bound_the_budget():
 
 def test_a_machine_file_with_less_host_memory_plans_as_that_host_and_the_refusal_says_what_fits():
     """A machine file with 32 GiB of RAM makes the 3B run behave as on a 32 GiB host, whatever runs the test:
-    it does not fit, and the share of AdamW moments on disk the refusal offers makes it fit."""
+    with nothing on disk it does not fit, and the share of the states on disk the refusal offers first makes it
+    fit."""
     small = machine_with(gpu={"memory_gib": 24}, host={"memory_gib": 32})
-    cfg = load_config(None, ["--model=llama-3.2-3b", "--seq_len=4096", "--micro_batch_size=2", "--grad_accum=4"])
+    cfg = load_config(None, ["--model=llama-3.2-3b", "--seq_len=4096", "--micro_batch_size=2", "--grad_accum=4",
+                             "--engine.nvme.fraction=0"])
     model = load_model(cfg.model, 0, need_tokenizer=False)
     shapes = model_shapes(model, model.stack(kernels=False))
     budgets = budgets_for(small, True, None)
-    plan = make_plan(cfg, shapes, small, facts_of(cfg, "cuda"), budgets)
+    run = facts_of(cfg, "cuda")
+    plan = make_plan(cfg, shapes, small, run, budgets)
     assert not plan.fits and plan.placement.bytes(HOST) > budgets.host == pytest.approx(0.95 * 32 * GIB)
     assert any(problem.startswith("host: needs ~") for problem in plan.problems)
-    with pytest.raises(ConfigError, match=r"this run cannot fit: host: needs .*What would: host memory: "
-                                          r"engine.nvme.fraction=([0-9.]+) \(or auto\) keeps the fp32 masters "
-                                          r"and AdamW moments of (\d+) of") as no:
-        refuse(plan, cfg, share=lambda: share_on_disk(cfg, shapes, small, facts_of(cfg, "cuda"), budgets))
-    assert "engine.states_dtype=bf16" in str(no.value) and "max_grad_norm=null" in str(no.value)
+    advise(plan, cfg, shapes, small, run, budgets)
+    with pytest.raises(ConfigError, match=r"this run cannot fit: host: needs [^\n]*; these settings fit, with "
+                                          r"their predicted step:\n    --engine.nvme.fraction=([0-9.]+): [0-9.]+ s "
+                                          r"per step, the same training; the masters and AdamW moments of (\d+) of")\
+            as no:
+        refuse(plan, cfg)
+    assert "--engine.states_dtype=bf16" in str(no.value) and "--max_grad_norm=null" in str(no.value)
     fraction = float(re.search(r"engine.nvme.fraction=([0-9.]+)", str(no.value)).group(1))
     fixed = make_plan(cfg, shapes, small, facts_of(cfg, "cuda"), budgets, nvme_fraction=fraction)
     assert fixed.fits and fixed.placement.on_disk and fixed.placement.bytes("disk") > 0
@@ -86,8 +91,7 @@ def test_a_machine_file_with_less_host_memory_plans_as_that_host_and_the_refusal
     # slides more blocks (the share is of the sliding ones) and still puts as many on disk
     assert not less.fits or len(less.placement.on_disk) >= len(fixed.placement.on_disk)
     assert not fixed.placement.loads_from_disk
-    auto = load_config(None, ["--model=llama-3.2-3b", "--seq_len=4096", "--micro_batch_size=2", "--grad_accum=4",
-                              "--engine.nvme.fraction=auto"])
+    auto = load_config(None, ["--model=llama-3.2-3b", "--seq_len=4096", "--micro_batch_size=2", "--grad_accum=4"])
     chosen = make_plan(auto, shapes, small, facts_of(auto, "cuda"), budgets)  # auto: that same least share
     assert chosen.fits and chosen.placement.on_disk == fixed.placement.on_disk
     roomy = make_plan(auto, shapes, machine_with(gpu={"memory_gib": 24}, host={"memory_gib": 512}),
@@ -199,11 +203,11 @@ def test_70b_and_123b_on_a_24_gib_pc_fit_with_their_states_on_disk_and_say_what_
         code = main([*base, *extra])
         return code, json.loads(capsys.readouterr().out)
 
-    code, out = plan()
+    code, out = plan("--engine.nvme.fraction=0")
     assert code == 2 and not out["fits"] and len(out["units"]) == blocks + 1
     assert out["gpu_bytes"] <= out["budgets"]["gpu"] and out["host_bytes"] > out["budgets"]["host"]
     assert out["bottleneck"] in BOTTLENECKS and out["predicted_step_s"] > 10
-    code, auto = plan("--engine.nvme.fraction=auto")
+    code, auto = plan()  # (engine.nvme.fraction: auto by default)
     if preset == "llama-3.1-70b":
         assert code == 0 and auto["fits"] and auto["bottleneck"] == "disk"
         assert "parameters of masters on disk" not in auto["tiers"]["host"] and auto["tiers"]["host"][
@@ -212,7 +216,7 @@ def test_70b_and_123b_on_a_24_gib_pc_fit_with_their_states_on_disk_and_say_what_
     else:
         assert code == 2 and any("even with every sliding block's master and AdamW moments on disk" in p
                                  and "gradients + boundary activations 228" in p for p in auto["problems"])
-        code, lean = plan("--engine.nvme.fraction=auto", "--max_grad_norm=null", "--engine.activation_offload=nvme")
+        code, lean = plan("--max_grad_norm=null", "--engine.activation_offload=nvme")
         assert code == 0 and lean["fits"] and lean["host_bytes"] <= lean["budgets"]["host"]
 
 
@@ -296,3 +300,221 @@ def test_a_mixture_of_experts_is_priced_by_the_experts_a_token_is_routed_to(pres
         assert compute.lanes["gpu"] < 0.5 * all_experts.lanes["gpu"]
     else:
         assert compute.lanes["gpu"] == all_experts.lanes["gpu"]
+
+
+# -- what a plan advises, and what binds it -------------------------------------------------------------------------
+
+PC = DOCS / "rtx4090-pc.yaml"
+LLAMA_70B = ["--model=llama-3.1-70b", "--seq_len=4096", "--micro_batch_size=1", "--grad_accum=8"]
+SUGGESTION = re.compile(r"^    (--\S+(?: --\S+)*): ([0-9.]+) s per step, (the same training|changes the training)\b")
+
+
+def plan_cli(capsys, *args: str) -> tuple[int, str]:
+    from slide_train.cli import main
+
+    code = main(["plan", *args])
+    return code, capsys.readouterr().out
+
+
+def plan_json(capsys, *args: str) -> tuple[int, dict]:
+    code, out = plan_cli(capsys, *args, "--json")
+    return code, json.loads(out)
+
+
+@pytest.mark.parametrize("machine, run", [
+    ("pc", [*LLAMA_70B, "--engine.nvme.fraction=0"]),  # the host's memory
+    ("32 GiB host", ["--model=llama-3.2-3b", "--seq_len=4096", "--micro_batch_size=2", "--grad_accum=4",
+                     "--engine.nvme.fraction=0"]),
+    ("8 GiB GPU", ["--model=llama-3.2-3b", "--seq_len=32768", "--micro_batch_size=2", "--grad_accum=1"]),  # its GPU
+])
+def test_every_setting_a_refused_plan_offers_fits_when_applied_at_the_step_time_it_says(tmp_path, capsys, machine,
+                                                                                         run):
+    """Each suggestion line's overrides, added to the run's own and planned again, fit; the plan then predicts
+    the step time the line printed. The lines that keep the training come before those that change it."""
+    files = {"pc": PC, "32 GiB host": tmp_path / "small.yaml", "8 GiB GPU": tmp_path / "small.yaml"}
+    if machine != "pc":
+        from slide_train.machines import save_machine
+
+        save_machine(machine_with(gpu={"memory_gib": 24}, host={"memory_gib": 32}) if machine == "32 GiB host"
+                     else machine_with(gpu={"memory_gib": 8}), files[machine])
+    base = [*run, "--machine", str(files[machine])]
+    code, out = plan_cli(capsys, *base)
+    lines = [SUGGESTION.match(line) for line in out.splitlines() if line.startswith("    --")]
+    assert code == 2 and "does NOT fit" in out and lines and all(lines)
+    same = [m.group(3) == "the same training" for m in lines]
+    assert same == sorted(same, reverse=True) and "1 rows" not in out
+    for m in lines:
+        code, planned = plan_json(capsys, *base, *m.group(1).split())
+        assert code == 0 and planned["fits"], m.group(1)
+        assert planned["predicted_step_s"] == pytest.approx(float(m.group(2)), abs=0.051), m.group(1)
+
+
+def test_70b_with_nothing_on_disk_is_refused_with_the_settings_that_fit(capsys):
+    """engine.nvme.fraction=0 on the 24 GiB PC: one error line, then one line per setting, the share of the
+    states on disk first (the same training), then bf16 states and no clipping, each saying what it changes."""
+    code, out = plan_cli(capsys, *LLAMA_70B, "--engine.nvme.fraction=0", "--machine", str(PC))
+    assert code == 2
+    offered = [line for line in out.splitlines() if line.startswith("    --")]
+    assert re.match(r"    --engine\.nvme\.fraction=0\.\d+: [0-9.]+ s per step, the same training; the masters and "
+                    r"AdamW moments of \d+ of the 80 sliding blocks on disk", offered[0])
+    assert any(line.startswith("    --engine.states_dtype=bf16") and "changes the training: AdamW's m and v in "
+               "bf16" in line for line in offered)
+    assert any(line.startswith("    --max_grad_norm=null") and "changes the training: no gradient clipping" in line
+               for line in offered)
+    # A run that cannot start is told the same, as one error line and then those lines
+    cfg = load_config(None, [*LLAMA_70B, "--engine.nvme.fraction=0"])
+    plan = plan_run(cfg, load_model(cfg.model, 0, need_tokenizer=False, need_weights=False), load_machine(PC),
+                    running=False)[0]
+    with pytest.raises(ConfigError) as no:
+        refuse(plan, cfg)
+    head, *rest = str(no.value).splitlines()
+    assert head.startswith("this run cannot fit: host: needs ~") and head.endswith("these settings fit, with "
+                                                                                   "their predicted step:")
+    assert rest == offered
+
+
+def test_70b_fits_the_pc_by_default_and_the_plan_says_what_the_disk_moves(capsys):
+    """engine.nvme.fraction is auto by default: the 70B run fits with states on disk, and its plan says the tier's
+    folder, the bytes it reads and writes per step (its moments and masters once each way, and each master read
+    again for each of the two loads) and its busy time. One block streams its update: counted in the singular."""
+    assert load_config(None, []).engine.nvme.fraction == "auto"
+    code, out = plan_json(capsys, *LLAMA_70B, "--machine", str(PC))
+    assert code == 0 and out["fits"] and out["disk_bytes"] > 0
+    _, text = plan_cli(capsys, *LLAMA_70B, "--machine", str(PC))
+    disk = out["tiers"]["disk"]
+    found = re.search(r"host memory alone does not hold this run: the disk tier in (\S+) reads (\d+) GB and writes "
+                      r"(\d+) GB per step, busy ([0-9.]+) s of the ([0-9.]+) s step", text)
+    assert found and found.group(1) == "runs/default/nvme"
+    assert int(found.group(3)) == round((disk["masters"] + disk["moments"]) / 1e9)
+    assert int(found.group(2)) == round((3 * disk["masters"] + disk["moments"]) / 1e9)
+    assert float(found.group(4)) == pytest.approx(out["lanes_s"]["disk"], abs=0.051)
+    assert float(found.group(5)) == pytest.approx(out["predicted_step_s"], abs=0.051)
+    assert "1 sliding block updates on the GPU" in text and "1 sliding blocks" not in text
+
+
+def test_with_data_parallel_ranks_auto_keeps_the_states_in_memory_and_the_refusal_says_so(capsys):
+    code, out = plan_cli(capsys, *LLAMA_70B, "--machine", str(PC), "--nproc=2")
+    assert code == 2
+    assert "with data-parallel ranks engine.nvme.fraction=auto keeps every state in host memory" in out
+    code, planned = plan_json(capsys, *LLAMA_70B, "--machine", str(PC), "--nproc=2")
+    assert planned["disk_bytes"] == 0 and not any(s["settings"].get("engine.nvme.fraction")
+                                                  for s in planned["suggestions"])
+
+
+def binding(text: str) -> dict:
+    """The prediction's figures as printed: the step, the lane named, the device's compute and what each other
+    lane adds; each phase and its parts; each lane's busy time; the line that says why, if any."""
+    head = re.search(r"predicted step ([0-9.]+) s[^\n]*, bound by (\w+): the GPU computes ([0-9.]+) s of it"
+                     r"((?:, \w+ adds [0-9.]+ s)*)\n", text)
+    phases = re.search(r"\n    (forward [^\n]*)\n", text).group(1)
+    busy = re.search(r"\n    busy per step: ([^\n]*)\n", text).group(1)
+    why = re.search(r"\n    (\w+ is busy less than [^\n]*|\w+ is busier than [^\n]*)\n", text)
+    return {"step": float(head.group(1)), "bound": head.group(2), "gpu": float(head.group(3)),
+            "adds": {lane: float(s) for lane, s in re.findall(r", (\w+) adds ([0-9.]+) s", head.group(4))},
+            "phases": {name: (float(length), {lane: float(s) for lane, s in re.findall(r"(\w+) ([0-9.]+)", parts)})
+                       for name, length, parts in re.findall(r"(\w[\w ]*?) ([0-9.]+) s = ([^;]*)", phases)},
+            "busy": {lane: float(s) for lane, s in re.findall(r"(\w+) ([0-9.]+) s", busy)},
+            "why": why.group(1) if why else None}
+
+
+@pytest.mark.parametrize("machine, run, bound", [
+    ("rtx4090-pc.yaml", ["--model=olmoe-1b-7b", "--grad_accum=8", "--micro_batch_size=1", "--seq_len=4096",
+                         "--max_grad_norm=1.0"], "pcie_h2d"),
+    ("h200-host.yaml", ["--model=llama-3.1-8b", "--engine.gpu_memory_limit_gb=24", "--micro_batch_size=1",
+                        "--seq_len=32768", "--grad_accum=1"], "host_memory"),
+])
+def test_the_lane_a_plan_names_is_the_one_its_printed_figures_show(capsys, machine, run, bound):
+    """Two plans whose named bottleneck once contradicted their own figures. Now, from what is printed: the
+    step is the GPU's compute plus what each other lane adds, and the sum of its phases, each the sum of its
+    parts; the named lane adds the most (over 5% of the step), and no lane adds more than it is busy. Where the
+    named lane is not the busiest, a line says why, naming both. --json names the same lane."""
+    code, text = plan_cli(capsys, *run, "--machine", str(DOCS / machine))
+    shown = binding(text)
+    assert code == 0 and shown["bound"] == bound
+    assert shown["step"] == pytest.approx(shown["gpu"] + sum(shown["adds"].values()), abs=0.03)
+    assert shown["step"] == pytest.approx(sum(length for length, _ in shown["phases"].values()), abs=0.03)
+    for length, parts in shown["phases"].values():
+        assert length == pytest.approx(sum(parts.values()), abs=0.02)
+    assert max(shown["adds"], key=shown["adds"].get) == bound and shown["adds"][bound] > 0.05 * shown["step"]
+    assert all(added <= shown["busy"][lane] + 0.01 for lane, added in shown["adds"].items())
+    assert shown["gpu"] == pytest.approx(shown["busy"]["gpu"], abs=0.01)
+    busiest = max(shown["busy"], key=shown["busy"].get)
+    if busiest != bound:
+        assert shown["why"] and shown["why"].startswith(bound) and ("GPU's compute" if busiest == "gpu"
+                                                                    else busiest) in shown["why"]
+    else:
+        assert shown["why"] is None
+    assert plan_json(capsys, *run, "--machine", str(DOCS / machine))[1]["bottleneck"] == bound
+
+
+def test_a_plan_bound_by_another_lane_than_the_gpu_says_at_what_grad_accum_the_gpu_would_bind(capsys):
+    """OLMoE on the PC is bound by PCIe at 8 micro-batches: the plan names a grad_accum; planned again there the
+    GPU binds, and at one fewer it does not."""
+    run = ["--model=olmoe-1b-7b", "--grad_accum=8", "--micro_batch_size=1", "--seq_len=4096", "--machine", str(PC)]
+    _, text = plan_cli(capsys, *run)
+    found = re.search(r"more tokens per step: at --grad_accum=(\d+) \((\d+) tokens\) the GPU would bind", text)
+    accum = int(found.group(1))
+    assert accum > 8 and int(found.group(2)) == accum * 4096
+    assert plan_json(capsys, *run, f"--grad_accum={accum}")[1]["bottleneck"] == "gpu"
+    assert plan_json(capsys, *run, f"--grad_accum={accum - 1}")[1]["bottleneck"] != "gpu"
+
+
+def test_a_cpu_plan_names_its_compute_lane_and_no_gpu_or_pcie(tmp_path, capsys):
+    from slide_train.machines import save_machine
+
+    save_machine(machine_with(gpu={"memory_gib": 0}), tmp_path / "cpu.yaml")
+    run = ["--model=llama-3.2-3b", "--seq_len=1024", "--micro_batch_size=1", "--machine", str(tmp_path / "cpu.yaml")]
+    code, text = plan_cli(capsys, *run)
+    busy = re.search(r"busy per step: ([^\n]*)", text).group(1)
+    assert code == 0 and "bound by compute: the CPU computes" in text and "busy per step: compute" in text
+    assert "gpu" not in busy and "pcie" not in busy and "on the GPU" not in text
+    lanes = plan_json(capsys, *run)[1]["lanes_s"]
+    assert "compute" in lanes and not any(lane == "gpu" or lane.startswith("pcie") for lane in lanes)
+
+
+def test_auto_measures_the_disk_only_where_the_plan_puts_something_there():
+    """A machine whose disk is not measured: planning a run that RAM holds does not measure it; one that needs
+    the disk tier is planned again on the measured machine, whose figures it then carries."""
+    measured = machine_with(gpu={"memory_gib": 24}, host={"memory_gib": 256})
+    unmeasured = dataclasses.replace(measured, disk=dataclasses.replace(measured.disk, free_gib=0.0, read_gbps=0.0,
+                                                                        write_gbps=0.0))
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return measured
+
+    def planned(*args):
+        cfg = load_config(None, list(args))
+        model = load_model(cfg.model, 0, need_tokenizer=False, need_weights=False)
+        return plan_run(cfg, model, unmeasured, running=False, measure_disk=measure)[0]
+
+    small = planned("--model=llama-3.2-3b", "--seq_len=1024", "--micro_batch_size=1")
+    assert small.fits and not small.placement.bytes("disk") and not calls
+    large = planned(*LLAMA_70B)
+    assert calls == [1] and large.fits and large.placement.bytes("disk") and large.budgets.disk == 1000 * GIB
+
+
+def test_a_run_of_one_step_says_so_and_a_run_ram_holds_measures_no_disk(tmp_path, capsys, monkeypatch):
+    """The default engine.nvme.fraction (auto) on a run that fits in RAM: this machine is resolved without its
+    disk (no probe of a folder the run never writes), and nothing is left on disk."""
+    from slide_train import trainer
+    from slide_train.cli import main
+
+    asked = []
+    monkeypatch.setattr(trainer, "resolve_machine",
+                        lambda path, disk_dir=None: asked.append(disk_dir) or load_machine(TEST_MACHINE))
+    assert main(["finetune", "--steps=1", "--seq_len=32", "--micro_batch_size=2", "--grad_accum=1",
+                 "--export=false", f"--output_dir={tmp_path / 'run'}", "--no-progress"]) == 0
+    assert asked == [None] and not (tmp_path / "run" / "nvme").exists()
+    assert "done: 1 step in" in capsys.readouterr().out
+
+
+def test_a_step_of_milliseconds_is_printed_in_milliseconds_phase_by_phase(capsys):
+    """The built-in tiny model's step takes milliseconds: its figures are printed in ms, not as zeros, and its
+    phases still add up to the step."""
+    code, text = plan_cli(capsys, "--machine", str(TEST_MACHINE))
+    step = float(re.search(r"predicted step ([0-9.]+) ms", text).group(1))
+    phases = re.search(r"\n    (forward [^\n]*)\n", text).group(1)
+    lengths = [float(x) for x in re.findall(r"(?:^|; )\w[\w ]*? ([0-9.]+) ms =", phases)]
+    assert code == 0 and step > 0 and len(lengths) >= 2 and sum(lengths) == pytest.approx(step, abs=0.15)

@@ -78,26 +78,36 @@ def cmd_plan(args, overrides) -> int:
 
     from .machines import resolve_machine
     from .models.build import check_fits, load_model
-    from .plan import checkpoint_cost, describe, params_text
-    from .trainer import nvme_dir, plan_run, uses_disk
+    from .plan import advice, checkpoint_cost, describe, params_text
+    from .trainer import asks_for_disk, nvme_dir, plan_run, uses_disk
 
     cfg = _config(args, overrides)
     named = args.machine or os.environ.get("SLIDE_MACHINE")
-    if not named and uses_disk(cfg) and cfg.engine.nvme.dir:  # this machine's disk there is measured
+    # This machine's disk there is measured where the config puts something there, or once the plan of `auto` does
+    if not named and asks_for_disk(cfg) and cfg.engine.nvme.dir:
         check_writable("engine.nvme.dir", nvme_dir(cfg))
-    machine = resolve_machine(args.machine, disk_dir=str(nvme_dir(cfg)) if uses_disk(cfg) else None)
+    machine = resolve_machine(args.machine, disk_dir=str(nvme_dir(cfg)) if asks_for_disk(cfg) else None)
+
+    def measure_disk():
+        nonlocal machine
+        if cfg.engine.nvme.dir:
+            check_writable("engine.nvme.dir", nvme_dir(cfg))
+        machine = resolve_machine(None, disk_dir=str(nvme_dir(cfg)))
+        return machine
+
     if cfg.engine.device.startswith("cuda") and not machine.has_gpu:  # (plan_run would plan for the CPU)
         where = f"the machine file {named} has no GPU" if named else "no CUDA device is available here"
         raise ConfigError(f"engine.device={cfg.engine.device}, but {where}: `slide-train plan --machine FILE` "
                           "prices a GPU machine (FILE from `slide-train probe --out FILE` on it)")
     model = load_model(cfg.model, cfg.seed, need_tokenizer=False, need_weights=False)  # config.json is enough
     check_fits(model, cfg.seq_len)
-    plan, _, _ = plan_run(cfg, model, machine, running=False, ranks=args.nproc)
+    plan, _, _ = plan_run(cfg, model, machine, running=False, ranks=args.nproc,
+                          measure_disk=None if named or not uses_disk(cfg) else measure_disk)
     if args.json:
         print(json.dumps({"model": cfg.model, "params": sum(plan.placement.shapes.unit_numels),
                           "ranks": args.nproc,
                           "tokens_per_step": cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum * args.nproc,
-                          "machine": machine.to_dict(), **plan.to_dict(),
+                          "machine": machine.to_dict(), **plan.to_dict(), **advice(plan),
                           **dict(zip(("checkpoint_bytes", "checkpoint_s"), checkpoint_cost(plan, machine)))},
                          indent=1))
     else:
@@ -106,7 +116,7 @@ def cmd_plan(args, overrides) -> int:
         print(f"model: {cfg.model} ({model.hf_config.model_type}, {params_text(sum(shapes.unit_numels))} params, "
               f"{plural(shapes.num_blocks, 'block')}); {cfg.grad_accum} x {cfg.micro_batch_size} x {cfg.seq_len} "
               f"tokens per step{ranks}; machine: {named or 'this one (last probe)'}")
-        print(describe(plan, machine))
+        print(describe(plan, machine, cfg))
     return 0 if plan.fits else 2
 
 

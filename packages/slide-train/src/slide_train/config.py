@@ -38,8 +38,9 @@ class NvmeConfig:
     dir: str | None = None
     # Share of the sliding blocks (the last ones) whose fp32 master and AdamW m and v live on disk, a bf16 copy
     # of their parameters in RAM: 10 bytes per parameter less host memory (6 with bf16 states), read and
-    # written by every step; auto: the least share that fits
-    fraction: float | str = 0.0
+    # written by every step; auto: the least share that fits (none where RAM holds the run; always none with
+    # data-parallel ranks, which do not run the disk tier)
+    fraction: float | str = "auto"
 
 
 @dataclass
@@ -162,8 +163,8 @@ KEY_HELP = {
                                  "auto: the fastest that fits, as the plan prices them",
     "engine.nvme.dir": "scratch folder for what the placement puts on disk; null: <output_dir>/nvme",
     "engine.nvme.fraction": "share of the sliding blocks whose masters and AdamW moments live on disk, in [0, 1]; "
-                            "auto: the "
-                            "least share that fits the host's memory",
+                            "auto: the least share that fits the host's memory (0 where it holds the run, and with "
+                            "data-parallel ranks)",
     "engine.placement": "expert overrides: window, resident, device_update_share, speculate, synchronous "
                         "(docs/placement.md)",
     "checkpoint.every": "steps between checkpoints; 0: only at the end",

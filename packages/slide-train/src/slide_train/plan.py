@@ -17,14 +17,17 @@ from slide_scheduler import (
     RunFacts,
     Shapes,
     StepShape,
-    disk_share,
+    Suggestion,
+    compute_bound_step,
+    disk_traffic,
     place,
     run_facts,
     shapes_of,
+    suggest,
 )
 
 from .config import TrainConfig
-from .errors import ConfigError
+from .errors import ConfigError, plural
 from .models.families import family_of
 
 GIB = 2**30
@@ -99,7 +102,7 @@ def make_plan(cfg: TrainConfig, shapes: Shapes, machine: Machine, run: RunFacts,
               nvme_fraction: float | None = None, disk_loads: bool | None = None) -> Plan:
     """The run's plan (slide-scheduler's planner: with engine.nvme.fraction `auto`, the least share on disk that
     fits host memory); `nvme_fraction` and `disk_loads` replace the config's choice where given."""
-    step = StepShape(cfg.micro_batch_size * cfg.seq_len, cfg.grad_accum, cfg.seq_len)
+    step = step_of(cfg)
     overrides = overrides_of(cfg, shapes.num_blocks)
     if nvme_fraction is not None:
         overrides = dataclasses.replace(overrides, nvme_fraction=nvme_fraction)
@@ -119,9 +122,167 @@ def checkpoint_cost(plan: Plan, machine: Machine) -> tuple[int, float | None]:
     return nbytes, nbytes / (disk.write_gbps * 1e9) + p.bytes(DISK) / (disk.read_gbps * 1e9)
 
 
-def describe(plan: Plan, machine: Machine | None = None) -> str:
-    """The plan as a user reads it: residency, each tier's contents, the prediction and its bottleneck, and with
-    `machine` what a checkpoint costs."""
+# The planner's name of each change it suggests -> the config key
+CONFIG_KEYS = {
+    "nvme_fraction": "engine.nvme.fraction",
+    "activations": "engine.activation_offload",
+    "speculate": "engine.placement.speculate",
+    "window": "engine.placement.window",
+    "state_bytes": "engine.states_dtype",
+    "clip": "max_grad_norm",
+    "rows": "micro_batch_size",
+    "seq_len": "seq_len",
+    "micro_batches": "grad_accum",
+}
+ACTIVATIONS_WHERE = {"none": "on the GPU", "cpu": "in host memory", "nvme": "on disk"}
+MORE_TOKENS = 64  # how far past the run's own grad_accum a plan looks for the GPU to bind
+
+
+def step_of(cfg: TrainConfig) -> StepShape:
+    return StepShape(cfg.micro_batch_size * cfg.seq_len, cfg.grad_accum, cfg.seq_len)
+
+
+def advise(plan: Plan, cfg: TrainConfig, shapes: Shapes, machine: Machine, run: RunFacts, budgets: Budgets) -> Plan:
+    """What the plan advises, from the planner: where it does not fit, the settings near it that do; where it
+    fits but another lane than the compute binds it, the grad_accum at which the compute would."""
+    step, overrides = step_of(cfg), overrides_of(cfg, shapes.num_blocks)
+    if not plan.fits:
+        plan.suggestions = suggest(shapes, step, run, budgets, machine, overrides)
+    elif plan.estimate.bottleneck not in ("gpu", "compute"):
+        plan.compute_bound = compute_bound_step(shapes, step, run, budgets, machine, overrides, most=MORE_TOKENS)
+    return plan
+
+
+def config_value(name: str, value):
+    """A suggested change's value as the config has it (the planner counts the states' bytes)."""
+    return {2: "bf16", 4: "fp32"}[value] if name == "state_bytes" else value
+
+
+def setting_args(s: Suggestion) -> list[str]:
+    """A suggestion's settings as command-line overrides."""
+    def typed(value) -> str:
+        if value is None or isinstance(value, bool):
+            return {None: "null", True: "true", False: "false"}[value]
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    return [f"--{CONFIG_KEYS[name]}={typed(config_value(name, value))}" for name, value in s.changes.items()]
+
+
+def advice(plan: Plan) -> dict:
+    """What the plan advises, for `plan --json`: each suggestion's settings (config keys) and predicted step, and
+    the grad_accum at which the GPU would bind."""
+    def settings(s: Suggestion) -> dict:
+        return {CONFIG_KEYS[name]: config_value(name, value) for name, value in s.changes.items()}
+
+    out = {"suggestions": [{"settings": settings(s), "keeps_training": s.keeps_training,
+                            "predicted_step_s": s.plan.estimate.step_s} for s in plan.suggestions]}
+    if plan.compute_bound is not None:
+        out["compute_bound_at"] = {"settings": settings(plan.compute_bound),
+                                   "predicted_step_s": plan.compute_bound.plan.estimate.step_s}
+    return out
+
+
+def suggestion_line(s: Suggestion, plan: Plan) -> str:
+    """One suggestion: its overrides, its predicted step, what it changes of the training and where it puts
+    what the run's own plan could not hold."""
+    p, q = plan.placement, s.plan.placement
+    tokens, was = q.step.tokens_per_micro * q.step.micro_batches, p.step.tokens_per_micro * p.step.micro_batches
+    changed = {"state_bytes": "AdamW's m and v in bf16 (no longer exact fp32 AdamW)",
+               "clip": "no gradient clipping",
+               "rows": f"{plural(s.changes.get('rows', 0), 'row')} per micro-batch, {tokens} tokens per step instead "
+                       f"of {was}",
+               "seq_len": f"rows of {s.changes.get('seq_len')} tokens, {tokens} tokens per step instead of {was}"}
+    what = [changed[name] for name in s.changes if name in changed]
+    where = []
+    if q.on_disk:
+        where.append(f"the masters and AdamW moments of {len(q.on_disk)} of the {len(q.sliding_blocks)} sliding "
+                     f"blocks on disk ({q.bytes(DISK) / GIB:.0f} GiB there)")
+    if "activations" in s.changes:
+        where.append(f"boundary activations {ACTIVATIONS_WHERE[q.activations]}")
+    if "speculate" in s.changes:
+        where.append("no block speculating")
+    if "window" in s.changes:
+        where.append("one slot")
+    return (f"    {' '.join(setting_args(s))}: {s.plan.estimate.step_s:.1f} s per step, "
+            + ("the same training" if s.keeps_training else "changes the training: " + "; ".join(what))
+            + ("; " + ", ".join(where) if where else ""))
+
+
+def refusal(plan: Plan, cfg: TrainConfig) -> str:
+    """What a run that does not fit is told: one line of what does not fit and what follows, then one line per
+    setting near it that fits (those that keep the training the same first)."""
+    head, *lines = _advice_lines(plan, cfg)
+    return "\n".join(["this run cannot fit: " + "; ".join([*plan.problems, head]), *lines])
+
+
+def _advice_lines(plan: Plan, cfg: TrainConfig) -> list[str]:
+    """What follows from a plan that does not fit: a line that says so, then one line per suggestion."""
+    note = ""
+    if plan.placement.ranks > 1 and cfg.engine.nvme.fraction == "auto":
+        note = ("with data-parallel ranks engine.nvme.fraction=auto keeps every state in host memory (they do not "
+                "run the disk tier); ")
+    if not plan.suggestions:
+        return [note + "no setting near this one fits (placements, bf16 AdamW states, no clipping, down to an "
+                "eighth of the rows and of their length): it needs a machine with more memory"]
+    ordered = sorted(plan.suggestions, key=lambda s: not s.keeps_training)
+    return [note + "these settings fit, with their predicted step:", *(suggestion_line(s, plan) for s in ordered)]
+
+
+def refuse(plan: Plan, cfg: TrainConfig) -> None:
+    """Raise a ConfigError naming what does not fit and the settings near it that would (`advise` found them)."""
+    if not plan.fits:
+        raise ConfigError(refusal(plan, cfg))
+
+
+def prediction_lines(plan: Plan) -> list[str]:
+    """The predicted step, the lane that binds it and the figures that show it: the step is the sum of its
+    phases; each phase lasts as long as its slowest lane, of which the device's compute is its own and the rest
+    is what another lane adds. The bottleneck adds the most. Where it is not the busiest lane, a line says why."""
+    p, e, u = plan.placement, plan.estimate, plan.estimate_unclipped
+    compute = "compute" if p.device_is_host else "gpu"
+    device = "the CPU" if p.device_is_host else "the GPU"
+    scale, unit, digits = (1e3, "ms", 1) if e.step_s < 1 else (1.0, "s", 2)  # (a tiny model's step takes ms)
+
+    def num(seconds: float) -> str:
+        return f"{seconds * scale:.{digits}f}"
+
+    def shown(seconds: float) -> bool:  # (what would print as zero is left out)
+        return round(seconds * scale, digits) > 0
+
+    clipped = f" (clipping acts; {num(u.step_s)} {unit} when it does not)" if p.clip else ""
+    added = sorted(((lane, s) for lane, s in e.critical.items() if lane != compute and shown(s)),
+                   key=lambda item: -item[1])
+    lines = [f"  predicted step {num(e.step_s)} {unit}{clipped}, bound by {e.bottleneck}: {device} computes "
+             f"{num(e.critical[compute])} {unit} of it"
+             + "".join(f", {lane} adds {num(s)} {unit}" for lane, s in added)]
+    lines.append("    " + "; ".join(
+        f"{name.replace('_', ' ')} {num(e.phases[name])} {unit} = "
+        + " + ".join(f"{lane} {num(s)}" for lane, s in e.setters[name].items() if shown(s))
+        for name in e.phases if shown(e.phases[name])))
+    lines.append("    busy per step: " + ", ".join(f"{lane} {num(busy)} {unit}" for lane, busy in e.lanes.items()))
+    busiest = max(e.lanes, key=e.lanes.get)
+    if busiest != e.bottleneck:
+        rule = "the step is the sum of its phases, each as long as its slowest lane"
+        if e.bottleneck == compute:
+            why = (f"{busiest} is busier than {device}'s compute ({num(e.lanes[busiest])} {unit} against "
+                   f"{num(e.lanes[compute])} {unit}), but {rule}, and {busiest} runs beside {device}'s work: it adds "
+                   f"{num(e.critical.get(busiest, 0.0))} {unit}")
+        else:
+            where = [name.replace("_", " ") for name, parts in e.setters.items() if parts.get(e.bottleneck, 0) > 0]
+            than = f"{device}'s compute" if busiest == compute else busiest
+            why = (f"{e.bottleneck} is busy less than {than} ({num(e.lanes[e.bottleneck])} {unit} against "
+                   f"{num(e.lanes[busiest])} {unit}), but {rule}: in the {' and the '.join(where)} {e.bottleneck} "
+                   f"outlasts {device}'s work, by {num(e.critical[e.bottleneck])} {unit} in all"
+                   + ("" if busiest == compute
+                      else f", while {busiest} adds {num(e.critical.get(busiest, 0.0))} {unit}"))
+        lines.append("    " + why)
+    return lines
+
+
+def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None = None) -> str:
+    """The plan as a user reads it: residency, each tier's contents, the prediction and what binds it, with
+    `machine` what a checkpoint costs, with `cfg` where the disk tier's folder is; where it does not fit, the
+    settings near it that do, and where it fits but the GPU does not bind it, the grad_accum at which it would."""
     p, b = plan.placement, plan.budgets
     sliding = len(p.sliding_blocks)
     tiers = p.tiers()
@@ -131,15 +292,26 @@ def describe(plan: Plan, machine: Machine | None = None) -> str:
         cap = "" if budget is None else f" of {budget / GIB:.1f} usable"
         return f"  {tier} ~{p.bytes(tier) / GIB:.1f} GiB{cap}: {parts or 'nothing'}"
 
+    def counted(n: int, one: str, many: str) -> str:  # "1 block updates", "2 blocks update"
+        return f"{n} {one if n == 1 else many}"
+
+    streamed, only_moments = len(p.streamed - {0}), len(p.on_disk - p.masters_on_disk)
+    parts = [] if p.device_is_host else [
+        counted(streamed, "sliding block updates on the GPU", "sliding blocks update on the GPU"),
+        counted(len(p.held), "holds its gradient there", "hold their gradient there")]
+    parts.append(counted(len(p.pooled), "shares host memory with the boundary activations",
+                         "share host memory with the boundary activations"))
+    parts.append(counted(len(p.masters_on_disk), "keeps its master and AdamW moments on disk",
+                         "keep their master and AdamW moments on disk")
+                 + (f" ({counted(len(p.loads_from_disk), 'reads its', 'read their')} master from disk for each "
+                    "load)" if p.loads_from_disk else ""))
+    if only_moments:
+        parts.append(counted(only_moments, "only its moments", "only their moments"))
+    if p.speculated:
+        parts.append(counted(len(p.speculated), "speculates", "speculate"))
     device = "host memory (CPU run)" if p.device_is_host else "the GPU"
-    lines = [f"plan: {len(p.resident)} of {len(p.units)} units resident on {device}, {sliding} sliding through "
-             f"{p.window} slots; {len(p.streamed - {0})} sliding blocks update on the GPU, {len(p.held)} hold their "
-             f"gradient there, {len(p.pooled)} share host memory with the boundary activations, "
-             f"{len(p.masters_on_disk)} keep their master and AdamW moments on disk"
-             + (f" ({len(p.loads_from_disk)} read their master from disk for each load)" if p.loads_from_disk
-                else "")
-             + (f", {len(p.on_disk - p.masters_on_disk)} only their moments" if p.on_disk - p.masters_on_disk else "")
-             + (f", {len(p.speculated)} speculate" if p.speculated else "")]
+    lines = [f"plan: {len(p.resident)} of {plural(len(p.units), 'unit')} resident on {device}, {sliding} sliding "
+             f"through {plural(p.window, 'slot')}; " + ", ".join(parts)]
     groups = p.describe()
     if len(groups) > 8:
         groups = [f"    ({len(groups)} runs of units placed alike: `plan --json` lists each unit)"]
@@ -149,62 +321,45 @@ def describe(plan: Plan, machine: Machine | None = None) -> str:
     lines.append(tier_line(HOST, b.host))
     if p.bytes(DISK):
         lines.append(tier_line(DISK, b.disk))
-    e, u = plan.estimate, plan.estimate_unclipped
-    clipped = f" (clipping acts; {u.step_s:.2f} s when it does not)" if p.clip else ""
-    bound = "compute" if p.device_is_host and e.bottleneck == "gpu" else e.bottleneck  # (a CPU run's device)
-    lines.append(f"  predicted step {e.step_s:.2f} s{clipped}, bound by {bound}: "
-                 + ", ".join(f"{lane} {busy:.2f} s" for lane, busy in e.lanes.items()))
+    lines += prediction_lines(plan)
+    if p.bytes(DISK):
+        read, written = disk_traffic(p)
+        auto = cfg is not None and cfg.engine.nvme.fraction == "auto" and p.on_disk
+        folder = f" in {nvme_folder(cfg)}" if cfg is not None else ""
+        lines.append(f"  {'host memory alone does not hold this run: ' if auto else ''}the disk tier{folder} reads "
+                     f"{read / 1e9:.0f} GB and writes {written / 1e9:.0f} GB per step, busy "
+                     f"{plan.estimate.lanes['disk']:.1f} s of the {plan.estimate.step_s:.1f} s step")
     nbytes, seconds = checkpoint_cost(plan, machine) if machine is not None else (0, None)
     if seconds is not None:
         lines.append(f"  a checkpoint writes ~{nbytes / GIB:.1f} GiB: ~{seconds:.0f} s at the disk's "
                      f"{machine.disk.write_gbps:g} GB/s" + (f", reading the tier's {p.bytes(DISK) / GIB:.1f} GiB "
                                                             f"at {machine.disk.read_gbps:g} GB/s" if p.bytes(DISK)
                                                             else ""))
+    if plan.fits and plan.compute_bound is not None:
+        s = plan.compute_bound
+        q = s.plan.placement
+        tokens = q.step.tokens_per_micro * q.step.micro_batches
+        now = p.step.tokens_per_micro * p.step.micro_batches
+        lines.append(f"  more tokens per step: at {' '.join(setting_args(s))} ({tokens} tokens) {device_name(p)} "
+                     f"would bind, {s.plan.estimate.step_s:.2f} s per step ({tokens / s.plan.estimate.step_s:,.0f} "
+                     f"tokens/s against {now / plan.estimate.step_s:,.0f} now)")
+    elif plan.fits and plan.estimate.bottleneck not in ("gpu", "compute"):
+        lines.append(f"  more tokens per step: no grad_accum up to {MORE_TOKENS} times this one that fits makes "
+                     f"{device_name(p)} bind")
     lines += [f"  does NOT fit: {problem}" for problem in plan.problems]
+    if not plan.fits and cfg is not None:
+        head, *suggestions = _advice_lines(plan, cfg)
+        lines += ["  " + head, *suggestions]
     return "\n".join(lines)
 
 
-def share_on_disk(cfg: TrainConfig, shapes: Shapes, machine: Machine, run: RunFacts,
-                  budgets: Budgets) -> tuple[float, int, bool] | None:
-    """The share `auto` takes (the least engine.nvme.fraction that fits), the blocks it puts on disk and whether
-    their loads read from disk; None where no share fits."""
-    step = StepShape(cfg.micro_batch_size * cfg.seq_len, cfg.grad_accum, cfg.seq_len)
-    return disk_share(shapes, step, run, budgets, machine, overrides_of(cfg, shapes.num_blocks))
+def device_name(p) -> str:
+    return "the CPU's compute" if p.device_is_host else "the GPU"
 
 
-def refuse(plan: Plan, cfg: TrainConfig, share=None) -> None:
-    """Raise a ConfigError naming what does not fit and what would. `share()` is `share_on_disk` for the run: the
-    share on disk `auto` would take is offered."""
-    if plan.fits:
-        return
-    p, b = plan.placement, plan.budgets
-    fixes = []
-    if b.gpu is not None and p.bytes(GPU) > b.gpu:
-        key = "engine.gpu_memory_limit_gb" if cfg.engine.gpu_memory_limit_gb else "the GPU's memory"
-        fixes.append(f"it does not fit in {key}: fewer tokens per micro-batch (micro_batch_size, seq_len) shrink "
-                     "the activations"
-                     + (", engine.placement.window=1 leaves one slot" if p.window > 1 else ""))
-    if b.host is not None and p.bytes(HOST) > b.host:
-        host = []
-        found = share() if share is not None and cfg.engine.nvme.fraction != "auto" else None
-        if found:
-            fraction, blocks, _ = found
-            host.append(f"engine.nvme.fraction={fraction} (or auto) keeps the fp32 masters and AdamW moments of "
-                        f"{blocks} of the {len(p.sliding_blocks)} sliding blocks on disk (engine.nvme.dir: a fast "
-                        "local NVMe drive; each step reads and writes them)")
-        if p.speculated:
-            host.append("engine.placement.speculate=false saves the speculated parameters and lets gradients "
-                        "share the activations' memory")
-        if p.state_bytes > 2:
-            host.append("engine.states_dtype=bf16 saves 4 bytes per parameter")
-        if p.clip and p.sliding_blocks:
-            host.append("max_grad_norm=null saves the gradients exact clipping holds")
-        if p.activations == "cpu":
-            host.append("engine.activation_offload=nvme keeps the boundary activations on disk")
-        fixes.append("host memory: " + "; ".join(host or ["a machine with more RAM"]))
-    if b.disk is not None and p.bytes(DISK) > b.disk:
-        fixes.append("disk: a lower engine.nvme.fraction, or engine.nvme.dir on a larger drive")
-    raise ConfigError("this run cannot fit: " + "; ".join(plan.problems) + ". What would: " + ". ".join(fixes))
+def nvme_folder(cfg: TrainConfig) -> str:
+    """The disk tier's folder: engine.nvme.dir, or the run's own under output_dir."""
+    return cfg.engine.nvme.dir or os.path.join(cfg.output_dir, "nvme")
 
 
 def host_memory() -> float | None:

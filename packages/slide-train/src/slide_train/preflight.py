@@ -104,12 +104,14 @@ def check_writable(key: str, folder: str | os.PathLike) -> None:
 
 def check_finetune(cfg) -> None:
     """What `slide-train finetune` refuses before it loads the model or reads the data."""
-    from .trainer import nvme_dir, uses_disk
+    from .trainer import asks_for_disk, nvme_dir
 
     check_tokenizer_files(cfg.model, cfg.data.format)
     check_data_path(cfg.data.path)
     check_writable("output_dir", cfg.output_dir)
-    if uses_disk(cfg) and cfg.engine.nvme.dir:  # (its default folder is under output_dir, checked above)
+    # (its default folder is under output_dir, checked above; where `auto` decides, once the plan puts something
+    # there)
+    if asks_for_disk(cfg) and cfg.engine.nvme.dir:
         check_writable("engine.nvme.dir", nvme_dir(cfg))
 
 

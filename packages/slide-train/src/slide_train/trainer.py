@@ -42,7 +42,7 @@ from .config import TrainConfig, to_dict
 from .data import build_data
 from .data.formats import IGNORE
 from .distributed import join, rank_device, ranks_here
-from .errors import ConfigError, DiskFullError, TrainingError, size_text
+from .errors import ConfigError, DiskFullError, TrainingError, plural, size_text
 from .export import MARKER as EXPORT_MARKER
 from .export import base_dir, export_dtype, export_hf, export_size, is_earlier_export, layout_tensors, save_base_files
 from .log import LOG_FILE, open_run_log, say
@@ -50,7 +50,8 @@ from .machines import resolve_machine
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics
 from .models.build import BASE_MODEL_DIR, check_fits, load_model, saved_model_source
 from .models.loss import loss_rows
-from .plan import budgets_for, describe, facts_of, make_plan, model_shapes, params_text, refuse, share_on_disk
+from .plan import advise, budgets_for, describe, facts_of, make_plan, model_shapes, params_text, refuse
+from .preflight import check_writable
 from .progress import bar
 from .schedule import lr_at
 from .space import Size
@@ -118,14 +119,16 @@ def engine_config(cfg: TrainConfig) -> EngineConfig:
                         nvme_dir=str(folder / STATES_DIR), activation_dir=str(folder / ACTIVATIONS_DIR))
 
 
-def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True,
-             ranks: int = 1) -> tuple[Plan, EngineConfig, object]:
+def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True, ranks: int = 1,
+             measure_disk=None) -> tuple[Plan, EngineConfig, object]:
     """The plan of a run on `machine`, the engine config it implies and the stack to build it on.
 
     Running, the device is this process's (`engine.device`): on CUDA the budget is the smallest of the card, the
     machine file's GPU and `engine.gpu_memory_limit_gb` (the process is capped to that), and a run that does not
-    fit is refused. Not running (`slide-train plan`), the machine file's GPU is planned for, wherever this runs.
-    With data-parallel `ranks`, the plan is one rank's, and the ranks on this host share its memory.
+    fit is refused, naming the settings near it that would. Not running (`slide-train plan`), the machine file's
+    GPU is planned for, wherever this runs. With data-parallel `ranks`, the plan is one rank's, and the ranks on
+    this host share its memory. `measure_disk()`, where given, returns the machine with the disk tier's folder
+    measured: a plan that puts something on a disk not measured yet is made again with it.
     """
     e = cfg.engine
     card_gib = None
@@ -151,9 +154,16 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True,
     kernels = e.kernels == "on" or (e.kernels == "auto" and cuda)
     stack = model.stack(kernels=kernels)
     shapes = model_shapes(model, stack, ranks)
-    budgets = budgets_for(machine, cuda, e.gpu_memory_limit_gb, card_gib,
-                          ranks_here=min(ranks, ranks_here()) if running else ranks)
-    plan = make_plan(cfg, shapes, machine, run, budgets)
+
+    def planned(machine: Machine):
+        budgets = budgets_for(machine, cuda, e.gpu_memory_limit_gb, card_gib,
+                              ranks_here=min(ranks, ranks_here()) if running else ranks)
+        return make_plan(cfg, shapes, machine, run, budgets), budgets
+
+    plan, budgets = planned(machine)
+    if measure_disk is not None and not machine.disk.free_gib and (plan.placement.bytes(DISK) or not plan.fits):
+        machine = measure_disk()  # (`auto` found that RAM alone does not hold the run: its disk matters now)
+        plan, budgets = planned(machine)
     if not running and budgets.host is not None and plan.placement.bytes(HOST) > budgets.host and ranks == 1:
         every = make_plan(cfg, shapes, machine, run, budgets, nvme_fraction=1.0)
         if every.placement.bytes(HOST) > budgets.host:
@@ -162,17 +172,23 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True,
                 f"host needs ~{every.placement.bytes(HOST) / 2**30:.0f} GiB: "
                 + ", ".join(f"{kind} {nbytes / 2**30:.0f}" for kind, nbytes in every.placement.tiers()[HOST].items()
                             if nbytes >= 2**30))
+    advise(plan, cfg, shapes, machine, run, budgets)
     if running:
-        refuse(plan, cfg, share=lambda: share_on_disk(cfg, shapes, machine, run, budgets))
+        refuse(plan, cfg)
         if e.placement.get("speculate") is True and not plan.placement.speculated:
             why = ("without clipping nothing waits for the norm" if not cfg.max_grad_norm else
                    "the host's memory budget has no room for it")
             warnings.warn(f"engine.placement.speculate=true, but no block speculates: {why}", stacklevel=2)
+        if e.nvme.dir and not plan.placement.bytes(DISK):  # (a folder set for the disk tier, which the plan leaves)
+            warnings.warn(f"{e.nvme.dir} is only used with engine.nvme.fraction > 0 or engine.activation_offload=nvme"
+                          ", or where `auto` puts something on disk: this run's plan puts nothing there",
+                          stacklevel=2)
         if e.nvme.fraction not in (0, "auto") and not plan.placement.on_disk:  # the share rounds to no block
             sliding = len(plan.placement.sliding_blocks)
             warnings.warn(f"engine.nvme.fraction={e.nvme.fraction} puts no master or AdamW state on disk: " + (
-                f"it is none of the {sliding} sliding blocks (a share of {1 / sliding:.3g} keeps one block's "
-                "states there)" if sliding else "every block is resident, its states on the device"), stacklevel=2)
+                f"it is none of the {plural(sliding, 'sliding block')} (a share of {1 / sliding:.3g} keeps one "
+                "block's states there)" if sliding else "every block is resident, its states on the device"),
+                stacklevel=2)
     return plan, engine_config(cfg), stack
 
 
@@ -192,12 +208,12 @@ def leftovers(cfg: TrainConfig) -> list[pathlib.Path]:
 
 
 def build_engine(cfg: TrainConfig, model, machine: Machine, progress: bool = False,
-                 before_load=None, ranks: Ranks | None = None) -> tuple[SlidingEngine, Plan]:
+                 before_load=None, ranks: Ranks | None = None, measure_disk=None) -> tuple[SlidingEngine, Plan]:
     """The engine of the run's placement. Loading an 8B model's weights takes minutes: with `progress`, a bar
     counts the blocks as they are read; `before_load(plan, engine_cfg)` runs first (checks that can refuse the
-    run without that wait). `ranks`: this process's data-parallel group."""
+    run without that wait). `ranks`: this process's data-parallel group; `measure_disk`: as for `plan_run`."""
     ranks = ranks or Ranks()
-    plan, engine_cfg, stack = plan_run(cfg, model, machine, ranks=ranks.size)
+    plan, engine_cfg, stack = plan_run(cfg, model, machine, ranks=ranks.size, measure_disk=measure_disk)
     for folder in default_disk_folders(cfg):  # a killed run's files (before the checks count them)
         shutil.rmtree(folder, ignore_errors=True)
     if left := leftovers(cfg):  # the user's own folder: said, not removed
@@ -308,14 +324,14 @@ class Trainer:
         if not cfg.checkpoint.keep:
             warnings.warn("checkpoint.keep=0: this run writes no checkpoint; a stopped run (Ctrl-C) keeps only its "
                           "metrics" + (", and the export is written at the end" if cfg.export else ""), stacklevel=2)
-        if cfg.engine.nvme.dir and not uses_disk(cfg):  # (a folder set for the NVMe tier, which the run does not use)
-            warnings.warn(f"{cfg.engine.nvme.dir} is only used with engine.nvme.fraction > 0 or "
-                          "engine.activation_offload=nvme: this run writes nothing there", stacklevel=2)
+        # The disk tier's folder is measured where the config puts something on disk, or once the plan of
+        # `auto` does (most runs fit in RAM, and need no probe of a folder they never write)
         self.machine = machine if machine is not None else resolve_machine(
-            None, disk_dir=str(nvme_dir(cfg)) if uses_disk(cfg) else None)
+            None, disk_dir=str(nvme_dir(cfg)) if asks_for_disk(cfg) else None)
+        measure = self._measure_disk if machine is None and uses_disk(cfg) and not asks_for_disk(cfg) else None
         self.engine, self.memory_plan = build_engine(cfg, self.model, self.machine, progress and self.lead,
                                                      before_load=lambda plan, e: self._check_disk(plan, e, outputs),
-                                                     ranks=self.ranks)
+                                                     ranks=self.ranks, measure_disk=measure)
         self.num_params = sum(u.layout.base_numel for u in self.engine.units)
         shapes = self.memory_plan.placement.shapes  # (a mixture of experts computes with its routed experts only)
         self.active_params = shapes.unit_numels[0] + shapes.num_blocks * (shapes.active_block_numel or
@@ -343,6 +359,13 @@ class Trainer:
         self._stop_signal: int | None = None
         self._eval: tuple[list, int] | None = None
         self._finite_at: int | None = None  # the step whose weights were last checked finite
+
+    def _measure_disk(self) -> Machine:
+        """This machine with the disk tier's folder measured (the plan of `auto` puts something there)."""
+        if self.cfg.engine.nvme.dir:
+            check_writable("engine.nvme.dir", nvme_dir(self.cfg))
+        self.machine = resolve_machine(None, disk_dir=str(nvme_dir(self.cfg)))
+        return self.machine
 
     def _check_disk(self, plan: Plan, engine_cfg: EngineConfig, outputs: list[pathlib.Path]) -> None:
         """Disks too small for what the run will write are refused before the weights load, not after training:
@@ -628,7 +651,7 @@ class Trainer:
                 f"{' (host memory below: one rank)' if ranks > 1 else ''}\n"
                 f"engine: {e.device} {str(e.dtype).removeprefix('torch.')} compute, "
                 f"{'pipelined' if e.config.pipeline else 'synchronous'}, activations on "
-                f"{'host' if e.activations.offload else 'device'}\n{describe(self.memory_plan, self.machine)}\n"
+                f"{'host' if e.activations.offload else 'device'}\n{describe(self.memory_plan, self.machine, cfg)}\n"
                 + "".join(f"NVMe tier: {s.directory}, {s.path} ({s.path_reason}), page cache "
                           f"{'bypassed' if s.direct else 'used'}\n" for s in e.disk_stores())
                 + f"run dir: {self.run_dir}")
@@ -691,7 +714,8 @@ class Trainer:
         self.log.close()
         if self.lead:
             plot_loss(self.log.path, self.run_dir / "loss.png")
-        say(f"done: {self.step_index} steps in {time.perf_counter() - start:.1f}s; metrics in {self.log.path}")
+        say(f"done: {plural(self.step_index, 'step')} in {time.perf_counter() - start:.1f}s; metrics in "
+            f"{self.log.path}")
         if cfg.export:
             out = self.export()
             say(f"exported to {out}")
