@@ -1,41 +1,25 @@
-"""The layer-sliding engine: trains a `Stack` whose blocks live on the host and visit the device in slots.
+"""The layer-sliding engine: trains a `Stack` whose blocks live on the host and visit the device in slots, as a
+`Placement` says (placement.py: the run's facts and where every unit's parameters, gradient, master and moments
+live; the engine decides none of it).
 
 One optimizer step over a list of micro-batches (DESIGN.md section 3), as queued work on five lanes (compute,
 host-to-device copies, land: the kernels that turn landed bytes into slot contents, device-to-host, store: device
 updates' results going home) plus a host optimizer thread:
-  forward   head, then block by block: each block is loaded into a slot ahead of its turn (while the previous
+  forward   head, then block by block: each block is staged into a slot ahead of its turn (while the previous
             block computes: the fp32 master crosses PCIe on h2d and is narrowed to bf16 in the slot on land) and runs
-            every micro-batch there (layer-major); each output boundary activation goes to the host (d2h lane)
+            every micro-batch there (layer-major); each output boundary activation goes to its store
   tail      loss and the gradient w.r.t. the last boundary activation, per micro-batch
-  backward  block by block in reverse: load params + boundary activations ahead, recompute + backward per
-            micro-batch (grads accumulate in the slot), gradient to a host buffer chunk by chunk (d2h lane)
-  head      embedding backward
-  update    AdamW over fp32 masters: on the optimizer thread, chunk by chunk as gradients arrive; or on the
-            device while the unit next loads (`device_update_share`: master and states streamed in over PCIe);
-            the edges' tail-only part (final norm, untied lm head) on the device as soon as it may; the last
-            sliding blocks' AdamW moments, and their fp32 masters, may live on disk (`nvme_fraction`,
-            disk_states.py), read in ahead; those blocks load from a copy of their parameters in the compute
-            dtype, which their update writes, or where host memory has no room for it (`disk_loads`) read the
-            master from disk for each load
+  backward  block by block in reverse: stage params + boundary activations ahead, recompute + backward per
+            micro-batch (grads accumulate in the slot); the gradient goes to its home (homes.py) and is handed to
+            the unit's update kind (updates.py)
+  readout   the step's one device->host read: its loss and every unit's squared gradient norm
+  commit    the clip decision, told to every update kind, which queues the updates where it runs them
 
-Exact global grad-norm clipping needs every gradient before any update, so with clipping on, the updates of a
-step run while the *next* step's forward goes (each block's load waits for its own update, or runs it); without
-clipping they start during backward, as soon as each chunk of a block's gradient reaches the host. Per-block
-squared norms are reduced on the device, so the clip needs one small read at the end of backward. Clipped
-updates are split (`split_update`): the next forward waits only for new masters, and the AdamW moments of
-sliding blocks are stepped on the host after the forward, before the next backward reuses their gradient
-buffers; device-updated blocks then send back only their master (4 bytes per parameter instead of 12). Or the held
-host gradients share memory with the boundary activations (`grads_share_activations`, `pool.py`), and those
-blocks update whole instead.
-
-Blocks the placement marks `speculate` also run their clipped update during backward, as if clipping will
-not act, writing only new parameters; when it does not act their next loads take those, and the update proper
-runs whole on the optimizer thread before the block's next gradient needs its buffer.
-
-With data-parallel `ranks` (ranks.py) each process keeps one shard of every unit's master, moments and host
-gradient: a gradient is reduce-scattered before it leaves the device, the host updates the shard, and a load
-copies the shard in and gathers the others' into the slot. The step's readout (loss, squared norms) is summed over
-ranks, so clipping is global.
+Where and when each unit's update runs is its kind's (updates.py: on the device for good, on the host optimizer
+thread, or streamed through the device as the unit next loads); exact global clipping holds every update until the
+norm is known, so with clipping the updates of a step run while the next step's forward goes, each block's load
+waiting for its own update or running it. Data-parallel ranks (ranks.py) hook in at the backward (gradients
+reduce-scattered), the load (shards gathered) and the readout (summed over ranks).
 
 `pipeline=False` runs the very same schedule with every lane inline and the optimizer on the calling thread:
 the synchronous engine, kept as the reference the pipelined one is tested against.
@@ -139,7 +123,8 @@ class SlidingEngine:
         # A tail that takes `ctx` gets its micro-batch's head context (what the blocks recorded there)
         self._tail_ctx = "ctx" in inspect.signature(self.edges.tail).parameters
         # What the head's backward recomputes: its activation alone where the edges say how, without the context
-        self._head_activation = getattr(self.edges, "head_activation", None) or (lambda b: self.edges.head(b)[0])
+        edges = self.edges  # (not `self`: a closure over the engine would keep a dropped one alive until collected)
+        self._head_activation = getattr(edges, "head_activation", None) or (lambda b: edges.head(b)[0])
         edge_layout = FlatLayout(self.edges, shards=ranks.size)
         block_layout = FlatLayout(stack.make_block(), shards=ranks.size)
         _check(placement, (edge_layout.numel,) + (block_layout.numel,) * self.num_blocks, config, ranks)
@@ -225,10 +210,9 @@ class SlidingEngine:
         self._disk_counted: tuple[int, int] | None = None  # disk_traffic() when the last step ended
         self.activations = ActivationStore(p.activations, self.device, self.d2h, self.h2d, self.compute,
                                            self.homes.pool, config.activation_dir)
-        # Backward fetches activations for at most window + 1 blocks at a time: that many sets of device buffers,
-        # each free again once the backward that read it is done (window sets would do when every block slides,
-        # since a slot's load already waits for that; resident blocks wait for no slot, so one more gives slack).
-        self._act_landing = [_Landing() for _ in range(self.window + 1)]
+        # Backward fetches activations into the plan's sets of device buffers, each free again once the backward
+        # that read it is done
+        self._act_landing = [_Landing() for _ in range(p.landing_sets)]
         # The step's one device->host read: its loss, then each unit's squared gradient norm (reduced on the
         # device as gradients are made).
         self._readout = torch.zeros(1 + len(self.units), dtype=torch.float32, device=self.device)

@@ -6,6 +6,8 @@ gradient there and say when each optimizer chunk of it has arrived."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from slide_memory import StagingRing, host_zeros
@@ -18,7 +20,7 @@ from .updates import Gradient
 class GradientHomes:
     def __init__(self, engine):
         e, p = engine, engine.placement
-        self.engine = e
+        self.engine = weakref.proxy(e)  # (the engine owns its parts: no cycle keeps a dropped one alive)
         self.kind = [unit.grad for unit in p.units]
         numel = p.shapes.block_numel
         self.held = {u: torch.zeros(numel, dtype=e.dtype, device=e.device) for u in sorted(p.held)}

@@ -8,6 +8,7 @@ Units are numbered as the engine numbers them: 0 is the edges (embedding, final 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -220,7 +221,11 @@ class Placement:
     # -- views by unit --------------------------------------------------------------------------------------------
 
     def where(self, attr: str, value) -> set[int]:
-        return {u for u, p in enumerate(self.units) if getattr(p, attr) == value}
+        # (kept per placement, which does not change: counting its bytes asks for these sets unit by unit)
+        found = self.__dict__.setdefault("_where", {})
+        if (attr, value) not in found:
+            found[attr, value] = frozenset(u for u, p in enumerate(self.units) if getattr(p, attr) == value)
+        return set(found[attr, value])
 
     @property
     def resident(self) -> set[int]:
@@ -267,6 +272,12 @@ class Placement:
         return ringed if self.clip else min(3, ringed)
 
     @property
+    def landing_sets(self) -> int:
+        """Sets of device buffers the backward fetches boundary activations into: one per slot and one more (two
+        when nothing slides: resident blocks wait for no slot, so one more gives slack), at most one per block."""
+        return min(self.shapes.num_blocks, (self.window if self.sliding_blocks else 1) + 1)
+
+    @property
     def stream_piece_numel(self) -> int:
         """Elements per device-update buffer: a piece, or the largest streamed unit if smaller."""
         largest = max((self.shapes.unit_numels[u] for u in self.streamed), default=1)
@@ -276,7 +287,11 @@ class Placement:
 
     @property
     def allocations(self) -> list[Allocation]:
-        return _allocations(self)
+        return list(self._made)
+
+    @functools.cached_property
+    def _made(self) -> tuple[Allocation, ...]:  # (a placement does not change: the planner asks for its bytes often)
+        return tuple(_allocations(self))
 
     def bytes(self, tier: str, transient: bool = True) -> int:
         return sum(a.nbytes for a in self.allocations if a.tier == tier and (transient or not a.transient))
@@ -389,14 +404,15 @@ def _allocations(p: Placement) -> list[Allocation]:
             out.append(Allocation(tier, kind, int(nbytes), transient))
 
     resident, sliding = sorted(p.resident), p.sliding_blocks
-    host_units = [u for u in range(len(numel)) if u not in p.resident]
+    host_units = [u for u in range(len(numel)) if u not in resident]
     # Host: an fp32 master per unit (resident ones keep theirs for checkpoints) but those on disk, which keep a
     # copy of their parameters in the compute dtype instead; moments of host units
     away, read = p.masters_on_disk, p.loads_from_disk
     add(HOST, "masters", 4 * sum(shard[u] for u in range(len(numel)) if u not in away))
     add(HOST, "parameters of masters on disk", c * sum(numel[u] for u in away - read))
     add(HOST, "masters read for loads", DISK_LOAD_SLOTS * 4 * s.block_numel if read else 0)
-    add(HOST, "moments", 2 * p.state_bytes * sum(shard[u] for u in host_units if u not in p.on_disk))
+    on_disk = p.on_disk
+    add(HOST, "moments", 2 * p.state_bytes * sum(shard[u] for u in host_units if u not in on_disk))
     if host_units:  # the host optimizer's scratch and its three fp32 rows, shared by every unit
         size = min(BLOCK_PER_THREAD * p.threads, CHUNK, max(shard[u] for u in host_units))
         add(HOST, "optimizer scratch", 4 * 4 * size)
@@ -441,8 +457,7 @@ def _allocations(p: Placement) -> list[Allocation]:
     if p.activations == "none":
         add(dev, "boundary activations", boundaries * act)
     else:  # backward's landing buffers: a set per slot and one more (two when nothing slides), reused every step
-        sets = (p.window if sliding else 1) + 1
-        add(dev, "activation landing", min(s.num_blocks, sets) * t.micro_batches * act)
+        add(dev, "activation landing", p.landing_sets * t.micro_batches * act)
     # The working set of one block's recompute and backward, the tail's loss chunk, the allocator's margin
     work = 3 * t.micro_batches * act + t.tokens_per_micro * (10 * s.hidden + 4 * s.intermediate) * c
     add(dev, "workspace", work, transient=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +83,7 @@ class UpdateKind:
     """The events every kind answers; a kind acts on those that concern it."""
 
     def __init__(self, engine, units):
-        self.engine = engine
+        self.engine = weakref.proxy(engine)  # (the engine owns its parts: no cycle keeps a dropped one alive)
         self.units = sorted(units)
 
     def before_backward(self) -> None:
