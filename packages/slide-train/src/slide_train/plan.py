@@ -329,6 +329,8 @@ def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None
         lines.append(f"  {'host memory alone does not hold this run: ' if auto else ''}the disk tier{folder} reads "
                      f"{read / 1e9:.0f} GB and writes {written / 1e9:.0f} GB per step, busy "
                      f"{plan.estimate.lanes['disk']:.1f} s of the {plan.estimate.step_s:.1f} s step")
+    if machine is not None and machine.disk.path and p.bytes(DISK):
+        lines.append(f"  disk path: {machine.disk.path} ({machine.disk.path_reason})")
     nbytes, seconds = checkpoint_cost(plan, machine) if machine is not None else (0, None)
     if seconds is not None:
         lines.append(f"  a checkpoint writes ~{nbytes / GIB:.1f} GiB: ~{seconds:.0f} s at the disk's "

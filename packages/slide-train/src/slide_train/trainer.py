@@ -23,7 +23,7 @@ import warnings
 import torch
 import yaml
 
-from slide_io import free_bytes
+from slide_io import free_bytes, prefer_path
 from slide_scheduler import (
     DISK,
     HOST,
@@ -329,6 +329,7 @@ class Trainer:
         self.machine = machine if machine is not None else resolve_machine(
             None, disk_dir=str(nvme_dir(cfg)) if asks_for_disk(cfg) else None)
         measure = self._measure_disk if machine is None and uses_disk(cfg) and not asks_for_disk(cfg) else None
+        prefer_path(self.machine.disk.path, self.machine.disk.path_reason)  # (the path the probe measured faster)
         self.engine, self.memory_plan = build_engine(cfg, self.model, self.machine, progress and self.lead,
                                                      before_load=lambda plan, e: self._check_disk(plan, e, outputs),
                                                      ranks=self.ranks, measure_disk=measure)
@@ -365,6 +366,7 @@ class Trainer:
         if self.cfg.engine.nvme.dir:
             check_writable("engine.nvme.dir", nvme_dir(self.cfg))
         self.machine = resolve_machine(None, disk_dir=str(nvme_dir(self.cfg)))
+        prefer_path(self.machine.disk.path, self.machine.disk.path_reason)
         return self.machine
 
     def _check_disk(self, plan: Plan, engine_cfg: EngineConfig, outputs: list[pathlib.Path]) -> None:
