@@ -216,3 +216,25 @@ def test_the_load_balancing_loss_leaves_padding_out_as_transformers_attention_ma
     assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-5)
     compare(trainer, ref)
     trainer.close()
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_adapter_counts_the_parameters_one_token_computes_with(family):
+    """The plan's active parameters per block come from the adapter: they are those one token's gradient reaches
+    in an HF layer (the dense parts, the router, and the slices of the experts it is routed to)."""
+    config = tiny_config(family)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    model(torch.tensor([[5]])).logits.square().sum().backward()
+    reached = 0
+    for name, p in model.model.layers[0].named_parameters():
+        if ".experts." in f".{name}" and p.dim() == 3:  # one slice per expert: only the routed ones are reached
+            reached += sum(p[e].numel() for e in range(p.shape[0]) if p.grad[e].abs().sum() > 0)
+        elif ".experts." in f".{name}":  # one tensor per expert
+            reached += p.numel() if p.grad is not None and p.grad.abs().sum() > 0 else 0
+        else:
+            reached += p.numel()
+    stack = HFStack(tiny_config(family), None)
+    block = stack.make_block()
+    assert stack.active_numel(block) == reached
+    assert reached < sum(p.numel() for p in block.parameters())

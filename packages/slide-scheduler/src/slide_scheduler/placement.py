@@ -62,10 +62,19 @@ class Shapes:
 
 def shapes_of(stack, hidden: int = 0, intermediate: int = 0, vocab: int = 0, ranks: int = 1) -> Shapes:
     """A stack's shapes (its edges' and blocks' parameter counts, padded to split into `ranks` shards; widths as
-    given)."""
+    given). A stack whose tokens compute with only part of a block (a mixture of experts) says how much with
+    `active_numel(block)`, given a block module."""
     edges = FlatLayout(stack.make_edges(), shards=ranks).numel
-    block = FlatLayout(stack.make_block(), shards=ranks).numel
-    return Shapes((edges,) + (block,) * stack.num_blocks, hidden, intermediate, vocab)
+    made = stack.make_block()
+    block = FlatLayout(made, shards=ranks).numel
+    active = getattr(stack, "active_numel", None)
+    return Shapes((edges,) + (block,) * stack.num_blocks, hidden, intermediate, vocab,
+                  active_block_numel=block - made_numel(made) + active(made) if active else 0)
+
+
+def made_numel(module) -> int:
+    """A module's parameters, each tensor once (tied ones too)."""
+    return sum(p.numel() for p in module.parameters())
 
 
 ACTIVATION_TIERS = ("none", "cpu", "nvme")  # where boundary activations wait: the device, host memory, files

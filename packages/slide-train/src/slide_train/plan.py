@@ -28,7 +28,6 @@ from slide_scheduler import (
 
 from .config import TrainConfig
 from .errors import ConfigError, plural
-from .models.families import family_of
 
 GIB = 2**30
 GPU_USABLE = 0.92  # of a card or a cap: the rest for the CUDA context and what the plan does not see
@@ -46,14 +45,8 @@ def model_shapes(model, stack, ranks: int = 1) -> Shapes:
     # A mixture of experts: each token's MLP activations and FLOPs are those of the experts it is routed to
     routed = getattr(hf, "num_experts_per_tok", None) or 1
     intermediate *= routed
-    shapes = shapes_of(stack, hidden=hf.hidden_size, intermediate=intermediate, vocab=hf.vocab_size, ranks=ranks)
-    family = family_of(hf)
-    if family.experts:
-        experts = getattr(hf, family.experts)
-        pooled = sum(t.numel() for name, t in stack.make_block().named_parameters() if ".experts." in name)
-        active = shapes.block_numel - pooled + pooled * routed // experts
-        shapes = dataclasses.replace(shapes, active_block_numel=active)
-    return shapes
+    # (a mixture's active parameters per block are the adapter's word: HFStack.active_numel)
+    return shapes_of(stack, hidden=hf.hidden_size, intermediate=intermediate, vocab=hf.vocab_size, ranks=ranks)
 
 
 def unit_of(name: str) -> int:
