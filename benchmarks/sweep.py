@@ -84,6 +84,12 @@ STEPS = [
     # the peers are recorded as not fitting by run.py itself (no process trains them)
     {"name": "gemma2", "estimate_s": 360, "run": ["run.py gemma2 --systems slide,plain --modes none,1.0"]},
     {"name": "long", "estimate_s": 400, "run": ["run.py long"]},
+    # the NVMe tier against RAM (in one piece it took about 700 s): B3, then B8 with the share `auto` picks on a
+    # 64 GiB host; each part measures the disk under --work first
+    {"name": "nvme-b3", "estimate_s": 360, "run": ["run.py nvme --variants b3-ram,b3-disk --warmup 2 --steps 3"]},
+    {"name": "nvme-b8", "estimate_s": 420,
+     "run": ["run.py nvme --variants b8-ram,b8-disk-auto-host-64gib --warmup 2 --steps 3"]},
+    {"name": "largest", "estimate_s": 450, "run": ["run.py largest"]},
     # the machine file's figures: host memory, PCIe and disk as a fresh host has them, before any run fills caches
     {"name": "probe", "estimate_s": 120, "run": ["run.py probe"], "fresh_host": True},
 ]
@@ -666,7 +672,7 @@ def interrupted(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget-s", type=float, help="seconds this call may take, its checks included (default: all)")
-    p.add_argument("--list", action="store_true", help="print the plan and what is measured; run nothing")
+    p.add_argument("--list", "--dry-run", action="store_true", help="print the plan and what is measured; run nothing")
     p.add_argument("--only", metavar="NAME", help="run this step, measured or not")
     p.add_argument("--retry-failed", action="store_true", help="run again steps that failed on this tree")
     p.add_argument("--wheels", type=pathlib.Path, default=ROOT / ".whl", help="folder of wheels to install first")
