@@ -196,7 +196,7 @@ def active_params(model: str) -> int:
 
     bundle = load_model(model, 0, need_tokenizer=False, need_weights=False)
     s = model_shapes(bundle, bundle.stack(kernels=False))
-    return s.unit_numels[0] + s.num_blocks * (s.active_block_numel or s.block_numel)
+    return s.unit_numels[0] + sum(s.active(u) for u in range(1, s.num_blocks + 1))
 
 
 def run_peer(spec: dict, liger: bool) -> dict:

@@ -74,6 +74,32 @@ def test_slot_runs_any_block_and_accumulates_grads_in_place():
         assert slot.module[0].weight.grad.data_ptr() == grads["0.weight"].data_ptr()
 
 
+def test_a_slot_holds_blocks_of_several_shapes_in_one_pair_of_buffers():
+    """Two block shapes share a slot: the buffers are sized for the larger, each shape's module is bound to their
+    start, and each runs and accumulates its gradient in place as a module of its own would."""
+    torch.manual_seed(0)
+    small, large = nn.Linear(5, 3).double(), nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 5)).double()
+    layouts = {"small": FlatLayout(small), "large": FlatLayout(large)}
+    with torch.device("meta"):
+        queue = SlotQueue(layouts["small"], lambda: nn.Linear(5, 3), count=1, device=torch.device("cpu"),
+                          dtype=torch.float64, shape="small",
+                          more={"large": (layouts["large"], lambda: nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 5)))})
+    slot = queue.next()
+    assert slot.params.numel() == layouts["large"].numel > layouts["small"].numel
+    x = torch.randn(4, 5, dtype=torch.float64)
+    for shape, block in (("small", small), ("large", large), ("small", small)):
+        layout = layouts[shape]
+        slot.params[:layout.numel].copy_(layout.pack(block, torch.empty(layout.numel, dtype=torch.float64)))
+        slot.grads.zero_()
+        slot.module_of(shape)(x).sum().backward()
+        block.zero_grad()
+        block(x).sum().backward()
+        grads = layout.views(slot.grads[:layout.numel])
+        for name, p in block.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-12, atol=1e-12)
+        assert slot.grads[layout.numel:].abs().sum() == 0  # (the rest of the buffer is the other shape's)
+
+
 def test_slot_queue_is_a_ring():
     layout = FlatLayout(nn.Linear(2, 2))
     queue = SlotQueue(layout, lambda: nn.Linear(2, 2), count=3, device=torch.device("cpu"), dtype=torch.float32)

@@ -1,12 +1,14 @@
-"""GPU slots: pre-allocated device buffers, each able to hold any block of a homogeneous stack.
+"""GPU slots: pre-allocated device buffers, each able to hold any block of a stack.
 
 A slot owns flat parameter and gradient buffers and a template module whose parameters are views into them, so
-loading a block is one copy into the slot and running it needs no allocation.
+loading a block is one copy into the slot and running it needs no allocation. A stack whose blocks come in several
+shapes (dense and mixture-of-experts layers, say) gives a slot one template module per shape, each bound to the
+start of the same buffers, which are sized for the largest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 from torch import nn
@@ -15,18 +17,28 @@ from .layout import FlatLayout
 
 
 class Slot:
-    def __init__(self, layout: FlatLayout, module: nn.Module, device: torch.device, dtype: torch.dtype):
+    def __init__(self, layout: FlatLayout, module: nn.Module, device: torch.device, dtype: torch.dtype,
+                 shape: Hashable = None, more: dict[Hashable, tuple[FlatLayout, nn.Module]] | None = None):
+        """`layout` and `module` (which may be built on the meta device: binding gives it real parameters) are the
+        block shape `shape`; `more` maps the other shapes the slot holds to theirs."""
         self.layout = layout
-        self.params = torch.zeros(layout.numel, dtype=dtype, device=device)
-        self.grads = torch.zeros(layout.numel, dtype=dtype, device=device)
-        self.module = module  # may be built on the meta device: binding gives it real parameters
-        layout.bind(module, self.params, self.grads)
+        self.shapes = {shape: (layout, module), **(more or {})}
+        numel = max(lay.numel for lay, _ in self.shapes.values())
+        self.params = torch.zeros(numel, dtype=dtype, device=device)
+        self.grads = torch.zeros(numel, dtype=dtype, device=device)
+        self.module = module
+        for lay, mod in self.shapes.values():
+            lay.bind(mod, self.params[:lay.numel], self.grads[:lay.numel])
         self.unit: int | None = None  # which block the slot holds now
         # A narrow (bf16) slot lands fp32 masters in its gradient buffer, which is free while a block loads:
         # the fp32 -> bf16 conversion then costs the device a few microseconds and the host nothing.
         whole = self.grads.numel() * self.grads.element_size() // 4
         self.landing = self.grads.view(torch.uint8)[: whole * 4].view(torch.float32) if dtype != torch.float32 \
             else None
+
+    def module_of(self, shape: Hashable = None) -> nn.Module:
+        """The template module of a block shape, its parameters and gradients views of the slot's buffers."""
+        return self.shapes[shape][1]
 
     @property
     def narrow(self) -> bool:
@@ -60,13 +72,16 @@ class Slot:
 
 
 class SlotQueue:
-    """A fixed ring of `count` slots (the window); blocks take them round-robin."""
+    """A fixed ring of `count` slots (the window); blocks take them round-robin. `more`: the other block shapes
+    each slot holds (shape -> its layout and a maker of its module), beside `layout`'s, shape `shape`."""
 
     def __init__(self, layout: FlatLayout, make_module: Callable[[], nn.Module], count: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, shape: Hashable = None,
+                 more: dict[Hashable, tuple[FlatLayout, Callable[[], nn.Module]]] | None = None):
         if count < 1:
             raise ValueError("a slot queue needs at least one slot")
-        self.slots = [Slot(layout, make_module(), device, dtype) for _ in range(count)]
+        self.slots = [Slot(layout, make_module(), device, dtype, shape,
+                           {k: (lay, make()) for k, (lay, make) in (more or {}).items()}) for _ in range(count)]
         self._next = 0
 
     def __len__(self) -> int:

@@ -100,7 +100,7 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
         return 2 * numel * tokens + 2 * tokens * seq * s.hidden
 
     launch = LAUNCH_S * t.micro_batches if pcie else 0.0
-    active = [s.active_block_numel or s.unit_numels[u] for u in range(1, n + 1)]  # what a token computes with
+    active = [s.active(u) for u in range(1, n + 1)]  # what a token computes with
     forward_c = [block_flops(a) / gpu_rate + launch for a in active]
     backward_c = [3 * block_flops(a) / gpu_rate + 2 * launch for a in active]
     vocab_numel = s.vocab * s.hidden if s.vocab else s.unit_numels[0] // 2

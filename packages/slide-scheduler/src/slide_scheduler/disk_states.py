@@ -54,9 +54,12 @@ class DiskStates:
     """m and v of `units` (flat, `numel` elements of `dtype` each), and the fp32 masters of `masters` (some of
     `units`), in an NVMe store under `directory`, staged through `SLOTS` host buffers."""
 
-    def __init__(self, units: list[int], numel: int, directory: str | os.PathLike[str],
+    def __init__(self, units: list[int], numel: int | dict[int, int], directory: str | os.PathLike[str],
                  dtype: torch.dtype = torch.float32, masters: list[int] = ()):
-        self.numel, self.dtype = numel, dtype
+        # (`numel`: every unit's, or each unit's where blocks come in several shapes; staging is sized for the largest)
+        self.numels = numel if isinstance(numel, dict) else dict.fromkeys(units, numel)
+        self.numel, self.dtype = max(self.numels.values(), default=0), dtype
+        numel = self.numel
         self.masters = set(masters)
         if not self.masters <= set(units):
             raise ValueError("a unit whose master is on disk keeps its moments there too")
@@ -64,7 +67,8 @@ class DiskStates:
         # step that queued them, so the engine takes them as it does the optimizer's spans
         self.spans: list[tuple[str, float, float]] = []
         # Preflight: every unit's states must fit on the disk, or the run stops now with what it needs.
-        self.store = NVMeStore(directory, reserve=numel * (len(units) * state_bytes(dtype) + 4 * len(self.masters)))
+        self.store = NVMeStore(directory, reserve=sum(self.numels[u] * state_bytes(dtype) for u in units)
+                               + sum(4 * self.numels[u] for u in self.masters))
         self.slots = [(host_zeros(numel, dtype, False), host_zeros(numel, dtype, False),
                        host_zeros(numel, torch.float32, False) if self.masters else None) for _ in range(SLOTS)]
         self._slot_free = [done_future() for _ in self.slots]  # the write-back that last used each slot
@@ -115,10 +119,15 @@ class DiskStates:
             read = self._reader.submit(self._read, unit, slot, after)
             self._fetched[unit] = (slot, read, written)
 
+    def _staged(self, unit: int, slot: int) -> tuple:
+        """A staging slot's m, v and master buffers, as long as `unit`'s."""
+        n = self.numels[unit]
+        return tuple(t[:n] if t is not None else None for t in self.slots[slot])
+
     def _read(self, unit: int, slot: int, after: tuple[Future, Future]) -> tuple:
         for future in after:
             future.result()  # (a failed write-back fails this read, and so the update that needs it)
-        m, v, master = self.slots[slot]
+        m, v, master = self._staged(unit, slot)
         master = master if unit in self.masters else None
         if unit in self._stored:
             self._both(self.store.read, unit, m, v, master, label=f"read states {unit}")
@@ -150,7 +159,7 @@ class DiskStates:
         if error is not None:
             written.set_exception(error)
             return
-        m, v, master = self.slots[slot]
+        m, v, master = self._staged(unit, slot)
         self._writer.submit(self._write, unit, m, v, master if unit in self.masters else None, written)
 
     def _write(self, unit: int, m: torch.Tensor, v: torch.Tensor, master: torch.Tensor | None,

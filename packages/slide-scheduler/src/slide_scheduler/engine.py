@@ -41,7 +41,7 @@ from .activations import ActivationStore
 from .disk_states import LOAD_SLOTS, DiskStates
 from .homes import GradientHomes
 from .lanes import DONE, Lane, Signal
-from .placement import Placement
+from .placement import Placement, block_shapes, make_block
 from .ranks import Ranks
 from .stack import Batch, Stack
 from .timeline import Span, Timeline, summarize
@@ -126,11 +126,13 @@ class SlidingEngine:
         edges = self.edges  # (not `self`: a closure over the engine would keep a dropped one alive until collected)
         self._head_activation = getattr(edges, "head_activation", None) or (lambda b: edges.head(b)[0])
         edge_layout = FlatLayout(self.edges, shards=ranks.size)
-        block_layout = FlatLayout(stack.make_block(), shards=ranks.size)
-        _check(placement, (edge_layout.numel,) + (block_layout.numel,) * self.num_blocks, config, ranks)
+        # Blocks may come in several shapes (the stack's `block_shape`): a layout per shape, a slot holds any
+        self.block_shapes = block_shapes(stack)
+        layouts = {k: FlatLayout(make_block(stack, k), shards=ranks.size) for k in dict.fromkeys(self.block_shapes)}
+        _check(placement, (edge_layout.numel,) + tuple(layouts[k].numel for k in self.block_shapes), config, ranks)
         self.placement = placement
         self._make_lanes(config)
-        self._allocate(stack, placement, edge_layout, block_layout)
+        self._allocate(stack, placement, edge_layout, layouts)
         self.closed = False
 
     def _make_lanes(self, config: EngineConfig) -> None:
@@ -151,8 +153,9 @@ class SlidingEngine:
             lane.timeline = self.timeline
         self._wait_update_s = 0.0
 
-    def _allocate(self, stack: Stack, p: Placement, edge_layout: FlatLayout, block_layout: FlatLayout) -> None:
-        config, numel = self.config, block_layout.numel
+    def _allocate(self, stack: Stack, p: Placement, edge_layout: FlatLayout, layouts: dict) -> None:
+        config, numel = self.config, p.shapes.block_numel  # (the largest block: what a slot holds)
+        shape_of = self.block_shapes
         # Edges: head + tail parameters, on the device in a slot of their own for the whole run.
         self.edge_slot = Slot(edge_layout, self.edges, self.device, self.dtype)
         for module in self.edges.modules():
@@ -162,25 +165,27 @@ class SlidingEngine:
         # Every unit's fp32 master on the host, or on disk with a compute-dtype copy of its parameters on the host;
         # a window of device slots for the sliding blocks.
         self.on_disk, self.streamed, away = p.on_disk, p.streamed, p.masters_on_disk
-        self.disk = DiskStates(sorted(self.on_disk), numel, config.nvme_dir, p.run.states_dtype,
-                               masters=sorted(away)) if self.on_disk else None
+        self.disk = DiskStates(sorted(self.on_disk), {u: p.shapes.unit_numels[u] for u in self.on_disk},
+                               config.nvme_dir, p.run.states_dtype, masters=sorted(away)) if self.on_disk else None
         read = p.loads_from_disk  # (their loads read the master from disk: no copy of it in host memory)
         self.units = [Unit(edge_layout, ranks=self.ranks)] + [
-            Unit(block_layout, u in away, None if u in read else self.dtype, self.ranks)
+            Unit(layouts[shape_of[u - 1]], u in away, None if u in read else self.dtype, self.ranks)
             for u in range(1, self.num_blocks + 1)]
         # Masters read from disk for loads wait here until they have crossed to the device (pinned on CUDA)
         self._load_ring = [host_zeros(numel, torch.float32) for _ in range(LOAD_SLOTS)] if read else []
         self._load_free = [DONE] * len(self._load_ring)
         self._load_next = 0
-        self._load_weights(stack, edge_layout, block_layout, away)
+        self._load_weights(stack, edge_layout, away)
         self.resident = p.resident
-        self.slots = SlotQueue(block_layout, stack.make_block, p.window, self.device, self.dtype) \
+        first, *others = layouts
+        self.slots = SlotQueue(layouts[first], lambda: make_block(stack, first), p.window, self.device, self.dtype,
+                               first, {k: (layouts[k], lambda k=k: make_block(stack, k)) for k in others}) \
             if p.sliding_blocks else None
         tail_from = _tail_only_from(self.edges, edge_layout)
         # Only the states of units updated on the device cross PCIe: only they are page-locked. A master on disk
         # is bound before each update, as its moments are (a staging buffer stands in until then).
-        masters = [None if u in self.resident else self.disk.slots[0][2] if u in away else unit.master
-                   for u, unit in enumerate(self.units)]
+        masters = [None if u in self.resident else self.disk.slots[0][2][:unit.layout.numel] if u in away
+                   else unit.master for u, unit in enumerate(self.units)]
         self.optimizer = HostAdamW(masters, config.optimizer, p.run.states_dtype,
                                    pinned=[self.device.type == "cuda" and u in self.streamed
                                            for u in range(len(self.units))],
@@ -190,12 +195,14 @@ class SlidingEngine:
                                    external=[u in self.on_disk for u in range(len(self.units))])
         # Resident blocks get a slot of their own. Every slot has a seat: the engine's scheduling state of it.
         self.resident_slots: dict[int, Slot] = {
-            u - 1: Slot(block_layout, stack.make_block(), self.device, self.dtype) for u in sorted(self.resident) if u}
+            u - 1: Slot(layouts[shape_of[u - 1]], make_block(stack, shape_of[u - 1]), self.device, self.dtype,
+                        shape_of[u - 1]) for u in sorted(self.resident) if u}
         self.seats: dict[int, Seat] = {id(slot): self._seat(slot) for slot in [
             self.edge_slot, *self.resident_slots.values(), *(self.slots.slots if self.slots else [])]}
         self._edges_loaded: Signal | None = None  # set once the edges' latest parameters are queued to the device
         # Speculating blocks: the parameters their update gives if clipping does not act, written during backward
-        self.speculative = {u: host_zeros(numel // self.ranks.size, self.dtype) for u in sorted(p.speculated)}
+        self.speculative = {u: host_zeros(self.units[u].end - self.units[u].start, self.dtype)
+                            for u in sorted(p.speculated)}
         self.updater = HostUpdater(self.optimizer, inline=not config.pipeline, disk=self.disk)
         self.moments = Moments(self.updater)
         # Each unit's update kind (updates.py), and where each gradient waits for it (homes.py)
@@ -223,10 +230,11 @@ class SlidingEngine:
             torch.zeros(slot.grads.numel() // self.ranks.size, dtype=self.dtype, device=self.device)
         return Seat(slot, shard)
 
-    def _load_weights(self, stack: Stack, edge_layout: FlatLayout, block_layout: FlatLayout, away: set[int]) -> None:
+    def _load_weights(self, stack: Stack, edge_layout: FlatLayout, away: set[int]) -> None:
         """The model's weights into every unit's master (this rank's shard of it; on disk where the placement puts
         it)."""
-        whole = torch.zeros(max(edge_layout.numel, block_layout.numel)) if self.ranks.sharded else None
+        largest = max(u.layout.numel for u in self.units)
+        whole = torch.zeros(largest) if self.ranks.sharded else None
 
         def whole_master(unit: int) -> torch.Tensor:  # (loaded whole, kept as this rank's shard)
             if whole is None:
@@ -237,12 +245,13 @@ class SlidingEngine:
             stack.load_edges(edge_layout.views(loaded := whole_master(0)))
             self._keep_shard(0, loaded)
             for i in range(self.num_blocks):
+                layout = self.units[i + 1].layout
                 if i + 1 not in away:
-                    stack.load_block(i, block_layout.views(loaded := whole_master(i + 1)))
+                    stack.load_block(i, layout.views(loaded := whole_master(i + 1)))
                     self._keep_shard(i + 1, loaded)
                     continue
-                staged = self.disk.slots[0][2]  # (free until the first update)
-                stack.load_block(i, block_layout.views(staged))
+                staged = self.disk.slots[0][2][:layout.numel]  # (free until the first update)
+                stack.load_block(i, layout.views(staged))
                 self.load_master(i + 1, staged)
 
     def slot_of(self, unit: int) -> Slot:
@@ -406,7 +415,7 @@ class SlidingEngine:
         if master is None:  # its master is on disk and host memory keeps no copy: read it for this load
             ring, self._load_next = self._load_next, (self._load_next + 1) % len(self._load_ring)
             self._load_free[ring].wait_host()  # the copies out of this buffer an earlier load queued are done
-            master = self._load_ring[ring]
+            master = self._load_ring[ring][:self.units[unit].layout.numel]
             self.disk.read_master(unit, master)
             label += " (read from disk)"
         if not slot.narrow:
@@ -510,7 +519,7 @@ class SlidingEngine:
                 seat.slot.grads.zero_()
                 for j, ctx in enumerate(contexts):
                     h = acts[j].detach().requires_grad_()
-                    seat.slot.module(h, self._context(i, ctx)).backward(grads[j])
+                    seat.slot.module_of(self.block_shapes[i])(h, self._context(i, ctx)).backward(grads[j])
                     grads[j] = h.grad
                 self._gradient_made(i + 1, seat)
             seat.free = self._act_landing[i % len(self._act_landing)].free = self.compute.record()
@@ -671,7 +680,8 @@ class SlidingEngine:
                 tail_ready = self.landed()
             self.compute.wait(seat.ready)
             with self.timeline.span("compute", f"forward {i}", self.compute.stream):
-                hidden = [seat.slot.module(h, self._context(i, ctx)) for h, ctx in zip(hidden, contexts)]
+                block = seat.slot.module_of(self.block_shapes[i])
+                hidden = [block(h, self._context(i, ctx)) for h, ctx in zip(hidden, contexts)]
             seat.free = self.compute.record()
             acts.release()  # this block's inputs (all that is held): compute has queued its last read of them
             if keep and i + 1 < n:  # the last output goes straight to the tail; backward never reads it

@@ -23,7 +23,7 @@ class GradientHomes:
         self.engine = weakref.proxy(e)  # (the engine owns its parts: no cycle keeps a dropped one alive)
         self.kind = [unit.grad for unit in p.units]
         numel = p.shapes.block_numel
-        self.held = {u: torch.zeros(numel, dtype=e.dtype, device=e.device) for u in sorted(p.held)}
+        self.held = {u: torch.zeros(p.shapes.unit_numels[u], dtype=e.dtype, device=e.device) for u in sorted(p.held)}
         self.pool = SharedPool(p.pooled, numel, e.dtype, e.num_blocks) if p.pooled else None
         self.ring = StagingRing(p.ring, numel // e.ranks.size, e.dtype) if p.ring else None
         self.own = host_zeros(e.units[0].layout.numel // e.ranks.size, e.dtype) if self.kind[0] == "own" else None
@@ -38,7 +38,7 @@ class GradientHomes:
         e.d2h.wait(made)
         if kind == "held":  # kept on the device for its update: a device copy frees the slot
             buffer = self.held[unit]
-            e.d2h.run(buffer.copy_, seat.slot.grads, True, label=f"hold {label}")
+            e.d2h.run(buffer.copy_, seat.slot.grads[:buffer.numel()], True, label=f"hold {label}")
             return Gradient(buffer, [e.d2h.record()])
         if kind == "own":
             e.wait_for_update(unit)  # the unit's last update is done reading its buffer

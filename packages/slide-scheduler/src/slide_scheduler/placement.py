@@ -48,7 +48,9 @@ class Shapes:
     hidden: int
     intermediate: int = 0
     vocab: int = 0  # rows of the output projection (0: half the edges, for the cost model's tail)
-    active_block_numel: int = 0  # a block's parameters one token computes with (a mixture of experts' routed
+    # each block's parameters one token computes with (a mixture of experts' routed experts; empty: all of them)
+    active_numels: tuple[int, ...] = ()
+    active_block_numel: int = 0  # the same for every block alike (a mixture of experts' routed
     #                              experts; 0: all of them)
 
     @property
@@ -57,19 +59,44 @@ class Shapes:
 
     @property
     def block_numel(self) -> int:
+        """The largest block's parameters: what a slot holds."""
         return max(self.unit_numels[1:], default=0)
+
+    def active(self, unit: int) -> int:
+        """The parameters of unit `unit` (1 + block) one token computes with."""
+        if self.active_numels:
+            return self.active_numels[unit - 1]
+        return self.active_block_numel or self.unit_numels[unit]
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the blocks come in more than one size."""
+        return len(set(self.unit_numels[1:])) > 1
 
 
 def shapes_of(stack, hidden: int = 0, intermediate: int = 0, vocab: int = 0, ranks: int = 1) -> Shapes:
-    """A stack's shapes (its edges' and blocks' parameter counts, padded to split into `ranks` shards; widths as
-    given). A stack whose tokens compute with only part of a block (a mixture of experts) says how much with
-    `active_numel(block)`, given a block module."""
+    """A stack's shapes (its edges' and each block's parameter counts, padded to split into `ranks` shards;
+    widths as given). A stack whose blocks come in several shapes says which block has which with
+    `block_shape(index)` and makes each with `make_block(shape)`; one whose tokens compute with only part of a
+    block (a mixture of experts) says how much with `active_numel(block)`, given a block module."""
     edges = FlatLayout(stack.make_edges(), shards=ranks).numel
-    made = stack.make_block()
-    block = FlatLayout(made, shards=ranks).numel
+    shapes = block_shapes(stack)
+    made = {k: make_block(stack, k) for k in dict.fromkeys(shapes)}
+    numel = {k: FlatLayout(m, shards=ranks).numel for k, m in made.items()}
     active = getattr(stack, "active_numel", None)
-    return Shapes((edges,) + (block,) * stack.num_blocks, hidden, intermediate, vocab,
-                  active_block_numel=block - made_numel(made) + active(made) if active else 0)
+    actives = tuple(numel[k] - made_numel(made[k]) + active(made[k]) for k in shapes) if active else ()
+    return Shapes((edges,) + tuple(numel[k] for k in shapes), hidden, intermediate, vocab, active_numels=actives)
+
+
+def block_shapes(stack) -> list:
+    """Each block's shape, as the stack names it (None for all where its blocks have one shape)."""
+    shape_of = getattr(stack, "block_shape", None)
+    return [shape_of(i) if shape_of else None for i in range(stack.num_blocks)]
+
+
+def make_block(stack, shape=None):
+    """A block module of `shape` (a stack of one shape makes its only one)."""
+    return stack.make_block(shape) if getattr(stack, "block_shape", None) else stack.make_block()
 
 
 def made_numel(module) -> int:
@@ -341,6 +368,9 @@ def validate(p: Placement) -> None:
         raise ValueError(f"the window needs at least one slot, got {p.window}")
     if any(n % p.ranks for n in p.shapes.unit_numels):
         raise ValueError(f"units of {p.shapes.unit_numels[:2]}... elements do not split into {p.ranks} shards")
+    if p.ranks > 1 and p.shapes.mixed:
+        raise ValueError(f"with {p.ranks} data-parallel ranks every block has one shape (not yet: blocks of "
+                         f"{sorted(set(p.shapes.unit_numels[1:]))} parameters)")
     if p.ranks > 1:
         other = [_names([u]) for u, unit in enumerate(p.units)
                  if unit.update != "host" or unit.moments != HOST or unit.grad == "pool"]

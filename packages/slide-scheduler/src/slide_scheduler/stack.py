@@ -1,4 +1,4 @@
-"""What the engine trains: a head, a stack of structurally identical blocks and a tail.
+"""What the engine trains: a head, a stack of blocks (of one shape, or of a few) and a tail.
 
 The engine never sees a model library. An adapter (slide-train's, or your own) describes the model through this
 protocol; the parameters of the head and the tail form one "edge" unit, so weights tied between the embedding and
@@ -42,8 +42,11 @@ class Edges(Protocol):
 
 
 class Stack(Protocol):
-    """Blocks are structurally identical (one module per slot serves every block index), but a block may depend on
-    its index through what it is given: optionally a stack has `block_context(index, ctx) -> ctx`, and the engine
+    """Blocks come in one shape, or in a few (dense and mixture-of-experts layers): optionally a stack has
+    `block_shape(index) -> a hashable name`, and then `make_block(shape)` makes a block of that shape; a slot holds
+    one template module per shape over buffers sized for the largest, and the placement counts each block's own
+    parameters. Optionally `active_numel(block)`: the parameters of a block module one token computes with (a
+    mixture of experts' routed experts). Beyond its shape a block may depend on its index through what it is given: optionally a stack has `block_context(index, ctx) -> ctx`, and the engine
     then calls block `index` with `block_context(index, ctx)` instead of the head's `ctx` (a model whose layers
     alternate sliding-window and global attention passes each layer its own mask and rotary tables). It is
     called for every block and micro-batch, in the forward and again in the backward's recompute, and must give
@@ -56,7 +59,8 @@ class Stack(Protocol):
         """An `Edges` module; its parameters may be on the meta device, its buffers must be real."""
 
     def make_block(self) -> nn.Module:
-        """One block with `forward(hidden, ctx) -> hidden`; parameters may be on the meta device, no buffers."""
+        """One block with `forward(hidden, ctx) -> hidden`; parameters may be on the meta device, no buffers.
+        (With `block_shape`: `make_block(shape)`.)"""
 
     def load_edges(self, params: dict[str, torch.Tensor]) -> None:
         """Fill the given views (edge parameter name -> fp32 host tensor) with the initial weights."""

@@ -335,8 +335,7 @@ class Trainer:
                                                      ranks=self.ranks, measure_disk=measure)
         self.num_params = sum(u.layout.base_numel for u in self.engine.units)
         shapes = self.memory_plan.placement.shapes  # (a mixture of experts computes with its routed experts only)
-        self.active_params = shapes.unit_numels[0] + shapes.num_blocks * (shapes.active_block_numel or
-                                                                            shapes.block_numel)
+        self.active_params = shapes.unit_numels[0] + sum(shapes.active(u) for u in range(1, shapes.num_blocks + 1))
         per_step = cfg.micro_batch_size * cfg.grad_accum * self.ranks.size
         self.total_steps = math.ceil(self.data.train.rows_in(cfg.epochs) / per_step) if cfg.epochs else cfg.steps
         self.step_index = 0
