@@ -46,9 +46,12 @@ class Stack(Protocol):
     `block_shape(index) -> a hashable name`, and then `make_block(shape)` makes a block of that shape; a slot holds
     one template module per shape over buffers sized for the largest, and the placement counts each block's own
     parameters. Optionally `active_numel(block)`: the parameters of a block module one token computes with (a
-    mixture of experts' routed experts). Beyond its shape a block may depend on its index through what it is given: optionally a stack has `block_context(index, ctx) -> ctx`, and the engine
-    then calls block `index` with `block_context(index, ctx)` instead of the head's `ctx` (a model whose layers
-    alternate sliding-window and global attention passes each layer its own mask and rotary tables). It is
+    mixture of experts' routed experts).
+
+    Beyond its shape a block may depend on its index through what it is given: optionally a stack has
+    `block_context(index, ctx) -> ctx`, and the engine then calls block `index` with `block_context(index, ctx)`
+    instead of the head's `ctx` (a model whose layers alternate sliding-window and global attention passes each
+    layer its own mask and rotary tables). It is
     called for every block and micro-batch, in the forward and again in the backward's recompute, and must give
     the same context for the same arguments (cheap: a lookup, not a computation).
     """
