@@ -6,6 +6,8 @@ cannot train exactly is refused with the reason."""
 from __future__ import annotations
 
 import copy
+import pathlib
+import re
 
 import pytest
 import test_equivalence as eq
@@ -73,19 +75,6 @@ def test_resume_bit_for_bit(tmp_path):
     whole = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
                                  output_dir=tmp_path / "whole"), progress=False)
     assert_resumes_bit_for_bit(tmp_path, whole)
-
-
-@pytest.mark.parametrize("change, message", [
-    (dict(mlp_only_layers=[1]), r"dense layers among the sparse ones \(mlp_only_layers=\[1\].*one block shape per "
-                                r"GPU slot"),
-    (dict(decoder_sparse_step=2), r"decoder_sparse_step=2\) is not supported: the engine runs one block shape"),
-])
-def test_what_cannot_be_trained_exactly_is_refused(change, message):
-    config = tiny_config("qwen3_moe")
-    for key, value in change.items():
-        setattr(config, key, value)
-    with pytest.raises(ModelError, match=message):
-        HFStack(config, None)
 
 
 def test_mixtral_router_noise_is_refused():
@@ -238,3 +227,92 @@ def test_the_adapter_counts_the_parameters_one_token_computes_with(family):
     block = stack.make_block()
     assert stack.active_numel(block) == reached
     assert reached < sum(p.numel() for p in block.parameters())
+
+
+# Qwen3-MoE with dense layers among the sparse ones: blocks of two shapes in the same slots
+MIXED = {
+    "mlp_only_layers=[1]": dict(mlp_only_layers=[1]),
+    "decoder_sparse_step=2": dict(decoder_sparse_step=2),
+    "dense first, middle and last": dict(num_hidden_layers=5, mlp_only_layers=[0, 2, 4]),
+}
+
+
+def save_mixed_model(directory, change: dict, aux: bool):
+    from slide_train.data import builtin_tokenizer
+
+    torch.manual_seed(0)
+    config = tiny_config("qwen3_moe")
+    for key, value in change.items():
+        setattr(config, key, value)
+    if aux:
+        config.output_router_logits, config.router_aux_loss_coef = True, 0.5
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    model.save_pretrained(directory, safe_serialization=True)
+    builtin_tokenizer().save_pretrained(directory)
+    return model
+
+
+@pytest.mark.parametrize("name, aux", [("mlp_only_layers=[1]", False), ("mlp_only_layers=[1]", True),
+                                       ("decoder_sparse_step=2", False), ("dense first, middle and last", True)])
+def test_dense_layers_among_experts_train_as_transformers_and_export(tmp_path, name, aux):
+    """Dense and mixture-of-experts layers slide through the same slots: three clipped, accumulated steps equal
+    the plain loop with HF's loss (its load-balancing term pooled over the sparse layers only), the export loads
+    with the same logits, and the engine's evaluation gives HF's loss."""
+    model = save_mixed_model(tmp_path / "model", MIXED[name], aux)
+    kinds = ["experts" if hasattr(layer.mlp, "experts") else "dense" for layer in model.model.layers]
+    assert "dense" in kinds and "experts" in kinds
+    rows, labels = make_rows(seed=1, n=STEPS * MICRO * ACCUM)
+    write_token_rows(tmp_path / "data.jsonl", rows, labels)
+    trainer = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
+                                   **{"engine.placement.window": 2}), progress=False)
+    stack_shapes = trainer.engine.block_shapes
+    assert stack_shapes == kinds
+    shapes = trainer.memory_plan.placement.shapes
+    assert shapes.mixed and shapes.block_numel == max(shapes.unit_numels[1:])
+    records = [trainer.step() for _ in range(STEPS)]
+    ref_model, ref_losses, ref_norms = reference_run(model, rows, labels)
+    assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5)
+    assert [r["grad_norm"] for r in records] == pytest.approx(ref_norms, rel=1e-5)
+    assert all(r["grad_norm"] > CLIP for r in records), "clipping must be active in this test"
+    assert all(("aux_loss" in r) == aux for r in records)
+    compare(trainer, ref_model, float64_reference(model, rows, labels))
+    out = trainer.export(tmp_path / "export")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert [hasattr(layer.mlp, "experts") for layer in loaded.model.layers] == [k == "experts" for k in kinds]
+    ids, lab, micro, n = eval_batch(rows, labels)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, ref_model(ids).logits, rtol=1e-4, atol=1e-5)
+        hf_loss = loaded(ids, labels=lab).loss.item()
+    assert trainer.engine.evaluate(micro, normalizer=n) == pytest.approx(hf_loss, rel=1e-5)
+    trainer.close()
+
+
+@pytest.mark.parametrize("name", MIXED)
+def test_dense_layers_among_experts_resume_bit_for_bit(tmp_path, name):
+    save_mixed_model(tmp_path / "model", MIXED[name], aux=name != "decoder_sparse_step=2")
+    rows, labels = make_rows(seed=4, n=STEPS * MICRO * ACCUM)
+    write_token_rows(tmp_path / "data.jsonl", rows, labels)
+    whole = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
+                                 output_dir=tmp_path / "whole"), progress=False)
+    assert_resumes_bit_for_bit(tmp_path, whole)
+
+
+def test_the_plan_of_qwen3_30b_a3b_with_dense_first_layers_prints_each_block_size(tmp_path, capsys):
+    """Qwen3-30B-A3B's shape with its first 4 layers dense: the plan counts each block by its own parameters
+    (and active ones), prints each size's bytes and a step time."""
+    from slide_train.cli import main
+    from slide_train.models.presets import preset_config
+
+    config = preset_config("qwen3-30b-a3b")
+    config.mlp_only_layers = [0, 1, 2, 3]
+    config.save_pretrained(tmp_path / "model")
+    machine = pathlib.Path(__file__).parents[3] / "docs" / "machines" / "rtx4090-pc.yaml"
+    main(["plan", f"--model={tmp_path / 'model'}", "--seq_len=4096", "--micro_batch_size=1", "--grad_accum=8",
+          f"--machine={machine}"])
+    out = capsys.readouterr().out
+    with torch.device("meta"):
+        layers = transformers.AutoModelForCausalLM.from_config(config).model.layers
+    dense, sparse = (sum(p.numel() for p in layers[i].parameters()) for i in (0, 4))
+    assert (f"4 blocks of {dense / 1e6:.1f}M params" in out and f"44 blocks of {sparse / 1e6:.1f}M params" in out
+            and "from block 4" in out), out
+    assert re.search(r"predicted step \d+\.\d+ s", out), out

@@ -272,6 +272,22 @@ def prediction_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def block_sizes_line(p) -> str:
+    """Blocks of several sizes: how many of each, their parameters (those a token computes with) and the bytes of
+    each one's parameters in the compute dtype (a slot holds the largest)."""
+    sizes: dict[int, list[int]] = {}
+    for u in range(1, len(p.units)):
+        sizes.setdefault(p.shapes.unit_numels[u], []).append(u)
+    parts = []
+    for numel, units in sizes.items():
+        active = p.shapes.active(units[0])
+        ran = f", {params_text(active)} active" if active != numel else ""
+        parts.append(f"{plural(len(units), 'block')} of {params_text(numel)} params{ran} "
+                     f"({numel * p.compute_bytes / GIB:.2f} GiB each), from block {units[0] - 1}")
+    return "  blocks of " + plural(len(sizes), "size") + ": " + "; ".join(parts) + \
+        f"; each slot holds the largest ({p.shapes.block_numel * p.compute_bytes / GIB:.2f} GiB)"
+
+
 def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None = None) -> str:
     """The plan as a user reads it: residency, each tier's contents, the prediction and what binds it, with
     `machine` what a checkpoint costs, with `cfg` where the disk tier's folder is; where it does not fit, the
@@ -309,6 +325,8 @@ def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None
     if len(groups) > 8:
         groups = [f"    ({len(groups)} runs of units placed alike: `plan --json` lists each unit)"]
     lines += groups
+    if p.shapes.mixed:
+        lines.append(block_sizes_line(p))
     if not p.device_is_host:
         lines.append(tier_line(GPU, b.gpu))
     lines.append(tier_line(HOST, b.host))

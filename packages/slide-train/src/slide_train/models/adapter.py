@@ -222,8 +222,8 @@ class DecoderBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor, ctx: dict) -> torch.Tensor:
         stats = ctx.get(ROUTER) if self._routing is not None else None
-        if stats is not None:
-            index = ctx[LAYER]
+        index = ctx.get(LAYER)
+        if ROUTER in ctx:  # (a dense layer among mixture-of-experts ones records nothing)
             ctx = {k: v for k, v in ctx.items() if k not in (ROUTER, LAYER)}
         out = self.layer(hidden, **ctx)
         out = out[0] if isinstance(out, tuple) else out  # transformers 4.x returns a tuple
@@ -235,6 +235,19 @@ class DecoderBlock(nn.Module):
             return _RouterGradient.apply(out, prob_sums, stats)
         stats.layers[index] = (counts, prob_sums, rows)
         return out
+
+
+def block_shapes(layers: nn.ModuleList) -> list[str]:
+    """Each layer's shape, named by its kind: "experts" where it holds a mixture of experts, else "dense"; layers
+    of one kind but other parameters (other widths) get a number after it."""
+    signatures = [tuple((name, tuple(p.shape)) for name, p in layer.named_parameters()) for layer in layers]
+    kinds = {sig: "experts" if any(".experts." in f".{name}" for name, _ in sig) else "dense"
+             for sig in dict.fromkeys(signatures)}
+    names, seen = {}, {}
+    for sig, kind in kinds.items():
+        seen[kind] = seen.get(kind, 0) + 1
+        names[sig] = kind if seen[kind] == 1 else f"{kind} {seen[kind]}"
+    return [names[sig] for sig in signatures]
 
 
 class HFStack:
@@ -260,6 +273,10 @@ class HFStack:
         with torch.device("meta"):
             skeleton = transformers.AutoModelForCausalLM.from_config(config)
         self._layer_cls = type(skeleton.get_submodule(family.layers)[0])
+        # Layers may come in several shapes (Qwen3-MoE's dense layers among sparse ones): each block's shape, by
+        # the parameters of its layer, and the first layer of each shape, which make_block builds
+        self._shapes = block_shapes(skeleton.get_submodule(family.layers))
+        self._first_of = {shape: self._shapes.index(shape) for shape in dict.fromkeys(self._shapes)}
         config._attn_implementation = attention.register()  # the blocks run the mask the head builds
         self._skeleton = skeleton
         self.aux_loss = None
@@ -294,14 +311,19 @@ class HFStack:
             slide_kernels.apply_to(_Patchable(cfg, edges))
         return edges
 
-    def make_block(self) -> DecoderBlock:
+    def block_shape(self, index: int) -> str:
+        """Block `index`'s shape: "dense", "experts", or with a number where more shapes share a kind."""
+        return self._shapes[index]
+
+    def make_block(self, shape: str | None = None) -> DecoderBlock:
         with torch.device("meta"):
-            layer = self._layer_cls(self.config, layer_idx=0)
+            layer = self._layer_cls(self.config, layer_idx=self._first_of[shape] if shape is not None else 0)
         router = None
         if self.aux_loss is not None:
             recorder = self._router
-            module = next(m for m in layer.modules() if isinstance(m, recorder.target_class))
-            router = (module, recorder.index, int(self.config.num_experts_per_tok), self.aux_loss[1])
+            module = next((m for m in layer.modules() if isinstance(m, recorder.target_class)), None)
+            if module is not None:  # (a dense layer has no router)
+                router = (module, recorder.index, int(self.config.num_experts_per_tok), self.aux_loss[1])
         block = DecoderBlock(layer, router)
         if self.kernels:
             slide_kernels.apply_to(_Patchable(self.config, block))

@@ -152,15 +152,9 @@ def family_of(config: transformers.PretrainedConfig) -> Family:
 
 
 def check_experts(config: transformers.PretrainedConfig, family: Family) -> None:
-    """Refuse what a mixture-of-experts config asks that the engine cannot train exactly."""
+    """Refuse what a mixture-of-experts config asks that the engine cannot train exactly. (Dense layers among the
+    sparse ones, Qwen3-MoE's mlp_only_layers and decoder_sparse_step, are blocks of another shape.)"""
     name = family.model_type
-    sparse_step = getattr(config, "decoder_sparse_step", 1) or 1
-    dense = list(getattr(config, "mlp_only_layers", None) or [])
-    if dense or sparse_step != 1:
-        raise ModelError(f"{name} with dense layers among the sparse ones (mlp_only_layers={dense}, "
-                         f"decoder_sparse_step={sparse_step}) is not supported: the engine runs one block shape per "
-                         "GPU slot, so every layer must be a mixture-of-experts layer (mlp_only_layers [] and "
-                         "decoder_sparse_step 1)")
     if (getattr(config, "router_jitter_noise", 0) or 0) > 0:
         raise ModelError(f"{name} with router_jitter_noise={config.router_jitter_noise} is not supported: each "
                          "block's backward recomputes its forward, which would draw other noise and may route "
