@@ -316,3 +316,22 @@ def test_the_plan_of_qwen3_30b_a3b_with_dense_first_layers_prints_each_block_siz
     assert (f"4 blocks of {dense / 1e6:.1f}M params" in out and f"44 blocks of {sparse / 1e6:.1f}M params" in out
             and "from block 4" in out), out
     assert re.search(r"predicted step \d+\.\d+ s", out), out
+
+
+def test_a_checkpoint_of_dense_layers_among_experts_exports(tmp_path):
+    """`slide-train export` lays out each block of a checkpoint by its own shape: the export of a checkpoint is
+    the trainer's own export, tensor for tensor."""
+    from slide_train.checkpoint import export_run
+
+    save_mixed_model(tmp_path / "model", MIXED["dense first, middle and last"], aux=False)
+    rows, labels = make_rows(seed=4, n=STEPS * MICRO * ACCUM)
+    write_token_rows(tmp_path / "data.jsonl", rows, labels)
+    trainer = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl"), progress=False)
+    trainer.step()
+    trainer.save_checkpoint()
+    direct = trainer.export(tmp_path / "direct")
+    trainer.close()
+    out = export_run(tmp_path / "run", out=str(tmp_path / "from-checkpoint"))
+    a = transformers.AutoModelForCausalLM.from_pretrained(direct, dtype=torch.float32).state_dict()
+    b = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
