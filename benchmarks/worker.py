@@ -77,7 +77,9 @@ def summary(records: list[dict], warmup: int, tokens: int, num_params: int, acti
     timed = records[warmup:]
     step_s = statistics.median(r["step_s"] for r in timed)
     flops = 6 * (active or num_params) * tokens
-    return {"step_s": step_s, "tokens_per_s": tokens / step_s, "tflops": flops / step_s / 1e12,
+    # (Slide's steps also count causal attention's work: the same TFLOPs per step at the median step time)
+    attn = {"tflops_attn": timed[0]["tflops_attn"] * timed[0]["step_s"] / step_s} if "tflops_attn" in timed[0] else {}
+    return {"step_s": step_s, "tokens_per_s": tokens / step_s, "tflops": flops / step_s / 1e12, **attn,
             "gpu_peak_gib": max(r.get("gpu_peak_gib", 0.0) for r in records),
             "host_rss_gib": max(r["host_rss_gib"] for r in records),
             "num_params": num_params, "tokens_per_step": tokens,

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import transformers
 
@@ -25,6 +26,12 @@ def test_default_finetune_learns_and_exports(tmp_path):
     for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "tflops", "gpu_peak_gib",
                 "host_rss_gib"):
         assert key in rows[0], key
+    # tflops_attn adds causal attention's 6 x layers x heads x head_dim x seq_len FLOPs per token to tflops' 6N
+    hf = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    per_token = 6 * hf["num_hidden_layers"] * hf["num_attention_heads"] * head_dim * 128  # (the default seq_len)
+    for r in rows[:3]:
+        assert (r["tflops_attn"] - r["tflops"]) * 1e12 * r["step_s"] / r["tokens"] == pytest.approx(per_token)
     first, last = sum(r["loss"] for r in rows[:5]) / 5, sum(r["loss"] for r in rows[-5:]) / 5
     assert last < first - 1.0, f"loss did not clearly fall: {first:.3f} -> {last:.3f}"
     assert (tmp_path / "run" / "loss.png").stat().st_size > 0

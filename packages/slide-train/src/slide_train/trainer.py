@@ -85,6 +85,14 @@ def use_expandable_segments() -> bool:
     return True
 
 
+def attention_flops_per_token(hf_config, seq_len: int) -> float:
+    """Causal attention's FLOPs per token over forward and backward, as PaLM counts them with the causal half:
+    6 x layers x (heads x head_dim) x the sequence length (rows of seq_len tokens; packed documents do less)."""
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return 6 * hf_config.num_hidden_layers * heads * head_dim * seq_len
+
+
 def resolve_device(name: str) -> torch.device:
     """`engine.device` as a device, or a ConfigError saying why it cannot be used here."""
     try:
@@ -336,6 +344,7 @@ class Trainer:
         self.num_params = sum(u.layout.base_numel for u in self.engine.units)
         shapes = self.memory_plan.placement.shapes  # (a mixture of experts computes with its routed experts only)
         self.active_params = shapes.unit_numels[0] + sum(shapes.active(u) for u in range(1, shapes.num_blocks + 1))
+        self.attention_flops = attention_flops_per_token(self.model.hf_config, cfg.seq_len)
         per_step = cfg.micro_batch_size * cfg.grad_accum * self.ranks.size
         self.total_steps = math.ceil(self.data.train.rows_in(cfg.epochs) / per_step) if cfg.epochs else cfg.steps
         self.step_index = 0
@@ -578,6 +587,8 @@ class Trainer:
             "tokens_per_s": tokens / seconds,
             # Model FLOPs only (6 per active parameter per token), as peers and papers count them: no recompute.
             "tflops": 6 * self.active_params * tokens / seconds / 1e12,
+            # ... and with causal attention's own work, which grows with the sequence (DESIGN section 8)
+            "tflops_attn": (6 * self.active_params + self.attention_flops) * tokens / seconds / 1e12,
             # The engine's own step, and the rest of the step (the GPU idles then): preparing the data,
             # reading the step's timeline.
             "engine_step_s": stats.seconds,
