@@ -518,3 +518,20 @@ def test_a_step_of_milliseconds_is_printed_in_milliseconds_phase_by_phase(capsys
     phases = re.search(r"\n    (forward [^\n]*)\n", text).group(1)
     lengths = [float(x) for x in re.findall(r"(?:^|; )\w[\w ]*? ([0-9.]+) ms =", phases)]
     assert code == 0 and step > 0 and len(lengths) >= 2 and sum(lengths) == pytest.approx(step, abs=0.15)
+
+
+def test_plan_longest_finds_the_longest_rows_that_fit(capsys):
+    """`plan --longest`: rows of the length it names fit the machine, rows 1024 tokens longer do not."""
+    from slide_train.cli import main
+
+    machine = pathlib.Path(__file__).parents[3] / "docs" / "machines" / "h200-host.yaml"
+    args = ["--model=llama-3.2-1b", "--micro_batch_size=1", "--grad_accum=1", "--engine.gpu_memory_limit_gb=8"]
+    assert main(["plan", "--longest", f"--machine={machine}", *args]) == 0
+    out = capsys.readouterr().out
+    found = int(re.search(r"longest: rows of ([\d,]+) tokens fit", out).group(1).replace(",", ""))
+    assert f"1 x 1 x {found} tokens per step" in out
+    model = load_model("llama-3.2-1b", 0, need_tokenizer=False, need_weights=False)
+    m = load_machine(machine)
+    for seq_len, fits in ((found, True), (found + 1024, False)):
+        cfg = load_config(None, [*args, f"--seq_len={seq_len}"])
+        assert plan_run(cfg, model, m, running=False)[0].fits == fits, seq_len

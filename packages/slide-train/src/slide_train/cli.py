@@ -100,6 +100,8 @@ def cmd_plan(args, overrides) -> int:
         raise ConfigError(f"engine.device={cfg.engine.device}, but {where}: `slide-train plan --machine FILE` "
                           "prices a GPU machine (FILE from `slide-train probe --out FILE` on it)")
     model = load_model(cfg.model, cfg.seed, need_tokenizer=False, need_weights=False)  # config.json is enough
+    if args.longest:
+        cfg = longest(cfg, model, machine, args.nproc)
     check_fits(model, cfg.seq_len)
     plan, _, _ = plan_run(cfg, model, machine, running=False, ranks=args.nproc,
                           measure_disk=None if named or not uses_disk(cfg) else measure_disk)
@@ -118,6 +120,36 @@ def cmd_plan(args, overrides) -> int:
               f"tokens per step{ranks}; machine: {named or 'this one (last probe)'}")
         print(describe(plan, machine, cfg))
     return 0 if plan.fits else 2
+
+
+def longest(cfg, model, machine, nproc: int):
+    """The config with the longest seq_len (a multiple of 1024, or of 128 under 1024) whose plan fits on
+    `machine`, the other settings as they are; it says so in one line."""
+    import dataclasses
+
+    from .trainer import plan_run
+
+    limit = getattr(model.hf_config, "max_position_embeddings", None) or 1 << 22
+
+    def fits(seq_len: int) -> bool:
+        return plan_run(dataclasses.replace(cfg, seq_len=seq_len), model, machine, running=False,
+                        ranks=nproc)[0].fits
+
+    step = 128
+    if not fits(step):
+        raise ConfigError(f"not even rows of {step} tokens fit this machine with micro_batch_size="
+                          f"{cfg.micro_batch_size}: see `slide-train plan` for what would")
+    low, high = step, step
+    while high < limit and fits(min(2 * high, limit)):  # doubling, then bisection between the last two
+        low = high = min(2 * high, limit)
+    high = min(2 * high, limit) if high < limit else high
+    while high - low > (1024 if low >= 1024 else step):
+        middle = (low + high) // 2 // step * step
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    found = low
+    print(f"longest: rows of {found:,} tokens fit (micro_batch_size {cfg.micro_batch_size}, the model's limit "
+          f"{limit:,}); its plan:")
+    return dataclasses.replace(cfg, seq_len=found)
 
 
 def cmd_probe(args, overrides) -> int:
@@ -179,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "(exit 0 when it fits, 2 when not)")
     p.add_argument("--machine", default=None, help="a machine file (default: the last probe of this machine)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.add_argument("--longest", action="store_true",
+                   help="plan the longest seq_len that fits this machine and the other settings")
     p.add_argument("--nproc", type=_positive, default=1,
                    help="data-parallel ranks on the machine (torchrun --nproc-per-node): each GPU's plan, the host's "
                         "memory shared")
