@@ -143,16 +143,18 @@ def test_plan_json_prices_a_checkpoint_of_the_disk_tier(capsys):
 
 
 def test_a_gpu_budget_too_small_is_refused_with_the_tokens_that_would_fit():
-    """The problem names a micro-batch length that fits: planned with it, the GPU side fits; a tenth more not."""
+    """The problem names a micro-batch length that fits: planned with it, the GPU side fits; a tenth more not
+    (whole rows: tiles of the MLP would fit more)."""
     small = machine_with(gpu={"memory_gib": 8})
-    plan = plan_for(small, "--seq_len=32768")
+    whole = "--engine.placement.sequence_tile=0"
+    plan = plan_for(small, "--seq_len=32768", whole)
     found = re.search(r"gpu: needs ~[0-9.]+ GiB, [0-9.]+ GiB usable; at most ~(\d+) tokens per micro-batch would "
                       r"fit", plan.problems[0])
     assert not plan.fits and found
     tokens = int(found.group(1))
-    fits = plan_for(small, f"--seq_len={tokens}", "--micro_batch_size=1")
+    fits = plan_for(small, f"--seq_len={tokens}", "--micro_batch_size=1", whole)
     assert fits.placement.bytes(GPU) <= fits.budgets.gpu
-    more = plan_for(small, f"--seq_len={int(1.1 * tokens)}", "--micro_batch_size=1")
+    more = plan_for(small, f"--seq_len={int(1.1 * tokens)}", "--micro_batch_size=1", whole)
     assert more.placement.bytes(GPU) > more.budgets.gpu
     assert "even short micro-batches do not fit" in plan_for(machine_with(gpu={"memory_gib": 4})).problems[0]
 
@@ -290,11 +292,11 @@ def test_a_mixture_of_experts_is_priced_by_the_experts_a_token_is_routed_to(pres
 
     model = load_model(preset, 0, need_tokenizer=False, need_weights=False)
     shapes = model_shapes(model, model.stack(kernels=False))
-    counted = shapes.unit_numels[0] + shapes.num_blocks * (shapes.active_block_numel or shapes.block_numel)
+    counted = shapes.unit_numels[0] + sum(shapes.active(u) for u in range(1, shapes.num_blocks + 1))
     assert sum(shapes.unit_numels) == pytest.approx(total, rel=1e-3) and counted == pytest.approx(active, rel=1e-2)
     machine = load_machine(TEST_MACHINE)
     plan = plan_for(machine, model=preset)
-    everything = dc.replace(plan.placement, shapes=dc.replace(plan.placement.shapes, active_block_numel=0))
+    everything = dc.replace(plan.placement, shapes=dc.replace(plan.placement.shapes, active_numels=()))
     compute, all_experts = price(plan.placement, machine), price(everything, machine)
     if active < total:
         assert compute.lanes["gpu"] < 0.5 * all_experts.lanes["gpu"]

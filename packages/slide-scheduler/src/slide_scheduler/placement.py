@@ -223,6 +223,8 @@ class Placement:
     stream_piece: int = field(default_factory=lambda: STREAM_PIECE)  # (read when made: tests shrink them)
     stream_buffers: int = field(default_factory=lambda: STREAM_BUFFERS)
     threads: int = field(default_factory=torch.get_num_threads)  # host optimizer threads (its scratch)
+    # positions per tile where a block's MLP runs over tiles of the sequence (0: whole rows)
+    sequence_tile: int = 0
 
     def __post_init__(self):
         validate(self)
@@ -498,7 +500,9 @@ def _allocations(p: Placement) -> list[Allocation]:
     else:  # backward's landing buffers: a set per slot and one more (two when nothing slides), reused every step
         add(dev, "activation landing", p.landing_sets * t.micro_batches * act)
     # The working set of one block's recompute and backward, the tail's loss chunk, the allocator's margin
-    work = 3 * t.micro_batches * act + t.tokens_per_micro * (10 * s.hidden + 4 * s.intermediate) * c
+    seq = t.seq_len or t.tokens_per_micro
+    mlp_tokens = t.tokens_per_micro // seq * min(seq, p.sequence_tile or seq)  # (one tile's, where tiled)
+    work = 3 * t.micro_batches * act + (t.tokens_per_micro * 10 * s.hidden + mlp_tokens * 4 * s.intermediate) * c
     add(dev, "workspace", work, transient=True)
     if not p.device_is_host:
         add(GPU, "loss chunk + margin", LOSS_CHUNK + MARGIN, transient=True)
@@ -534,6 +538,8 @@ class Overrides:
     # not fit)
     nvme_fraction: float | None = None
     disk_loads: bool | None = None
+    # positions per tile of a block's MLP over the sequence (None: tiles where whole rows do not fit the GPU; 0: never)
+    sequence_tile: int | None = None
 
 
 def device_updated(sliding: int, share: float) -> list[int]:
@@ -560,7 +566,7 @@ def held_on_device(device_units: list[int], count: int, shared: bool) -> list[in
 def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterable[int] = (), window: int = 2,
             share: float = 0.0, shared: bool = False, held: int = 0, split: bool = True,
             speculate: bool | int = False, nvme_fraction: float = 0.0, disk_loads: bool = False,
-            threads: int | None = None) -> Placement:
+            sequence_tile: int = 0, threads: int | None = None) -> Placement:
     """The placement these choices make: `resident` units on the device; of the sliding blocks, the last
     `nvme_fraction` with masters and moments on disk, `share` of the rest (spread out) updated on the device
     with clipping, `held` of those keeping their gradient there, the others' gradients pooled (`shared`) or in
@@ -593,7 +599,7 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
                                        speculate=u in speculating, disk_master=u in disk,
                                        disk_loads=disk_loads and u in disk))
     extra = {} if threads is None else {"threads": threads}
-    return Placement(shapes, step, tuple(units), window, run, **extra)
+    return Placement(shapes, step, tuple(units), window, run, sequence_tile=sequence_tile, **extra)
 
 
 def resident_units(resident: int | Iterable[int]) -> set[int]:
@@ -612,7 +618,8 @@ def size_for_budget(shapes: Shapes, step: StepShape, run: RunFacts, budget: floa
         return arrange(shapes, step, run, resident=res, window=window, share=share, shared=shared, held=held,
                        split=overrides.split, threads=threads,
                        speculate=overrides.speculate is True if speculate is None else speculate,
-                       nvme_fraction=overrides.nvme_fraction or 0.0, disk_loads=bool(overrides.disk_loads))
+                       nvme_fraction=overrides.nvme_fraction or 0.0, disk_loads=bool(overrides.disk_loads),
+                       sequence_tile=overrides.sequence_tile or 0)
 
     if overrides.resident is not None:
         chosen = make(resident_units(overrides.resident))

@@ -34,6 +34,7 @@ SHARES = (0.0, 0.25, 0.375, 0.5, 0.5625, 0.625, 0.75, 1.0)
 WINDOWS = (2, 3)
 SPECULATED = (0.75, 0.5, 0.25)  # shares of the blocks tried where speculating for every block does not fit
 TIE = 0.05
+SEQUENCE_TILE = 4096  # positions per tile of a block's MLP, where whole rows' intermediates do not fit the GPU
 
 
 @dataclass
@@ -135,6 +136,11 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
         if best is None or _better(key, best[:5]):
             best = (*key, p, est)
     placement, estimate = best[5:]
+    seq = step.seq_len or step.tokens_per_micro
+    if best[0] and o.sequence_tile is None and seq > SEQUENCE_TILE:  # whole rows do not fit the GPU: tiles may
+        tiled = place(shapes, step, run, budgets, machine, dataclasses.replace(o, sequence_tile=SEQUENCE_TILE))
+        if budgets.gpu is None or tiled.placement.bytes(GPU) <= budgets.gpu:
+            return tiled
     unclipped = price(placement, machine, clipping_acts=False) if run.clip else estimate
     plan = Plan(placement, estimate, unclipped, budgets)
     plan.problems = _problems(plan)

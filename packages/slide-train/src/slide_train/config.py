@@ -67,6 +67,8 @@ PLACEMENT_KEYS = {
                  "result bit for bit, more host memory); auto: where the cost model prices it faster; off by default "
                  "(docs/findings.md)",
     "synchronous": "true: the synchronous reference schedule, no overlap",
+    "sequence_tile": "positions per tile of each block's MLP over the sequence, recomputed tile by tile in the "
+                     "backward (0: whole rows; unset: tiles of 4096 where whole rows do not fit the GPU)",
 }
 # Keys that were renamed or removed, with what replaces them.
 MOVED = {
@@ -165,8 +167,8 @@ KEY_HELP = {
     "engine.nvme.fraction": "share of the sliding blocks whose masters and AdamW moments live on disk, in [0, 1]; "
                             "auto: the least share that fits the host's memory (0 where it holds the run, and with "
                             "data-parallel ranks)",
-    "engine.placement": "expert overrides: window, resident, device_update_share, speculate, synchronous "
-                        "(docs/placement.md)",
+    "engine.placement": "expert overrides: window, resident, device_update_share, speculate, synchronous, "
+                        "sequence_tile (docs/placement.md)",
     "checkpoint.every": "steps between checkpoints; 0: only at the end",
     "checkpoint.keep": "the newest checkpoints kept; 0: write none",
     "resume": "auto (the newest good checkpoint in output_dir) or a checkpoint's path; null: a new run",
@@ -345,6 +347,9 @@ def check_placement(overrides: dict, states_dtype: str) -> None:
                                                    for u in resident))):
         raise ConfigError(f"engine.placement.resident must be a count of at least 0 or a list of units such as "
                           f"[edges, block.3], got {resident!r}")
+    tile = overrides.get("sequence_tile")
+    if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 0):
+        raise ConfigError(f"engine.placement.sequence_tile must be a whole number of positions (0: none), got {tile!r}")
     synchronous, speculate = overrides.get("synchronous"), overrides.get("speculate")
     if synchronous is not None and not isinstance(synchronous, bool):
         raise ConfigError(f"engine.placement.synchronous must be true or false, got {synchronous!r}")

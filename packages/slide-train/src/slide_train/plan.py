@@ -67,7 +67,8 @@ def overrides_of(cfg: TrainConfig, num_blocks: int) -> Overrides:
                           f"edges and {num_blocks} blocks): use at most {num_blocks + 1}")
     fraction = cfg.engine.nvme.fraction
     return Overrides(window=o.get("window"), resident=resident, device_update_share=o.get("device_update_share"),
-                     speculate=o.get("speculate"), nvme_fraction=None if fraction == "auto" else fraction)
+                     speculate=o.get("speculate"), nvme_fraction=None if fraction == "auto" else fraction,
+                     sequence_tile=o.get("sequence_tile"))
 
 
 def facts_of(cfg: TrainConfig, device: str, ranks: int = 1) -> RunFacts:
@@ -327,6 +328,9 @@ def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None
     lines += groups
     if p.shapes.mixed:
         lines.append(block_sizes_line(p))
+    if p.sequence_tile:
+        lines.append(f"  each block's MLP runs over tiles of {p.sequence_tile:,} positions (rows of "
+                     f"{p.step.seq_len or p.step.tokens_per_micro:,}), each recomputed in the backward")
     if not p.device_is_host:
         lines.append(tier_line(GPU, b.gpu))
     lines.append(tier_line(HOST, b.host))

@@ -241,6 +241,7 @@ def build_engine(cfg: TrainConfig, model, machine: Machine, progress: bool = Fal
             loading.update(1)
 
         stack.load_block = load_block
+        stack.sequence_tile = plan.placement.sequence_tile  # (the blocks the engine makes run their MLP tiled)
         try:
             return SlidingEngine(stack, plan.placement, engine_cfg, ranks), plan
         finally:
