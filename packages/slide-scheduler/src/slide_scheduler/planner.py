@@ -139,7 +139,7 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
     seq = step.seq_len or step.tokens_per_micro
     if best[0] and o.sequence_tile is None and seq > SEQUENCE_TILE:  # whole rows do not fit the GPU: tiles may
         tiled = place(shapes, step, run, budgets, machine, dataclasses.replace(o, sequence_tile=SEQUENCE_TILE))
-        if budgets.gpu is None or tiled.placement.bytes(GPU) <= budgets.gpu:
+        if tiled.placement.bytes(GPU) < placement.bytes(GPU):  # (fitting or not: what it needs is nearer)
             return tiled
     unclipped = price(placement, machine, clipping_acts=False) if run.clip else estimate
     plan = Plan(placement, estimate, unclipped, budgets)
