@@ -23,11 +23,12 @@ from .placement import (
     arrange,
     block_shapes,
     make_block,
+    register_tier,
     resolve_device,
     run_facts,
     shapes_of,
 )
-from .planner import Plan, Suggestion, compute_bound_step, disk_share, place, suggest
+from .planner import Plan, Suggestion, budget_problems, compute_bound_step, disk_share, place, suggest
 from .probe import host_cores, host_memory_bytes, probe_disk
 from .probe import probe as probe_machine
 from .ranks import Ranks
@@ -69,6 +70,7 @@ __all__ = [
     "__version__",
     "arrange",
     "block_shapes",
+    "budget_problems",
     "compute_bound_step",
     "disk_share",
     "disk_traffic",
@@ -80,6 +82,7 @@ __all__ = [
     "price",
     "probe_disk",
     "probe_machine",
+    "register_tier",
     "resolve_device",
     "run_facts",
     "shapes_of",

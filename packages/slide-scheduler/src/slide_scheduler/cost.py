@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from .disk_states import SLOTS as DISK_STAGING_SLOTS
 from .machine import Machine
-from .placement import Placement, early_reads_wait
+from .placement import Placement, early_reads_wait, kind_of
 
 # A decoder block's fwd+bwd runs at this share of the machine's dense bf16 matmul rate (attention, norms and
 # element-wise kernels between the GEMMs); per block, micro-batch and pass, a fixed cost of launching kernels.
@@ -158,7 +158,7 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
             if up.split:  # the moments part runs after the forward
                 bwd.adamw += update_s[b] * 0.5
                 bwd.host_bytes += numel * 22
-            if up.moments == "disk":  # read in ahead and written back (the master too where it is there)
+            if kind_of(up.moments) == "files":  # read in ahead and written back (the master too where it is there)
                 on_disk = 2 * sb + (4 if up.disk_master else 0)
                 # (clipped: the first updates' reads run under the backward, one per staging slot, where no load
                 # reads the disk there)

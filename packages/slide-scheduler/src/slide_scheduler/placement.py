@@ -24,7 +24,22 @@ from .disk_states import SLOTS as DISK_STAGING_SLOTS
 from .pool import pool_bytes
 
 GPU, HOST, DISK = "gpu", "host", "disk"
-TIERS = (GPU, HOST, DISK)
+TIERS = (GPU, HOST, DISK)  # the tiers every machine has
+# Each tier by name and the kind of memory it is, which says how the engine reaches what it holds: "device" (the
+# GPU's), "memory" (host memory: the optimizer steps states there in place) or "files" (read in ahead of each
+# update and written back). A tier of another name (a second pool of host memory with a budget of its own, say)
+# is one `register_tier` call: the placement counts and budgets it by its name, the engine reaches it as its kind.
+TIER_KINDS: dict[str, str] = {GPU: "device", HOST: "memory", DISK: "files"}
+
+
+def register_tier(name: str, kind: str) -> None:
+    if kind not in ("device", "memory", "files"):
+        raise ValueError(f"a tier is device, memory or files, got {kind!r}")
+    TIER_KINDS[name] = kind
+
+
+def kind_of(tier: str) -> str:
+    return TIER_KINDS[tier]
 GIB = 2**30
 STREAM_PIECE = 1 << 23  # elements per device-update piece: each buffer ~150 MB on the device
 STREAM_BUFFERS = 2  # a piece's copy in waits for the store of the piece that used its buffer last
@@ -279,7 +294,8 @@ class Placement:
 
     @property
     def on_disk(self) -> set[int]:
-        return self.where("moments", DISK)
+        """Units whose moments live in files (the disk tier), read in ahead of each update."""
+        return {u for u, unit in enumerate(self.units) if kind_of(unit.moments) == "files"}
 
     @property
     def masters_on_disk(self) -> set[int]:
@@ -336,7 +352,7 @@ class Placement:
 
     def tiers(self) -> dict[str, dict[str, int]]:
         """Tier -> kind of content -> bytes."""
-        out: dict[str, dict[str, int]] = {t: {} for t in TIERS}
+        out: dict[str, dict[str, int]] = {t: {} for t in (*TIERS, *{a.tier for a in self.allocations})}
         for a in self.allocations:
             out[a.tier][a.kind] = out[a.tier].get(a.kind, 0) + a.nbytes
         return out
@@ -375,21 +391,22 @@ def validate(p: Placement) -> None:
                          f"{sorted(set(p.shapes.unit_numels[1:]))} parameters)")
     if p.ranks > 1:
         other = [_names([u]) for u, unit in enumerate(p.units)
-                 if unit.update != "host" or unit.moments != HOST or unit.grad == "pool"]
+                 if unit.update != "host" or kind_of(unit.moments) != "memory" or unit.grad == "pool"]
         if other:
             raise ValueError(f"with {p.ranks} data-parallel ranks every unit slides and updates on the host, its "
                              f"moments in host memory (not yet: {', '.join(other)})")
     for u, unit in enumerate(p.units):
         name = "edges" if u == 0 else f"block {u - 1}"
-        if unit.update not in UPDATES or unit.grad not in GRADS or unit.moments not in TIERS:
-            raise ValueError(f"{name}: update must be one of {UPDATES}, grad one of {GRADS}, moments one of {TIERS}")
-        if unit.resident != (unit.update == "device") or unit.resident != (unit.moments == GPU):
+        if unit.update not in UPDATES or unit.grad not in GRADS or unit.moments not in TIER_KINDS:
+            raise ValueError(f"{name}: update must be one of {UPDATES}, grad one of {GRADS}, moments one of "
+                             f"{tuple(TIER_KINDS)}")
+        if unit.resident != (unit.update == "device") or unit.resident != (kind_of(unit.moments) == "device"):
             raise ValueError(f"{name}: a resident unit updates on the device with its moments there, and only it")
         if unit.resident and unit.grad != "slot":
             raise ValueError(f"{name}: a resident unit's gradient stays in its slot")
-        if unit.moments == DISK and (u == 0 or unit.update != "host" or unit.split):
+        if kind_of(unit.moments) == "files" and (u == 0 or unit.update != "host" or unit.split):
             raise ValueError(f"{name}: moments on disk are for sliding blocks updated on the host, whole")
-        if unit.disk_master and unit.moments != DISK:
+        if unit.disk_master and kind_of(unit.moments) != "files":
             raise ValueError(f"{name}: a master on disk has its moments there too")
         if unit.disk_loads and not unit.disk_master:
             raise ValueError(f"{name}: only a master on disk is read from disk for its loads")
@@ -398,7 +415,7 @@ def validate(p: Placement) -> None:
         if unit.split and (not p.clip or unit.grad not in ("ring", "own")):
             raise ValueError(f"{name}: only a clipped update whose gradient has a host buffer of its own splits")
         if unit.speculate and (not p.clip or u == 0 or unit.update != "host" or unit.grad != "ring"
-                               or unit.moments != HOST):
+                               or kind_of(unit.moments) != "memory"):
             raise ValueError(f"{name}: only a clipped sliding block updated on the host, its gradient in the ring "
                              "and its moments in host memory, speculates (a pooled gradient lies under the next "
                              "forward's activations, which cannot wait for a late update)")
@@ -453,7 +470,9 @@ def _allocations(p: Placement) -> list[Allocation]:
     add(HOST, "parameters of masters on disk", c * sum(numel[u] for u in away - read))
     add(HOST, "masters read for loads", DISK_LOAD_SLOTS * 4 * s.block_numel if read else 0)
     on_disk = p.on_disk
-    add(HOST, "moments", 2 * p.state_bytes * sum(shard[u] for u in host_units if u not in on_disk))
+    in_memory = [u for u in host_units if u not in on_disk]  # (in host memory, or another tier of that kind)
+    for tier in dict.fromkeys([HOST, *(p.units[u].moments for u in in_memory)]):
+        add(tier, "moments", 2 * p.state_bytes * sum(shard[u] for u in in_memory if p.units[u].moments == tier))
     if host_units:  # the host optimizer's scratch and its three fp32 rows, shared by every unit
         size = min(BLOCK_PER_THREAD * p.threads, CHUNK, max(shard[u] for u in host_units))
         add(HOST, "optimizer scratch", 4 * 4 * size)
@@ -518,6 +537,10 @@ class Budgets:
     gpu: float | None = None  # bytes the engine may use on the device (None: no limit)
     host: float | None = None
     disk: float | None = None
+    others: tuple[tuple[str, float], ...] = ()  # registered tiers' budgets, (name, bytes)
+
+    def of(self, tier: str) -> float | None:
+        return {GPU: self.gpu, HOST: self.host, DISK: self.disk, **dict(self.others)}.get(tier)
 
 
 @dataclass(frozen=True)

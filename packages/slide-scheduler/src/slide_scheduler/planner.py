@@ -378,4 +378,12 @@ def _problems(plan: Plan) -> list[str]:
         out.append(f"host: needs ~{p.bytes(HOST) / GIB:.1f} GiB, {b.host / GIB:.1f} GiB usable")
     if b.disk is not None and p.bytes(DISK) > b.disk:
         out.append(f"disk: needs ~{p.bytes(DISK) / GIB:.1f} GiB, {b.disk / GIB:.1f} GiB free")
+    for tier, budget in b.others:  # registered tiers (placement.register_tier)
+        if p.bytes(tier) > budget:
+            out.append(f"{tier}: needs ~{p.bytes(tier) / GIB:.1f} GiB, {budget / GIB:.1f} GiB usable")
     return out
+
+
+def budget_problems(plan: Plan) -> list[str]:
+    """What of `plan`'s placement does not fit its budgets, each tier in one line."""
+    return _problems(plan)
