@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_placement import LLAMA_3B, with_rates
 
 from slide_scheduler import (
     Budgets,
@@ -16,7 +17,6 @@ from slide_scheduler import (
     Overrides,
     Pcie,
     RunFacts,
-    Shapes,
     StepShape,
     arrange,
     compute_bound_step,
@@ -28,16 +28,10 @@ from slide_scheduler import (
 from slide_scheduler.cost import BOUND_SHARE
 
 GIB = 2**30
-LLAMA_3B = Shapes((394_000_000,) + (100_700_000,) * 28, hidden=3072, intermediate=8192, vocab=128256)
 PC = Machine(gpu=Gpu(memory_gib=24, bf16_tflops=165), host=Host(memory_gib=64, cores=16, memory_gbps=80,
                                                                  adamw_gparams=1.5),
              pcie=Pcie(h2d_gbps=25, d2h_gbps=25, duplex_gbps=45), disk=Disk(free_gib=1000, read_gbps=7.0,
                                                                            write_gbps=6.0))
-
-
-def with_rates(machine: Machine, **sections) -> Machine:
-    return dataclasses.replace(machine, **{k: dataclasses.replace(getattr(machine, k), **v)
-                                           for k, v in sections.items()})
 
 
 def budgets(machine: Machine, cuda: bool = True) -> Budgets:

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from test_engine import DIM, Edges, batches
+from test_engine import DIM, Edges, ToyStack, batches
 from test_placement import STEP, measure
 from torch import nn
 
@@ -43,34 +43,17 @@ class Model(nn.Module):
         return self.edges.tail(hidden, batch, normalizer)
 
 
-class MixedStack:
+class MixedStack(ToyStack):
     """The Stack protocol for blocks of several shapes: `block_shape(index)` and `make_block(shape)`."""
 
     num_blocks = len(WIDTHS)
 
-    def __init__(self, model: Model):
-        self.model = model
-
     def block_shape(self, index: int) -> str:
         return f"width {WIDTHS[index]}"
-
-    def make_edges(self):
-        with torch.device("meta"):
-            return Edges(tied=False)
 
     def make_block(self, shape: str):
         with torch.device("meta"):
             return Block(int(shape.removeprefix("width ")))
-
-    def load_edges(self, params):
-        src = dict(self.model.edges.named_parameters())
-        for name, view in params.items():
-            view.copy_(src[name])
-
-    def load_block(self, index, params):
-        src = dict(self.model.blocks[index].named_parameters())
-        for name, view in params.items():
-            view.copy_(src[name])
 
 
 PLACEMENTS = {

@@ -56,9 +56,13 @@ def tiny_config(model_type: str) -> transformers.PretrainedConfig:
         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-5, **extra)
 
 
-def save_tiny_model(directory: pathlib.Path, model_type: str, seed: int = 0) -> transformers.PreTrainedModel:
+def save_tiny_model(directory: pathlib.Path, model_type: str, seed: int = 0,
+                    changes: dict | None = None) -> transformers.PreTrainedModel:
+    """A tiny random model of `model_type` (its config with `changes`), saved with the built-in tokenizer."""
     torch.manual_seed(seed)
     config = tiny_config(model_type)
+    for key, value in (changes or {}).items():
+        setattr(config, key, value)
     # (SDPA has no attention soft-capping: Gemma 2 runs HF's eager attention)
     config._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
     model = transformers.AutoModelForCausalLM.from_config(config).float()

@@ -238,18 +238,8 @@ MIXED = {
 
 
 def save_mixed_model(directory, change: dict, aux: bool):
-    from slide_train.data import builtin_tokenizer
-
-    torch.manual_seed(0)
-    config = tiny_config("qwen3_moe")
-    for key, value in change.items():
-        setattr(config, key, value)
-    if aux:
-        config.output_router_logits, config.router_aux_loss_coef = True, 0.5
-    model = transformers.AutoModelForCausalLM.from_config(config).float()
-    model.save_pretrained(directory, safe_serialization=True)
-    builtin_tokenizer().save_pretrained(directory)
-    return model
+    aux_loss = {"output_router_logits": True, "router_aux_loss_coef": 0.5} if aux else {}
+    return save_tiny_model(directory, "qwen3_moe", changes={**change, **aux_loss})
 
 
 @pytest.mark.parametrize("name, aux", [("mlp_only_layers=[1]", False), ("mlp_only_layers=[1]", True),

@@ -28,7 +28,16 @@ from .placement import (
     run_facts,
     shapes_of,
 )
-from .planner import Plan, Suggestion, budget_problems, compute_bound_step, disk_share, place, suggest
+from .planner import (
+    Plan,
+    Suggestion,
+    budget_problems,
+    compute_bound_step,
+    disk_share,
+    longest_rows,
+    place,
+    suggest,
+)
 from .probe import host_cores, host_memory_bytes, probe_disk
 from .probe import probe as probe_machine
 from .ranks import Ranks
@@ -76,6 +85,7 @@ __all__ = [
     "disk_traffic",
     "host_cores",
     "host_memory_bytes",
+    "longest_rows",
     "make_block",
     "place",
     "plot_timeline",

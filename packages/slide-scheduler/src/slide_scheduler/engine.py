@@ -544,8 +544,9 @@ class SlidingEngine:
         loss_value, *sq = self._readout.tolist()
         grad_norm = math.sqrt(sum(sq))
         scale = clip_scale(self.clip, grad_norm)
+        commit = math.isfinite(scale)  # (a clipped step with a non-finite norm changes nothing)
         for kind in self.updates:
-            if math.isfinite(scale):
+            if commit:
                 kind.norm_known(gradients, lr, scale)
             else:
                 kind.norm_not_finite()

@@ -295,7 +295,7 @@ class Placement:
     @property
     def on_disk(self) -> set[int]:
         """Units whose moments live in files (the disk tier), read in ahead of each update."""
-        return {u for u, unit in enumerate(self.units) if kind_of(unit.moments) == "files"}
+        return set().union(*(self.where("moments", t) for t, kind in TIER_KINDS.items() if kind == "files"))
 
     @property
     def masters_on_disk(self) -> set[int]:
@@ -352,9 +352,9 @@ class Placement:
 
     def tiers(self) -> dict[str, dict[str, int]]:
         """Tier -> kind of content -> bytes."""
-        out: dict[str, dict[str, int]] = {t: {} for t in (*TIERS, *{a.tier for a in self.allocations})}
+        out: dict[str, dict[str, int]] = {t: {} for t in TIERS}
         for a in self.allocations:
-            out[a.tier][a.kind] = out[a.tier].get(a.kind, 0) + a.nbytes
+            out.setdefault(a.tier, {})[a.kind] = out.get(a.tier, {}).get(a.kind, 0) + a.nbytes
         return out
 
     def describe(self) -> list[str]:

@@ -253,6 +253,28 @@ def suggest(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, ma
     return out
 
 
+def longest_rows(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, machine: Machine,
+                 overrides: Overrides | None = None, limit: int = 1 << 22, unit: int = 128) -> int | None:
+    """The longest rows (a multiple of 1024, or of `unit` under 1024, at most `limit`) whose plan fits, the
+    step's rows per micro-batch and micro-batches as they are: doublings, then a bisection between the last two.
+    None where not even rows of `unit` fit."""
+    o, rows = overrides or Overrides(), step.tokens_per_micro // (step.seq_len or step.tokens_per_micro)
+
+    def fits(length: int) -> bool:
+        return place(shapes, StepShape(rows * length, step.micro_batches, length), run, budgets, machine, o).fits
+
+    if not fits(unit):
+        return None
+    low = high = unit
+    while high < limit and fits(min(2 * high, limit)):
+        low = high = min(2 * high, limit)
+    high = min(2 * high, limit) if high < limit else high
+    while high - low > (1024 if low >= 1024 else unit):
+        middle = (low + high) // 2 // unit * unit
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
 def compute_bound_step(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, machine: Machine,
                        overrides: Overrides | None = None, most: int = 64) -> Suggestion | None:
     """The fewest micro-batches per step (each as it is) at which the step is bound by the compute, and that

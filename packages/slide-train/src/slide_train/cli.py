@@ -10,7 +10,7 @@ import sys
 from .config import describe_keys, load_config
 from .errors import ConfigError, SlideError, plural
 from .log import console, say
-from .preflight import check_config_file, check_data, check_finetune, check_writable
+from .preflight import check_data, check_finetune, check_writable
 
 
 def _keys_help() -> str:
@@ -28,17 +28,12 @@ def _config_parser(sub, name: str, help: str):
     return p
 
 
-def _config(args, overrides):
-    check_config_file(args.config)
-    return load_config(args.config, overrides)
-
-
 def cmd_finetune(args, overrides) -> int:
     from .distributed import leave
     from .progress import hide_bars
     from .trainer import Trainer
 
-    cfg = _config(args, overrides)
+    cfg = load_config(args.config, overrides)
     check_finetune(cfg)  # before minutes of loading and tokenizing
     machine = _machine(args.machine)
     if args.no_progress:  # checkpoints and the export included
@@ -63,7 +58,7 @@ def cmd_data(args, overrides) -> int:
     from .data import build_data, render_examples
     from .models.build import load_model
 
-    cfg = _config(args, overrides)
+    cfg = load_config(args.config, overrides)
     check_data(cfg)
     model = load_model(cfg.model, cfg.seed, need_tokenizer=cfg.data.format != "tokens")
     data = build_data(cfg.data, model.tokenizer, cfg.seq_len, cfg.micro_batch_size, cfg.seed,
@@ -81,7 +76,7 @@ def cmd_plan(args, overrides) -> int:
     from .plan import advice, checkpoint_cost, describe, params_text
     from .trainer import asks_for_disk, nvme_dir, plan_run, uses_disk
 
-    cfg = _config(args, overrides)
+    cfg = load_config(args.config, overrides)
     named = args.machine or os.environ.get("SLIDE_MACHINE")
     # This machine's disk there is measured where the config puts something there, or once the plan of `auto` does
     if not named and asks_for_disk(cfg) and cfg.engine.nvme.dir:
@@ -124,29 +119,23 @@ def cmd_plan(args, overrides) -> int:
 
 def longest(cfg, model, machine, nproc: int):
     """The config with the longest seq_len (a multiple of 1024, or of 128 under 1024) whose plan fits on
-    `machine`, the other settings as they are; it says so in one line."""
+    `machine`, the other settings as they are (the planner's search over one stack); it says so in one line."""
     import dataclasses
 
+    from slide_scheduler import StepShape, longest_rows
+
+    from .plan import overrides_of
     from .trainer import plan_run
 
     limit = getattr(model.hf_config, "max_position_embeddings", None) or 1 << 22
-
-    def fits(seq_len: int) -> bool:
-        return plan_run(dataclasses.replace(cfg, seq_len=seq_len), model, machine, running=False,
-                        ranks=nproc)[0].fits
-
-    step = 128
-    if not fits(step):
-        raise ConfigError(f"not even rows of {step} tokens fit this machine with micro_batch_size="
+    plan = plan_run(cfg, model, machine, running=False, ranks=nproc)[0]  # (the stack, the run and the budgets)
+    p = plan.placement
+    step = StepShape(cfg.micro_batch_size * cfg.seq_len, cfg.grad_accum, cfg.seq_len)
+    found = longest_rows(p.shapes, step, p.run, plan.budgets, machine, overrides_of(cfg, p.shapes.num_blocks),
+                         limit=limit)
+    if found is None:
+        raise ConfigError(f"not even rows of 128 tokens fit this machine with micro_batch_size="
                           f"{cfg.micro_batch_size}: see `slide-train plan` for what would")
-    low, high = step, step
-    while high < limit and fits(min(2 * high, limit)):  # doubling, then bisection between the last two
-        low = high = min(2 * high, limit)
-    high = min(2 * high, limit) if high < limit else high
-    while high - low > (1024 if low >= 1024 else step):
-        middle = (low + high) // 2 // step * step
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    found = low
     print(f"longest: rows of {found:,} tokens fit (micro_batch_size {cfg.micro_batch_size}, the model's limit "
           f"{limit:,}); its plan:")
     return dataclasses.replace(cfg, seq_len=found)

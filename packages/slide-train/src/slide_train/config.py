@@ -379,9 +379,15 @@ def load_config(path: str | pathlib.Path | None = None, overrides: list[str] = (
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            with open(path, encoding="utf-8") as stream:  # (a stream: yaml names it by its path, not <unicode string>)
+                values = yaml.safe_load(stream) or {}
+        except yaml.MarkedYAMLError as e:
+            mark = e.problem_mark or e.context_mark
+            where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+            what = "; ".join(part for part in (e.context, e.problem) if part)
+            raise ConfigError(f"{path}{where}: not valid YAML: {what}") from e
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {e}") from e
+            raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from e
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path} is not UTF-8 text ({e}): save it as UTF-8") from e
         if not isinstance(values, dict):

@@ -7,8 +7,6 @@ import os
 import pathlib
 import tempfile
 
-import yaml
-
 from .data import FORMATS
 from .data.config import DataError
 from .data.sources import check_file
@@ -17,25 +15,6 @@ from .models.presets import PRESETS
 
 # The formats whose rows are text for the model's tokenizer; `tokens` rows are ids already.
 TEXT_FORMATS = tuple(f for f in FORMATS if f != "tokens")
-
-
-def check_config_file(path: str | os.PathLike | None) -> None:
-    """A config file that is not valid YAML, named with the line and column at fault (yaml names a string it is
-    given `<unicode string>`, so the file is read here as a stream, which it names by its path)."""
-    if path is None or not pathlib.Path(path).is_file():
-        return  # (load_config says that the file does not exist)
-    try:
-        with open(path, encoding="utf-8") as stream:
-            yaml.safe_load(stream)
-    except UnicodeDecodeError:
-        return  # (load_config says how to fix the encoding)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
-        what = "; ".join(part for part in (e.context, e.problem) if part)
-        raise ConfigError(f"{path}{where}: not valid YAML: {what}") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from e
 
 
 def tokenizer_files(model_dir: pathlib.Path) -> list[str]:

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .._dispatch import jit, tl, triton, use_triton
-
-BLOCK = 2048
+from .._dispatch import jit, tl, use_triton
+from .swiglu import gated_backward, gated_forward
 
 
 @jit
@@ -50,18 +49,11 @@ def _geglu_bwd_kernel(DC, A, B, DA, DB, numel, BLOCK: tl.constexpr):
 
 
 def geglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    c = torch.empty_like(a)
-    n = a.numel()
-    _geglu_fwd_kernel[(triton.cdiv(n, BLOCK),)](a, b, c, n, BLOCK=BLOCK, num_warps=4)
-    return c
+    return gated_forward(_geglu_fwd_kernel, a, b)
 
 
 def geglu_backward(dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
-    dc = dc.contiguous()
-    da, db = torch.empty_like(a), torch.empty_like(b)
-    n = a.numel()
-    _geglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](dc, a, b, da, db, n, BLOCK=BLOCK, num_warps=4)
-    return da, db
+    return gated_backward(_geglu_bwd_kernel, dc, a, b)
 
 
 class GeGLUFunction(torch.autograd.Function):

@@ -65,19 +65,29 @@ def _swiglu_gate_up_bwd_kernel(DC, X, DX, n, stride_dc, stride_x, stride_dx, BLO
              mask=mask)
 
 
-def swiglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def gated_forward(kernel, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Launch an elementwise gating kernel `c = f(a) * b` over contiguous tensors (SwiGLU's, GeGLU's)."""
     c = torch.empty_like(a)
     n = a.numel()
-    _swiglu_fwd_kernel[(triton.cdiv(n, BLOCK),)](a, b, c, n, BLOCK=BLOCK, num_warps=4)
+    kernel[(triton.cdiv(n, BLOCK),)](a, b, c, n, BLOCK=BLOCK, num_warps=4)
     return c
 
 
-def swiglu_backward(dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+def gated_backward(kernel, dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+    """Launch a gating kernel's backward: (da, db) from dc and the inputs, recomputing f(a)."""
     dc = dc.contiguous()
     da, db = torch.empty_like(a), torch.empty_like(b)
     n = a.numel()
-    _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](dc, a, b, da, db, n, BLOCK=BLOCK, num_warps=4)
+    kernel[(triton.cdiv(n, BLOCK),)](dc, a, b, da, db, n, BLOCK=BLOCK, num_warps=4)
     return da, db
+
+
+def swiglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return gated_forward(_swiglu_fwd_kernel, a, b)
+
+
+def swiglu_backward(dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+    return gated_backward(_swiglu_bwd_kernel, dc, a, b)
 
 
 def _gate_up_block(n: int) -> int:

@@ -238,7 +238,7 @@ class DecoderBlock(nn.Module):
         return out
 
 
-def block_shapes(layers: nn.ModuleList) -> list[str]:
+def layer_shapes(layers: nn.ModuleList) -> list[str]:
     """Each layer's shape, named by its kind: "experts" where it holds a mixture of experts, else "dense"; layers
     of one kind but other parameters (other widths) get a number after it."""
     signatures = [tuple((name, tuple(p.shape)) for name, p in layer.named_parameters()) for layer in layers]
@@ -277,7 +277,7 @@ class HFStack:
         self._layer_cls = type(skeleton.get_submodule(family.layers)[0])
         # Layers may come in several shapes (Qwen3-MoE's dense layers among sparse ones): each block's shape, by
         # the parameters of its layer, and the first layer of each shape, which make_block builds
-        self._shapes = block_shapes(skeleton.get_submodule(family.layers))
+        self._shapes = layer_shapes(skeleton.get_submodule(family.layers))
         self._first_of = {shape: self._shapes.index(shape) for shape in dict.fromkeys(self._shapes)}
         config._attn_implementation = attention.register()  # the blocks run the mask the head builds
         self._skeleton = skeleton
