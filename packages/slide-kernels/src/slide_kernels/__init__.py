@@ -1,16 +1,18 @@
-"""Fused Triton kernels for LLM training (RMSNorm, RoPE, SwiGLU, GeGLU, linear cross-entropy), with torch fallbacks.
+"""Fused Triton kernels for LLM training (RMSNorm, RoPE, SwiGLU, GeGLU, MoE experts, linear cross-entropy), with
+torch fallbacks.
 
 Dispatch: Triton on CUDA tensors, or anywhere under TRITON_INTERPRET=1; plain torch on CPU otherwise.
 """
 
 from .__about__ import __version__
-from .modules import GeGLUMLP, LinearCrossEntropy, RMSNorm, SwiGLUGateUpMLP, SwiGLUMLP
-from .ops import geglu, linear_cross_entropy, partial_rope, rms_norm, rope, swiglu, swiglu_gate_up
+from .modules import GeGLUMLP, LinearCrossEntropy, MoEExperts, RMSNorm, SwiGLUGateUpMLP, SwiGLUMLP
+from .ops import geglu, linear_cross_entropy, moe_experts, partial_rope, rms_norm, rope, swiglu, swiglu_gate_up
 from .patching import apply_to
 
 __all__ = [
     "GeGLUMLP",
     "LinearCrossEntropy",
+    "MoEExperts",
     "RMSNorm",
     "SwiGLUGateUpMLP",
     "SwiGLUMLP",
@@ -18,6 +20,7 @@ __all__ = [
     "apply_to",
     "geglu",
     "linear_cross_entropy",
+    "moe_experts",
     "partial_rope",
     "rms_norm",
     "rope",

@@ -1,11 +1,11 @@
-"""nn.Module wrappers around the ops, drop-in for the HF RMSNorms, gated MLPs and lm-head + loss."""
+"""nn.Module wrappers around the ops, drop-in for the HF RMSNorms, gated MLPs, MoE experts and lm-head + loss."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .ops import geglu, linear_cross_entropy, rms_norm, swiglu, swiglu_gate_up
+from .ops import geglu, linear_cross_entropy, moe_experts, rms_norm, swiglu, swiglu_gate_up
 
 
 class RMSNorm(nn.Module):
@@ -61,6 +61,23 @@ class SwiGLUGateUpMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu_gate_up(self.gate_up_proj(x)))
+
+
+class MoEExperts(nn.Module):
+    """A mixture's experts as transformers stores them, `gate_up_proj` [E, 2I, H] (gate rows first) and
+    `down_proj` [E, H, I]; `forward(hidden_states, top_k_index, top_k_weights)` as transformers' experts module
+    (Qwen3-MoE, OLMoE, Mixtral), through `moe_experts`."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **kw))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **kw))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
 
 
 class LinearCrossEntropy(nn.Module):

@@ -2,8 +2,18 @@
 
 from .geglu import geglu
 from .linear_cross_entropy import linear_cross_entropy
+from .moe_experts import moe_experts
 from .rms_norm import rms_norm
 from .rope import partial_rope, rope
 from .swiglu import swiglu, swiglu_gate_up
 
-__all__ = ["geglu", "linear_cross_entropy", "partial_rope", "rms_norm", "rope", "swiglu", "swiglu_gate_up"]
+__all__ = [
+    "geglu",
+    "linear_cross_entropy",
+    "moe_experts",
+    "partial_rope",
+    "rms_norm",
+    "rope",
+    "swiglu",
+    "swiglu_gate_up",
+]
