@@ -5,8 +5,11 @@ What it replaces (and nothing else):
   epsilon): Llama's casting for most, Gemma's `1 + weight` in fp32, OLMo 2/3's fp32 product; q/k norms too,
   per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2/3, OLMoE), and post-norms (Gemma 2/3, OLMo 2/3);
 - every gated MLP: `gate_proj`/`up_proj`/`down_proj` with SiLU -> `swiglu`, with tanh-approximate GELU ->
-  `geglu` (Gemma); one `gate_up_proj` with SiLU -> `swiglu_gate_up` (Phi-3). Mixture-of-experts experts are
-  left as they are;
+  `geglu` (Gemma); one `gate_up_proj` with SiLU -> `swiglu_gate_up` (Phi-3);
+- every mixture's experts module (Qwen3-MoE, Mixtral, OLMoE: 3-D `gate_up_proj` [E, 2I, H] with gate rows first,
+  `down_proj` [E, H, I], SiLU, no biases) -> `moe_experts`, whichever experts implementation the config names.
+  The router, its top-k and the load-balancing loss stay transformers' own: the experts get the router's
+  indices and weights as before;
 - the modeling module's `apply_rotary_pos_emb` -> `rope`, or `partial_rope` for Phi-3 (its partial rotary
   factor). This one is module-wide: every model of that architecture in the process uses it from then on, as
   the attention looks the function up by name. Per-layer tables (Gemma 3's local and global bases) come in as
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
-from .modules import GeGLUMLP, SwiGLUGateUpMLP, SwiGLUMLP
+from .modules import GeGLUMLP, MoEExperts, SwiGLUGateUpMLP, SwiGLUMLP
 from .ops import linear_cross_entropy, rms_norm
 
 
@@ -178,7 +181,27 @@ def _gated_mlp_forward(m: nn.Module):
     return None
 
 
-_OP_NAMES = {SwiGLUMLP.forward: "swiglu", GeGLUMLP.forward: "geglu", SwiGLUGateUpMLP.forward: "swiglu_gate_up"}
+def _experts_forward(m: nn.Module):
+    """The fused forward for a mixture's experts module, or None where `m` is not one `moe_experts` computes:
+    transformers' 3-D parameters in their stored layout (gate rows, then up rows; not transposed, not
+    interleaved), SiLU, no biases, no norm after each expert, not split over devices."""
+    gate_up, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter)):
+        return None
+    if gate_up.dim() != 3 or down.dim() != 3:
+        return None
+    experts, hidden, inter = down.shape
+    if gate_up.shape != (experts, 2 * inter, hidden):
+        return None
+    layout = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+              "has_post_expert_norm": False, "_is_expert_parallel": False}
+    if any(getattr(m, name, value) != value for name, value in layout.items()):
+        return None
+    return MoEExperts.forward if _activation(getattr(m, "act_fn", None)) == "silu" else None
+
+
+_OP_NAMES = {SwiGLUMLP.forward: "swiglu", GeGLUMLP.forward: "geglu", SwiGLUGateUpMLP.forward: "swiglu_gate_up",
+             MoEExperts.forward: "moe_experts"}
 
 
 def _patch_forward(m: nn.Module, fn) -> bool:
@@ -190,11 +213,11 @@ def _patch_forward(m: nn.Module, fn) -> bool:
 
 
 def apply_to(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True,
-             cross_entropy: bool = True) -> list[str]:
+             experts: bool = True, cross_entropy: bool = True) -> list[str]:
     """Patch a loaded HF causal LM of a family in FAMILIES in place; returns what was replaced.
 
-    `swiglu` covers every gated MLP (SwiGLU, GeGLU, Phi-3's fused gate/up). Safe to call twice (the second call
-    patches nothing new). Raises ValueError for other model types.
+    `swiglu` covers every gated MLP (SwiGLU, GeGLU, Phi-3's fused gate/up), `experts` a mixture's experts
+    modules. Safe to call twice (the second call patches nothing new). Raises ValueError for other model types.
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -206,6 +229,8 @@ def apply_to(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swig
     rope_modules: dict[str, types.ModuleType] = {}
     for name, m in model.named_modules():
         mlp = _gated_mlp_forward(m) if swiglu else None
+        if mlp is None and experts:
+            mlp = _experts_forward(m)
         if rms_norm and _is_rms_norm(m) and _patch_forward(m, norm_forward):
             patched.append(f"{name}: {type(m).__name__}.forward -> slide_kernels.rms_norm")
         elif mlp is not None and _patch_forward(m, mlp):
