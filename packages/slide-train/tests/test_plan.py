@@ -537,3 +537,22 @@ def test_plan_longest_finds_the_longest_rows_that_fit(capsys):
     for seq_len, fits in ((found, True), (found + 1024, False)):
         cfg = load_config(None, [*args, f"--seq_len={seq_len}"])
         assert plan_run(cfg, model, m, running=False)[0].fits == fits, seq_len
+
+
+@pytest.mark.parametrize("bench", [
+    ("llama-3.2-3b", "--seq_len=4096", "--micro_batch_size=2", "--grad_accum=4", "--engine.gpu_memory_limit_gb=24"),
+    ("llama-3.1-8b", "--seq_len=4096", "--micro_batch_size=1", "--grad_accum=8", "--engine.gpu_memory_limit_gb=16"),
+])
+def test_speculate_auto_takes_no_speculation_for_b3_and_b8_on_the_h200_host(capsys, bench):
+    """B3 and B8 (benchmarks/run.py's shapes) on the H200 host's file: speculating plans measured slower there
+    (docs/findings.md), and `auto` takes none, clipping on and never acting alike; `true` still speculates."""
+    model, *args = bench
+    machine = str(DOCS / "h200-host.yaml")
+    for clip in ("1.0", "1e6"):
+        code, plan = plan_json(capsys, f"--model={model}", *args, f"--max_grad_norm={clip}", "--machine", machine,
+                               "--engine.placement.speculate=auto")
+        assert code == 0 and plan["fits"], plan["problems"]
+        assert not any(u["speculate"] for u in plan["units"])
+    code, plan = plan_json(capsys, f"--model={model}", *args, "--max_grad_norm=1e6", "--machine", machine,
+                           "--engine.placement.speculate=true")
+    assert code == 0 and any(u["speculate"] for u in plan["units"])

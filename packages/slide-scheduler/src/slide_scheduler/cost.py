@@ -242,14 +242,16 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
     setters["tail"] = {"gpu": tail_s}
     phases["exposed_updates"] = exposed_updates
     setters["exposed_updates"] = {"host_adamw": exposed_updates}
-    if anywhere.adamw:  # fits in whatever the phases leave the host thread and its memory, or lengthens the step
-        span = phases["forward"] + phases["backward"]
-        room = max(anywhere.adamw - (span - fwd.adamw - bwd.adamw),
-                   (anywhere.host_bytes - (span * mem - fwd.host_bytes - bwd.host_bytes)) / mem)
+    if anywhere.adamw:  # fits in what the forward and tail leave the host thread and its memory, or lengthens
+        # the step: the commits queue behind the forward's updates and ahead of the next backward's speculative
+        # passes, and that backward reuses their gradient buffers
+        span = phases["forward"] + tail_s
+        idle = span - fwd.adamw
+        room = max(anywhere.adamw - idle, (anywhere.host_bytes - (span * mem - fwd.host_bytes)) / mem)
         phases["host_backlog"] = max(0.0, room)
         busy["host_adamw"] += anywhere.adamw
         busy["host_memory"] += anywhere.host_bytes / mem
-        lane = "host_adamw" if anywhere.adamw - (span - fwd.adamw - bwd.adamw) >= room else "host_memory"
+        lane = "host_adamw" if anywhere.adamw - idle >= room else "host_memory"
         setters["host_backlog"] = {lane: phases["host_backlog"]}
     critical = {lane: 0.0 for lane in LANES}
     for part in setters.values():

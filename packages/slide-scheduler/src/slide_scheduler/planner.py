@@ -34,6 +34,9 @@ SHARES = (0.0, 0.25, 0.375, 0.5, 0.5625, 0.625, 0.75, 1.0)
 WINDOWS = (2, 3)
 SPECULATED = (0.75, 0.5, 0.25)  # shares of the blocks tried where speculating for every block does not fit
 TIE = 0.05
+# How much the cost model has underpriced a speculating step where clipping does not act (docs/findings.md):
+# `speculate: auto` takes a speculating plan only where it is faster by more than that
+SPECULATION_MARGIN = 0.15
 SEQUENCE_TILE = 4096  # positions per tile of a block's MLP, where whole rows' intermediates do not fit the GPU
 
 
@@ -119,7 +122,7 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
     pooled = poolable if o.share_grads is None else bool(o.share_grads) and poolable
     # Speculating: every block, or the first ones where the host cannot afford all (each speculating block needs
     # its speculated parameters and a gradient buffer of its own); `auto` also weighs not speculating, and takes
-    # what prices faster. Not by default: the cost model has priced it faster than it measured (docs/findings.md)
+    # what prices faster by more than SPECULATION_MARGIN. Not by default (docs/findings.md)
     kinds = [(pooled, False)] + ([(False, True), *((False, round(f * shapes.num_blocks)) for f in SPECULATED)]
                                  if o.speculate in (True, "auto") and run.clip else [])
     forced = o.speculate is True
@@ -130,9 +133,11 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
         gpu_fits = budgets.gpu is None or p.bytes(GPU) <= budgets.gpu
         host_fits = budgets.host is None or p.bytes(HOST) <= budgets.host
         est = price(p, machine)
-        # Speculating, the step that matters is the usual one of a fine-tune: clipping does not act
-        ranked = price(p, machine, clipping_acts=False) if p.speculated else est
-        key = (not gpu_fits, not host_fits, forced and not p.speculated, ranked.step_s, p.bytes(HOST))
+        # Speculating, the step that matters is the usual one of a fine-tune: clipping does not act; and it must
+        # win by more than its price's error against the speculating steps measured
+        ranked = price(p, machine, clipping_acts=False).step_s * (1 + SPECULATION_MARGIN) if p.speculated \
+            else est.step_s
+        key = (not gpu_fits, not host_fits, forced and not p.speculated, ranked, p.bytes(HOST))
         if best is None or _better(key, best[:5]):
             best = (*key, p, est)
     placement, estimate = best[5:]
