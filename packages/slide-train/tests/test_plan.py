@@ -214,7 +214,7 @@ def test_70b_and_123b_on_a_24_gib_pc_fit_with_their_states_on_disk_and_say_what_
         assert code == 0 and auto["fits"] and auto["bottleneck"] == "disk"
         assert "parameters of masters on disk" not in auto["tiers"]["host"] and auto["tiers"]["host"][
             "masters read for loads"] > 0
-        assert sum(u["master"] == "disk" for u in auto["units"]) == sum(u["disk_loads"] for u in auto["units"])
+        assert sum(u["master"] == "disk" for u in auto["units"]) == sum(u["loads"] == "disk" for u in auto["units"])
     else:
         assert code == 2 and any("even with every sliding block's master and AdamW moments on disk" in p
                                  and "gradients + boundary activations 228" in p for p in auto["problems"])

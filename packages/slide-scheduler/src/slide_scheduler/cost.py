@@ -124,8 +124,9 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
         held = clip and up.speculate and not clipping_acts
         # Loads take the compute-dtype parameters where those are kept (held speculation, a master on disk and its
         # copy in host memory); a master read from disk for each load crosses as fp32, after the read
-        compact = held or (up.disk_master and not up.disk_loads)
-        if up.disk_loads:
+        master_away, loads_away = kind_of(up.master) == "files", kind_of(up.loads) == "files"
+        compact = held or (master_away and not loads_away)
+        if loads_away:
             fwd.disk += 4 * numel / disk_r
             bwd.disk += 4 * numel / disk_r
             fwd.host_bytes += 4 * numel
@@ -159,7 +160,7 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
                 bwd.adamw += update_s[b] * 0.5
                 bwd.host_bytes += numel * 22
             if kind_of(up.moments) == "files":  # read in ahead and written back (the master too where it is there)
-                on_disk = 2 * sb + (4 if up.disk_master else 0)
+                on_disk = 2 * sb + (4 if master_away else 0)
                 # (clipped: the first updates' reads run under the backward, one per staging slot, where no load
                 # reads the disk there)
                 early = clip and staged_early < DISK_STAGING_SLOTS and not early_reads_wait(p)
@@ -168,7 +169,7 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
                 reads.disk += on_disk * numel / disk_r
                 reads.host_bytes += on_disk * numel
                 writes.disk += on_disk * numel / disk_w
-                writes.host_bytes += on_disk * numel + (c * numel if up.disk_master and not up.disk_loads else 0)
+                writes.host_bytes += on_disk * numel + (c * numel if master_away and not loads_away else 0)
     # Edges: streamed through the device (their master and moments), or their master loaded and updated on the host
     e, edges = s.unit_numels[0], p.units[0]
     if not edges.resident:
@@ -284,7 +285,7 @@ def disk_traffic(p: Placement) -> tuple[int, int]:
     read = written = 0
     for u in p.on_disk:
         numel = s.unit_numels[u]
-        states = (2 * p.state_bytes + (4 if p.units[u].disk_master else 0)) * numel
+        states = (2 * p.state_bytes + (4 if u in p.masters_on_disk else 0)) * numel
         read, written = read + states, written + states
     read += sum(2 * 4 * s.unit_numels[u] for u in p.loads_from_disk)
     if p.activations == "nvme":

@@ -209,15 +209,18 @@ class UnitPlacement:
     # clipped: its update also runs during backward as if clipping did not act, writing only the new parameters;
     # when it does not act, the next loads take those and the update proper runs whenever the host gets to it
     speculate: bool = False
-    # its fp32 master on disk beside its moments, read and written back around each update; its loads take a copy
-    # of its parameters in the compute dtype, which the update writes
-    disk_master: bool = False
-    # (a master on disk) no copy of its parameters in host memory: each load reads the master from disk
-    disk_loads: bool = False
+    # The tier of its fp32 master: the device's for a resident unit, host memory, or disk beside its moments (read
+    # and written back around each update; its loads then take a copy of its parameters in the compute dtype, which
+    # the update writes). "": the device's where resident, else host memory.
+    master: str = ""
+    # Where its loads read its parameters: the master's tier, or host memory where a master on disk keeps a copy
+    # there. "": the device's where resident, else host memory.
+    loads: str = ""
 
-    @property
-    def master(self) -> str:
-        return GPU if self.resident else DISK if self.disk_master else HOST
+    def __post_init__(self):
+        for name in ("master", "loads"):
+            if not getattr(self, name):
+                object.__setattr__(self, name, GPU if self.resident else HOST)
 
 
 @dataclass(frozen=True)
@@ -299,11 +302,13 @@ class Placement:
 
     @property
     def masters_on_disk(self) -> set[int]:
-        return self.where("disk_master", True)
+        """Units whose master lives in files, beside their moments."""
+        return set().union(*(self.where("master", t) for t, kind in TIER_KINDS.items() if kind == "files"))
 
     @property
     def loads_from_disk(self) -> set[int]:
-        return self.where("disk_loads", True)
+        """Units whose loads read the master from its files (no copy of their parameters in host memory)."""
+        return set().union(*(self.where("loads", t) for t, kind in TIER_KINDS.items() if kind == "files"))
 
     @property
     def held(self) -> set[int]:
@@ -365,7 +370,8 @@ class Placement:
             name = _names(units)
             where = ("resident" if p.resident else "sliding") + f", update on {p.update}, gradient in {p.grad}, " \
                 f"master on {p.master}, moments on {p.moments}" + (", split" if p.split else "") \
-                + (", speculates" if p.speculate else "") + (", loads read from disk" if p.disk_loads else "")
+                + (", speculates" if p.speculate else "") \
+                + (f", loads read from {p.loads}" if p.loads == p.master != HOST and not p.resident else "")
             lines.append(f"    {name}: {where}")
         return lines
 
@@ -406,10 +412,14 @@ def validate(p: Placement) -> None:
             raise ValueError(f"{name}: a resident unit's gradient stays in its slot")
         if kind_of(unit.moments) == "files" and (u == 0 or unit.update != "host" or unit.split):
             raise ValueError(f"{name}: moments on disk are for sliding blocks updated on the host, whole")
-        if unit.disk_master and kind_of(unit.moments) != "files":
+        if unit.master not in TIER_KINDS or unit.loads not in TIER_KINDS:
+            raise ValueError(f"{name}: master and loads name tiers, one of {tuple(TIER_KINDS)}")
+        if unit.resident != (kind_of(unit.master) == "device") or unit.resident != (kind_of(unit.loads) == "device"):
+            raise ValueError(f"{name}: a resident unit's master is on the device, and only its")
+        if kind_of(unit.master) == "files" and unit.master != unit.moments:
             raise ValueError(f"{name}: a master on disk has its moments there too")
-        if unit.disk_loads and not unit.disk_master:
-            raise ValueError(f"{name}: only a master on disk is read from disk for its loads")
+        if unit.loads not in (unit.master, HOST):
+            raise ValueError(f"{name}: loads read the master where it is, or a copy of it in host memory")
         if unit.update == "stream" and p.state_bytes != 4:
             raise ValueError(f"{name}: updates streamed through the device need fp32 AdamW states")
         if unit.split and (not p.clip or unit.grad not in ("ring", "own")):
@@ -619,8 +629,8 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
             host = u not in streamed
             units.append(UnitPlacement(False, "host" if host else "stream", grad, DISK if u in disk else HOST,
                                        split=o.clip and split and grad == "ring" and u not in disk,
-                                       speculate=u in speculating, disk_master=u in disk,
-                                       disk_loads=disk_loads and u in disk))
+                                       speculate=u in speculating, master=DISK if u in disk else "",
+                                       loads=DISK if disk_loads and u in disk else ""))
     extra = {} if threads is None else {"threads": threads}
     return Placement(shapes, step, tuple(units), window, run, sequence_tile=sequence_tile, **extra)
 

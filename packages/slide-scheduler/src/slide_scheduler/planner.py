@@ -75,7 +75,7 @@ class Plan:
             "tiers": p.tiers(),
             "window": p.window,
             "run": dataclasses.asdict(p.run),
-            "units": [dataclasses.asdict(u) | {"master": u.master} for u in p.units],
+            "units": [dataclasses.asdict(u) for u in p.units],
         }
 
 
