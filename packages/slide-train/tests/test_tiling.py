@@ -1,6 +1,7 @@
-"""Sequence tiling of a block's MLP: the same outputs and gradients as the whole rows (float64), training that
-equals HF's plain loop and whole rows (Llama, Gemma 2's window and soft-capping, Qwen3-MoE's load-balancing loss,
-packed documents), and the planner tiling where whole rows do not fit the GPU."""
+"""Sequence tiling of a block's MLP and the norms around it: the same outputs and gradients as whole rows
+(float64) in every family, less saved for the backward, training that equals HF's plain loop and whole rows
+(Llama, Gemma 2's window and soft-capping, Qwen3-MoE's load-balancing loss, packed documents), and the planner
+tiling where whole rows do not fit the GPU."""
 
 from __future__ import annotations
 
@@ -9,38 +10,118 @@ import pathlib
 
 import pytest
 import torch
-import transformers
-from conftest import save_tiny_model, tiny_config, write_token_rows
+from conftest import FAMILIES, MOE_FAMILIES, NEW_FAMILIES, save_tiny_model, tiny_config, write_token_rows
 from test_equivalence import compare, make_rows, reference_run, slide_config
 
 from slide_train.config import load_config
 from slide_train.machines import load_machine
+from slide_train.models.adapter import HFStack
 from slide_train.models.build import load_model
-from slide_train.models.tiling import tile_mlp
+from slide_train.models.tiling import tile_layer
 from slide_train.trainer import Trainer, plan_run
 
+# The norms each family's tiled MLP applies tile by tile (Llama's shape: the post-attention norm before it)
+MLP_NORMS = {"gemma2": ["pre_feedforward_layernorm", "post_feedforward_layernorm"],
+             "gemma3_text": ["pre_feedforward_layernorm", "post_feedforward_layernorm"],
+             "olmo2": ["post_feedforward_layernorm"], "olmo3": ["post_feedforward_layernorm"]}
+# HF's Gemma norms scale by (1 + weight.float()): their weights' gradients are fp32 sums over the tokens, which
+# tiles add up in another order
+FP32_SUMS = {"gemma", "gemma2", "gemma3_text"}
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_a_tiled_mlp_gives_the_whole_rows_outputs_and_gradients(family):
-    config = tiny_config(family)
-    if family == "qwen3_moe":
-        config.mlp_only_layers = [0]  # (a dense layer of a mixture: tiled like any other)
-    torch.manual_seed(0)
-    layer = transformers.AutoModelForCausalLM.from_config(config).model.layers[0].mlp.double()
-    tiled = copy.deepcopy(layer)
-    tile_mlp(tiled, 5)  # (tiles of 5, 5 and 3 positions)
-    x = torch.randn(2, 13, config.hidden_size, dtype=torch.float64, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_()
-    grad = torch.randn(2, 13, config.hidden_size, dtype=torch.float64)
-    out, out2 = layer(x), tiled(x2)
-    torch.testing.assert_close(out2, out, rtol=1e-12, atol=1e-12)
-    out.backward(grad)
-    out2.backward(grad)
-    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-12, atol=1e-12)
-    for (name, a), b in zip(layer.named_parameters(), tiled.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12, msg=name)
-    short = torch.randn(2, 4, config.hidden_size, dtype=torch.float64)
-    assert tiled(short).equal(layer(short))  # rows no longer than a tile: the MLP as it is
+
+def _blocks(model_type: str, shape: str | None, tile: int):
+    """Block 0's layer (or the first of `shape`) whole and tiled by `tile`, with the same float64 parameters,
+    and its context from the head (float64 rotary tables and masks)."""
+    blocks = []
+    for t in (0, tile):
+        config = tiny_config(model_type)
+        if model_type == "qwen3_moe":
+            config.mlp_only_layers = [0]  # (a dense layer of a mixture, then sparse ones)
+        stack = HFStack(config, None)
+        stack.sequence_tile = t
+        block = stack.make_block(shape)
+        block.to_empty(device="cpu")
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        blocks.append(block.double())
+    edges = stack.make_edges()
+    edges.embed_tokens.to_empty(device="cpu")
+    torch.nn.init.zeros_(edges.embed_tokens.weight)  # (the head's rotary tables and masks are what is used)
+    edges.double()
+    return blocks, stack, edges
+
+
+def _run(block, edges, stack, seq: int):
+    """Outputs, input gradient and parameter gradients of one forward and backward of `block` (float64)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 200, (2, seq), generator=g)
+    with torch.no_grad():
+        _, ctx = edges.head({"input_ids": ids, "position_ids": torch.arange(seq).expand(2, seq)})
+    x = torch.randn(2, seq, stack.config.hidden_size, generator=g, dtype=torch.float64, requires_grad=True)
+    out = block(x, stack.block_context(0, ctx))
+    out.backward(torch.randn(out.shape, generator=g, dtype=torch.float64))
+    return out.detach(), x.grad, {n: p.grad for n, p in block.named_parameters()}
+
+
+@pytest.mark.parametrize("model_type", FAMILIES + NEW_FAMILIES + MOE_FAMILIES)
+def test_a_tiled_block_gives_the_whole_rows_outputs_and_gradients(model_type):
+    """Every family: its dense MLP with the norms around it runs over tiles (5, 5 and 3 positions); in float64 the
+    block's outputs and all gradients equal whole rows', the parameters keep their names, and rows no longer than
+    a tile give the untiled block's bits. A mixture's sparse layer is left whole."""
+    from slide_train.models.tiling import mlp_norms
+
+    (whole, tiled), stack, edges = _blocks(model_type, "dense" if model_type == "qwen3_moe" else None, 5)
+    assert [n for n, _ in tiled.named_parameters()] == [n for n, _ in whole.named_parameters()]
+    if model_type in MOE_FAMILIES[1:]:  # (every layer sparse: nothing to tile, nor runs in float64 here)
+        assert not tile_layer(copy.deepcopy(whole.layer), 5) and mlp_norms(whole.layer)[1] is None
+        assert "_tiled_own_forward" not in tiled.layer.post_attention_layernorm.__dict__
+        return
+    norms = MLP_NORMS.get(model_type, ["post_attention_layernorm"])
+    assert [n for n, m in tiled.layer.named_children() if "_tiled_own_forward" in m.__dict__] == norms
+    a, b = _run(whole, edges, stack, 13), _run(tiled, edges, stack, 13)
+    torch.testing.assert_close(b[0], a[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(b[1], a[1], rtol=1e-12, atol=1e-12)
+    for name, grad in a[2].items():
+        fp32 = model_type in FP32_SUMS and name.endswith("layernorm.weight")
+        tol = 1e-6 * grad.abs().max().item() if fp32 else 1e-12
+        torch.testing.assert_close(b[2][name], grad, rtol=tol, atol=tol, msg=name)
+    for p in (*whole.parameters(), *tiled.parameters()):
+        p.grad = None
+    a, b = _run(whole, edges, stack, 5), _run(tiled, edges, stack, 5)  # rows of one tile: bit for bit
+    assert b[0].equal(a[0]) and b[1].equal(a[1])
+    assert all(b[2][name].equal(grad) for name, grad in a[2].items())
+
+
+def test_a_tiled_block_saves_neither_the_mlps_intermediates_nor_the_norms_output():
+    """What a Llama block saves for its backward (saved-tensor hooks; parameters and the block's input left out):
+    tiled, no tensor of the MLP's width, and at least the MLP's four intermediates (gate, up, activation, product)
+    and the pre-MLP norm's output less per token than whole rows."""
+    seq, tile = 32, 8
+    (whole, tiled), stack, edges = _blocks("llama", None, tile)
+    hidden, width = stack.config.hidden_size, stack.config.intermediate_size
+    saved = {}
+    for name, block in (("whole", whole), ("tiled", tiled)):
+        x = torch.randn(1, seq, hidden, dtype=torch.float64, requires_grad=True)
+        with torch.no_grad():
+            _, ctx = edges.head({"input_ids": torch.zeros(1, seq, dtype=torch.long),
+                                 "position_ids": torch.arange(seq)[None]})
+        skip = {p.untyped_storage().data_ptr() for p in block.parameters()} | {x.untyped_storage().data_ptr()}
+        kept = saved[name] = {}
+
+        def pack(t, kept=kept, skip=skip):
+            if t.untyped_storage().data_ptr() not in skip:
+                kept[t.untyped_storage().data_ptr()] = t
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # (the forward's, not the tiles')
+            out = block(x, stack.block_context(0, ctx))
+        out.sum().backward()
+    assert any(t.shape[-1] == width for t in saved["whole"].values())
+    assert not any(width in t.shape for t in saved["tiled"].values())
+    per_token = {k: sum(t.untyped_storage().nbytes() for t in v.values()) / seq / 8 for k, v in saved.items()}
+    assert per_token["whole"] - per_token["tiled"] >= 4 * width + hidden
 
 
 def test_training_with_tiled_mlps_equals_hf_and_whole_rows(tmp_path, monkeypatch):
@@ -51,8 +132,8 @@ def test_training_with_tiled_mlps_equals_hf_and_whole_rows(tmp_path, monkeypatch
     assert SEQ > 8
     from slide_train.models import tiling
 
-    backward, tiles = tiling._TiledMLP.backward, []
-    monkeypatch.setattr(tiling._TiledMLP, "backward", staticmethod(
+    backward, tiles = tiling._Tiled.backward, []
+    monkeypatch.setattr(tiling._Tiled, "backward", staticmethod(
         lambda ctx, grad: (tiles.append(grad.shape[1]), backward(ctx, grad))[1]))
     model = save_tiny_model(tmp_path / "model", "llama")
     rows, labels = make_rows(seed=1, n=STEPS * MICRO * ACCUM)
@@ -128,8 +209,8 @@ def test_tiled_and_whole_rows_train_to_the_same_weights(tmp_path, monkeypatch, n
 
     family, changes = TILED_RUNS[name]
     assert SEQ == 4 * TILE
-    backward, tiles = tiling._TiledMLP.backward, []
-    monkeypatch.setattr(tiling._TiledMLP, "backward", staticmethod(
+    backward, tiles = tiling._Tiled.backward, []
+    monkeypatch.setattr(tiling._Tiled, "backward", staticmethod(
         lambda ctx, grad: (tiles.append(grad.shape[1]), backward(ctx, grad))[1]))
     save_tiny_model(tmp_path / "model", family, changes=changes)
     data = tmp_path / "data.jsonl"

@@ -35,7 +35,7 @@ import slide_kernels
 from . import attention
 from .families import FAMILIES, Family, family_of, kernel_note, layer_types, supported_text
 from .loss import causal_lm_loss
-from .tiling import tile_mlp
+from .tiling import tile_layer
 
 __all__ = ["FAMILIES", "DecoderBlock", "Edges", "HFStack", "block_hf_name", "check_supported",
            "edge_hf_name", "supported_text"]
@@ -260,7 +260,7 @@ class HFStack:
             warnings.warn(f"engine.kernels: {family.title} ({family.model_type}) runs {kernel_note(family)}",
                           stacklevel=2)
         self.kernels = kernels and family.kernels  # slide-kernels' fused ops (family.fused) in every block
-        self.sequence_tile = 0  # the plan's: positions per tile of each dense MLP over the sequence (0: none)
+        self.sequence_tile = 0  # the plan's: positions per tile of each block's per-token work (0: none)
         self.softcap = getattr(config, family.final_softcap, None) if family.final_softcap else None
         # Soft-capped attention: FlexAttention on CUDA, HF's eager path elsewhere (which adds a float mask)
         self.eager = bool(family.attn_softcap and getattr(config, family.attn_softcap, None) is not None)
@@ -329,9 +329,8 @@ class HFStack:
         block = DecoderBlock(layer, router)
         if self.kernels:
             slide_kernels.apply_to(_Patchable(self.config, block))
-        mlp = getattr(layer, "mlp", None)
-        if self.sequence_tile and mlp is not None and not hasattr(mlp, "experts"):  # (a mixture routes whole)
-            tile_mlp(mlp, self.sequence_tile)
+        if self.sequence_tile:  # (after the kernels: the tiles run the fused ops)
+            tile_layer(layer, self.sequence_tile)
         return block
 
     def active_numel(self, block: nn.Module) -> int:
