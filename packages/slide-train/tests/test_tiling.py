@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import copy
 import pathlib
+import traceback
 
 import pytest
 import torch
 from conftest import FAMILIES, MOE_FAMILIES, NEW_FAMILIES, save_tiny_model, tiny_config, write_token_rows
 from test_equivalence import compare, make_rows, reference_run, slide_config
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from slide_train.config import load_config
 from slide_train.machines import load_machine
@@ -242,3 +245,115 @@ def test_tiled_and_whole_rows_train_to_the_same_weights(tmp_path, monkeypatch, n
         assert (batch["document_ids"].amax(dim=1) > 0).all()
     assert [r["loss"] for r in records[TILE]] == pytest.approx([r["loss"] for r in records[0]], rel=1e-6)
     assert global_relative_error(masters[TILE], masters[0]) < 1e-6
+
+
+class LargeTensors(TorchDispatchMode):
+    """Every op's output of `limit` elements or more, with the op, its shape and the innermost frames of the
+    project and transformers it ran from (views of a large tensor are left out: their base is what was made)."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit, self.seen = limit, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.numel() >= self.limit:
+                    frames = [f"{pathlib.Path(f.filename).name}:{f.name}" for f in traceback.extract_stack()
+                              if ("slide_" in f.filename or "transformers" in f.filename) and "tests" not in f.filename]
+                    self.seen.append((func.__name__, tuple(t.shape), frames[-3:]))
+        return out
+
+
+def _long_rows_run(tmp_path, model_type: str, seq: int, tile: int):
+    """A trainer of one row of `seq` tokens a step, its blocks tiled by `tile` (0: whole rows), on the CPU; the
+    loss's token chunks a quarter of the row (its chunks are sized by bytes, which one tiny row never fills)."""
+    save_tiny_model(tmp_path / "model", model_type, changes={"max_position_embeddings": seq})
+    g = torch.Generator().manual_seed(0)
+    write_token_rows(tmp_path / "data.jsonl", torch.randint(3, 259, (2, seq), generator=g).tolist())
+    return Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl", seq_len=seq,
+                                micro_batch_size=1, grad_accum=1, steps=2, output_dir=tmp_path / f"run-{tile}",
+                                **{"engine.placement.sequence_tile": tile}), progress=False)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_a_tiled_step_makes_nothing_of_a_rows_length_times_the_mlps_width_or_the_vocabulary(
+        tmp_path, monkeypatch, model_type):
+    """A training step of one 512-token row in tiles of 128 (Gemma 2 with its window of 6 and soft-capping): no
+    tensor of S x intermediate or S x vocab elements or more is made anywhere (head, blocks, tail, optimizer). S x
+    S ones only where the CPU runs attention densely: none for Llama (SDPA's CPU kernel, no mask), for Gemma 2 its
+    masks and HF's eager attention's scores [rows, heads, S, S] and their gradients, which CUDA runs as a block
+    mask and FlexAttention (test_on_the_gpu_a_tiled_step_makes_nothing_of_a_rows_length_squared). S is such that
+    the boundary activations (S x hidden), a unit's parameters and a tile's intermediates stay below all three.
+    Whole rows, the same step makes S x intermediate tensors: the check sees them."""
+    seq, tile = 512, 128
+    monkeypatch.setenv("SLIDE_LCE_CHUNK_TOKENS", str(tile))
+    config = tiny_config(model_type)
+    limit = seq * min(config.intermediate_size, seq, config.vocab_size)
+    found = {}
+    for t in (tile, 0):
+        trainer = _long_rows_run(tmp_path, model_type, seq, t)
+        assert max(u.layout.numel for u in trainer.engine.units) < limit and seq * config.hidden_size < limit
+        trainer.step()  # (the first step's one-time allocations are not the question)
+        with LargeTensors(limit) as large:
+            trainer.step()
+        trainer.close()
+        found[t] = large.seen
+    assert any(shape[-1] == config.intermediate_size for _, shape, _ in found[0])
+    square = [s for s in found[tile] if s[1][-2:] == (seq, seq)]
+    assert [s for s in found[tile] if s not in square] == []
+    if model_type == "llama":
+        assert square == []
+    else:  # (the backward's are made by autograd, not under a frame of the forward)
+        dense = ("attention_mask", "additive_mask", "eager_attention_forward")
+        forward = [s for s in square if any(f.startswith(("attention.py", "modeling_")) for f in s[2])]
+        assert forward and all(s[2][-1].endswith(dense) for s in forward), forward
+
+
+# Llama-3.1-8B's ratios at 1/8 of its width (32 heads of 16, 8 key-value heads, intermediate 3.5 x hidden), a
+# vocabulary that keeps the edges' fp32 tensors under the limits below, two layers
+GPU_SHAPES = dict(hidden_size=512, intermediate_size=1792, num_attention_heads=32, num_key_value_heads=8,
+                  head_dim=16, vocab_size=8192, num_hidden_layers=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_on_the_gpu_a_tiled_step_makes_nothing_of_a_rows_length_squared(tmp_path, monkeypatch, model_type):
+    """On CUDA, one row of 16,384 tokens in tiles of 4096 (Gemma 2: a window of 4096 and soft-capping, through
+    FlexAttention and a block mask): the CUDA allocator's trace of a training step holds no allocation as large as
+    S x intermediate or S x vocab bf16 elements or S x S bytes. Whole rows, the same step allocates the MLP's
+    S x intermediate tensors: the trace sees them."""
+    if not torch.cuda.is_available():
+        pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
+    seq, tile = 16384, 4096
+    monkeypatch.setenv("SLIDE_LCE_CHUNK_TOKENS", "1024")  # (the loss's logits, 1024 x vocab at a time)
+    changes = dict(GPU_SHAPES, max_position_embeddings=seq)
+    if model_type == "gemma2":
+        changes.update(sliding_window=4096, query_pre_attn_scalar=16)
+    save_tiny_model(tmp_path / "model", model_type, changes=changes)
+    write_token_rows(tmp_path / "data.jsonl", torch.randint(3, 259, (3, seq)).tolist())
+    limit = min(2 * seq * GPU_SHAPES["intermediate_size"], seq * seq, 2 * seq * GPU_SHAPES["vocab_size"])
+    found = {}
+    for t in (tile, 0):
+        trainer = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl", seq_len=seq,
+                                       micro_batch_size=1, grad_accum=1, steps=3, output_dir=tmp_path / f"run-{t}",
+                                       **{"engine.device": "cuda", "engine.placement.sequence_tile": t}),
+                          progress=False)
+        trainer.step()  # (compiles FlexAttention; one-time allocations)
+        torch.cuda.synchronize()
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+        try:
+            trainer.step()
+            torch.cuda.synchronize()
+            trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        trainer.close()
+        found[t] = [(e["size"], [f"{pathlib.Path(f['filename']).name}:{f['name']}" for f in e["frames"]
+                                 if "slide_" in f["filename"] or "transformers" in f["filename"]][:3])
+                    for e in trace if e["action"] == "alloc" and e["size"] >= limit]
+        print(f"{model_type}, tile {t}: {len(trace)} trace entries; largest allocation "
+              f"{max(e['size'] for e in trace if e['action'] == 'alloc') / 2**20:.1f} MiB (limit {limit / 2**20:.1f})")
+    assert any(size >= 2 * seq * GPU_SHAPES["intermediate_size"] for size, _ in found[0])
+    assert found[tile] == [], found[tile]
