@@ -357,3 +357,25 @@ def test_on_the_gpu_a_tiled_step_makes_nothing_of_a_rows_length_squared(tmp_path
               f"{max(e['size'] for e in trace if e['action'] == 'alloc') / 2**20:.1f} MiB (limit {limit / 2**20:.1f})")
     assert any(size >= 2 * seq * GPU_SHAPES["intermediate_size"] for size, _ in found[0])
     assert found[tile] == [], found[tile]
+
+
+@pytest.mark.parametrize("base, factor", [("llama-3.1-8b", 8.0), ("llama-3.2-3b", 32.0)])
+def test_the_256k_presets_are_their_models_with_262144_positions_and_llama3_rope_scaling(base, factor):
+    """`-256k`: the same config but for max_position_embeddings (262,144) and rope_parameters (rope_type llama3
+    with the release's factor), so the same parameters; its rotary table keeps the short wavelengths and
+    stretches the long ones by the factor."""
+    from slide_train.models.presets import preset_config
+
+    short, long = preset_config(base), preset_config(f"{base}-256k")
+    a, b = short.to_dict(), long.to_dict()
+    assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == {"max_position_embeddings", "rope_parameters"}
+    assert (a["max_position_embeddings"], b["max_position_embeddings"]) == (131072, 262144)
+    assert b["rope_parameters"] == {"rope_type": "llama3", "rope_theta": a["rope_parameters"]["rope_theta"],
+                                    "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 8192}
+    model = load_model(f"{base}-256k", 0, need_tokenizer=False, need_weights=False)
+    stacks = [HFStack(config, None) for config in (short, long)]
+    shapes = [[(n, p.shape) for n, p in s.make_block().named_parameters()] for s in stacks]
+    assert shapes[0] == shapes[1] and model.hf_config.max_position_embeddings == 262144
+    plain, scaled = (s.make_edges().rotary.inv_freq for s in stacks)
+    assert scaled[0] == plain[0] and scaled[-1] == pytest.approx(plain[-1] / factor)

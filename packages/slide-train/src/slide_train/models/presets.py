@@ -2,7 +2,8 @@
 
 `tiny-*` are for the quick start and tests (byte-level tokenizer). The public shapes (`llama-3.2-1b`, ...) are for
 benchmarks and plans; their dimensions are the published configs' dimensions (Gemma, Phi-3 and OLMo 2 included;
-the mixtures of experts OLMoE-1B-7B and Qwen3-30B-A3B with every expert: 6.9B and 30.5B parameters).
+the mixtures of experts OLMoE-1B-7B and Qwen3-30B-A3B with every expert: 6.9B and 30.5B parameters). `-256k`
+shapes are the same widths with a 262,144-position limit and Llama 3.1's rope scaling, for sequences beyond 128k.
 """
 
 from __future__ import annotations
@@ -66,6 +67,22 @@ PRESETS: dict[str, dict] = {
                           rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
                           rms_norm_eps=1e-6),
 }
+
+
+
+def _positions(base: str, positions: int, factor: float) -> dict:
+    """`base`'s shape with a limit of `positions` and the rope scaling Llama 3.1 defines (rope_type llama3): long
+    wavelengths stretched by `factor`, short ones kept, a smooth ramp between, about its 8,192-position original."""
+    spec = dict(PRESETS[base])
+    theta = spec.pop("rope_theta")
+    return dict(spec, max_position_embeddings=positions,
+                rope_parameters={"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+
+
+# (each with its own release's factor: 8 for Llama 3.1, 32 for Llama 3.2)
+PRESETS["llama-3.1-8b-256k"] = _positions("llama-3.1-8b", 262144, 8.0)
+PRESETS["llama-3.2-3b-256k"] = _positions("llama-3.2-3b", 262144, 32.0)
 
 
 def preset_config(name: str, vocab_size: int | None = None) -> transformers.PretrainedConfig:
