@@ -19,6 +19,7 @@ from conftest import FAMILIES as LLAMA_LIKE
 from conftest import save_tiny_model, tiny_config, write_token_rows
 from test_equivalence import MICRO, SEQ, make_rows, slide_config
 
+import slide_kernels
 from slide_train.export import hf_tensors
 from slide_train.models.adapter import HFStack
 from slide_train.models.families import FAMILIES
@@ -28,7 +29,8 @@ ALL = LLAMA_LIKE + [f for f in FAMILIES if f not in LLAMA_LIKE]
 # Each op by the torch fallback its public function calls on the CPU (`partial_rope`'s calls `rope`'s too).
 FALLBACKS = {"rms_norm": ("rms_norm", "rms_norm_torch"), "rope": ("rope", "rope_torch"),
              "partial_rope": ("rope", "partial_rope_torch"), "swiglu": ("swiglu", "swiglu_torch"),
-             "swiglu_gate_up": ("swiglu", "swiglu_gate_up_torch"), "geglu": ("geglu", "geglu_torch")}
+             "swiglu_gate_up": ("swiglu", "swiglu_gate_up_torch"), "geglu": ("geglu", "geglu_torch"),
+             "moe_experts": ("moe_experts", "moe_experts_torch")}
 
 
 @pytest.fixture
@@ -74,19 +76,27 @@ def _materialized(module: torch.nn.Module, seed: int) -> torch.nn.Module:
 @pytest.mark.parametrize("model_type", ALL)
 def test_each_declared_op_is_what_the_blocks_run(model_type, monkeypatch, hf_rope):
     family = FAMILIES[model_type]
-    # The torch-path warning names only what is left there: a mixture's experts, nothing in a dense family.
+    # The torch-path warning names only what is left there: a mixture's experts where the table leaves them to
+    # transformers (families.FUSED_EXPERTS off), nothing otherwise.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         stack = HFStack(tiny_config(model_type), None, kernels=True)
     said = [str(w.message) for w in caught if "engine.kernels" in str(w.message)]
-    if family.experts:
+    if family.unfused:
+        assert family.experts and "moe_experts" not in family.fused
         assert len(said) == 1 and "the experts" in said[0] and "torch path" in said[0]
         assert "fused RMSNorm and RoPE" in said[0]
     else:
-        assert said == [] and family.unfused is None
+        assert said == []
     assert stack.kernels and family.fused
     block = _materialized(stack.make_block(), seed=1)
     layer = block.layer
+    # A mixture's experts module runs slide-kernels' moe_experts exactly where the table says so.
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    assert (experts is not None) == bool(family.experts)
+    if experts is not None:
+        fused = getattr(experts.forward, "__func__", None) is slide_kernels.MoEExperts.forward
+        assert fused == ("moe_experts" in family.fused)
     norms = [m for m in layer.modules() if type(m).__name__.endswith("RMSNorm")]
     # Every norm of the layer (q/k norms and post-norms too) and the edges' final norm are patched, and each
     # patched norm casts as its HF class does (bf16 shows the rounding order).
@@ -107,7 +117,7 @@ def test_each_declared_op_is_what_the_blocks_run(model_type, monkeypatch, hf_rop
     ctx = _context(stack)
     hidden = torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(3), requires_grad=True)
     block(hidden, ctx).sum().backward()
-    mlp_ops = [op for op in family.fused if op in ("swiglu", "swiglu_gate_up", "geglu")]
+    mlp_ops = [op for op in family.fused if op in ("swiglu", "swiglu_gate_up", "geglu", "moe_experts")]
     want = dict.fromkeys(FALLBACKS, 0) | {"rms_norm": len(norms), rope_op: 1} | dict.fromkeys(mlp_ops, 1)
     if rope_op == "partial_rope":
         want["rope"] = 1  # partial_rope's torch path rotates through rope's
@@ -186,6 +196,42 @@ def interpreted_gemma3(tmp_path: str) -> None:
     losses, masters = two_steps(pathlib.Path(tmp_path), "gemma3_text")
     print(json.dumps({"launches": launches, "losses": losses,
                       "distance": _global_relative(masters["on"], masters["off"])}))
+
+
+def interpreted_olmoe(tmp_path: str) -> None:
+    """As interpreted_gemma3, for OLMoE: moe_experts' Triton forward and backward in the blocks."""
+    module = importlib.import_module("slide_kernels.ops.moe_experts")
+    launches = {"moe_experts_forward": 0, "moe_experts_backward": 0}
+    for name in launches:
+        original = getattr(module, name)
+
+        def counting(*args, _name=name, _fn=original, **kwargs):
+            launches[_name] += 1
+            return _fn(*args, **kwargs)
+
+        setattr(module, name, counting)
+    losses, masters = two_steps(pathlib.Path(tmp_path), "olmoe")
+    print(json.dumps({"launches": launches, "losses": losses,
+                      "distance": _global_relative(masters["on"], masters["off"])}))
+
+
+@pytest.mark.slow  # about 30 s on 2 cores
+def test_triton_experts_in_the_engine_match_kernels_off(tmp_path):
+    """OLMoE's experts through moe_experts' kernels, in Triton's interpreter (the router and the load-balancing
+    loss transformers' own): two steps give the kernels-off run's losses and masters (fp32, 1e-5)."""
+    here = pathlib.Path(__file__).parent
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(here), os.environ.get("PYTHONPATH")) if p)}
+    code = f"import test_kernels_in_blocks as t; t.interpreted_olmoe({str(tmp_path)!r})"
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, cwd=here, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    layers, steps = 3, 2  # every sparse layer of every step, forward (and the recompute) and backward
+    assert result["launches"]["moe_experts_forward"] >= steps * layers
+    assert result["launches"]["moe_experts_backward"] >= steps * layers
+    assert result["losses"]["on"] == pytest.approx(result["losses"]["off"], rel=1e-5)
+    assert result["distance"] < 1e-5
 
 
 def test_triton_kernels_in_the_engine_match_kernels_off(tmp_path):

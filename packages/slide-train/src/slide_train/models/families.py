@@ -48,7 +48,8 @@ class Family:
     # What still runs the torch path in the blocks with kernels on (None: nothing).
     unfused: str | None = None
     # Mixture of experts: the config attribute holding the number of experts (None: a dense family). The layer's
-    # router and experts are transformers' own; a block holds all of its layer's experts.
+    # router and experts are transformers' own (with "moe_experts" fused, the experts' forward is slide-kernels'
+    # moe_experts over the same parameters); a block holds all of its layer's experts.
     experts: str | None = None
     # Where a checkpoint stores a block parameter under other names (released checkpoints, and transformers 5's
     # save_pretrained, keep one tensor per expert; the layer fuses them): our name -> the checkpoint's tensors,
@@ -65,14 +66,18 @@ class Family:
 
 
 OP_TITLES = {"rms_norm": "RMSNorm", "rope": "RoPE", "partial_rope": "partial RoPE", "swiglu": "SwiGLU",
-             "swiglu_gate_up": "SwiGLU over the fused gate/up projection", "geglu": "GeGLU (tanh GELU)"}
+             "swiglu_gate_up": "SwiGLU over the fused gate/up projection", "geglu": "GeGLU (tanh GELU)",
+             "moe_experts": "MoE experts (grouped GEMMs, SwiGLU between them)"}
 # What each kind of family runs fused. RMSNorm covers every norm of a layer: q/k norms and post-norms too, each
 # with the family's casting (Gemma's 1 + weight, OLMo 2/3's fp32 product).
 DENSE = ("rms_norm", "rope", "swiglu")
 GEMMA = ("rms_norm", "rope", "geglu")
 PHI3 = ("rms_norm", "partial_rope", "swiglu_gate_up")
-MOE = ("rms_norm", "rope")
-EXPERTS = "the experts (transformers' grouped matmuls)"
+# The mixtures' experts through slide-kernels' moe_experts (True), or transformers' own grouped matmuls (False):
+# the one switch, kept on where benchmarks/kernels.py's moe_experts rows show it faster on the GPU.
+FUSED_EXPERTS = True
+MOE = ("rms_norm", "rope", "moe_experts") if FUSED_EXPERTS else ("rms_norm", "rope")
+EXPERTS = None if FUSED_EXPERTS else "the experts (transformers' grouped matmuls)"
 
 
 # Experts as Qwen2/3-MoE and OLMoE checkpoints store them (transformers' conversion mapping fuses gate and up).
