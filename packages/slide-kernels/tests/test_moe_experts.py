@@ -3,11 +3,15 @@ gradients of the hidden states, the routing weights and both expert weights, on 
 multiples of 16, one expert, experts that receive no pair, all pairs on one expert, indices of no expert).
 fp32 tolerance: 1e-5 of the largest reference value (the products are fp32 sums of at most a few hundred terms)."""
 
+import importlib
+
 import pytest
 import torch
 from kernels_reference import max_err
 
 import slide_kernels as sk
+
+moe_module = importlib.import_module("slide_kernels.ops.moe_experts")
 
 
 def moe_ref(x, index, weights, gate_up, down):
@@ -59,6 +63,12 @@ SHAPES = [(5, 1, 1, 17, 5), (9, 3, 6, 24, 20), (41, 2, 3, 40, 36), (3, 2, 11, 19
 @pytest.mark.parametrize("shape", SHAPES)
 def test_forward_backward_fp32(path, shape):
     check(*inputs(*shape))
+
+
+def test_backward_from_the_saved_gate_up_projections(path, monkeypatch):
+    """SAVE_GATE_UP: the forward keeps the pairs' gate/up projections and the backward reads them."""
+    monkeypatch.setattr(moe_module, "SAVE_GATE_UP", True)
+    check(*inputs(41, 2, 3, 40, 36))
 
 
 def test_every_pair_on_one_expert_and_pairs_of_no_expert(path):

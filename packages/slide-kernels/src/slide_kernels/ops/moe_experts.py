@@ -34,6 +34,9 @@ GATE_UP_BWD_TILES = (64, 64, 64, 4, 3)  # three (gate, up, output gradient times
 SCATTER_TILES = (128, 128, 64, 8, 3)
 WGRAD_TILES = (128, 128, 64, 8, 3)
 INTERPRETER_TILES = (16, 16, 16, 1, 1)  # tiny, so that the interpreter's tests take seconds
+# The backward recomputes the gate/up projections (False), or reads them as the forward wrote them (True: 2I
+# values per (token, k) pair kept from the forward to the backward, for one GEMM less).
+SAVE_GATE_UP = False
 
 
 @jit
@@ -76,6 +79,7 @@ def _gate_up_kernel(
     H_OUT,
     DGU,
     DW_PART,
+    GU,
     experts,
     topk,
     hidden,
@@ -87,6 +91,8 @@ def _gate_up_kernel(
     stride_w2e,
     stride_w2h,
     BACKWARD: tl.constexpr,
+    STORE_GU: tl.constexpr,
+    LOAD_GU: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     BM: tl.constexpr,
@@ -98,6 +104,7 @@ def _gate_up_kernel(
     # tokens' hidden rows. Forward: H_OUT = silu(gate) * up. Backward: also d = dy W2[e] (dy the rows' tokens'
     # output gradients); then DGU = [dgate, dup] of dh = w d, H_OUT = w h (for the down weights' gradient) and
     # DW_PART[row, column tile] = sum over the tile's columns of d * h (the routing weight's gradient, in parts).
+    # STORE_GU: the forward also writes [gate, up] to GU; LOAD_GU: the backward reads them there instead.
     n_tiles = tl.cdiv(inter, BN)
     pid_m = tl.program_id(0) // n_tiles
     pid_n = tl.program_id(0) % n_tiles
@@ -123,9 +130,10 @@ def _gate_up_kernel(
         kmask = ks < hidden - k0
         amask = rmask[:, None] & kmask[None, :]
         bmask = kmask[:, None] & cmask[None, :]
-        x = tl.load(x_ptrs, mask=amask, other=0.0)
-        gate = _dot(x, tl.load(wg_ptrs, mask=bmask, other=0.0), gate, UPCAST, IEEE)
-        up = _dot(x, tl.load(wu_ptrs, mask=bmask, other=0.0), up, UPCAST, IEEE)
+        if not LOAD_GU:
+            x = tl.load(x_ptrs, mask=amask, other=0.0)
+            gate = _dot(x, tl.load(wg_ptrs, mask=bmask, other=0.0), gate, UPCAST, IEEE)
+            up = _dot(x, tl.load(wu_ptrs, mask=bmask, other=0.0), up, UPCAST, IEEE)
         if BACKWARD:
             dy = tl.load(dy_ptrs, mask=amask, other=0.0)
             d = _dot(dy, tl.load(w2_ptrs, mask=bmask, other=0.0), d, UPCAST, IEEE)
@@ -134,17 +142,23 @@ def _gate_up_kernel(
         x_ptrs += BK
         wg_ptrs += BK
         wu_ptrs += BK
+    out = rows[:, None].to(tl.int64) * inter + cols[None, :]
+    omask = rmask[:, None] & cmask[None, :]
+    gu = rows[:, None].to(tl.int64) * (2 * inter) + cols[None, :]
+    if LOAD_GU:
+        gate = tl.load(GU + gu, mask=omask, other=0.0).to(tl.float32)
+        up = tl.load(GU + gu + inter, mask=omask, other=0.0).to(tl.float32)
+    if STORE_GU:
+        tl.store(GU + gu, gate.to(GU.dtype.element_ty), mask=omask)
+        tl.store(GU + gu + inter, up.to(GU.dtype.element_ty), mask=omask)
     sig = 1.0 / (1.0 + tl.exp(-gate))
     silu = gate * sig
     h = silu * up
-    out = rows[:, None].to(tl.int64) * inter + cols[None, :]
-    omask = rmask[:, None] & cmask[None, :]
     if BACKWARD:
         w = tl.load(RW + slot, mask=rmask, other=0.0).to(tl.float32)
         tl.store(DW_PART + rows.to(tl.int64) * n_tiles + pid_n, tl.sum(d * h, 1), mask=rmask)
         dh = d * w[:, None]
         tl.store(H_OUT + out, (h * w[:, None]).to(H_OUT.dtype.element_ty), mask=omask)
-        gu = rows[:, None].to(tl.int64) * (2 * inter) + cols[None, :]
         # d silu(g) / dg = sig * (1 + g * (1 - sig))
         tl.store(DGU + gu, (dh * up * sig * (1.0 + gate * (1.0 - sig))).to(DGU.dtype.element_ty), mask=omask)
         tl.store(DGU + gu + inter, (dh * silu).to(DGU.dtype.element_ty), mask=omask)
@@ -285,9 +299,11 @@ def _flags(x: torch.Tensor) -> dict:
     return dict(UPCAST=upcast, IEEE=upcast or x.dtype == torch.float32)
 
 
-def _gate_up(x, w1, routing, rw=None, dy=None, w2=None):
-    """Forward: h [rows, I]. Backward (rw, dy, w2 given): (w h, [dgate, dup], routing weights' gradient)."""
+def _gate_up(x, w1, routing, rw=None, dy=None, w2=None, gate_up=None, save=False):
+    """Forward: h [rows, I], and with `save` ([gate, up] [rows, 2I], h). Backward (rw, dy, w2 given; the saved
+    [gate, up] as `gate_up`, or None to recompute them): (w h, [dgate, dup], routing weights' gradient)."""
     backward = dy is not None
+    store, load = save and not backward, backward and gate_up is not None
     inter = w1.shape[1] // 2
     bm, bn, bk, warps, stages = _tiles(GATE_UP_BWD_TILES if backward else GATE_UP_TILES)
     h = torch.empty((routing.rows, inter), dtype=x.dtype, device=x.device)
@@ -298,6 +314,8 @@ def _gate_up(x, w1, routing, rw=None, dy=None, w2=None):
     else:
         dgu = dw_part = h  # unused
         rw, dy, w2 = h, x, w1  # unused
+    if store:
+        gate_up = torch.empty((routing.rows, 2 * inter), dtype=x.dtype, device=x.device)
     grid = ((triton.cdiv(routing.rows, bm) + routing.experts) * n_tiles,)
     _gate_up_kernel[grid](
         x,
@@ -310,6 +328,7 @@ def _gate_up(x, w1, routing, rw=None, dy=None, w2=None):
         h,
         dgu,
         dw_part,
+        h if gate_up is None else gate_up,
         routing.experts,
         routing.topk,
         x.shape[1],
@@ -321,6 +340,8 @@ def _gate_up(x, w1, routing, rw=None, dy=None, w2=None):
         w2.stride(0),
         w2.stride(1),
         BACKWARD=backward,
+        STORE_GU=store,
+        LOAD_GU=load,
         **_flags(x),
         BM=bm,
         BN=bn,
@@ -329,7 +350,9 @@ def _gate_up(x, w1, routing, rw=None, dy=None, w2=None):
         num_warps=warps,
         num_stages=stages,
     )
-    return (h, dgu, dw_part.sum(1)) if backward else h
+    if backward:
+        return h, dgu, dw_part.sum(1)
+    return (gate_up, h) if store else h
 
 
 def _scatter_gemm(a, b, b_strides, n, routing, rw=None):
@@ -391,21 +414,23 @@ def _wgrad(a, b, routing, out_like, gather_a=False, gather_b=False):
     return out
 
 
-def moe_experts_forward(x, top_k_index, top_k_weights, w1, w2):
-    """y [tokens, H] (x's dtype) for contiguous x [tokens, H], w1 [E, 2I, H], w2 [E, H, I] of x's dtype."""
+def moe_experts_forward(x, top_k_index, top_k_weights, w1, w2, save=False):
+    """y [tokens, H] (x's dtype) for contiguous x [tokens, H], w1 [E, 2I, H], w2 [E, H, I] of x's dtype; with
+    `save`, (y, the pairs' [gate, up] projections in sorted order) for the backward."""
     routing = Routing(top_k_index, w1.shape[0])
-    h = _gate_up(x, w1, routing)
+    gate_up, h = _gate_up(x, w1, routing, save=True) if save else (None, _gate_up(x, w1, routing))
     slots = _scatter_gemm(h, w2, (w2.stride(2), w2.stride(1)), w2.shape[1], routing, rw=top_k_weights.reshape(-1))
-    return slots.sum(1)
+    return (slots.sum(1), gate_up) if save else slots.sum(1)
 
 
-def moe_experts_backward(dy, x, top_k_index, top_k_weights, w1, w2, needs=(True, True, True, True)):
+def moe_experts_backward(dy, x, top_k_index, top_k_weights, w1, w2, needs=(True, True, True, True), gate_up=None):
     """(dx, d top_k_weights, dw1, dw2), each None where `needs` (in that order) says it is not wanted. The
-    routing is sorted again and the gate/up projections recomputed."""
+    routing is sorted again and the gate/up projections recomputed (or read from `gate_up`, as the forward
+    saved them)."""
     routing = Routing(top_k_index, w1.shape[0])
     dy = dy.reshape(x.shape).to(x.dtype).contiguous()
     rw = top_k_weights.reshape(-1)
-    hw, dgu, dw_sorted = _gate_up(x, w1, routing, rw=rw, dy=dy, w2=w2)
+    hw, dgu, dw_sorted = _gate_up(x, w1, routing, rw=rw, dy=dy, w2=w2, gate_up=gate_up)
     dx = dweights = dw1 = dw2 = None
     if needs[0]:
         slots = _scatter_gemm(dgu, w1, (w1.stride(1), w1.stride(2)), x.shape[1], routing)
@@ -424,15 +449,20 @@ def moe_experts_backward(dy, x, top_k_index, top_k_weights, w1, w2, needs=(True,
 class MoEExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, w1, w2):
-        ctx.save_for_backward(x, top_k_index, top_k_weights, w1, w2)
-        return moe_experts_forward(x, top_k_index, top_k_weights, w1, w2)
+        gate_up = None
+        if SAVE_GATE_UP and any(ctx.needs_input_grad):
+            y, gate_up = moe_experts_forward(x, top_k_index, top_k_weights, w1, w2, save=True)
+        else:
+            y = moe_experts_forward(x, top_k_index, top_k_weights, w1, w2)
+        ctx.save_for_backward(x, top_k_index, top_k_weights, w1, w2, gate_up)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, top_k_index, top_k_weights, w1, w2 = ctx.saved_tensors
+        x, top_k_index, top_k_weights, w1, w2, gate_up = ctx.saved_tensors
         g = ctx.needs_input_grad
         dx, dweights, dw1, dw2 = moe_experts_backward(
-            dy, x, top_k_index, top_k_weights, w1, w2, needs=(g[0], g[2], g[3], g[4])
+            dy, x, top_k_index, top_k_weights, w1, w2, needs=(g[0], g[2], g[3], g[4]), gate_up=gate_up
         )
         return dx, None, dweights, dw1, dw2
 
