@@ -118,7 +118,7 @@ def random_steps(seed: int, shapes: list[tuple[int, int]], device: str = "cpu"):
 
 
 PLACEMENT_KEYS = ("window", "resident", "device_update_share", "held_grads", "split_update",
-                  "grads_share_activations", "nvme_fraction", "disk_loads", "speculate")
+                  "grads_share_activations", "nvme_fraction", "disk_loads", "speculate", "landing", "edges_early")
 FACT_KEYS = ("device", "compute_dtype", "states_dtype", "max_grad_norm", "activation_offload")
 
 
@@ -127,7 +127,7 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
     `activation_offload`: `run_facts`' words), EngineConfig keys, and these placement choices: `window` (2),
     `resident` (a count: the edges, then blocks from 0; or units), `device_update_share` (0), `held_grads` (0),
     `split_update` (True), `grads_share_activations` (False), `nvme_fraction` (0), `disk_loads` (False),
-    `speculate` (False)."""
+    `speculate` (False), `landing` (0: the rule), `edges_early` (True)."""
     choices = {k: kwargs.pop(k) for k in PLACEMENT_KEYS if k in kwargs}
     run = run_facts(**{k: kwargs.pop(k) for k in FACT_KEYS if k in kwargs})
     resident = choices.get("resident", 0)
@@ -136,7 +136,8 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
                         window=choices.get("window", 2), share=choices.get("device_update_share") or 0.0,
                         shared=choices.get("grads_share_activations", False), held=choices.get("held_grads", 0),
                         split=choices.get("split_update", True), speculate=choices.get("speculate", False),
-                        nvme_fraction=choices.get("nvme_fraction", 0.0), disk_loads=choices.get("disk_loads", False))
+                        nvme_fraction=choices.get("nvme_fraction", 0.0), disk_loads=choices.get("disk_loads", False),
+                        landing=choices.get("landing", 0), edges_early=choices.get("edges_early", True))
     return SlidingEngine(stack, placement, EngineConfig(**kwargs))
 
 
@@ -198,9 +199,9 @@ def test_each_block_visits_a_slot_once_per_pass():
     loads = []
     original = engine.stage
 
-    def spy(block, boundary, micro):
+    def spy(block):
         loads.append(block)
-        return original(block, boundary, micro)
+        return original(block)
 
     engine.stage = spy
     step = batches(seed=2, steps=1, micro=3)[0]
@@ -220,9 +221,9 @@ def test_forward_keeps_every_slot_loading_a_block_ahead(resident, order):
     events: list[str] = []
     stage, span = engine.stage, engine.timeline.span
 
-    def spy_stage(block, boundary, micro):
+    def spy_stage(block):
         events.append(f"stage {block}")
-        return stage(block, boundary, micro)
+        return stage(block)
 
     def spy_span(lane, label, stream):
         events.append(label)
@@ -259,7 +260,8 @@ def on_disk(nvme) -> dict:
 def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, steps: int = 3, patch=None,
                resident: int = 0, dtype: str = "auto", device_share: float = 0.0, tied: bool = True,
                held: int = 0, split: bool = True, shared: bool = False, steps_data=None, nvme=None, acts_dir=None,
-               states: str = "fp32", speculate: bool = False, disk_loads: bool = False, device: str = "cpu"):
+               states: str = "fp32", speculate: bool = False, disk_loads: bool = False, device: str = "cpu",
+               landing: int = 0, edges_early: bool = True):
     torch.manual_seed(0)
     model = Model(tied=tied)
     engine = make_engine(ToyStack(model), device=device, window=window,
@@ -271,6 +273,7 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
                                                          held_grads=held, split_update=split,
                                                          grads_share_activations=shared, states_dtype=states,
                                                          speculate=speculate, disk_loads=disk_loads,
+                                                         landing=landing, edges_early=edges_early,
                                                          **on_disk(nvme))
     for name, seconds in (delays or {}).items():
         getattr(engine, name).delay = seconds
@@ -299,6 +302,24 @@ def test_pipeline_is_bitwise_the_synchronous_engine_whatever_is_slow(slow, windo
     for unit, params in ref.items():
         for name, t in params.items():
             assert got[unit][name].equal(t), f"{unit}.{name}"
+
+
+@pytest.mark.parametrize("slow", ["h2d", "d2h", "updater"])
+@pytest.mark.parametrize("clip", [0.05, None])
+def test_the_plans_other_choices_give_the_same_weights(monkeypatch, slow, clip):
+    """One set of activation landing buffers (each block's activations fetched after the backward of the block
+    after it), and streamed edges updated whole rather than their tail-only part early: the same weights as the
+    synchronous engine with the rule's choices, whichever worker is slow."""
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
+    share = 0.5 if clip else 0.0  # (with clipping the edges stream; without it only the sliding edges can)
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip, device_share=share)
+    for choice in ({"landing": 1}, {"edges_early": False}):
+        losses, got = run_engine(pipeline=True, window=2, clip=clip, device_share=share, delays={slow: 0.004},
+                                 **choice)
+        assert losses == ref_losses, choice
+        for unit, params in ref.items():
+            for name, t in params.items():
+                assert got[unit][name].equal(t), f"{choice}: {unit}.{name}"
 
 
 def test_a_missing_wait_is_caught_by_the_delay_tests():

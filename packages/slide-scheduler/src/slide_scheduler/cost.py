@@ -102,7 +102,9 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
     launch = LAUNCH_S * t.micro_batches if pcie else 0.0
     active = [s.active(u) for u in range(1, n + 1)]  # what a token computes with
     forward_c = [block_flops(a) / gpu_rate + launch for a in active]
-    backward_c = [3 * block_flops(a) / gpu_rate + 2 * launch for a in active]
+    # one landing set: each block's boundary activations cross only once the backward after it is done
+    fetch = act / h2d if pcie and offload and p.landing_sets == 1 else 0.0
+    backward_c = [3 * block_flops(a) / gpu_rate + 2 * launch + fetch for a in active]
     vocab_numel = s.vocab * s.hidden if s.vocab else s.unit_numels[0] // 2
     tail_s = 6 * vocab_numel * tokens / gpu_rate + 2 * tokens * s.hidden * c / mem * (not pcie)
     clip = p.clip

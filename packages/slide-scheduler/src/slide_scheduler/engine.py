@@ -209,7 +209,8 @@ class SlidingEngine:
         edge_ranges = self.optimizer.units[0].ranges if 0 in self.streamed else []
         self.resident_updates = Resident(self, self.resident)
         self.host_updates = Host(self, p.where("update", "host"))
-        self.stream = Streamed(self, self.streamed, [k for k, (a, _) in enumerate(edge_ranges) if a >= tail_from])
+        early = [k for k, (a, _) in enumerate(edge_ranges) if a >= tail_from] if p.edges_early else []
+        self.stream = Streamed(self, self.streamed, early)
         self.updates = (self.resident_updates, self.host_updates, self.stream)  # (the order their work is queued)
         self.update_of = {u: kind for kind in self.updates for u in kind.units}
         self.homes = GradientHomes(self)
@@ -439,9 +440,8 @@ class SlidingEngine:
             self._edges_loaded = self.landed()
         self.compute.wait(self._edges_loaded)
 
-    def stage(self, block: int, boundary: int | None, micro: int) -> tuple[Seat, list | None]:
-        """Queue block `block` into the next slot (and, for backward, its input activations) on the h2d and land
-        lanes; the seat's `ready` covers both."""
+    def stage(self, block: int) -> Seat:
+        """Queue block `block` into the next slot on the h2d and land lanes; the seat's `ready` says when."""
         if block in self.resident_slots:  # always loaded; its update runs on the compute lane
             seat = self.seat(self.resident_slots[block])
         else:
@@ -449,13 +449,16 @@ class SlidingEngine:
             self.h2d.wait(seat.free)
             self.h2d.wait(seat.drained)  # loading lands in the gradient buffer: its last gradient has left
             self._load(block + 1, seat.slot)  # never before its update has finished (or it runs now, into the slot)
-        acts = None
-        if boundary is not None:  # into the buffers of the block window + 1 later, whose backward is done
-            landing = self._act_landing[block % len(self._act_landing)]
-            self.h2d.wait(landing.free)
-            acts = [self.activations.fetch(boundary, j, owner=landing) for j in range(micro)]
         seat.ready = self.landed()
-        return seat, acts
+        return seat
+
+    def fetch_boundary(self, block: int, micro: int) -> tuple[list, Signal]:
+        """Queue block `block`'s input activations (each micro-batch's) into its landing set, once the backward
+        that read that set last is done; and a signal for when they have landed."""
+        landing = self._act_landing[block % len(self._act_landing)]
+        self.h2d.wait(landing.free)
+        acts = [self.activations.fetch(block, j, owner=landing) for j in range(micro)]
+        return acts, self.landed()
 
     @property
     def window(self) -> int:
@@ -509,11 +512,15 @@ class SlidingEngine:
             kind.before_backward()
         gradients: dict[int, Gradient] = {}
         n, m, stream = self.num_blocks, len(batches), self.compute.stream
-        staged = {n - 1: self.stage(n - 1, n - 1, m)}
+        # Parameters are staged a window ahead; boundary activations as far ahead as the landing sets allow (a set
+        # is free once the backward of the block that used it last is queued, so sets - 1 blocks ahead)
+        ahead = len(self._act_landing) - 1
+        staged, fetched = {n - 1: self.stage(n - 1)}, {n - 1: self.fetch_boundary(n - 1, m)}
         for i in reversed(range(n)):
             self._edges_tail()  # a piece of the edges' early update: backward's loads leave room for it
-            seat, acts = staged.pop(i)
+            seat, (acts, landed) = staged.pop(i), fetched.pop(i) if i in fetched else self.fetch_boundary(i, m)
             self.compute.wait(seat.ready)
+            self.compute.wait(landed)
             self.compute.wait(seat.drained)  # the slot's last gradient has left before it is zeroed
             with self.timeline.span("compute", f"backward {i}", stream):
                 seat.slot.grads.zero_()
@@ -528,7 +535,9 @@ class SlidingEngine:
             self.update_of[i + 1].gradient_ready(i + 1, gradients[i + 1], lr)
             for k in range(i - 1, max(i - self.window - 1, -1), -1):  # prefetch: every slot not in use
                 if k not in staged:
-                    staged[k] = self.stage(k, k, m)
+                    staged[k] = self.stage(k)
+                if k >= i - ahead and k not in fetched:
+                    fetched[k] = self.fetch_boundary(k, m)
         self._edges_tail(None)
         with self.timeline.span("compute", "head backward", stream):
             for j, batch in enumerate(batches):
@@ -670,13 +679,13 @@ class SlidingEngine:
             made = self.compute.record()
             for j, h in enumerate(hidden):
                 acts.put(0, j, h, made)
-        staged: dict[int, tuple] = {}
+        staged: dict[int, Seat] = {}
         self._prefetch(staged, 0)
         tail_ready = None  # the edges' tail-only part, deferred by clipping, is queued a chunk per block
         for i in range(n):
             # Not staged yet when its host update was still running: nothing else can be queued before it now,
             # not even the chunk of the edges' update below, which the tail alone waits for.
-            seat, _ = staged.pop(i) if i in staged else self.stage(i, None, 0)
+            seat = staged.pop(i) if i in staged else self.stage(i)
             if self._edges_tail():
                 tail_ready = self.landed()
             self.compute.wait(seat.ready)
@@ -704,7 +713,7 @@ class SlidingEngine:
         """The context block `index` runs with: the stack's `block_context` of the head's, where it has one."""
         return ctx if self._block_context is None else self._block_context(index, ctx)
 
-    def _prefetch(self, staged: dict[int, tuple], first: int) -> None:
+    def _prefetch(self, staged: dict[int, Seat], first: int) -> None:
         """Stage forward blocks from `first` on until every slot holds one not yet run. Resident blocks need no
         slot and are staged on the way, so the first sliding blocks load while the resident ones compute.
 
@@ -718,7 +727,7 @@ class SlidingEngine:
             if k not in staged:
                 if not self.update_of[k + 1].loadable(k + 1):
                     return
-                staged[k] = self.stage(k, None, 0)
+                staged[k] = self.stage(k)
                 ahead += k not in self.resident_slots
 
     def close(self) -> None:

@@ -243,6 +243,10 @@ class Placement:
     threads: int = field(default_factory=torch.get_num_threads)  # host optimizer threads (its scratch)
     # positions per tile where a block's MLP runs over tiles of the sequence (0: whole rows)
     sequence_tile: int = 0
+    # sets of device buffers the backward fetches boundary activations into (0: one per slot and one more)
+    landing: int = 0
+    # streamed sliding edges: their tail-only part (final norm, untied lm head) updates apart, early
+    edges_early: bool = True
 
     def __post_init__(self):
         validate(self)
@@ -332,9 +336,10 @@ class Placement:
 
     @property
     def landing_sets(self) -> int:
-        """Sets of device buffers the backward fetches boundary activations into: one per slot and one more (two
-        when nothing slides: resident blocks wait for no slot, so one more gives slack), at most one per block."""
-        return min(self.shapes.num_blocks, (self.window if self.sliding_blocks else 1) + 1)
+        """Sets of device buffers the backward fetches boundary activations into: the plan's, else one per slot and
+        one more (two when nothing slides: resident blocks wait for no slot, so one more gives slack), at most one
+        per block. With one, each block's fetch waits for the backward of the block after it."""
+        return min(self.shapes.num_blocks, self.landing or (self.window if self.sliding_blocks else 1) + 1)
 
     @property
     def stream_piece_numel(self) -> int:
@@ -390,6 +395,8 @@ def validate(p: Placement) -> None:
         raise ValueError(f"a placement needs one entry per unit ({len(p.shapes.unit_numels)}), got {len(p.units)}")
     if p.window < 1:
         raise ValueError(f"the window needs at least one slot, got {p.window}")
+    if p.landing < 0:
+        raise ValueError(f"activation landing sets are a count (0: the rule), got {p.landing}")
     if any(n % p.ranks for n in p.shapes.unit_numels):
         raise ValueError(f"units of {p.shapes.unit_numels[:2]}... elements do not split into {p.ranks} shards")
     if p.ranks > 1 and p.shapes.mixed:
@@ -573,6 +580,10 @@ class Overrides:
     disk_loads: bool | None = None
     # positions per tile of a block's MLP over the sequence (None: tiles where whole rows do not fit the GPU; 0: never)
     sequence_tile: int | None = None
+    # sets of activation landing buffers (None: one per slot and one more, one where that does not fit the GPU)
+    landing_sets: int | None = None
+    # streamed edges update their tail-only part early (None: yes)
+    edges_early: bool | None = None
 
 
 def device_updated(sliding: int, share: float) -> list[int]:
@@ -599,7 +610,8 @@ def held_on_device(device_units: list[int], count: int, shared: bool) -> list[in
 def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterable[int] = (), window: int = 2,
             share: float = 0.0, shared: bool = False, held: int = 0, split: bool = True,
             speculate: bool | int = False, nvme_fraction: float = 0.0, disk_loads: bool = False,
-            sequence_tile: int = 0, threads: int | None = None) -> Placement:
+            sequence_tile: int = 0, landing: int = 0, edges_early: bool = True,
+            threads: int | None = None) -> Placement:
     """The placement these choices make: `resident` units on the device; of the sliding blocks, the last
     `nvme_fraction` with masters and moments on disk, `share` of the rest (spread out) updated on the device
     with clipping, `held` of those keeping their gradient there, the others' gradients pooled (`shared`) or in
@@ -632,7 +644,8 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
                                        speculate=u in speculating, master=DISK if u in disk else "",
                                        loads=DISK if disk_loads and u in disk else ""))
     extra = {} if threads is None else {"threads": threads}
-    return Placement(shapes, step, tuple(units), window, run, sequence_tile=sequence_tile, **extra)
+    return Placement(shapes, step, tuple(units), window, run, sequence_tile=sequence_tile, landing=landing,
+                     edges_early=edges_early, **extra)
 
 
 def resident_units(resident: int | Iterable[int]) -> set[int]:
@@ -652,7 +665,8 @@ def size_for_budget(shapes: Shapes, step: StepShape, run: RunFacts, budget: floa
                        split=overrides.split, threads=threads,
                        speculate=overrides.speculate is True if speculate is None else speculate,
                        nvme_fraction=overrides.nvme_fraction or 0.0, disk_loads=bool(overrides.disk_loads),
-                       sequence_tile=overrides.sequence_tile or 0)
+                       sequence_tile=overrides.sequence_tile or 0, landing=overrides.landing_sets or 0,
+                       edges_early=overrides.edges_early is not False)
 
     if overrides.resident is not None:
         chosen = make(resident_units(overrides.resident))

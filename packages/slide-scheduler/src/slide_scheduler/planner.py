@@ -74,6 +74,8 @@ class Plan:
             "budgets": dataclasses.asdict(self.budgets),
             "tiers": p.tiers(),
             "window": p.window,
+            "landing_sets": p.landing_sets,
+            "sequence_tile": p.sequence_tile,
             "run": dataclasses.asdict(p.run),
             "units": [dataclasses.asdict(u) for u in p.units],
         }
@@ -146,6 +148,11 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
         tiled = place(shapes, step, run, budgets, machine, dataclasses.replace(o, sequence_tile=SEQUENCE_TILE))
         if tiled.placement.bytes(GPU) < placement.bytes(GPU):  # (fitting or not: what it needs is nearer)
             return tiled
+    if best[0] and o.landing_sets is None and placement.landing_sets > 1 and run.activations != "none":
+        # still too big: one set of landing buffers, each block's activations fetched after the next one's backward
+        lean = place(shapes, step, run, budgets, machine, dataclasses.replace(o, landing_sets=1))
+        if lean.placement.bytes(GPU) < placement.bytes(GPU):
+            return lean
     unclipped = price(placement, machine, clipping_acts=False) if run.clip else estimate
     plan = Plan(placement, estimate, unclipped, budgets)
     plan.problems = _problems(plan)

@@ -69,6 +69,9 @@ PLACEMENT_KEYS = {
     "synchronous": "true: the synchronous reference schedule, no overlap",
     "sequence_tile": "positions per tile of each block's MLP over the sequence, recomputed tile by tile in the "
                      "backward (0: whole rows; unset: tiles of 4096 where whole rows do not fit the GPU)",
+    "landing_sets": "sets of GPU buffers the backward fetches boundary activations into (unset: one per slot and "
+                    "one more, one where that does not fit the GPU)",
+    "edges_early": "streamed edges update their final norm and lm head apart, early (unset: true)",
 }
 # Keys that were renamed or removed, with what replaces them.
 MOVED = {
@@ -168,7 +171,7 @@ KEY_HELP = {
                             "auto: the least share that fits the host's memory (0 where it holds the run, and with "
                             "data-parallel ranks)",
     "engine.placement": "expert overrides: window, resident, device_update_share, speculate, synchronous, "
-                        "sequence_tile (docs/placement.md)",
+                        "sequence_tile, landing_sets, edges_early (docs/placement.md)",
     "checkpoint.every": "steps between checkpoints; 0: only at the end",
     "checkpoint.keep": "the newest checkpoints kept; 0: write none",
     "resume": "auto (the newest good checkpoint in output_dir) or a checkpoint's path; null: a new run",
@@ -350,6 +353,12 @@ def check_placement(overrides: dict, states_dtype: str) -> None:
     tile = overrides.get("sequence_tile")
     if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 0):
         raise ConfigError(f"engine.placement.sequence_tile must be a whole number of positions (0: none), got {tile!r}")
+    landing = overrides.get("landing_sets")
+    if landing is not None and (isinstance(landing, bool) or not isinstance(landing, int) or landing < 1):
+        raise ConfigError(f"engine.placement.landing_sets must be a count of at least 1, got {landing!r}")
+    early = overrides.get("edges_early")
+    if early is not None and not isinstance(early, bool):
+        raise ConfigError(f"engine.placement.edges_early must be true or false, got {early!r}")
     synchronous, speculate = overrides.get("synchronous"), overrides.get("speculate")
     if synchronous is not None and not isinstance(synchronous, bool):
         raise ConfigError(f"engine.placement.synchronous must be true or false, got {synchronous!r}")
