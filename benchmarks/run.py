@@ -3,6 +3,7 @@
     python benchmarks/run.py b1 b3 b8 [--baseline DIR] [--steps 5] [--warmup 2]
     python benchmarks/run.py kernels io probe
     python benchmarks/run.py nvme largest    # the NVMe tier on a GPU machine; `plans` prices shapes on paper
+    python benchmarks/run.py long --variants 8b-128k --modes 1.0   # long sequences, a part at a time
     python benchmarks/run.py tiny            # a CPU check of the harness itself (writes to a temp folder)
 
 Training suites (b1, b3, b8, tiny) run Slide with clip 1.0, clip 1e6 (on, never acting) and no clipping, and the
@@ -72,9 +73,24 @@ PLANS = dict(models=("llama-3.1-70b", "mistral-large-2"),
                        "no clipping, activations on disk": ("--max_grad_norm=null",
                                                             "--engine.activation_offload=nvme")},
              seq_len=4096, micro_batch_size=1, grad_accum=8)
+# Long sequences under a consumer card's cap: Llama-3.1-8B at 4 x 32,768 and 1 x 131,072 tokens per step (the same
+# tokens, only the row length differs) and at the longest rows the plan fits, Llama-3.2-3B at its longest; one
+# warm-up and two timed steps each. Rows past a model's 131,072 positions run its -256k preset. A run is planned to
+# fit one device call: where the longest rows' predicted time would not (`call_s`: setup and every step, each step
+# `margin` times its prediction, or as the 131,072-token run of the same mode measured it against its own), it runs
+# the longest rows that do, and records both. The peer (GPU-resident HF + Liger-Kernel, uncapped) trains Llama-3.2-3B
+# at `peer_lengths` until it runs out of memory; 8B's fp32 states alone outgrow any GPU (recorded, not run).
+LONG = dict(cap_gib=24.0, device="cuda", warmup=1, steps=2, modes=("1.0", "none"), micro_batch_size=1,
+            runs={"8b-32k": dict(model="llama-3.1-8b", seq_len=32768, grad_accum=4),
+                  "8b-128k": dict(model="llama-3.1-8b", seq_len=131072, grad_accum=1),
+                  "8b-longest": dict(model="llama-3.1-8b", seq_len=None, grad_accum=1),
+                  "3b-longest": dict(model="llama-3.2-3b", seq_len=None, grad_accum=1, modes=("1.0",))},
+            peer_model="llama-3.2-3b", peer_lengths=(16384, 32768, 65536, 98304, 131072), peer_mode="1.0",
+            no_peer="llama-3.1-8b", positions=131072, long_suffix="-256k", call_s=480.0, setup_s=120.0,
+            margin=2.0, granule=8192)
 # Data parallel: a bench's shape (tokens per step and cap per GPU) on 1 and on 2 GPUs of one host, in one run.
 DP = dict(bench="b8", ranks=(1, 2))
-OTHER_SUITES = ("kernels", "io", "probe", "nvme", "largest", "plans", "dp2")
+OTHER_SUITES = ("kernels", "io", "probe", "nvme", "largest", "plans", "dp2", "long")
 MODES = ("1.0", "1e6", "none")  # max_grad_norm: acting, on but never acting, off
 SYSTEMS = {
     "slide": "Slide",
@@ -466,6 +482,210 @@ def largest_shape(work: pathlib.Path, limit_s: float, free_gib: float, disk: dic
     return best
 
 
+def long_config() -> dict:
+    """The long suite's config, the same for every part of it (so each part merges into long.json): LONG, led by
+    the shape of the 131,072-token runs, which the training table's header reads."""
+    headline = LONG["runs"]["8b-128k"]
+    return {"model": headline["model"], "seq_len": headline["seq_len"], "micro_batch_size": LONG["micro_batch_size"],
+            "grad_accum": headline["grad_accum"], "tokens_per_step": headline["seq_len"], "cap_gib": LONG["cap_gib"],
+            "warmup": LONG["warmup"], "steps": LONG["steps"], "modes": list(LONG["modes"]),
+            "runs": {name: {**run, "modes": list(run.get("modes", LONG["modes"]))}
+                     for name, run in LONG["runs"].items()},
+            "peer": {"model": LONG["peer_model"], "lengths": list(LONG["peer_lengths"]), "mode": LONG["peer_mode"]},
+            "call_s": LONG["call_s"], "data": "uniform random token ids, rows of exactly seq_len (unpacked)"}
+
+
+def long_overrides(model: str, seq_len: int, grad_accum: int, mode: str) -> list[str]:
+    """The settings of a long run that shape its plan, as worker.run_slide gives them to slide-train."""
+    clip = "null" if mode == "none" else mode
+    return [f"--model={model}", f"--seq_len={seq_len}", f"--micro_batch_size={LONG['micro_batch_size']}",
+            f"--grad_accum={grad_accum}", f"--max_grad_norm={clip}", f"--engine.device={LONG['device']}",
+            f"--engine.gpu_memory_limit_gb={LONG['cap_gib']}"]
+
+
+def long_plan(model: str, seq_len: int, mode: str, machine):
+    """(config, model, plan) of one micro-batch of `seq_len` on `machine`: slide-train's planner, no weights."""
+    from slide_train.config import load_config
+    from slide_train.models.build import load_model
+    from slide_train.trainer import plan_run
+
+    cfg = load_config(None, long_overrides(model, seq_len, 1, mode))
+    bundle = load_model(model, 0, need_tokenizer=False, need_weights=False)
+    return cfg, bundle, plan_run(cfg, bundle, machine, running=False)[0]
+
+
+def long_calibration(out: pathlib.Path, mode: str) -> dict:
+    """What a long run's time is planned with: each step `margin` times the cost model's prediction, and
+    `setup_s` for the process outside its steps. From the 131,072-token 8B run of `mode` in `out`/long.json where
+    it ran (its measured step over its prediction, and its setup, each a tenth more), else LONG's."""
+    path = out / "long.json"
+    figures = json.loads(path.read_text()).get("figures", []) if path.is_file() else []
+    for e in figures:
+        if (e.get("system"), e.get("variant"), e.get("mode"), e.get("status")) == ("slide", "8b-128k", mode, "ok") \
+                and e.get("predicted_step_s") and e.get("wall_s") and e.get("step_s_each"):
+            return {"margin": round(1.1 * max(1.0, e["step_s"] / e["predicted_step_s"]), 3),
+                    "setup_s": round(1.1 * max(0.0, e["wall_s"] - sum(e["step_s_each"])), 1),
+                    "from": f"the 8b-128k run, clip {mode}, of {e.get('date', '?')}"}
+    return {"margin": LONG["margin"], "setup_s": LONG["setup_s"], "from": "LONG's defaults"}
+
+
+def long_length(name: str, mode: str, machine, calibration: dict) -> dict:
+    """The rows a `*-longest` run trains: the longest one micro-batch the plan fits under the cap (`plan
+    --longest`'s search, on the -256k preset up to its 262,144 positions), and, where that run's time (setup, then
+    every step at `margin` times its prediction) would not fit LONG["call_s"], the longest rows, in granules, whose
+    time does. Rows of up to 131,072 run the model's own preset."""
+    from slide_train.cli import longest
+
+    base = LONG["runs"][name]["model"]
+    wide = base + LONG["long_suffix"]
+    cfg, bundle, _ = long_plan(wide, LONG["granule"], mode, machine)
+    fits = longest(cfg, bundle, machine, 1).seq_len
+    budget = (LONG["call_s"] - calibration["setup_s"]) / (LONG["warmup"] + LONG["steps"]) / calibration["margin"]
+
+    def predicted(length: int) -> float:
+        return long_plan(wide, length, mode, machine)[2].estimate.step_s
+
+    length = fits
+    if predicted(fits) > budget:  # (the predicted step grows with the rows: a bisection over granules)
+        low, high = 0, fits // LONG["granule"]
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if predicted(middle * LONG["granule"]) <= budget else (low, middle)
+        length = low * LONG["granule"]
+    found = {"model": wide if length > LONG["positions"] else base, "seq_len": length, "longest_fits": fits,
+             "step_budget_s": round(budget, 1), "calibration": calibration}
+    if length:
+        found["planned_step_s"] = round(predicted(length), 2)
+    return found
+
+
+def long_rows(work: pathlib.Path, model: str, seq_len: int, grad_accum: int) -> pathlib.Path:
+    """The rows a long run trains on (random token ids; one file per model and length, shared by the modes)."""
+    from slide_train.models.build import load_model
+
+    path = work / f"long-{model}-{seq_len}-x{grad_accum}.jsonl"
+    if not path.exists():
+        vocab = load_model(model, 0, need_tokenizer=False, need_weights=False).hf_config.vocab_size
+        random_rows(path, vocab, seq_len, (LONG["warmup"] + LONG["steps"]) * LONG["micro_batch_size"] * grad_accum)
+    return path
+
+
+def long_spec(model: str, seq_len: int, grad_accum: int, mode: str, data: pathlib.Path, job: str = "slide") -> dict:
+    """worker.py's spec of one long run: Slide under the cap, or the peer uncapped."""
+    spec = {"model": model, "seq_len": seq_len, "micro_batch_size": LONG["micro_batch_size"],
+            "grad_accum": grad_accum, "warmup": LONG["warmup"], "steps": LONG["steps"], "data": str(data), "seed": 0,
+            "pack": False, "mode": mode, "device": LONG["device"], "job": job}
+    if job == "slide":
+        return {**spec, "cap_gib": LONG["cap_gib"], "extra": []}
+    return {**spec, "cap_gib": None, "peers_fit": True}
+
+
+def run_long_suite(args, work: pathlib.Path, out: pathlib.Path) -> dict:
+    """LONG's runs that --variants names (all by default: 8b-32k, 8b-128k, 8b-longest, 3b-longest, peer), Slide's
+    in the clip modes --modes names of each run's, the peer's where --systems names liger. Finished runs are kept in
+    `<out>/long.partial.json`, as a training suite's."""
+    variants = args.variants or [*LONG["runs"], "peer"]
+    unknown = set(variants) - {*LONG["runs"], "peer"}
+    if unknown:
+        raise ValueError(f"--variants: no long run {', '.join(sorted(unknown))} (the runs: "
+                         f"{', '.join(LONG['runs'])}, peer)")
+    machine = None  # (the machine file the workers' runs plan for, as they find it: read where a run is searched)
+    figures: list[dict] = []
+
+    def keep(entry: dict) -> None:
+        figures.append(entry)
+        out.mkdir(parents=True, exist_ok=True)
+        doc = suite_doc("long", long_config(), figures, first_device(figures))
+        (out / "long.partial.json").write_text(json.dumps(doc, indent=1) + "\n")
+
+    for name, run in LONG["runs"].items():
+        if name not in variants or "slide" not in args.systems:
+            continue
+        for mode in [m for m in args.modes if m in run.get("modes", LONG["modes"])]:
+            shape = {"model": run["model"], "seq_len": run["seq_len"], "grad_accum": run["grad_accum"]}
+            chosen = {}
+            if run["seq_len"] is None:
+                from slide_train.errors import ConfigError
+                from slide_train.machines import resolve_machine
+
+                machine = machine or resolve_machine(None, work)
+                try:
+                    chosen = long_length(name, mode, machine, long_calibration(out, mode))
+                except ConfigError as e:  # (not even the shortest rows fit: the plan says why)
+                    keep({"system": "slide", "variant": name, "label": f"Slide, {name}", "mode": mode,
+                          "cap_gib": LONG["cap_gib"], "date": common.now(), "status": "does not fit",
+                          "reason": f"{type(e).__name__}: {e}"[:2000], **shape})
+                    continue
+                shape.update(model=chosen.pop("model"), seq_len=chosen.pop("seq_len"))
+                if not shape["seq_len"]:
+                    keep({"system": "slide", "variant": name, "label": f"Slide, {name}", "mode": mode,
+                          "cap_gib": LONG["cap_gib"], "date": common.now(), "status": "skipped", **shape, **chosen,
+                          "reason": f"no rows fit {LONG['call_s']:g} s of one call by the plan"})
+                    continue
+            data = long_rows(work, shape["model"], shape["seq_len"], shape["grad_accum"])
+            entry = slide_entry("long", name, long_spec(**shape, mode=mode, data=data), args, work)
+            keep({**entry, **shape, "micro_batch_size": LONG["micro_batch_size"],
+                  "tokens_per_step": shape["seq_len"] * LONG["micro_batch_size"] * shape["grad_accum"], **chosen})
+    if "peer" in variants and "liger" in args.systems:
+        for entry in run_long_peer(args, work):
+            keep(entry)
+    return suite_doc("long", long_config(), figures, first_device(figures))
+
+
+def first_device(figures: list[dict]) -> str | None:
+    return next((e["device"] for e in figures if e.get("status") == "ok" and e.get("device")), None)
+
+
+def run_long_peer(args, work: pathlib.Path) -> list[dict]:
+    """The GPU-resident HF + Liger-Kernel peer on LONG["peer_model"] at each of LONG["peer_lengths"] in turn until
+    one does not run (out of memory), then an entry for its longest (its figures there); and LONG["no_peer"]
+    recorded as not fitting: its fp32 weights, gradients and AdamW moments alone outgrow the GPU."""
+    model, mode = LONG["peer_model"], LONG["peer_mode"]
+    entries, best = [], None
+    for length in LONG["peer_lengths"]:
+        spec = long_spec(model, length, 1, mode, long_rows(work, model, length, 1), job="liger")
+        name = f"long-peer-{length}"
+        print(f"  {name} ...", flush=True)
+        r = run_worker(spec, work, name, args.timeout, quiet=args.quiet)
+        entry = {"system": "liger", "variant": f"peer-{length}", "label": f"{SYSTEMS['liger']}, {model} 1 x {length:,}",
+                 "mode": mode, "cap_gib": None, "date": common.now(), "model": model, "seq_len": length,
+                 "micro_batch_size": 1, "grad_accum": 1, "tokens_per_step": length, **r}
+        print(f"  {name}: {tables.entry_line(entry)}", flush=True)
+        entries.append(entry)
+        if r.get("status") != "ok":
+            break
+        best = entry
+    last = entries[-1]
+    if best is None:
+        summary = {**last, "variant": "peer-longest", "longest": None}
+    else:
+        stop = ("the longest length tried" if last is best else
+                f"at {last['seq_len']:,}: {last.get('status')}: {last.get('reason', '')}"[:400])
+        summary = {**best, "variant": "peer-longest", "longest": best["seq_len"], "stopped": stop}
+    entries.append(summary)
+    entries.append(peer_does_not_fit(LONG["no_peer"], mode))
+    return entries
+
+
+def peer_does_not_fit(model: str, mode: str) -> dict:
+    """The peer's entry for a model whose fp32 weights, gradients and AdamW moments (16 bytes a parameter) alone
+    outgrow the GPU: recorded, not run."""
+    import torch
+    import transformers
+
+    from slide_train.models.build import load_model
+
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(load_model(model, 0, need_tokenizer=False,
+                                                                      need_weights=False).hf_config)
+    params = sum(p.numel() for p in hf.parameters())
+    return {"system": "liger", "variant": f"peer-{model}", "label": f"{SYSTEMS['liger']}, {model}", "mode": mode,
+            "cap_gib": None, "date": common.now(), "model": model, "status": "does not fit", "num_params": params,
+            "reason": f"fp32 weights, gradients and AdamW moments alone take 16 bytes/param = "
+                      f"{16 * params / 2**30:.0f} GiB for {params / 1e9:.2f} B parameters, before activations "
+                      "(not run)"}
+
+
 def run_plans_suite(args, work: pathlib.Path) -> dict:
     """PLANS: each model, machine file and setting priced by slide-train's planner, with what a checkpoint costs."""
     from slide_train.config import load_config
@@ -565,7 +785,8 @@ def main() -> None:
                    help="training suites: unpacked rows of exactly seq_len (default), or documents of long-tailed "
                         "lengths packed into rows (results in <suite>-documents.json)")
     p.add_argument("--variants", default="", help="nvme: which runs, as bench-variant names (default: all of "
-                   + ", ".join(f"{b}-{v}" for b, v, _, _ in NVME_RUNS) + "); a subset is merged into nvme.json")
+                   + ", ".join(f"{b}-{v}" for b, v, _, _ in NVME_RUNS) + "); a subset is merged into nvme.json. "
+                   "long: which of " + ", ".join([*LONG["runs"], "peer"]) + " (default: all), merged into long.json")
     p.add_argument("--dp-bench", default=None, choices=list(TRAIN_SUITES),
                    help=f"dp2: the shape per GPU (default {DP['bench']}; tiny checks the harness on CPUs)")
     args = p.parse_args()
@@ -597,6 +818,8 @@ def main() -> None:
                     doc = run_nvme_suite(args, work, out)
                 elif suite == "dp2":
                     doc = run_dp_suite(args, work, out)
+                elif suite == "long":
+                    doc = run_long_suite(args, work, out)
                 else:
                     doc = {"kernels": run_kernels_suite, "io": run_io_suite, "probe": run_probe_suite,
                            "largest": run_largest_suite, "plans": run_plans_suite}[suite](args, work)
@@ -608,7 +831,8 @@ def main() -> None:
             absent = {"slide-nospec", "slide-spec"} | (set() if args.baseline else {"baseline"})
             partial = (suite in TRAIN_SUITES and (set(args.systems) - absent != set(SYSTEMS) - absent
                                                   or set(args.modes) != set(MODES))) or (suite == "nvme"
-                                                                                          and bool(args.variants))
+                                                                                          and bool(args.variants)) \
+                or suite == "long"  # (run in parts, a device call each)
             path = out / f"{doc['suite']}.json"
             if partial:
                 doc = merge(path, doc)

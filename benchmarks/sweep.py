@@ -48,7 +48,8 @@ MOE_PEER = dict(gpu_gib=120.0, why="the plain peer keeps fp32 weights, gradients
 # The steps, most important first. `run`: commands in order, each "pytest PACKAGE" (its tests marked gpu) or
 # "run.py ARGS" (benchmarks/run.py), or a dict with `cmd` and the GPU memory it needs (`gpu_gib`, `why`): on a
 # smaller GPU that command is recorded as not fitting instead of run. `estimate_s`: the wall time assumed until the
-# step has been measured. `fresh_host`: only as a call's first step on a host nothing has run on yet.
+# step has been measured. `fresh_host`: only as a call's first step on a host nothing has run on yet. `alone`: the
+# only step of its call (nothing ran before it, nothing runs after it).
 STEPS = [
     # one pytest per package: each tests/ folder has its own conftest
     {"name": "gpu-tests-kernels", "estimate_s": 150, "run": ["pytest slide-kernels"]},
@@ -83,7 +84,20 @@ STEPS = [
                                                           **MOE_PEER}]},
     # the peers are recorded as not fitting by run.py itself (no process trains them)
     {"name": "gemma2", "estimate_s": 360, "run": ["run.py gemma2 --systems slide,plain --modes none,1.0"]},
-    {"name": "long", "estimate_s": 400, "run": ["run.py long"]},
+    # Long sequences (run.py long), one clip mode and one row length a step: a process of 8B may take 2 min to set
+    # up, then 3 steps of 45-90 s at 131,072 tokens. Each longest run has a call of its own (run.py plans its rows to
+    # fit one), and the peer's ladder of lengths stops at its first run out of memory.
+    {"name": "long-8b-32k-clip", "estimate_s": 400, "run": ["run.py long --variants 8b-32k --modes 1.0"]},
+    {"name": "long-8b-128k-clip", "estimate_s": 420, "run": ["run.py long --variants 8b-128k --modes 1.0"]},
+    {"name": "long-8b-32k-none", "estimate_s": 400, "run": ["run.py long --variants 8b-32k --modes none"]},
+    {"name": "long-8b-128k-none", "estimate_s": 420, "run": ["run.py long --variants 8b-128k --modes none"]},
+    {"name": "long-8b-longest-clip", "estimate_s": 480, "alone": True,
+     "run": ["run.py long --variants 8b-longest --modes 1.0"]},
+    {"name": "long-8b-longest-none", "estimate_s": 480, "alone": True,
+     "run": ["run.py long --variants 8b-longest --modes none"]},
+    {"name": "long-3b-longest", "estimate_s": 480, "alone": True,
+     "run": ["run.py long --variants 3b-longest --modes 1.0"]},
+    {"name": "long-peer", "estimate_s": 450, "run": ["run.py long --variants peer --systems liger"]},
     # the NVMe tier against RAM (in one piece it took about 700 s): B3, then B8 with the share `auto` picks on a
     # 64 GiB host; each part measures the disk under --work first
     {"name": "nvme-b3", "estimate_s": 360, "run": ["run.py nvme --variants b3-ram,b3-disk --warmup 2 --steps 3"]},
@@ -156,6 +170,7 @@ class Step:
     estimate_s: float  # assumed until measured
     commands: tuple[Command, ...]
     fresh_host: bool = False
+    alone: bool = False
 
 
 def build_steps(table: list[dict]) -> list[Step]:
@@ -163,7 +178,8 @@ def build_steps(table: list[dict]) -> list[Step]:
     for entry in table:
         commands = tuple(Command(c) if isinstance(c, str) else Command(c["cmd"], c.get("gpu_gib"), c.get("why", ""))
                          for c in entry["run"])
-        steps.append(Step(entry["name"], float(entry["estimate_s"]), commands, entry.get("fresh_host", False)))
+        steps.append(Step(entry["name"], float(entry["estimate_s"]), commands, entry.get("fresh_host", False),
+                          entry.get("alone", False)))
     names = [s.name for s in steps]
     if len(set(names)) != len(names):
         raise ValueError(f"step names repeat: {names}")
@@ -447,6 +463,7 @@ class Sweep:
         self.after_step, self.mark_host_used = after_step, mark_host_used
         self.retry_failed, self.say = retry_failed, say
         self.ran: list[str] = []  # steps this call ran or recorded, in order
+        self.executed: list[Step] = []  # of those, the ones that ran commands (not recorded as skipped)
 
     def pending(self) -> list[Step]:
         return [s for s in self.steps if pending_why(s, self.results.get(s.name), self.ctx.tree,
@@ -457,15 +474,22 @@ class Sweep:
 
     def choose(self, steps: list[Step], budget_s: float | None) -> list[Step]:
         """The steps a budget would run by their estimates, most important first, a step that does not fit passed
-        over for smaller ones after it; a fresh-host step (only while the host is fresh) goes first."""
+        over for smaller ones after it; a fresh-host step (only while the host is fresh) goes first. A step that
+        runs alone is chosen only as the first that runs, and ends the choice."""
         chosen, left = [], budget_s
+        fresh_first = self.ctx.host_fresh and any(s.fresh_host for s in steps)  # (a fresh-host step goes first)
         for step in steps:
             if step.fresh_host and not self.ctx.host_fresh:
                 continue
-            cost = 0.0 if why_not_run(step, self.ctx) else self.estimate(step)
+            runs = why_not_run(step, self.ctx) is None
+            if step.alone and runs and (fresh_first or any(why_not_run(c, self.ctx) is None for c in chosen)):
+                continue
+            cost = self.estimate(step) if runs else 0.0
             if left is None or cost <= left:
                 chosen.append(step)
                 left = None if left is None else left - cost
+                if step.alone and runs:
+                    break
         return sorted(chosen, key=lambda s: not s.fresh_host)  # (stable: importance otherwise)
 
     def run(self, budget_s: float | None, start: float, only: Step | None = None) -> None:
@@ -487,6 +511,8 @@ class Sweep:
             return True  # (recorded as skipped: takes no time)
         if step.fresh_host and not self.ctx.host_fresh:
             return False
+        if any(s.alone for s in self.executed) or (step.alone and self.executed):
+            return False  # (a step that runs alone has the call to itself)
         return left is None or self.estimate(step) <= left
 
     def run_step(self, step: Step, left: float | None) -> None:
@@ -502,6 +528,7 @@ class Sweep:
                  + ("" if left is None else f", {left:.0f} s left"))
         self.ctx.host_fresh = False
         self.mark_host_used()
+        self.executed.append(step)
         began = self.clock()
         parts, tail, stopped = [], [], False
         for command in step.commands:
@@ -558,6 +585,8 @@ class Sweep:
                     state += f"; here it would be skipped: {blocked}"
                 if step.fresh_host and not self.ctx.host_fresh:
                     state += "; waits for a fresh host"
+                if step.alone:
+                    state += "; runs alone in a call"
             est = self.estimate(step)
             over = "  over the step limit: split it" if est > STEP_LIMIT_S else ""
             lines.append(f"{i:3} {step.name:22} {est:6.0f} s{' ' if timed(result) else '*'}  {state}{over}")

@@ -291,10 +291,8 @@ def test_the_step_table(tree):
             if command.words[0] == "pytest":
                 assert argv[2:5] == ["pytest", "-m", "gpu"]
                 continue
-            assert set(command.suites()) <= set(run.TRAIN_SUITES) | set(run.OTHER_SUITES) | {"long"}
+            assert set(command.suites()) <= set(run.TRAIN_SUITES) | set(run.OTHER_SUITES)
             assert set(command.systems()) <= set(run.SYSTEMS)
-    assert sweep.why_not_run(next(s for s in steps if s.name == "long"), make(tree).ctx).startswith(
-        "suite not available")
 
     # old, new, new, old over each bench's steps against the baseline, run.py putting slide before the baseline
     # within a mode and the peers after both
@@ -346,3 +344,198 @@ def test_a_process_past_its_deadline_is_interrupted_then_killed(tmp_path, monkey
     monkeypatch.setattr(sweep.Command, "argv", lambda self, python: [sys.executable, "-c", "print('done')"])
     out = runner(step, step.commands[0], 5.0)
     assert not out.stopped and out.returncode == 0 and out.tail == ["done"]
+
+
+def test_a_step_that_runs_alone_has_a_call_to_itself(tree):
+    """An `alone` step runs only as the first step of a call, and nothing runs after it; a skipped step before it
+    takes no time and does not count."""
+    table = [{"name": "tests", "estimate_s": 100, "run": ["pytest slide-kernels"]},
+             {"name": "longest", "estimate_s": 300, "alone": True, "run": ["run.py b8"]},
+             {"name": "small", "estimate_s": 50, "run": ["run.py b1 --systems slide"]}]
+    s = make(tree, table)
+    assert [st.name for st in s.choose(s.pending(), 540)] == ["tests", "small"]
+    s.run(540, 0.0)
+    assert s.runner.calls == ["tests", "small"]
+    assert "runs alone in a call" in "\n".join(s.describe(s.pending()))
+    s = make(tree, table)
+    assert [st.name for st in s.choose(s.pending(), 540)] == ["longest"]
+    s.run(540, 0.0)
+    assert s.runner.calls == ["longest"]
+    assert s.pending() == []
+
+    shutil.rmtree(tree / "benchmarks" / "results")
+    table = [{"name": "gone", "estimate_s": 10, "run": ["run.py nosuch"]}, table[1], table[2]]
+    s = make(tree, table)
+    s.run(None, 0.0)  # (the step recorded as skipped ran nothing: the alone one still has the call to itself)
+    assert s.runner.calls == ["longest"] and saved(tree)["gone"]["status"] == "skipped"
+    table.append({"name": "probe", "estimate_s": 30, "run": ["run.py probe"], "fresh_host": True})
+    s = make(tree, table, fresh=True)
+    s.run(None, 0.0)  # (a fresh host's probe goes first: then the alone step waits for another call)
+    assert s.runner.calls == ["probe", "small"]
+
+
+LONG_STEPS = {"long-8b-32k-clip": ("8b-32k", "1.0"), "long-8b-128k-clip": ("8b-128k", "1.0"),
+              "long-8b-32k-none": ("8b-32k", "none"), "long-8b-128k-none": ("8b-128k", "none"),
+              "long-8b-longest-clip": ("8b-longest", "1.0"), "long-8b-longest-none": ("8b-longest", "none"),
+              "long-3b-longest": ("3b-longest", "1.0"), "long-peer": ("peer", None)}
+
+
+def test_the_long_suite_runs_in_steps_of_one_call_each(capsys):
+    """run.py long's parts: each run and clip mode of run.LONG (and the peer's ladder) in a step of its own, each
+    estimated within a call (8B at 131,072 tokens: setup, then 3 steps of up to 90 s), the longest runs alone; the
+    dry run lists them."""
+    import run
+
+    steps = {s.name: s for s in sweep.build_steps(sweep.STEPS)}
+    assert "long" not in steps and {n for n in steps if n.startswith("long")} == set(LONG_STEPS)
+    wanted = {(name, mode) for name, r in run.LONG["runs"].items() for mode in r.get("modes", run.LONG["modes"])}
+    covered = set()
+    for name, (variant, mode) in LONG_STEPS.items():
+        step = steps[name]
+        (command,) = step.commands
+        words = command.words
+        assert command.suites() == ["long"] and words[words.index("--variants") + 1] == variant
+        assert step.estimate_s <= sweep.STEP_LIMIT_S and step.alone == variant.endswith("-longest")
+        if variant == "peer":
+            assert command.systems() == ["liger"]  # (skipped where Liger-Kernel is not there)
+            continue
+        assert words[words.index("--modes") + 1] == mode
+        covered.add((variant, mode))
+        if variant == "8b-128k":
+            assert step.estimate_s >= 120 + 3 * 90
+    assert covered == wanted
+    assert run.LONG["call_s"] <= sweep.STEP_LIMIT_S  # (run.py plans a longest run within a step)
+
+    sweep.main(["--dry-run"])
+    out = capsys.readouterr().out
+    for name in LONG_STEPS:
+        assert f" {name} " in out, name
+    assert out.count("runs alone in a call") == 3
+
+
+class LongArgs:
+    """run.py's parsed arguments, as the long suite reads them."""
+
+    def __init__(self, **kw):
+        self.variants, self.systems, self.modes = [], ["slide", "liger"], ["1.0", "none"]
+        self.timeout, self.quiet = None, True
+        self.__dict__.update(kw)
+
+
+def fake_long(monkeypatch, tmp_path, oom_at=65536):
+    """run.py's long suite with its workers, data and planner faked: the specs it would run, in order."""
+    import run
+
+    specs = []
+
+    def worker(spec, work, name, timeout, pythonpath=None, quiet=False, machine=None):
+        specs.append(spec)
+        if spec["job"] == "liger" and spec["seq_len"] >= oom_at:
+            return {"status": "does not fit", "reason": "out of GPU memory: CUDA out of memory", "device": "GPU"}
+        return {"status": "ok", "device": "GPU", "tokens_per_s": spec["seq_len"] / 10, "tflops": 1.0,
+                "tflops_attn": 2.0, "step_s": 10.0, "gpu_peak_gib": 20.0, "host_rss_gib": 100.0,
+                "predicted_step_s": 8.0, "wall_s": 100.0, "step_s_each": [10.0, 10.0, 10.0]}
+
+    def length(name, mode, machine, calibration):
+        return {"model": run.LONG["runs"][name]["model"] + "-256k", "seq_len": 196608, "longest_fits": 229376,
+                "step_budget_s": 60.0, "calibration": calibration, "planned_step_s": 55.0}
+
+    monkeypatch.setattr(run, "run_worker", worker)
+    monkeypatch.setattr(run, "long_rows", lambda work, model, seq_len, accum: work / f"{model}-{seq_len}.jsonl")
+    monkeypatch.setattr(run, "long_length", length)
+    monkeypatch.setattr(run, "peer_does_not_fit", lambda model, mode: {
+        "system": "liger", "variant": f"peer-{model}", "mode": mode, "status": "does not fit", "reason": "16 bytes"})
+    import sys
+    import types
+
+    fake = types.ModuleType("slide_train")  # (the planner's imports: no torch in this session)
+    errors, machines = types.ModuleType("slide_train.errors"), types.ModuleType("slide_train.machines")
+    errors.ConfigError = type("ConfigError", (ValueError,), {})
+    machines.resolve_machine = lambda path, work: "machine"
+    for name, module in (("slide_train", fake), ("slide_train.errors", errors), ("slide_train.machines", machines)):
+        monkeypatch.setitem(sys.modules, name, module)
+    return run, specs
+
+
+def test_the_long_suite_builds_each_run_as_the_issue_asks(tmp_path, monkeypatch):
+    """Slide: Llama-3.1-8B at 4 x 32,768 and 1 x 131,072 under 24 GiB, clip 1.0 and off, one warm-up and two timed
+    steps; the longest rows from the plan, on the -256k preset past 131,072; Llama-3.2-3B at its longest with clip
+    1.0. The peer: Llama-3.2-3B at increasing lengths, uncapped, until it runs out of memory, its longest recorded
+    with its tokens/s there, and 8B recorded as not fitting."""
+    run, specs = fake_long(monkeypatch, tmp_path)
+    doc = run.run_long_suite(LongArgs(), tmp_path, tmp_path / "out")
+    slide = [(s["model"], s["seq_len"], s["grad_accum"], s["mode"]) for s in specs if s["job"] == "slide"]
+    assert slide == [("llama-3.1-8b", 32768, 4, "1.0"), ("llama-3.1-8b", 32768, 4, "none"),
+                     ("llama-3.1-8b", 131072, 1, "1.0"), ("llama-3.1-8b", 131072, 1, "none"),
+                     ("llama-3.1-8b-256k", 196608, 1, "1.0"), ("llama-3.1-8b-256k", 196608, 1, "none"),
+                     ("llama-3.2-3b-256k", 196608, 1, "1.0")]
+    for s in specs:
+        assert (s["warmup"], s["steps"], s["micro_batch_size"], s["device"]) == (1, 2, 1, "cuda")
+        assert s["cap_gib"] == (24.0 if s["job"] == "slide" else None)
+    peer = [s["seq_len"] for s in specs if s["job"] == "liger"]
+    assert peer == [16384, 32768, 65536] and {s["model"] for s in specs if s["job"] == "liger"} == {"llama-3.2-3b"}
+    by = {(e["variant"], e["mode"]): e for e in doc["figures"]}
+    longest = by[("peer-longest", "1.0")]
+    assert longest["longest"] == 32768 and longest["tokens_per_s"] == 3276.8 and "65,536" in longest["stopped"]
+    assert by[("peer-llama-3.1-8b", "1.0")]["status"] == "does not fit"
+    assert by[("8b-longest", "none")]["longest_fits"] == 229376
+    assert by[("8b-128k", "1.0")]["tokens_per_step"] == by[("8b-32k", "1.0")]["tokens_per_step"] == 131072
+    assert all("tflops_attn" in e for e in doc["figures"] if e.get("status") == "ok")
+    assert (tmp_path / "out" / "long.partial.json").is_file()
+
+
+def test_the_long_suite_runs_in_parts_merged_into_one_file(tmp_path, monkeypatch):
+    """Each sweep step runs a part (`--variants`, `--modes`): main merges it into long.json beside the others',
+    and the training table of tables.py reads the file."""
+    import sys
+
+    run, specs = fake_long(monkeypatch, tmp_path)
+    out = tmp_path / "out"
+    for argv in (["long", "--variants", "8b-128k", "--modes", "1.0"],
+                 ["long", "--variants", "8b-32k", "--modes", "1.0"],
+                 ["long", "--variants", "peer", "--systems", "liger"]):
+        monkeypatch.setattr(sys, "argv", ["run.py", *argv, "--out", str(out), "--work", str(tmp_path), "--quiet"])
+        run.main()
+    doc = json.loads((out / "long.json").read_text())
+    assert [(e["variant"], e["mode"]) for e in doc["figures"]] == [
+        ("8b-128k", "1.0"), ("8b-32k", "1.0"), *[(f"peer-{n}", "1.0") for n in (16384, 32768, 65536)],
+        ("peer-longest", "1.0"), ("peer-llama-3.1-8b", "1.0")]
+    assert not (out / "long.partial.json").exists()
+    with pytest.raises(ValueError, match="no long run"):
+        run.run_long_suite(LongArgs(variants=["8b-1m"]), tmp_path, out)
+
+
+def test_a_longest_run_is_planned_within_one_call(tmp_path):
+    """On the H200 host's machine file under 24 GiB, by slide-train's planner: the longest rows fit the plan, run on
+    the -256k preset only past 131,072, and their predicted time, each step `margin` times the prediction after the
+    setup, fits the call; a margin the 131,072-token run measured takes the place of LONG's."""
+    pytest.importorskip("torch")
+    pytest.importorskip("slide_train")
+    import sys
+
+    # (in a process of its own, with benchmarks/ last on the path: its kernels.py would shadow the hub's `kernels`
+    # package, which transformers imports where it is installed)
+    code = f"""
+import json, pathlib, sys
+sys.path.append({str(sweep.HERE)!r})
+import run
+from slide_train.machines import load_machine
+machine = load_machine({str(sweep.ROOT / "docs" / "machines" / "h200-host.yaml")!r})
+out = pathlib.Path({str(tmp_path)!r})
+default = run.long_calibration(out, "1.0")
+(out / "long.json").write_text(json.dumps({{"figures": [{{"system": "slide", "variant": "8b-128k", "mode": "1.0",
+    "status": "ok", "step_s": 90.0, "predicted_step_s": 45.0, "wall_s": 330.0, "step_s_each": [90.0, 90.0, 90.0],
+    "date": "d"}}]}}))
+measured = run.long_calibration(out, "1.0")
+found = run.long_length("8b-longest", "1.0", machine, measured)
+print(json.dumps({{"default": default, "measured": measured, "found": found}}))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["default"]["margin"] == 2.0 and got["measured"] == {"margin": 2.2, "setup_s": 66.0,
+                                                                   "from": "the 8b-128k run, clip 1.0, of d"}
+    found = got["found"]
+    assert 0 < found["seq_len"] <= found["longest_fits"] and found["seq_len"] % 1024 == 0
+    assert found["model"] == ("llama-3.1-8b-256k" if found["seq_len"] > 131072 else "llama-3.1-8b")
+    assert found["planned_step_s"] <= found["step_budget_s"] == round((480 - 66.0) / 3 / 2.2, 1)

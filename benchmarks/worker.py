@@ -71,14 +71,18 @@ def packed_rows(documents: list[torch.Tensor], seq_len: int) -> list[dict[str, t
     return rows
 
 
-def summary(records: list[dict], warmup: int, tokens: int, num_params: int, active: int | None = None) -> dict:
+def summary(records: list[dict], warmup: int, tokens: int, num_params: int, active: int | None = None,
+            attention: float | None = None) -> dict:
     """Median figures over the timed steps (the warm-up steps are kept in the per-step lists only); TFLOP/s
-    count the `active` parameters a token computes with (a mixture of experts' routed experts), by default all."""
+    count the `active` parameters a token computes with (a mixture of experts' routed experts), by default all;
+    `tflops_attn` adds causal attention's work: Slide's steps count it, a peer's from `attention` (FLOPs a token)."""
     timed = records[warmup:]
     step_s = statistics.median(r["step_s"] for r in timed)
     flops = 6 * (active or num_params) * tokens
     # (Slide's steps also count causal attention's work: the same TFLOPs per step at the median step time)
     attn = {"tflops_attn": timed[0]["tflops_attn"] * timed[0]["step_s"] / step_s} if "tflops_attn" in timed[0] else {}
+    if attention is not None:
+        attn = {"tflops_attn": (flops + attention * tokens) / step_s / 1e12}
     return {"step_s": step_s, "tokens_per_s": tokens / step_s, "tflops": flops / step_s / 1e12, **attn,
             "gpu_peak_gib": max(r.get("gpu_peak_gib", 0.0) for r in records),
             "host_rss_gib": max(r["host_rss_gib"] for r in records),
@@ -275,7 +279,17 @@ def run_peer(spec: dict, liger: bool) -> dict:
         records.append({"step_s": time.perf_counter() - start, "loss": float(total), "grad_norm": norm,
                         "host_rss_gib": common.rss_gib(),
                         "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else 0.0})
-    return summary(records, spec["warmup"], micro * accum * spec["seq_len"], num_params, active_params(spec["model"]))
+    return summary(records, spec["warmup"], micro * accum * spec["seq_len"], num_params, active_params(spec["model"]),
+                   attention_flops(hf_config, spec["seq_len"]))
+
+
+def attention_flops(hf_config, seq_len: int) -> float | None:
+    """Causal attention's FLOPs a token, as slide-train's metrics count them (None: a version without the count)."""
+    try:
+        from slide_train.trainer import attention_flops_per_token
+    except ImportError:
+        return None
+    return attention_flops_per_token(hf_config, seq_len)
 
 
 def run_io(spec: dict) -> dict:
