@@ -2,8 +2,10 @@
 
 Forward+backward of each op: median time of `triton.testing.do_bench`, and extra peak memory (the rise of
 `torch.cuda.max_memory_allocated` over what was allocated before the call, inputs excluded). Shapes and targets
-are those of the fused loss, norm and MLP of a Llama-3.1-8B step at 16k tokens. Prints a markdown table and, with
---json, writes the figures (git commit, date, GPU, versions, config) there; `run.py kernels` runs it that way.
+are those of the fused loss, norm and MLP of a Llama-3.1-8B step at 16k tokens, and of OLMoE-1B-7B's experts
+(`moe_experts`, against transformers' own experts module, also forward alone) at 4k and 32k tokens. Prints a
+markdown table and, with --json, writes the figures (git commit, date, GPU, versions, config) there;
+`run.py kernels` runs it that way. Without a CUDA GPU it times nothing and says so.
 
     python3 benchmarks/kernels.py [--json FILE] [--ops rms_norm,rope] [--providers eager,liger,slide]
 """
@@ -15,7 +17,6 @@ import datetime
 import json
 import pathlib
 import statistics
-import sys
 import time
 import traceback
 
@@ -230,16 +231,61 @@ def bench_swiglu_mlp(t, h, i, providers):
     return run_all(fns, [x, *mlp.parameters()], dy)
 
 
+# ---------------------------------------------------------------- MoE experts
+# OLMoE-1B-7B's sparse layer: hidden 2048, 64 experts, 8 per token, expert intermediate 1024.
+OLMOE = dict(hidden_size=2048, intermediate_size=1024, num_experts=64, num_experts_per_tok=8)
+
+
+def bench_moe_experts(tokens, providers):
+    """transformers' experts module as it runs on CUDA (the implementation transformers picks for the model,
+    grouped_mm) against the same module after `slide_kernels.apply_to` (`moe_experts`). Routing from the layer's
+    own router on the benchmark's tokens; the routing weights are a leaf, so both compute their gradient."""
+    import copy
+
+    import transformers
+
+    config = transformers.AutoConfig.for_model("olmoe", **OLMOE, num_hidden_layers=1, vocab_size=1024,
+                                               num_attention_heads=16, num_key_value_heads=16)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config).bfloat16()
+    layer = model.model.layers[0].mlp
+    ours_model = copy.deepcopy(model)
+    patched = sk.apply_to(ours_model, rms_norm=False, rope=False, swiglu=False, cross_entropy=False)
+    hf, ours = layer.experts, ours_model.model.layers[0].mlp.experts
+    assert ours.forward.__func__ is sk.MoEExperts.forward and len(patched) == 1, patched
+    x = torch.randn(tokens, OLMOE["hidden_size"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with torch.no_grad():
+        _, weights, index = layer.gate(x)
+    weights = weights.detach().requires_grad_()
+    dy = torch.randn_like(x)
+
+    fns = {"transformers": lambda: hf(x, index, weights), "slide": lambda: ours(x, index, weights)}
+    with torch.no_grad():
+        want = fns["transformers"]().float()
+    rows = run_all(fns, [x, weights, *hf.parameters(), *ours.parameters()], dy,
+                   check=lambda f: (f().float() - want).abs().max().item())
+    for name, f in fns.items():  # the forward alone, recording for autograd as a training step does
+        if "ms" in rows[name]:
+            rows[name]["fwd_ms"] = round(time_of(f, [x, weights]), 4)
+    load = torch.bincount(index.reshape(-1), minlength=OLMOE["num_experts"])
+    rows["_routing"] = {"experts_implementation": hf.config._experts_implementation,
+                        "rows_per_expert_min_max": [int(load.min()), int(load.max())]}
+    print("moe_experts", tokens, rows["_routing"], flush=True)
+    return rows
+
+
 def table(res) -> str:
-    lines = ["| op | shape | provider | fwd+bwd ms | extra peak GiB |", "|---|---|---|---|---|"]
+    lines = ["| op | shape | provider | fwd+bwd ms | fwd ms | extra peak GiB |", "|---|---|---|---|---|---|"]
     for op, (shape, rows) in res.items():
         for name, r in rows.items():
             if name.startswith("_"):
                 continue
             if "error" in r:
-                lines.append(f"| {op} | {shape} | {name} | error | {r['error'][:60]} |")
+                lines.append(f"| {op} | {shape} | {name} | error | | {r['error'][:60]} |")
             else:
-                lines.append(f"| {op} | {shape} | {name} | {r['ms']:.3f} | {r['peak_gib']:.3f} |")
+                fwd = f"{r['fwd_ms']:.3f}" if "fwd_ms" in r else ""
+                lines.append(f"| {op} | {shape} | {name} | {r['ms']:.3f} | {fwd} | {r['peak_gib']:.3f} |")
     return "\n".join(lines)
 
 
@@ -257,20 +303,27 @@ def targets(res) -> dict:
         rows = res.get(op, (None, {}))[1]
         if "ms" in rows.get("slide", {}) and "ms" in rows.get("liger", {}):
             out[f"{op}_time_ratio_vs_liger"] = round(rows["slide"]["ms"] / rows["liger"]["ms"], 3)
+    for op, (_, rows) in res.items():  # the experts kernel stays wired in only where it beats transformers'
+        ours, theirs = rows.get("slide", {}), rows.get("transformers", {})
+        if op.startswith("moe_experts") and "ms" in ours and "ms" in theirs:
+            out[f"{op}_time_ratio_vs_transformers"] = round(ours["ms"] / theirs["ms"], 3)
+            out[f"{op}_fwd_time_ratio_vs_transformers"] = round(ours["fwd_ms"] / theirs["fwd_ms"], 3)
+            out[f"{op}_faster_than_transformers"] = ours["ms"] < theirs["ms"]
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=pathlib.Path, help="write the figures to this file")
-    p.add_argument("--ops", default="linear_cross_entropy,rms_norm,rope,swiglu")
+    p.add_argument("--ops", default="linear_cross_entropy,rms_norm,rope,swiglu,moe_experts")
     p.add_argument("--providers", default="eager,compile,liger,slide")
     p.add_argument("--rounds", type=int, default=1, help="time the providers in turn N times; report the median")
     args = p.parse_args()
     global ROUNDS
     ROUNDS = args.rounds
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels.py needs a CUDA GPU")
+        print("benchmarks/kernels.py: no CUDA GPU here, nothing timed (skipped)")
+        return
     providers = set(args.providers.split(","))
     ops = args.ops.split(",")
     res = {}
@@ -283,6 +336,10 @@ def main() -> None:
             "swiglu_act": ("T=16384 I=14336 (silu(a)*b only)", sw["act"]),
             "swiglu_mlp": ("T=16384 4096->14336 (whole MLP)", sw["mlp"]),
         })(bench_swiglu(16384, 4096, 14336, providers)),
+        "moe_experts": lambda: {
+            f"moe_experts_{t // 1024}k": (f"OLMoE-1B-7B experts, T={t} H=2048 E=64 top-8 I=1024",
+                                          bench_moe_experts(t, providers))
+            for t in (4096, 32768)},
     }
     for op in ops:
         try:  # one op failing must not lose the others' figures
@@ -306,7 +363,8 @@ def main() -> None:
         "versions": versions,
         "config": {"dtype": "bfloat16", "measure": "forward+backward; triton.testing.do_bench median (ms), the "
                    "median over --rounds rounds that take the providers in turn; "
-                   "extra peak = max_memory_allocated - memory_allocated before the call (GiB)",
+                   "extra peak = max_memory_allocated - memory_allocated before the call (GiB); moe_experts rows "
+                   "also time the forward alone (fwd_ms, recording for autograd)",
                    "providers": sorted(providers), "ops": ops, "rounds": ROUNDS},
         "results": {op: {"shape": shape, "providers": rows} for op, (shape, rows) in res.items()},
         "targets": targets(res),
