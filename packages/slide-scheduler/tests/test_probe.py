@@ -2,6 +2,7 @@
 measured under a step's mix with every lane's bytes counted, the disk is measured through each path slide-io can
 take and the choice between them recorded, and the disk probe leaves nothing behind."""
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -15,15 +16,17 @@ import torch
 import slide_io.kvikio_path as kvikio_path
 import slide_scheduler.probe as probe_module
 from slide_io import PathChoice, PathRates, kvikio_choice
-from slide_scheduler.machine import Gpu, Machine, Pcie
+from slide_scheduler.machine import Gpu, Machine, Pcie, causal_attention_flops
 from slide_scheduler.probe import (
     QUICK,
     Lane,
     LaneRun,
+    attention_rates,
     last_level_cache_bytes,
     mix_lanes,
     past_cache,
     probe,
+    probe_attention,
     probe_disk,
     probe_host,
     run_mix,
@@ -83,6 +86,68 @@ def test_disk_probe_cleans_up_after_a_failure(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk gone"):
         probe_disk(tmp_path, quick=True)
     assert list(tmp_path.iterdir()) == []
+
+
+# -- attention ---------------------------------------------------------------------------------------------------
+
+
+def test_attention_is_not_measured_without_a_gpu():
+    assert probe_attention("cpu", QUICK) == 0.0
+    if not torch.cuda.is_available():
+        assert probe_attention(None, QUICK) == 0.0
+
+
+def test_causal_attention_flops_by_hand():
+    # One row of 16,384 tokens, 32 heads of 128: the forward's two matmuls over the causal half of the scores,
+    # 2 x 2 x 16384^2 x 32 x 128 / 2 = 2 x 268,435,456 x 4096 = 2,199,023,255,552; the backward twice that.
+    assert causal_attention_flops(16384, 32, 128, backward=False) == 2199023255552.0
+    assert causal_attention_flops(16384, 32, 128) == 6597069766656.0
+    assert causal_attention_flops(16384, 32, 128, batch=2) == 2 * 6597069766656.0
+    # The trainer's count per token and layer (6 x heads x head_dim x S), over the row's S tokens.
+    assert causal_attention_flops(4096, 8, 64) == 6 * 8 * 64 * 4096 * 4096
+
+
+def test_attention_rate_round_trips_through_machine_dicts_and_files(tmp_path):
+    machine = Machine(gpu=Gpu(memory_gib=79.2, bf16_tflops=612.0, attention_tflops=301.0))
+    assert machine.to_dict()["gpu"]["attention_tflops"] == 301.0
+    assert Machine.from_dict(machine.to_dict()) == machine
+    assert Machine.from_dict({"gpu": {"memory_gib": 24, "attention_tflops": 90}}).gpu.attention_tflops == 90.0
+    assert Machine.from_dict({"gpu": {"memory_gib": 24}}).gpu.attention_tflops == 0.0  # an older file: not measured
+    with pytest.raises(ValueError, match="gpu.attention_tflops must be a number"):
+        Machine.from_dict({"gpu": {"attention_tflops": -1}})
+    # Machine files are slide-train's (YAML): written and read back, the rate is kept.
+    machines = pytest.importorskip("slide_train.machines")
+    machines.save_machine(machine, tmp_path / "m.yaml")
+    assert "attention_tflops: 301.0" in (tmp_path / "m.yaml").read_text()
+    assert machines.load_machine(tmp_path / "m.yaml") == machine
+
+
+def test_attention_rate_is_the_faster_kernels(monkeypatch):
+    monkeypatch.setattr(probe_module, "attention_rates", lambda device, sizes: {"sdpa": 312.3456, "flex": 287.0})
+    monkeypatch.setattr(probe_module, "_device", lambda device: torch.device("cuda", 0))
+    assert probe_attention("cuda", QUICK) == 312.0  # (three digits, as every figure)
+    monkeypatch.setattr(probe_module, "attention_rates", lambda device, sizes: {"sdpa": 0.0, "flex": 0.0})
+    assert probe_attention("cuda", QUICK) == 0.0  # no kernel ran: not measured
+
+
+def test_a_kernel_that_cannot_run_counts_zero(monkeypatch):
+    seen = []
+
+    def fake_seconds(kernel, device, seq, reps):
+        seen.append((kernel, seq, reps))
+        if kernel is probe_module._flex_causal:
+            raise RuntimeError("no Triton here")
+        return 0.5
+
+    monkeypatch.setattr(probe_module, "_attention_seconds", fake_seconds)
+    monkeypatch.setattr(probe_module.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(probe_module.torch.cuda, "empty_cache", lambda: None)
+    sizes = dataclasses.replace(QUICK, attention_seq=2048, attention_reps=4)
+    rates = attention_rates(torch.device("cuda", 0), sizes)
+    assert rates == {"sdpa": causal_attention_flops(2048, 32, 128) / 0.5 / 1e12, "flex": 0.0}
+    assert seen == [(probe_module._sdpa_causal, 2048, 4), (probe_module._flex_causal, 2048, 4)]
+    seen.clear()
+    assert set(attention_rates(torch.device("cuda", 0), dataclasses.replace(sizes, attention_flex=False))) == {"sdpa"}
 
 
 # -- host memory under a step's mix -------------------------------------------------------------------------
@@ -351,6 +416,9 @@ def test_quick_probe_on_a_gpu(tmp_path):
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     assert machine.gpu.memory_gib == pytest.approx(total / GIB, rel=0.01)
     assert machine.gpu.bf16_tflops > 0
+    # Causal attention forward + backward runs, slower than dense matrix products (softmax, the causal edge,
+    # a backward that does more than the count says).
+    assert 0 < machine.gpu.attention_tflops < machine.gpu.bf16_tflops
     pcie = machine.pcie
     assert pcie.h2d_gbps > 0 and pcie.d2h_gbps > 0 and pcie.duplex_gbps > 0
     # Both ways at once move at least as much as the faster single direction, up to measurement noise.

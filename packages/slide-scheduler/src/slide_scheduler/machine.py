@@ -2,7 +2,7 @@
 
 The same figures a machine file holds (`slide-train probe` measures them; docs/machines/ has examples):
 
-    gpu:  {memory_gib, bf16_tflops, link_gbps}
+    gpu:  {memory_gib, bf16_tflops, attention_tflops, link_gbps}
     host: {memory_gib, cores, memory_gbps, adamw_gparams}
     pcie: {h2d_gbps, d2h_gbps, duplex_gbps}
     disk: {free_gib, read_gbps, write_gbps, path, path_reason, posix_read_gbps, posix_write_gbps,
@@ -10,6 +10,10 @@ The same figures a machine file holds (`slide-train probe` measures them; docs/m
 
 Rates are what a step can get (GB/s are 1e9 bytes per second, TFLOP/s are dense bf16 matrix work), sizes are GiB.
 Every figure is a number except the disk's path and its reason, which are words.
+
+`gpu.attention_tflops` is causal attention's rate, forward and backward at a long sequence through the fused
+kernels a step runs (SDPA's flash path, FlexAttention), in FLOPs as `causal_attention_flops` counts them: the
+FLOPs of a layer's attention over a row, divided by this rate, are its seconds. 0: not measured.
 """
 
 from __future__ import annotations
@@ -23,9 +27,29 @@ from typing import Any
 class Gpu:
     memory_gib: float = 0.0  # 0: no GPU (the device is the CPU)
     bf16_tflops: float = 0.0
+    # causal attention forward + backward (bf16, fused kernels, long rows) in `causal_attention_flops`' count;
+    # 0: not measured
+    attention_tflops: float = 0.0
     # what one GPU's collectives with the others move (NVLink, or PCIe between GPUs), for data-parallel ranks;
     # 0: not measured, priced at the host link's rate
     link_gbps: float = 0.0
+
+
+def causal_attention_flops(seq_len: int, heads: int, head_dim: int, batch: int = 1, backward: bool = True) -> float:
+    """Causal self-attention's FLOPs for one layer over `batch` rows of `seq_len` tokens, as the trainer's
+    `tflops_attn` counts them (PaLM's count with the causal half; slide_train.trainer.attention_flops_per_token):
+
+        forward   2 matmuls (Q K^T, P V) x 2 FLOPs a multiply-add x S x S x heads x head_dim / 2 (causal)
+                  = 2 * batch * S**2 * heads * head_dim
+        backward  2 x the forward (`backward`): 6 * batch * S**2 * heads * head_dim in all, which is the
+                  trainer's 6 x heads x head_dim x S per token and layer.
+
+    `heads` are the query heads (grouped key/value heads do not change the count). A flash kernel's backward
+    does 2.5x the forward's matmuls (it recomputes the scores), so `Gpu.attention_tflops`, which is measured in
+    this count, stands for somewhat more arithmetic than it says: the count, not the kernel, defines it.
+    """
+    forward = 2.0 * batch * float(seq_len) ** 2 * heads * head_dim
+    return 3 * forward if backward else forward
 
 
 @dataclass(frozen=True)

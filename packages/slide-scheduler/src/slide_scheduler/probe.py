@@ -1,6 +1,6 @@
 """Measuring this machine: the sizes and rates of a machine file, taken from short runs of the operations a
-training step is made of (bf16 GEMMs, pinned copies over PCIe, host memory under a step's mix of copies and
-AdamW, host AdamW, store I/O through each path slide-io can take).
+training step is made of (bf16 GEMMs, causal attention at a long sequence, pinned copies over PCIe, host memory
+under a step's mix of copies and AdamW, host AdamW, store I/O through each path slide-io can take).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from slide_io import NVMeStore, PathRates, choose_path, free_bytes, kvikio_choice
 from slide_memory import AdamWConfig, HostAdamW, host_empty
 
-from .machine import Disk, Gpu, Host, Machine, Pcie
+from .machine import Disk, Gpu, Host, Machine, Pcie, causal_attention_flops
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -43,6 +43,9 @@ class Sizes:
     reps: int
     mix_seconds: float = 1.0  # how long the host memory mix runs, every lane at once
     disk_reps: int = 3  # timed writes and reads of `disk_bytes` per disk path
+    attention_seq: int = 16384  # the row of the attention measurement (tokens; ATTENTION_HEADS' shape)
+    attention_reps: int = 3  # timed forward + backward passes per kernel
+    attention_flex: bool = True  # FlexAttention beside SDPA (its first call compiles it)
 
 
 # The disk moves 1 GiB per path: shorter transfers read faster than a step's states sustain.
@@ -50,6 +53,10 @@ FULL = Sizes(gemm_n=8192, gemm_reps=20, pcie_bytes=512 * MIB, memory_bytes=512 *
              disk_bytes=GIB, reps=5, mix_seconds=3.0, disk_reps=3)
 QUICK = Sizes(gemm_n=4096, gemm_reps=10, pcie_bytes=64 * MIB, memory_bytes=128 * MIB, adamw_params=16 << 20,
               disk_bytes=128 * MIB, reps=3, mix_seconds=1.0, disk_reps=3)
+# Attention's shape: Llama-3.1-8B's heads (32 of 128, 8 key/value heads), one row (`Sizes.attention_seq`).
+ATTENTION_HEADS = 32
+ATTENTION_KV_HEADS = 8
+ATTENTION_HEAD_DIM = 128
 # The AdamW's master, m, v and gradient (14 bytes a parameter) span at least this many times the machine's
 # last-level caches: from a cache it runs several times faster than from memory (16 Mi parameters, 224 MB,
 # measured 2.3x the rate of 64 Mi on an H100 host and 7x on a 2-core VM that reports 480 MB of L3).
@@ -87,9 +94,52 @@ def probe_host(sizes: Sizes = FULL, device: torch.device | str | None = None) ->
 
 
 def probe_gpu(device: torch.device, sizes: Sizes = FULL) -> Gpu:
-    """Total memory of `device` and its dense bf16 matmul rate."""
+    """Total memory of `device`, its dense bf16 matmul rate and its causal attention rate (`probe_attention`)."""
     total = torch.cuda.get_device_properties(device).total_memory
-    return Gpu(memory_gib=_figure(total / GIB), bf16_tflops=_figure(_gemm_tflops(device, sizes)))
+    return Gpu(
+        memory_gib=_figure(total / GIB),
+        bf16_tflops=_figure(_gemm_tflops(device, sizes)),
+        attention_tflops=probe_attention(device, sizes),
+    )
+
+
+def probe_attention(device: torch.device | str | None = None, sizes: Sizes = FULL) -> float:
+    """Causal attention's rate on `device` (default: the current CUDA device), forward and backward, the faster
+    of the kernels `attention_rates` measures, in TFLOP/s as `causal_attention_flops` counts them. 0 without a
+    CUDA device, or where no kernel ran."""
+    device = _device(device)
+    if device.type != "cuda":
+        return 0.0
+    return _figure(max(attention_rates(device, sizes).values(), default=0.0))
+
+
+def attention_rates(device: torch.device, sizes: Sizes = FULL) -> dict[str, float]:
+    """Each fused attention kernel's rate on `device`, by name ("sdpa", and "flex" where `sizes.attention_flex`):
+    causal bf16 attention, one row of `sizes.attention_seq` tokens with ATTENTION_HEADS query heads of
+    ATTENTION_HEAD_DIM and ATTENTION_KV_HEADS key/value heads, forward and backward (the gradients of query, key
+    and value). TFLOP/s in `causal_attention_flops`' count (the backward at 2x the forward); 0 for a kernel that
+    cannot run here (no flash kernel for this GPU, no Triton for FlexAttention, too little free memory).
+
+    sdpa is torch's scaled_dot_product_attention with is_causal=True and grouped key/value heads, as the trainer
+    calls it for causal rows, held to its fused kernels (flash, cuDNN, memory-efficient): the math kernel, which
+    builds the S x S scores, is left out. flex is FlexAttention, compiled as the trainer compiles it, with a
+    causal BlockMask."""
+    seq, reps = sizes.attention_seq, sizes.attention_reps
+    flops = causal_attention_flops(seq, ATTENTION_HEADS, ATTENTION_HEAD_DIM)
+    kernels = {"sdpa": _sdpa_causal}
+    if sizes.attention_flex:
+        kernels["flex"] = _flex_causal
+    rates = {}
+    with torch.cuda.device(device):
+        for name, kernel in kernels.items():
+            try:
+                rates[name] = flops / _attention_seconds(kernel, device, seq, reps) / 1e12
+            # (a kernel this GPU or torch has not: no kernel, a failed compile, out of memory, no enable_gqa)
+            except (RuntimeError, ImportError, TypeError):
+                rates[name] = 0.0
+            finally:
+                torch.cuda.empty_cache()
+    return rates
 
 
 def probe_pcie(device: torch.device, sizes: Sizes = FULL) -> Pcie:
@@ -262,6 +312,60 @@ def _gemm_tflops(device: torch.device, sizes: Sizes) -> float:
         end.synchronize()
         seconds = max(start.elapsed_time(end) / 1e3, 1e-9)
     return 2 * n**3 * sizes.gemm_reps / seconds / 1e12
+
+
+def _sdpa_causal(device: torch.device, seq: int) -> Callable[..., torch.Tensor]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with sdpa_kernel(fused):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    return run
+
+
+def _flex_causal(device: torch.device, seq: int) -> Callable[..., torch.Tensor]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def causal(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return q >= kv
+
+    mask = create_block_mask(causal, None, None, seq, seq, device=device)
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return compiled(q, k, v, block_mask=mask, enable_gqa=True)
+
+    return run
+
+
+def _attention_seconds(
+    kernel: Callable[[torch.device, int], Callable[..., torch.Tensor]], device: torch.device, seq: int, reps: int
+) -> float:
+    """Device seconds of one forward and backward of `kernel`'s attention over one row of `seq` tokens (the mean
+    of `reps` after an untimed one, which picks or compiles the kernel)."""
+    shape = (1, ATTENTION_HEADS, seq, ATTENTION_HEAD_DIM)
+    kv_shape = (1, ATTENTION_KV_HEADS, seq, ATTENTION_HEAD_DIM)
+    q = torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(kv_shape, device=device, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(kv_shape, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    attend = kernel(device, seq)
+
+    def step() -> None:
+        torch.autograd.grad(attend(q, k, v), (q, k, v), grad)
+
+    step()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        step()
+    end.record()
+    end.synchronize()
+    return max(start.elapsed_time(end) / 1e3 / reps, 1e-9)
 
 
 # -- host memory under a step's mix ---------------------------------------------------------------------------
