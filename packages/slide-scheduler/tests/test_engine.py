@@ -118,7 +118,8 @@ def random_steps(seed: int, shapes: list[tuple[int, int]], device: str = "cpu"):
 
 
 PLACEMENT_KEYS = ("window", "resident", "device_update_share", "held_grads", "split_update",
-                  "grads_share_activations", "nvme_fraction", "disk_loads", "speculate", "landing", "edges_early")
+                  "grads_share_activations", "nvme_fraction", "disk_loads", "speculate", "landing", "edges_early",
+                  "disk_boundaries")
 FACT_KEYS = ("device", "compute_dtype", "states_dtype", "max_grad_norm", "activation_offload")
 
 
@@ -127,7 +128,7 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
     `activation_offload`: `run_facts`' words), EngineConfig keys, and these placement choices: `window` (2),
     `resident` (a count: the edges, then blocks from 0; or units), `device_update_share` (0), `held_grads` (0),
     `split_update` (True), `grads_share_activations` (False), `nvme_fraction` (0), `disk_loads` (False),
-    `speculate` (False), `landing` (0: the rule), `edges_early` (True)."""
+    `speculate` (False), `landing` (0: the rule), `edges_early` (True), `disk_boundaries` (0)."""
     choices = {k: kwargs.pop(k) for k in PLACEMENT_KEYS if k in kwargs}
     run = run_facts(**{k: kwargs.pop(k) for k in FACT_KEYS if k in kwargs})
     resident = choices.get("resident", 0)
@@ -137,7 +138,8 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
                         shared=choices.get("grads_share_activations", False), held=choices.get("held_grads", 0),
                         split=choices.get("split_update", True), speculate=choices.get("speculate", False),
                         nvme_fraction=choices.get("nvme_fraction", 0.0), disk_loads=choices.get("disk_loads", False),
-                        landing=choices.get("landing", 0), edges_early=choices.get("edges_early", True))
+                        landing=choices.get("landing", 0), edges_early=choices.get("edges_early", True),
+                        disk_boundaries=choices.get("disk_boundaries", 0))
     return SlidingEngine(stack, placement, EngineConfig(**kwargs))
 
 
@@ -320,6 +322,31 @@ def test_the_plans_other_choices_give_the_same_weights(monkeypatch, slow, clip):
         for unit, params in ref.items():
             for name, t in params.items():
                 assert got[unit][name].equal(t), f"{choice}: {unit}.{name}"
+
+
+@pytest.mark.parametrize("tier", ["cpu", "none"])
+@pytest.mark.parametrize("slow", ["h2d", "d2h"])
+def test_boundary_activations_in_a_tier_per_block_give_the_same_weights(tmp_path, tier, slow):
+    """The first blocks' boundary activations on disk, the others in host memory or on the device: the same
+    losses and weights as every boundary in host memory, synchronous, whichever copy lane is slow."""
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=0.05)
+    torch.manual_seed(0)
+    engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, activation_offload=tier,
+                         activation_dir=str(tmp_path), max_grad_norm=0.05, disk_boundaries=2,
+                         optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1))
+    assert engine.placement.boundary_tiers == ("nvme", "nvme", tier, tier)
+    getattr(engine, slow).delay = 0.004
+    losses = []
+    for step in batches(seed=4, steps=3, micro=3):
+        n = sum(int((b["targets"] != -100).sum()) for b in step)
+        losses.append(engine.step(step, lr=1e-2, normalizer=n).loss)
+    got = engine.named_masters()
+    assert len(list(tmp_path.rglob("*.bin"))) == 2 * 3  # (a file per disk boundary and micro-batch)
+    engine.close()
+    assert losses == ref_losses
+    for unit, params in ref.items():
+        for name, t in params.items():
+            assert got[unit][name].equal(t), f"{unit}.{name}"
 
 
 def test_a_missing_wait_is_caught_by_the_delay_tests():

@@ -130,6 +130,8 @@ MIXES = {
     "masters read from disk for loads": ({}, {"nvme_fraction": 1.0, "disk_loads": True}),
     "activations on disk": ({"activation_offload": "nvme"}, {"resident": range(2)}),
     "activations on the device": ({"activation_offload": "none"}, {"window": 3}),
+    "the first blocks' activations on disk": ({}, {"disk_boundaries": 2}),
+    "activations on disk and the device": ({"activation_offload": "none"}, {"disk_boundaries": 1, "landing": 1}),
     "speculating": ({}, {"speculate": True, "resident": range(2)}),
     "some speculating": ({}, {"speculate": 2, "share": 0.5}),
 }
@@ -402,3 +404,24 @@ def test_asked_to_speculate_the_planner_speculates_where_it_pays_and_the_host_ha
     tight = Budgets(gpu=budgets.gpu, host=(plain.placement.bytes(HOST) + asked.placement.bytes(HOST)) / 2)
     fallback = place(LLAMA_3B, step, RunFacts(clip=1.0), tight, h200, Overrides(speculate=True))
     assert fallback.fits and fallback.placement.bytes(HOST) <= tight.host
+
+
+def test_auto_puts_the_first_blocks_activations_on_disk_where_host_memory_holds_only_the_others():
+    """`activations: auto` on a host that holds the states and most of the boundary activations: the plan keeps
+    them in host memory but the fewest first blocks', which go to disk; one block fewer on disk does not fit,
+    and the disk tier's bytes and traffic count exactly those."""
+    from slide_scheduler import Overrides, disk_traffic
+
+    step, gib = StepShape(32768, 2, 32768), 2**30
+    run = RunFacts(clip=1.0, activations="cpu")
+    whole = place(LLAMA_3B, step, run, Budgets(gpu=70 * gib), FAST).placement
+    act = step.tokens_per_micro * LLAMA_3B.hidden * 2 * step.micro_batches
+    budgets = Budgets(gpu=70 * gib, host=whole.bytes(HOST) - 4.5 * act, disk=1000 * gib)
+    plan = place(LLAMA_3B, step, dataclasses.replace(run, activations="auto"), budgets, FAST)
+    p = plan.placement
+    k = p.boundaries_in("nvme")
+    assert plan.fits and 0 < k < LLAMA_3B.num_blocks and p.boundary_tiers == ("nvme",) * k + ("cpu",) * (28 - k)
+    fewer = place(LLAMA_3B, step, run, budgets, FAST, Overrides(disk_boundaries=k - 1))
+    assert not fewer.fits
+    assert p.tiers()[DISK]["boundary activations"] == k * act
+    assert disk_traffic(p) == (k * act, k * act)

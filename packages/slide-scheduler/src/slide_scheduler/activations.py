@@ -9,6 +9,8 @@ tier passes them through two small rings of host buffers to files (`disk_activat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from slide_memory import host_empty
@@ -18,15 +20,19 @@ from .lanes import DONE, Lane, Signal
 
 
 class ActivationStore:
-    def __init__(self, tier: str, device: torch.device, d2h: Lane, h2d: Lane, compute: Lane, pool=None,
-                 directory: str | None = None):
-        if tier not in ("none", "cpu", "nvme"):
-            raise ValueError(f"activation tier must be 'none' (keep on device), 'cpu' or 'nvme', got {tier!r}")
-        if tier == "nvme" and not directory:
+    """`tiers`: one tier for every boundary, or each boundary's (block input 0, 1, ...)."""
+
+    def __init__(self, tiers: str | Sequence[str], device: torch.device, d2h: Lane, h2d: Lane, compute: Lane,
+                 pool=None, directory: str | None = None):
+        self.tiers = tiers
+        for tier in {tiers} if isinstance(tiers, str) else set(tiers):
+            if tier not in ("none", "cpu", "nvme"):
+                raise ValueError(f"activation tier must be 'none' (keep on device), 'cpu' or 'nvme', got {tier!r}")
+        on_disk = tiers == "nvme" if isinstance(tiers, str) else "nvme" in tiers
+        if on_disk and not directory:
             raise ValueError("activations on the nvme tier go to files: set activation_dir to a directory on a fast "
                              "local disk")
-        self.offload = tier != "none"  # on a CPU device this still copies, so CI exercises the same path
-        self.disk = DiskActivations(directory, d2h, h2d) if tier == "nvme" else None
+        self.disk = DiskActivations(directory, d2h, h2d) if on_disk else None
         self.device, self.d2h, self.h2d, self.compute = device, d2h, h2d, compute
         self.pool = pool  # when set, the host buffers are its (`SharedPool.activation`)
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, Signal]] = {}
@@ -37,13 +43,17 @@ class ActivationStore:
         self._leaving: list[torch.Tensor] = []
         self._last_copy: Signal = DONE
 
+    def tier(self, boundary: int) -> str:
+        return self.tiers if isinstance(self.tiers, str) else self.tiers[boundary]
+
     def put(self, boundary: int, micro: int, hidden: torch.Tensor, produced: Signal) -> None:
         """Keep `hidden` (made on the compute lane; `produced` holds once it is written)."""
-        if not self.offload:
+        tier = self.tier(boundary)
+        if tier == "none":
             self._saved[boundary, micro] = (hidden, DONE)
             return
         self.d2h.wait(produced)
-        if self.disk is not None:
+        if tier == "nvme":
             self._leave(hidden, self.disk.put((boundary, micro), hidden))
             return
         if self.pool is not None:
@@ -90,8 +100,9 @@ class ActivationStore:
         It lands in a device buffer kept for `owner` (what it is fetched for) and the micro-batch, reused by the
         owner's next fetch, so the steady state allocates nothing; the caller orders that next fetch after
         compute is done with this one (the owner's `free` signal)."""
-        saved, stored = self.disk.fetch((boundary, micro)) if self.disk else self._saved[boundary, micro]
-        if not self.offload:
+        tier = self.tier(boundary)
+        saved, stored = self.disk.fetch((boundary, micro)) if tier == "nvme" else self._saved[boundary, micro]
+        if tier == "none":
             return saved
         self.h2d.wait(stored)
         out = self._landing.get((owner, micro))
@@ -104,7 +115,7 @@ class ActivationStore:
                 out = torch.empty_like(saved, device=self.device)
             self._landing[owner, micro] = out
         self.h2d.run(out.copy_, saved, True, label=f"acts in {boundary}")
-        if self.disk is not None:
+        if tier == "nvme":
             self.disk.consumed((boundary, micro), self.h2d.record())
         return out
 

@@ -94,7 +94,8 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
     peers = (ranks - 1) / ranks * c
     link = max(machine.gpu.link_gbps or machine.pcie.h2d_gbps, 1e-3) * 1e9
     act = t.tokens_per_micro * s.hidden * c * t.micro_batches  # one boundary, every micro-batch
-    offload = p.activations != "none"
+    offloaded, disk_acts = n - p.boundaries_in("none"), p.boundaries_in("nvme")  # blocks' input boundaries
+    offload = offloaded > 0
 
     def block_flops(numel: int) -> float:  # forward pass of one block over the step: GEMMs and causal attention
         return 2 * numel * tokens + 2 * tokens * seq * s.hidden
@@ -185,14 +186,13 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
             bwd.link += peers * e
             (fwd if clip else bwd).adamw += e / adamw
             (fwd if clip else bwd).host_bytes += e * adamw_bytes
-    if offload:  # boundaries out in the forward, back in the backward
-        fwd.d2h += n * act
-        bwd.h2d += n * act
-        if p.activations == "nvme":
-            fwd.disk += n * act / disk_w
-            bwd.disk += n * act / disk_r
-            fwd.host_bytes += n * act
-            bwd.host_bytes += n * act
+    if offload:  # boundaries out in the forward, back in the backward (through host memory to disk for some)
+        fwd.d2h += offloaded * act
+        bwd.h2d += offloaded * act
+        fwd.disk += disk_acts * act / disk_w
+        bwd.disk += disk_acts * act / disk_r
+        fwd.host_bytes += disk_acts * act
+        bwd.host_bytes += disk_acts * act
     for w in (fwd, bwd):
         w.host_bytes += (w.h2d + w.d2h) * ranks if pcie else 0.0
 
@@ -290,9 +290,8 @@ def disk_traffic(p: Placement) -> tuple[int, int]:
         states = (2 * p.state_bytes + (4 if u in p.masters_on_disk else 0)) * numel
         read, written = read + states, written + states
     read += sum(2 * 4 * s.unit_numels[u] for u in p.loads_from_disk)
-    if p.activations == "nvme":
-        boundaries = s.num_blocks * t.tokens_per_micro * s.hidden * p.compute_bytes * t.micro_batches
-        read, written = read + boundaries, written + boundaries
+    boundaries = p.boundaries_in("nvme") * t.tokens_per_micro * s.hidden * p.compute_bytes * t.micro_batches
+    read, written = read + boundaries, written + boundaries
     return read, written
 
 

@@ -216,7 +216,7 @@ class SlidingEngine:
         self.homes = GradientHomes(self)
         self._load_resident()
         self._disk_counted: tuple[int, int] | None = None  # disk_traffic() when the last step ended
-        self.activations = ActivationStore(p.activations, self.device, self.d2h, self.h2d, self.compute,
+        self.activations = ActivationStore(p.boundary_tiers, self.device, self.d2h, self.h2d, self.compute,
                                            self.homes.pool, config.activation_dir)
         # Backward fetches activations into the plan's sets of device buffers, each free again once the backward
         # that read it is done
@@ -756,7 +756,7 @@ def _check(p: Placement, numels: tuple[int, ...], config: EngineConfig, ranks: R
     if p.on_disk and not config.nvme_dir:
         raise ValueError("the placement keeps masters and AdamW moments on disk: set nvme_dir to a directory on a "
                          "fast local disk")
-    if p.activations == "nvme" and not config.activation_dir:
+    if p.boundaries_in("nvme") and not config.activation_dir:
         raise ValueError("the placement keeps boundary activations on disk: set activation_dir to a directory on a "
                          "fast local disk")
 

@@ -247,6 +247,9 @@ class Placement:
     landing: int = 0
     # streamed sliding edges: their tail-only part (final norm, untied lm head) updates apart, early
     edges_early: bool = True
+    # where each block's input boundary activations wait (none | cpu | nvme), block by block; empty: all in the
+    # run's tier (`activations`)
+    boundaries: tuple[str, ...] = ()
 
     def __post_init__(self):
         validate(self)
@@ -268,6 +271,15 @@ class Placement:
     @property
     def state_bytes(self) -> int:
         return self.run.state_bytes
+
+    @property
+    def boundary_tiers(self) -> tuple[str, ...]:
+        """Each block's input boundary activations' tier."""
+        return self.boundaries or (self.activations,) * self.shapes.num_blocks
+
+    def boundaries_in(self, tier: str) -> int:
+        """How many blocks' input boundaries wait in `tier` (none | cpu | nvme)."""
+        return self.boundary_tiers.count(tier)
 
     @property
     def device_is_host(self) -> bool:
@@ -391,6 +403,10 @@ def validate(p: Placement) -> None:
     if p.activations not in ACTIVATION_TIERS:
         raise ValueError(f"a placement puts the boundary activations in one of {', '.join(ACTIVATION_TIERS)}, got "
                          f"{p.activations!r} (the planner chooses for `auto`)")
+    if p.boundaries and (len(p.boundaries) != p.shapes.num_blocks
+                         or any(t not in ACTIVATION_TIERS for t in p.boundaries)):
+        raise ValueError(f"a placement names one tier of {', '.join(ACTIVATION_TIERS)} per block's boundary "
+                         f"activations ({p.shapes.num_blocks}), got {p.boundaries!r}")
     if len(p.units) != len(p.shapes.unit_numels):
         raise ValueError(f"a placement needs one entry per unit ({len(p.shapes.unit_numels)}), got {len(p.units)}")
     if p.window < 1:
@@ -446,7 +462,7 @@ def validate(p: Placement) -> None:
                 raise ValueError(f"{name}: only a block updated on the device holds its gradient there")
             if unit.update == "stream" and not p.clip:
                 raise ValueError(f"{name}: without clipping a block's update runs on the host during backward")
-            if unit.grad == "pool" and (not p.clip or p.activations != "cpu"):
+            if unit.grad == "pool" and (not p.clip or p.boundaries_in("cpu") != p.shapes.num_blocks):
                 raise ValueError(f"{name}: pooled gradients share the host memory of the boundary activations: "
                                  "they need clipping and activations on the host")
 
@@ -455,7 +471,7 @@ def early_reads_wait(p: Placement) -> bool:
     """Whether a clipped step's first updates must wait for the norm to read their states from disk: they
     read under the backward only where nothing the backward waits for reads the disk then (masters for loads,
     boundary activations on disk)."""
-    return bool(p.loads_from_disk) or p.activations == "nvme"
+    return bool(p.loads_from_disk) or bool(p.boundaries_in("nvme"))
 
 
 def block_range(units: Iterable[int]) -> list[int]:
@@ -518,7 +534,8 @@ def _allocations(p: Placement) -> list[Allocation]:
     add(dev, "step readout", 4 * (1 + len(numel)))  # the loss, then each unit's squared gradient norm
     # Host gradients: the ring, the sliding edges' own buffer, and the pool shared with the boundary activations
     act = t.tokens_per_micro * s.hidden * c  # one micro-batch's boundary activation
-    boundaries = s.num_blocks * t.micro_batches  # block inputs 0..n-1 (the last output goes straight on)
+    # block inputs 0..n-1 (the last output goes straight on), each in its block's tier
+    host_acts, disk_acts, device_acts = (p.boundaries_in(tier) * t.micro_batches for tier in ("cpu", "nvme", "none"))
     add(HOST, "gradients", p.ring * c * s.block_numel // p.ranks)
     add(HOST, "speculative parameters", c * sum(shard[u] for u in p.speculated))
     if p.units[0].grad == "own":
@@ -526,14 +543,16 @@ def _allocations(p: Placement) -> list[Allocation]:
     if p.pooled:
         add(HOST, "gradients + boundary activations",
             pool_bytes(p.pooled, c * s.block_numel, [act] * t.micro_batches, s.num_blocks))
-    elif p.activations == "cpu":
-        add(HOST, "boundary activations", boundaries * act)
-    if p.activations == "nvme":
-        add(DISK, "boundary activations", boundaries * act)
-        add(HOST, "boundary activation rings", 2 * SLOTS_PER_MICRO * t.micro_batches * act)
-    if p.activations == "none":
-        add(dev, "boundary activations", boundaries * act)
-    else:  # backward's landing buffers: a set per slot and one more (two when nothing slides), reused every step
+    elif host_acts:
+        add(HOST, "boundary activations", host_acts * act)
+    if disk_acts:
+        add(DISK, "boundary activations", disk_acts * act)
+        # (the write ring turns over every buffer; reads fill the read ring from its start each step)
+        rings = SLOTS_PER_MICRO + min(SLOTS_PER_MICRO, p.boundaries_in("nvme"))
+        add(HOST, "boundary activation rings", rings * t.micro_batches * act)
+    if device_acts:
+        add(dev, "boundary activations", device_acts * act)
+    if host_acts or disk_acts:  # backward's landing buffers: the plan's sets, reused every step
         add(dev, "activation landing", p.landing_sets * t.micro_batches * act)
     # The working set of one block's recompute and backward, the tail's loss chunk, the allocator's margin
     seq = t.seq_len or t.tokens_per_micro
@@ -584,6 +603,9 @@ class Overrides:
     landing_sets: int | None = None
     # streamed edges update their tail-only part early (None: yes)
     edges_early: bool | None = None
+    # blocks (the first ones) whose input boundary activations wait on disk, the others in the run's tier (None:
+    # none, or with `activations: auto` the fewest that fit host memory)
+    disk_boundaries: int | None = None
 
 
 def device_updated(sliding: int, share: float) -> list[int]:
@@ -610,7 +632,7 @@ def held_on_device(device_units: list[int], count: int, shared: bool) -> list[in
 def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterable[int] = (), window: int = 2,
             share: float = 0.0, shared: bool = False, held: int = 0, split: bool = True,
             speculate: bool | int = False, nvme_fraction: float = 0.0, disk_loads: bool = False,
-            sequence_tile: int = 0, landing: int = 0, edges_early: bool = True,
+            sequence_tile: int = 0, landing: int = 0, edges_early: bool = True, disk_boundaries: int = 0,
             threads: int | None = None) -> Placement:
     """The placement these choices make: `resident` units on the device; of the sliding blocks, the last
     `nvme_fraction` with masters and moments on disk, `share` of the rest (spread out) updated on the device
@@ -644,8 +666,11 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
                                        speculate=u in speculating, master=DISK if u in disk else "",
                                        loads=DISK if disk_loads and u in disk else ""))
     extra = {} if threads is None else {"threads": threads}
+    # the first `disk_boundaries` blocks' input activations on disk (written earliest, read last), the rest in
+    # the run's tier
+    boundaries = ("nvme",) * disk_boundaries + (run.activations,) * (n - disk_boundaries) if disk_boundaries else ()
     return Placement(shapes, step, tuple(units), window, run, sequence_tile=sequence_tile, landing=landing,
-                     edges_early=edges_early, **extra)
+                     edges_early=edges_early, boundaries=boundaries, **extra)
 
 
 def resident_units(resident: int | Iterable[int]) -> set[int]:
@@ -666,7 +691,8 @@ def size_for_budget(shapes: Shapes, step: StepShape, run: RunFacts, budget: floa
                        speculate=overrides.speculate is True if speculate is None else speculate,
                        nvme_fraction=overrides.nvme_fraction or 0.0, disk_loads=bool(overrides.disk_loads),
                        sequence_tile=overrides.sequence_tile or 0, landing=overrides.landing_sets or 0,
-                       edges_early=overrides.edges_early is not False)
+                       edges_early=overrides.edges_early is not False,
+                       disk_boundaries=overrides.disk_boundaries or 0)
 
     if overrides.resident is not None:
         chosen = make(resident_units(overrides.resident))

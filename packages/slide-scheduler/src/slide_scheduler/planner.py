@@ -118,7 +118,7 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
         shares = SHARES
     else:  # without clipping only the sliding edges can stream
         shares = (0.0, 1.0)
-    poolable = run.clip and run.activations == "cpu"
+    poolable = run.clip and run.activations == "cpu" and not o.disk_boundaries
     # Held host gradients share the boundary activations' memory wherever clipping holds them: up to the
     # activations' size less host memory, at the speed of a buffer each (docs/findings.md)
     pooled = poolable if o.share_grads is None else bool(o.share_grads) and poolable
@@ -383,16 +383,40 @@ ACTIVATION_PREFERENCE = ("cpu", "none", "nvme")  # among tiers that price alike:
 
 def _activation_tier(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, machine: Machine,
                      o: Overrides) -> Plan:
-    """`activations: auto`: the plan of each tier for the boundary activations, and the fastest that fits (the
-    disk only for a single process: data-parallel ranks keep theirs in memory); among near-equals, the first of
-    ACTIVATION_PREFERENCE. None fitting, the host tier's plan says what does not fit."""
+    """`activations: auto`: the plan of each tier for the boundary activations, and of host memory with the
+    fewest first blocks' on disk that fit where host memory alone does not; the fastest that fits (the disk
+    only for a single process: data-parallel ranks keep theirs in memory); among near-equals, the first of
+    ACTIVATION_PREFERENCE, the mixture just after the host's. None fitting, the host tier's plan says what does
+    not fit."""
     tiers = [t for t in ACTIVATION_PREFERENCE if t != "nvme" or run.ranks == 1]
     plans = [place(shapes, step, dataclasses.replace(run, activations=t), budgets, machine, o) for t in tiers]
+    mixed = _fewest_boundaries_on_disk(shapes, step, run, budgets, machine, o) \
+        if not plans[0].fits and "nvme" in tiers and o.disk_boundaries is None else None
+    if mixed:
+        plans.insert(1, mixed)
     fitting = [p for p in plans if p.fits]
     if not fitting:
         return plans[0]
     fastest = min(p.estimate.step_s for p in fitting)
     return next(p for p in fitting if p.estimate.step_s <= fastest * (1 + TIE))
+
+
+def _fewest_boundaries_on_disk(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets,
+                               machine: Machine, o: Overrides) -> Plan | None:
+    """Boundary activations in host memory but the first blocks', on disk: the plan with the fewest of those
+    that fits (more on disk only ever takes less host memory: a bisection), or None."""
+    host = dataclasses.replace(run, activations="cpu")
+
+    def at(k: int) -> Plan:
+        return place(shapes, step, host, budgets, machine, dataclasses.replace(o, disk_boundaries=k))
+
+    low, high = 0, shapes.num_blocks - 1  # (all of them on disk is the nvme tier's own plan)
+    if high < 1 or not at(high).fits:
+        return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if at(middle).fits else (middle, high)
+    return at(high)
 
 
 def _problems(plan: Plan) -> list[str]:

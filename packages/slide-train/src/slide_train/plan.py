@@ -329,6 +329,9 @@ def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None
     lines += groups
     if p.shapes.mixed:
         lines.append(block_sizes_line(p))
+    where = {tier: p.boundaries_in(tier) for tier in ACTIVATIONS_WHERE if p.boundaries_in(tier)}
+    lines.append("  boundary activations: " + (f"{ACTIVATIONS_WHERE[p.activations]}" if len(where) == 1 else ", ".join(
+        f"{counted(n, 'block', 'blocks')}' {ACTIVATIONS_WHERE[tier]}" for tier, n in where.items())))
     if p.sequence_tile:
         lines.append(f"  each block's MLP runs over tiles of {p.sequence_tile:,} positions (rows of "
                      f"{p.step.seq_len or p.step.tokens_per_micro:,}), each recomputed in the backward")
