@@ -663,7 +663,8 @@ class Trainer:
                 f"{cfg.seq_len}{f' on each of {ranks} ranks' if ranks > 1 else ''} = {tokens} tokens per step"
                 f"{' (host memory below: one rank)' if ranks > 1 else ''}\n"
                 f"engine: {e.device} {str(e.dtype).removeprefix('torch.')} compute, "
-                f"{'pipelined' if e.config.pipeline else 'synchronous'}\n{describe(self.memory_plan, self.machine, cfg)}\n"
+                f"{'pipelined' if e.config.pipeline else 'synchronous'}\n"
+                f"{describe(self.memory_plan, self.machine, cfg)}\n"
                 + "".join(f"NVMe tier: {s.directory}, {s.path} ({s.path_reason}), page cache "
                           f"{'bypassed' if s.direct else 'used'}\n" for s in e.disk_stores())
                 + f"run dir: {self.run_dir}")
