@@ -425,3 +425,27 @@ def test_auto_puts_the_first_blocks_activations_on_disk_where_host_memory_holds_
     assert not fewer.fits
     assert p.tiers()[DISK]["boundary activations"] == k * act
     assert disk_traffic(p) == (k * act, k * act)
+
+
+def test_attention_is_priced_at_the_machines_attention_rate_with_its_window():
+    """Each block's attention FLOPs (the probe's count: causal_attention_flops, a window cutting each query's
+    keys) run at gpu.attention_tflops where the machine file has it: the GPU's compute moves by exactly those
+    FLOPs over the two rates (a forward, and a backward that recomputes it and runs back at twice its work)."""
+    from slide_scheduler.cost import attention_pairs
+    from slide_scheduler.machine import causal_attention_flops
+
+    seq, heads, head_dim = 32768, 24, 128
+    assert 4 * attention_pairs(seq) * heads * head_dim == causal_attention_flops(seq, heads, head_dim, backward=False)
+    assert attention_pairs(seq, 4096) == seq * 4096 - 4096**2 / 2 and attention_pairs(seq, 10**6) == seq**2 / 2
+    step = StepShape(2 * seq, 2, seq)
+    p = arrange(LLAMA_3B, step, RunFacts(clip=None), resident=range(29))  # (all resident: compute alone)
+    windowed = arrange(dataclasses.replace(LLAMA_3B, windows=(4096, 0) * 14), step, RunFacts(clip=None),
+                       resident=range(29))
+    rates = (100.0, 400.0)
+    gpu = {(q, r): price(q, with_rates(FAST, gpu={"attention_tflops": r})).lanes["gpu"]
+           for q in (p, windowed) for r in rates}
+    rows = step.tokens_per_micro * step.micro_batches / seq
+    half = 14 * (attention_pairs(seq) + attention_pairs(seq, 4096))  # (every other block windowed)
+    for q, pairs in ((p, 28 * attention_pairs(seq)), (windowed, half)):
+        flops = 4 * (4 * pairs * LLAMA_3B.hidden * rows)  # forward, and the backward's three
+        assert gpu[q, 100.0] - gpu[q, 400.0] == pytest.approx(flops / 1e12 * (1 / 100 - 1 / 400), rel=1e-9)

@@ -97,15 +97,21 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
     offloaded, disk_acts = n - p.boundaries_in("none"), p.boundaries_in("nvme")  # blocks' input boundaries
     offload = offloaded > 0
 
-    def block_flops(numel: int) -> float:  # forward pass of one block over the step: GEMMs and causal attention
-        return 2 * numel * tokens + 2 * tokens * seq * s.hidden
+    # Attention at its own rate where the machine file has one (in causal_attention_flops' count), else as the
+    # GEMMs run
+    attn_rate = machine.gpu.attention_tflops * 1e12 if pcie and machine.gpu.attention_tflops else gpu_rate
+    rows = tokens / seq
+
+    def forward_s(u: int) -> float:  # one block's forward over the step: the GEMMs a token runs, its attention
+        pairs = attention_pairs(seq, s.window(u))
+        return 2 * s.active(u) * tokens / gpu_rate + 4 * pairs * (s.attention_width or s.hidden) * rows / attn_rate
 
     launch = LAUNCH_S * t.micro_batches if pcie else 0.0
-    active = [s.active(u) for u in range(1, n + 1)]  # what a token computes with
-    forward_c = [block_flops(a) / gpu_rate + launch for a in active]
+    forward_c = [forward_s(u) + launch for u in range(1, n + 1)]
     # one landing set: each block's boundary activations cross only once the backward after it is done
     fetch = act / h2d if pcie and offload and p.landing_sets == 1 else 0.0
-    backward_c = [3 * block_flops(a) / gpu_rate + 2 * launch + fetch for a in active]
+    # (the backward recomputes the forward, then runs back at twice its work)
+    backward_c = [3 * forward_s(u) + 2 * launch + fetch for u in range(1, n + 1)]
     vocab_numel = s.vocab * s.hidden if s.vocab else s.unit_numels[0] // 2
     tail_s = 6 * vocab_numel * tokens / gpu_rate + 2 * tokens * s.hidden * c / mem * (not pcie)
     clip = p.clip
@@ -276,6 +282,13 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
                     lanes=named(busy), phases=phases, phase_lanes={k: named(v) for k, v in phase_lanes.items()},
                     setters={k: {lane: s for lane, s in named(v).items() if s > 0} for k, v in setters.items()},
                     critical=named(critical))
+
+
+def attention_pairs(seq: int, window: int = 0) -> float:
+    """(query, key) pairs of one row's causal attention, each query seeing itself and the `window` - 1 tokens
+    before it (0: every token before it): S^2 / 2 for a whole row."""
+    w = min(window or seq, seq)
+    return seq * w - w * w / 2
 
 
 def disk_traffic(p: Placement) -> tuple[int, int]:

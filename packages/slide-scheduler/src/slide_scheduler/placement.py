@@ -67,6 +67,8 @@ class Shapes:
     active_numels: tuple[int, ...] = ()
     active_block_numel: int = 0  # the same for every block alike (a mixture of experts' routed
     #                              experts; 0: all of them)
+    attention_width: int = 0  # query heads x head dim (0: hidden)
+    windows: tuple[int, ...] = ()  # each block's attention window in tokens (0: the whole causal row; empty: all)
 
     @property
     def num_blocks(self) -> int:
@@ -82,6 +84,10 @@ class Shapes:
         if self.active_numels:
             return self.active_numels[unit - 1]
         return self.active_block_numel or self.unit_numels[unit]
+
+    def window(self, unit: int) -> int:
+        """The attention window of unit `unit` (1 + block), in tokens; 0 for the whole causal row."""
+        return self.windows[unit - 1] if self.windows else 0
 
     @property
     def mixed(self) -> bool:

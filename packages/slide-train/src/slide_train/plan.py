@@ -46,7 +46,15 @@ def model_shapes(model, stack, ranks: int = 1) -> Shapes:
     routed = getattr(hf, "num_experts_per_tok", None) or 1
     intermediate *= routed
     # (a mixture's active parameters per block are the adapter's word: HFStack.active_numel)
-    return shapes_of(stack, hidden=hf.hidden_size, intermediate=intermediate, vocab=hf.vocab_size, ranks=ranks)
+    shapes = shapes_of(stack, hidden=hf.hidden_size, intermediate=intermediate, vocab=hf.vocab_size, ranks=ranks)
+    # Attention's width (query heads x head dim) and each layer's window, for its FLOPs
+    heads = getattr(hf, "num_attention_heads", 0) or 0
+    head_dim = getattr(hf, "head_dim", None) or (hf.hidden_size // heads if heads else 0)
+    windows = getattr(stack, "windows", None)
+    kinds = getattr(stack, "layer_types", None)
+    return dataclasses.replace(
+        shapes, attention_width=heads * head_dim,
+        windows=tuple(int(windows.get(kind) or 0) for kind in kinds) if windows and kinds else ())
 
 
 def unit_of(name: str) -> int:
