@@ -142,12 +142,14 @@ def test_a_kernel_that_cannot_run_counts_zero(monkeypatch):
     monkeypatch.setattr(probe_module, "_attention_seconds", fake_seconds)
     monkeypatch.setattr(probe_module.torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(probe_module.torch.cuda, "empty_cache", lambda: None)
-    sizes = dataclasses.replace(QUICK, attention_seq=2048, attention_reps=4)
+    sizes = dataclasses.replace(QUICK, attention_seq=2048, attention_reps=4, attention_flex=True)
     rates = attention_rates(torch.device("cuda", 0), sizes)
     assert rates == {"sdpa": causal_attention_flops(2048, 32, 128) / 0.5 / 1e12, "flex": 0.0}
     assert seen == [(probe_module._sdpa_causal, 2048, 4), (probe_module._flex_causal, 2048, 4)]
     seen.clear()
     assert set(attention_rates(torch.device("cuda", 0), dataclasses.replace(sizes, attention_flex=False))) == {"sdpa"}
+    # The quick probe leaves out FlexAttention, whose compile would outlast it; the full one times both.
+    assert not QUICK.attention_flex and probe_module.FULL.attention_flex
 
 
 # -- host memory under a step's mix -------------------------------------------------------------------------

@@ -51,8 +51,11 @@ class Sizes:
 # The disk moves 1 GiB per path: shorter transfers read faster than a step's states sustain.
 FULL = Sizes(gemm_n=8192, gemm_reps=20, pcie_bytes=512 * MIB, memory_bytes=512 * MIB, adamw_params=64 << 20,
              disk_bytes=GIB, reps=5, mix_seconds=3.0, disk_reps=3)
+# The quick probe (the one a run takes before its first step when it has no machine file) times SDPA alone:
+# FlexAttention's first call compiles Triton kernels for its forward and backward, which that run should not wait
+# for.
 QUICK = Sizes(gemm_n=4096, gemm_reps=10, pcie_bytes=64 * MIB, memory_bytes=128 * MIB, adamw_params=16 << 20,
-              disk_bytes=128 * MIB, reps=3, mix_seconds=1.0, disk_reps=3)
+              disk_bytes=128 * MIB, reps=3, mix_seconds=1.0, disk_reps=3, attention_flex=False)
 # Attention's shape: Llama-3.1-8B's heads (32 of 128, 8 key/value heads), one row (`Sizes.attention_seq`).
 ATTENTION_HEADS = 32
 ATTENTION_KV_HEADS = 8
