@@ -688,6 +688,7 @@ def peer_does_not_fit(model: str, mode: str) -> dict:
 
 def run_plans_suite(args, work: pathlib.Path) -> dict:
     """PLANS: each model, machine file and setting priced by slide-train's planner, with what a checkpoint costs."""
+    from slide_scheduler import disk_traffic
     from slide_train.config import load_config
     from slide_train.machines import load_machine
     from slide_train.models.build import load_model
@@ -714,6 +715,10 @@ def run_plans_suite(args, work: pathlib.Path) -> dict:
                                 "host_gib": p.bytes("host") / 2**30, "disk_gib": p.bytes("disk") / 2**30,
                                 "blocks_on_disk": len(p.on_disk), "sliding_blocks": len(p.sliding_blocks),
                                 "blocks_loading_from_disk": len(p.loads_from_disk),
+                                "grads_on_disk": len(p.grads_on_disk),
+                                "disk_written_gb": disk_traffic(p)[1] / 1e9,
+                                "drive_tbw_steps": machine.disk.tbw * 1e12 / disk_traffic(p)[1]
+                                if machine.disk.tbw and disk_traffic(p)[1] else None,
                                 "checkpoint_gib": nbytes / 2**30, "checkpoint_s": seconds})
                 print(f"  {model_name} on {machine_path}, {setting}: "
                       + (f"{plan.estimate.step_s:.0f} s per step" if plan.fits else "does not fit"), flush=True)

@@ -183,14 +183,17 @@ def plans_table(doc: dict) -> list[str]:
              f"{c['seq_len']} tokens per step, engine.nvme.fraction auto. A checkpoint writes every master and "
              "moment once and reads back the share on disk.", "",
              "| model | machine file | setting | fits | predicted step s | bound by | host GiB | disk GiB | "
-             "blocks' states on disk | of them read for each load | checkpoint GiB | checkpoint s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "blocks' states on disk | of them read for each load | gradients on disk | disk TB written per step | "
+             "steps the drive's TBW lasts | checkpoint GiB | checkpoint s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in doc["figures"]:
         fits = "yes" if e["fits"] else "no: " + e["problems"][-1].split(": masters")[0]  # (the last: what would)
         lines.append(f"| {e['model']} ({e['params'] / 1e9:.1f}B) | {pathlib.Path(e['machine']).name} | "
                      f"{e['setting']} | {fits} | {e['predicted_step_s']:.0f} | {e['bottleneck']} | "
                      f"{e['host_gib']:.0f} | {e['disk_gib']:.0f} | {e['blocks_on_disk']} of {e['sliding_blocks']} "
-                     f"| {e.get('blocks_loading_from_disk', 0)} | {e['checkpoint_gib']:.0f} | "
+                     f"| {e.get('blocks_loading_from_disk', 0)} | {e.get('grads_on_disk', 0)} | "
+                     f"{num(e.get('disk_written_gb') and e['disk_written_gb'] / 1e3, '.2f')} | "
+                     f"{num(e.get('drive_tbw_steps'), ',.0f')} | {e['checkpoint_gib']:.0f} | "
                      f"{num(e['checkpoint_s'], '.0f')} |")
     return lines
 

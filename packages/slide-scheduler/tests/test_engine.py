@@ -119,7 +119,7 @@ def random_steps(seed: int, shapes: list[tuple[int, int]], device: str = "cpu"):
 
 PLACEMENT_KEYS = ("window", "resident", "device_update_share", "held_grads", "split_update",
                   "grads_share_activations", "nvme_fraction", "disk_loads", "speculate", "landing", "edges_early",
-                  "disk_boundaries")
+                  "disk_boundaries", "disk_grads")
 FACT_KEYS = ("device", "compute_dtype", "states_dtype", "max_grad_norm", "activation_offload")
 
 
@@ -128,7 +128,7 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
     `activation_offload`: `run_facts`' words), EngineConfig keys, and these placement choices: `window` (2),
     `resident` (a count: the edges, then blocks from 0; or units), `device_update_share` (0), `held_grads` (0),
     `split_update` (True), `grads_share_activations` (False), `nvme_fraction` (0), `disk_loads` (False),
-    `speculate` (False), `landing` (0: the rule), `edges_early` (True), `disk_boundaries` (0)."""
+    `speculate` (False), `landing` (0: the rule), `edges_early` (True), `disk_boundaries` (0), `disk_grads` (False)."""
     choices = {k: kwargs.pop(k) for k in PLACEMENT_KEYS if k in kwargs}
     run = run_facts(**{k: kwargs.pop(k) for k in FACT_KEYS if k in kwargs})
     resident = choices.get("resident", 0)
@@ -139,7 +139,8 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
                         split=choices.get("split_update", True), speculate=choices.get("speculate", False),
                         nvme_fraction=choices.get("nvme_fraction", 0.0), disk_loads=choices.get("disk_loads", False),
                         landing=choices.get("landing", 0), edges_early=choices.get("edges_early", True),
-                        disk_boundaries=choices.get("disk_boundaries", 0))
+                        disk_boundaries=choices.get("disk_boundaries", 0),
+                        disk_grads=choices.get("disk_grads", False))
     return SlidingEngine(stack, placement, EngineConfig(**kwargs))
 
 
@@ -263,7 +264,7 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
                resident: int = 0, dtype: str = "auto", device_share: float = 0.0, tied: bool = True,
                held: int = 0, split: bool = True, shared: bool = False, steps_data=None, nvme=None, acts_dir=None,
                states: str = "fp32", speculate: bool = False, disk_loads: bool = False, device: str = "cpu",
-               landing: int = 0, edges_early: bool = True):
+               landing: int = 0, edges_early: bool = True, disk_grads: bool = False):
     torch.manual_seed(0)
     model = Model(tied=tied)
     engine = make_engine(ToyStack(model), device=device, window=window,
@@ -276,7 +277,7 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
                                                          grads_share_activations=shared, states_dtype=states,
                                                          speculate=speculate, disk_loads=disk_loads,
                                                          landing=landing, edges_early=edges_early,
-                                                         **on_disk(nvme))
+                                                         disk_grads=disk_grads, **on_disk(nvme))
     for name, seconds in (delays or {}).items():
         getattr(engine, name).delay = seconds
     if patch:
@@ -343,6 +344,27 @@ def test_boundary_activations_in_a_tier_per_block_give_the_same_weights(tmp_path
     got = engine.named_masters()
     assert len(list(tmp_path.rglob("*.bin"))) == 2 * 3  # (a file per disk boundary and micro-batch)
     engine.close()
+    assert losses == ref_losses
+    for unit, params in ref.items():
+        for name, t in params.items():
+            assert got[unit][name].equal(t), f"{unit}.{name}"
+
+
+@pytest.mark.parametrize("clip", [0.05, 1e6])  # clipping that acts, and that never does
+@pytest.mark.parametrize("slow", ["d2h", "updater"])
+def test_gradients_waiting_on_disk_give_the_weights_of_gradients_in_memory(tmp_path, clip, slow):
+    """Clipped gradients of the blocks whose states are on disk written to files during the backward and read
+    back with those states for their updates: bit for bit the run whose gradients wait in host memory, with
+    clipping acting or not, whichever lane is slow (test_placement checks the files against the plan's bytes)."""
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip, nvme=(1.0, tmp_path / "ram"))
+    seen = {}
+
+    def count(engine):
+        seen["placed"] = engine.placement.grads_on_disk
+
+    losses, got = run_engine(pipeline=True, window=2, clip=clip, nvme=(1.0, tmp_path / "disk"), disk_grads=True,
+                             delays={slow: 0.004}, patch=count)
+    assert seen["placed"] == {1, 2, 3, 4}
     assert losses == ref_losses
     for unit, params in ref.items():
         for name, t in params.items():

@@ -179,6 +179,11 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
                 reads.host_bytes += on_disk * numel
                 writes.disk += on_disk * numel / disk_w
                 writes.host_bytes += on_disk * numel + (c * numel if master_away and not loads_away else 0)
+                if up.grad == "disk":  # written as the backward makes it, read back with the states
+                    bwd.disk += c * numel / disk_w
+                    bwd.host_bytes += c * numel
+                    reads.disk += c * numel / disk_r
+                    reads.host_bytes += c * numel
     # Edges: streamed through the device (their master and moments), or their master loaded and updated on the host
     e, edges = s.unit_numels[0], p.units[0]
     if not edges.resident:
@@ -303,6 +308,8 @@ def disk_traffic(p: Placement) -> tuple[int, int]:
         states = (2 * p.state_bytes + (4 if u in p.masters_on_disk else 0)) * numel
         read, written = read + states, written + states
     read += sum(2 * 4 * s.unit_numels[u] for u in p.loads_from_disk)
+    grads = sum(p.compute_bytes * s.unit_numels[u] for u in p.grads_on_disk)  # written, then read back
+    read, written = read + grads, written + grads
     boundaries = p.boundaries_in("nvme") * t.tokens_per_micro * s.hidden * p.compute_bytes * t.micro_batches
     read, written = read + boundaries, written + boundaries
     return read, written

@@ -36,6 +36,7 @@ from slide_memory import host_zeros
 
 SLOTS = 2  # staging slots of one block's m and v each (the planner counts the same)
 LOAD_SLOTS = 2  # buffers a master read from disk for a load waits in until it has crossed to the device
+GRADS_TO_DISK = 2  # host buffers gradients on their way to disk take turns in (the planner counts the same)
 
 
 def state_bytes(dtype: torch.dtype) -> int:
@@ -55,7 +56,8 @@ class DiskStates:
     `units`), in an NVMe store under `directory`, staged through `SLOTS` host buffers."""
 
     def __init__(self, units: list[int], numel: int | dict[int, int], directory: str | os.PathLike[str],
-                 dtype: torch.dtype = torch.float32, masters: list[int] = ()):
+                 dtype: torch.dtype = torch.float32, masters: list[int] = (), grads: list[int] = (),
+                 grad_dtype: torch.dtype = torch.bfloat16):
         # (`numel`: every unit's, or each unit's where blocks come in several shapes; staging is sized for the largest)
         self.numels = numel if isinstance(numel, dict) else dict.fromkeys(units, numel)
         self.numel, self.dtype = max(self.numels.values(), default=0), dtype
@@ -63,14 +65,22 @@ class DiskStates:
         self.masters = set(masters)
         if not self.masters <= set(units):
             raise ValueError("a unit whose master is on disk keeps its moments there too")
+        # Units whose clipped gradient waits on disk: written from the backward (`put_gradient`), read back with
+        # the states for the update (`gradient`)
+        self.grads = set(grads)
+        if not self.grads <= set(units):
+            raise ValueError("a unit whose gradient waits on disk keeps its moments there")
         # (label, start, end) host times of reads and writes, for the timeline's `disk` lane: they run past the
         # step that queued them, so the engine takes them as it does the optimizer's spans
         self.spans: list[tuple[str, float, float]] = []
         # Preflight: every unit's states must fit on the disk, or the run stops now with what it needs.
         self.store = NVMeStore(directory, reserve=sum(self.numels[u] * state_bytes(dtype) for u in units)
-                               + sum(4 * self.numels[u] for u in self.masters))
+                               + sum(4 * self.numels[u] for u in self.masters)
+                               + sum(grad_dtype.itemsize * self.numels[u] for u in self.grads))
         self.slots = [(host_zeros(numel, dtype, False), host_zeros(numel, dtype, False),
                        host_zeros(numel, torch.float32, False) if self.masters else None) for _ in range(SLOTS)]
+        self._grad_slots = [host_zeros(numel, grad_dtype, False) for _ in range(SLOTS)] if self.grads else []
+        self._grad_written: dict[int, Future] = {u: done_future() for u in self.grads}  # each one's latest write
         self._slot_free = [done_future() for _ in self.slots]  # the write-back that last used each slot
         self._written = {u: done_future() for u in units}  # each unit's latest write-back (or its placeholder)
         self._landed = dict(self._written)  # each unit's latest write-back of an update that has finished
@@ -114,7 +124,8 @@ class DiskStates:
             slot = self._next
             self._next = (slot + 1) % len(self.slots)
             written: Future = Future()  # set once this update's moments are back on disk
-            after = (self._slot_free[slot], self._written[unit])
+            # (a gradient on disk: this step's, written during the backward, which came before this fetch)
+            after = (self._slot_free[slot], self._written[unit], self._grad_written.get(unit))
             self._slot_free[slot] = self._written[unit] = written
             read = self._reader.submit(self._read, unit, slot, after)
             self._fetched[unit] = (slot, read, written)
@@ -124,10 +135,14 @@ class DiskStates:
         n = self.numels[unit]
         return tuple(t[:n] if t is not None else None for t in self.slots[slot])
 
-    def _read(self, unit: int, slot: int, after: tuple[Future, Future]) -> tuple:
+    def _read(self, unit: int, slot: int, after: tuple[Future, ...]) -> tuple:
         for future in after:
-            future.result()  # (a failed write-back fails this read, and so the update that needs it)
+            if future is not None:
+                future.result()  # (a failed write-back fails this read, and so the update that needs it)
         m, v, master = self._staged(unit, slot)
+        if unit in self.grads:
+            with self._turn(f"read gradient {unit}"):
+                self.store.read(f"g.{unit}", self._grad_slots[slot][:self.numels[unit]]).result()
         master = master if unit in self.masters else None
         if unit in self._stored:
             self._both(self.store.read, unit, m, v, master, label=f"read states {unit}")
@@ -147,6 +162,32 @@ class DiskStates:
             _, read, _ = self._fetched[unit]
             self._bound.add(unit)
         return read.result()
+
+    def gradient(self, unit: int) -> torch.Tensor:
+        """`unit`'s gradient as read back into its staging slot (for its update, once `bind` has returned)."""
+        with self._lock:
+            slot, _, _ = self._fetched[unit]
+        return self._grad_slots[slot][:self.numels[unit]]
+
+    def put_gradient(self, unit: int, buffer: torch.Tensor, arrived: list) -> Future:
+        """Write `unit`'s gradient from the host `buffer` once every signal in `arrived` holds (its copies off the
+        device); the future is done once it is on disk, and the buffer free again."""
+        written: Future = Future()
+
+        def write() -> None:
+            try:
+                for signal in arrived:
+                    signal.wait_host()
+                with self._turn(f"write gradient {unit}"):
+                    self.store.write(f"g.{unit}", buffer[:self.numels[unit]]).result()
+                written.set_result(None)
+            except BaseException as e:  # (the read of it for its update raises it)
+                written.set_exception(e)
+
+        with self._lock:
+            self._grad_written[unit] = written
+        self._writer.submit(write)
+        return written
 
     def finish(self, unit: int, error: BaseException | None = None) -> None:
         """The update of `unit` is over: write its moments back (or, after `error`, pass the error on)."""

@@ -1,8 +1,8 @@
 """Gradient homes: where each unit's gradient waits for its update once the backward has made it, as the placement
 says (`UnitPlacement.grad`): in its slot (resident units, and streamed edges), held in a device buffer, in its place
 in the host memory it shares with the boundary activations (pool.py), in a ring of host buffers the sliding blocks
-take turns in, or in a host buffer of its own (sliding edges). A home answers one call, `send`: queue the
-gradient there and say when each optimizer chunk of it has arrived."""
+take turns in, in a host buffer of its own (sliding edges), or in a file (disk_states.py). A home answers one
+call, `send`: queue the gradient there and say when each optimizer chunk of it has arrived."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 
 from slide_memory import StagingRing, host_zeros
 
-from .lanes import Signal
+from .disk_states import GRADS_TO_DISK, done_future
+from .lanes import FutureSignal, Signal
 from .pool import SharedPool
 from .updates import Gradient
 
@@ -27,6 +28,10 @@ class GradientHomes:
         self.pool = SharedPool(p.pooled, numel, e.dtype, e.num_blocks) if p.pooled else None
         self.ring = StagingRing(p.ring, numel // e.ranks.size, e.dtype) if p.ring else None
         self.own = host_zeros(e.units[0].layout.numel // e.ranks.size, e.dtype) if self.kind[0] == "own" else None
+        # gradients on their way to disk take turns in a few host buffers, each free once its last write is done
+        self.to_disk = [[host_zeros(numel, e.dtype), done_future()] for _ in range(GRADS_TO_DISK)] \
+            if p.grads_on_disk else []
+        self.next_to_disk = 0
 
     def send(self, unit: int, seat, made: Signal) -> Gradient:
         """Queue unit's gradient (this rank's shard of it, `seat.shard`) out of its slot once compute has made it
@@ -40,6 +45,13 @@ class GradientHomes:
             buffer = self.held[unit]
             e.d2h.run(buffer.copy_, seat.slot.grads[:buffer.numel()], True, label=f"hold {label}")
             return Gradient(buffer, [e.d2h.record()])
+        if kind == "disk":  # through a host buffer to its file, read back with its states for the update
+            entry = self.to_disk[self.next_to_disk]
+            self.next_to_disk = (self.next_to_disk + 1) % len(self.to_disk)
+            e.d2h.wait(FutureSignal(entry[1]))
+            arrived = self.copy_out(unit, entry[0], seat.shard, label)
+            entry[1] = e.disk.put_gradient(unit, entry[0], arrived)
+            return Gradient(None, arrived)
         if kind == "own":
             e.wait_for_update(unit)  # the unit's last update is done reading its buffer
             buffer = self.own

@@ -6,7 +6,7 @@ The same figures a machine file holds (`slide-train probe` measures them; docs/m
     host: {memory_gib, cores, memory_gbps, adamw_gparams}
     pcie: {h2d_gbps, d2h_gbps, duplex_gbps}
     disk: {free_gib, read_gbps, write_gbps, path, path_reason, posix_read_gbps, posix_write_gbps,
-           kvikio_read_gbps, kvikio_write_gbps}
+           kvikio_read_gbps, kvikio_write_gbps, tbw}
 
 Rates are what a step can get (GB/s are 1e9 bytes per second, TFLOP/s are dense bf16 matrix work), sizes are GiB.
 Every figure is a number except the disk's path and its reason, which are words.
@@ -83,6 +83,9 @@ class Disk:
     posix_write_gbps: float = 0.0
     kvikio_read_gbps: float = 0.0
     kvikio_write_gbps: float = 0.0
+    # the drive's rated endurance in terabytes written (1e12 bytes), from its data sheet (0: not given); a plan that
+    # writes to the disk tier says how many steps it lasts
+    tbw: float = 0.0
 
 
 @dataclass(frozen=True)

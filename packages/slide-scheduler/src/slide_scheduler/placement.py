@@ -19,6 +19,7 @@ from slide_memory import FlatLayout
 from slide_memory.adamw import BLOCK_PER_THREAD, CHUNK, PIECE_ALIGN
 
 from .disk_activations import SLOTS_PER_MICRO
+from .disk_states import GRADS_TO_DISK
 from .disk_states import LOAD_SLOTS as DISK_LOAD_SLOTS
 from .disk_states import SLOTS as DISK_STAGING_SLOTS
 from .pool import pool_bytes
@@ -52,7 +53,7 @@ HOST_RUNTIME_CPU = GIB // 2
 HELD_HEADROOM = 0.05  # of the GPU budget (at least 0.5 GiB), left free when spare memory holds gradients
 
 UPDATES = ("device", "stream", "host")  # on the device for good / streamed through it as it loads / CPU AdamW
-GRADS = ("slot", "held", "pool", "ring", "own")  # where a gradient waits for its update
+GRADS = ("slot", "held", "pool", "ring", "own", "disk")  # where a gradient waits for its update
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,9 @@ class StepShape:
 class UnitPlacement:
     resident: bool  # on the device for good, fp32 master and moments there too
     update: str  # "device" (resident), "stream" (through device buffers as it loads), "host"
-    grad: str  # "slot" (where it is made), "held" (a device buffer), "pool", "ring", "own" (a host buffer)
+    # "slot" (where it is made), "held" (a device buffer), "pool", "ring", "own" (a host buffer), "disk" (written
+    # to a file during the backward, read back with the unit's states for its update)
+    grad: str
     moments: str  # GPU, HOST or DISK
     split: bool = False  # clipped: new master before the next forward, moments after it
     # clipped: its update also runs during backward as if clipping did not act, writing only the new parameters;
@@ -337,6 +340,11 @@ class Placement:
         return self.where("grad", "held")
 
     @property
+    def grads_on_disk(self) -> set[int]:
+        """Units whose clipped gradient waits in a file for its update."""
+        return self.where("grad", "disk")
+
+    @property
     def speculated(self) -> set[int]:
         return self.where("speculate", True)
 
@@ -462,8 +470,13 @@ def validate(p: Placement) -> None:
             raise ValueError("edges: sliding edges keep their gradient in their slot when streamed, else in a "
                              "host buffer of their own")
         if u > 0 and not unit.resident:
-            if unit.grad not in ("held", "pool", "ring"):
-                raise ValueError(f"{name}: a sliding block's gradient is held on the device, pooled or in the ring")
+            if unit.grad not in ("held", "pool", "ring", "disk"):
+                raise ValueError(f"{name}: a sliding block's gradient is held on the device, pooled, in the ring or "
+                                 "on disk")
+            if unit.grad == "disk" and (not p.clip or unit.update != "host" or unit.split or unit.speculate
+                                        or kind_of(unit.moments) != "files"):
+                raise ValueError(f"{name}: a gradient waits on disk for a clipped host update, whole, of a block "
+                                 "whose moments are on disk (it is read back with them)")
             if unit.grad == "held" and unit.update != "stream":
                 raise ValueError(f"{name}: only a block updated on the device holds its gradient there")
             if unit.update == "stream" and not p.clip:
@@ -477,7 +490,7 @@ def early_reads_wait(p: Placement) -> bool:
     """Whether a clipped step's first updates must wait for the norm to read their states from disk: they
     read under the backward only where nothing the backward waits for reads the disk then (masters for loads,
     boundary activations on disk)."""
-    return bool(p.loads_from_disk) or bool(p.boundaries_in("nvme"))
+    return bool(p.loads_from_disk) or bool(p.boundaries_in("nvme")) or bool(p.grads_on_disk)
 
 
 def block_range(units: Iterable[int]) -> list[int]:
@@ -520,6 +533,9 @@ def _allocations(p: Placement) -> list[Allocation]:
         add(DISK, "masters", 4 * sum(numel[u] for u in away))
         add(HOST, "moments staging", DISK_STAGING_SLOTS * 2 * p.state_bytes * s.block_numel)
         add(HOST, "masters staging", DISK_STAGING_SLOTS * 4 * s.block_numel if away else 0)
+    if p.grads_on_disk:  # written from a ring of host buffers, read back into the states' staging slots
+        add(DISK, "gradients", c * sum(numel[u] for u in p.grads_on_disk))
+        add(HOST, "gradients to disk", (GRADS_TO_DISK + DISK_STAGING_SLOTS) * c * s.block_numel)
     # Device: the edges' slot, the window, resident blocks' slots, resident units' fp32 master and moments
     add(dev, "edges", 2 * c * numel[0])
     if sliding:
@@ -609,6 +625,9 @@ class Overrides:
     landing_sets: int | None = None
     # streamed edges update their tail-only part early (None: yes)
     edges_early: bool | None = None
+    # (clipped) the gradients of the blocks whose states are on disk wait there too (None: where host memory
+    # holds the run no other way)
+    disk_grads: bool | None = None
     # blocks (the first ones) whose input boundary activations wait on disk, the others in the run's tier (None:
     # none, or with `activations: auto` the fewest that fit host memory)
     disk_boundaries: int | None = None
@@ -638,6 +657,7 @@ def held_on_device(device_units: list[int], count: int, shared: bool) -> list[in
 def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterable[int] = (), window: int = 2,
             share: float = 0.0, shared: bool = False, held: int = 0, split: bool = True,
             speculate: bool | int = False, nvme_fraction: float = 0.0, disk_loads: bool = False,
+            disk_grads: bool = False,
             sequence_tile: int = 0, landing: int = 0, edges_early: bool = True, disk_boundaries: int = 0,
             threads: int | None = None) -> Placement:
     """The placement these choices make: `resident` units on the device; of the sliding blocks, the last
@@ -665,7 +685,8 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
             units.append(UnitPlacement(False, "stream" if stream else "host", "slot" if stream else "own", HOST,
                                        split=o.clip and split and not stream))
         else:
-            grad = "held" if u in on_device else "pool" if shared else "ring"
+            grad = "held" if u in on_device else "disk" if disk_grads and o.clip and u in disk \
+                else "pool" if shared else "ring"
             host = u not in streamed
             units.append(UnitPlacement(False, "host" if host else "stream", grad, DISK if u in disk else HOST,
                                        split=o.clip and split and grad == "ring" and u not in disk,
@@ -696,6 +717,7 @@ def size_for_budget(shapes: Shapes, step: StepShape, run: RunFacts, budget: floa
                        split=overrides.split, threads=threads,
                        speculate=overrides.speculate is True if speculate is None else speculate,
                        nvme_fraction=overrides.nvme_fraction or 0.0, disk_loads=bool(overrides.disk_loads),
+                       disk_grads=bool(overrides.disk_grads),
                        sequence_tile=overrides.sequence_tile or 0, landing=overrides.landing_sets or 0,
                        edges_early=overrides.edges_early is not False,
                        disk_boundaries=overrides.disk_boundaries or 0)

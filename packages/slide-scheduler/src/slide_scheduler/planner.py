@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cost import Estimate, price
+from .cost import Estimate, disk_traffic, price
 from .machine import Machine
 from .placement import (
     DISK,
@@ -71,6 +71,7 @@ class Plan:
             "gpu_bytes": p.bytes(GPU),
             "host_bytes": p.bytes(HOST),
             "disk_bytes": p.bytes(DISK),
+            "disk_traffic": disk_traffic(p),  # bytes the disk tier reads and writes per step
             "budgets": dataclasses.asdict(self.budgets),
             "tiers": p.tiers(),
             "window": p.window,
@@ -98,14 +99,21 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
             return plan
         found = disk_share(shapes, step, run, budgets, machine, o)
         return place(shapes, step, run, budgets, machine,
-                     dataclasses.replace(o, nvme_fraction=found[0], disk_loads=found[2])) if found else plan
-    if o.disk_loads is None:
-        plan = place(shapes, step, run, budgets, machine, dataclasses.replace(o, disk_loads=False))
-        p = plan.placement
-        if p.masters_on_disk and budgets.host is not None and p.bytes(HOST) > budgets.host:
-            lean = place(shapes, step, run, budgets, machine, dataclasses.replace(o, disk_loads=True))
-            if lean.placement.bytes(HOST) < p.bytes(HOST):  # (their loads read the master from disk, twice a step)
-                return lean
+                     dataclasses.replace(o, nvme_fraction=found[0], disk_loads=found[2],
+                                         disk_grads=found[3])) if found else plan
+    if o.disk_loads is None or o.disk_grads is None:  # the least taken to disk that fits host memory
+        tried = [(False, False), (True, False), (True, True)]  # (loads read from disk, gradients wait there)
+        plan = None
+        for loads, grads in tried:
+            if o.disk_loads not in (None, loads) or o.disk_grads not in (None, grads) or (grads and not run.clip):
+                continue
+            lean = place(shapes, step, run, budgets, machine,
+                         dataclasses.replace(o, disk_loads=loads, disk_grads=grads))
+            p = lean.placement
+            if plan is None or lean.placement.bytes(HOST) < plan.placement.bytes(HOST):
+                plan = lean
+            if not p.masters_on_disk or budgets.host is None or p.bytes(HOST) <= budgets.host:
+                break
         return plan
     cuda = run.cuda
     windows = (o.window,) if o.window else WINDOWS if cuda else (2,)
@@ -160,16 +168,17 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
 
 
 def disk_share(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, machine: Machine,
-               overrides: Overrides | None = None) -> tuple[float, int, bool] | None:
+               overrides: Overrides | None = None) -> tuple[float, int, bool, bool] | None:
     """The least share of the sliding blocks on disk at which the run fits: with copies of their parameters in
-    host memory where some share fits so, else with their loads read from disk. Returns the share, the blocks it
-    puts on disk and whether their loads read from disk; None where no share fits (or the run keeps everything
-    in memory: a CPU run, data-parallel ranks)."""
+    host memory where some share fits so, else with their loads read from disk, else (clipped) with their
+    gradients waiting on disk too. Returns the share, the blocks it puts on disk, whether their loads read from
+    disk and whether their gradients wait there; None where no share fits (or the run keeps everything in
+    memory: a CPU run, data-parallel ranks)."""
     o = overrides or Overrides()
 
-    def at(fraction: float, loads: bool) -> Plan:
+    def at(fraction: float, loads: bool, grads: bool = False) -> Plan:
         return place(shapes, step, run, budgets, machine,
-                     dataclasses.replace(o, nvme_fraction=fraction, disk_loads=loads))
+                     dataclasses.replace(o, nvme_fraction=fraction, disk_loads=loads, disk_grads=grads))
 
     sliding = len(at(0.0, False).placement.sliding_blocks)
     if not run.cuda or run.ranks > 1 or not sliding:
@@ -182,15 +191,16 @@ def disk_share(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets,
         p, b = candidate.placement, candidate.budgets
         return (b.host is None or p.bytes(HOST) <= b.host) and (b.gpu is None or p.bytes(GPU) <= b.gpu)
 
-    for loads in (False, True):
-        if not fits_in_memory(at(share(sliding), loads)):
+    grads = (False, True) if run.clip and o.disk_grads is None else (bool(o.disk_grads),)
+    for loads, grads_away in [(loads, g) for g in grads for loads in (False, True)]:
+        if not fits_in_memory(at(share(sliding), loads, grads_away)):
             continue
         low, high = 0, sliding  # more blocks on disk only ever take less host memory: bisect, a plan per halving
         while high - low > 1:
             middle = (low + high) // 2
-            low, high = (low, middle) if fits_in_memory(at(share(middle), loads)) else (middle, high)
-        if at(share(high), loads).fits:
-            return share(high), high, loads
+            low, high = (low, middle) if fits_in_memory(at(share(middle), loads, grads_away)) else (middle, high)
+        if at(share(high), loads, grads_away).fits:
+            return share(high), high, loads, grads_away
     return None
 
 

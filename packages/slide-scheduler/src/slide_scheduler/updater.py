@@ -107,6 +107,8 @@ class HostUpdater:
             start = time.perf_counter()
             if on_disk:  # its moments (and master, where it is there too), read from disk into a staging slot
                 self.optimizer.units[index].bind_states(*self.disk.bind(index))
+                if grad is None:  # (its gradient waited on disk: read back beside them)
+                    grad = self.disk.gradient(index)
             # (`into`: where a master on disk leaves its unit's parameters for the loads)
             self.optimizer.step_unit(index, grad, lr, grad_scale, before_chunk=lambda k: arrived[k].wait_host(),
                                      part=part, into=into)

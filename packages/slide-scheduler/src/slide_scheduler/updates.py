@@ -36,7 +36,7 @@ from .placement import early_reads_wait
 class Gradient:
     """Where a unit's gradient waits for its update, and when each optimizer chunk of it is there."""
 
-    buffer: torch.Tensor
+    buffer: torch.Tensor | None  # None: in a file, read back with the unit's states for its update
     arrived: list[Signal]
 
 

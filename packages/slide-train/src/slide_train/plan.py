@@ -356,6 +356,11 @@ def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None
         lines.append(f"  {'host memory alone does not hold this run: ' if auto else ''}the disk tier{folder} reads "
                      f"{read / 1e9:.0f} GB and writes {written / 1e9:.0f} GB per step, busy "
                      f"{plan.estimate.lanes['disk']:.1f} s of the {plan.estimate.step_s:.1f} s step")
+        if machine is not None and machine.disk.tbw and written:
+            steps = machine.disk.tbw * 1e12 / written
+            lines.append(f"  drive wear: at {written / 1e12:.2f} TB written per step, the drive's rated "
+                         f"{machine.disk.tbw:g} TBW lasts ~{steps:,.0f} steps "
+                         f"(~{steps * plan.estimate.step_s / 86400:,.1f} days of this run)")
     if machine is not None and machine.disk.path and p.bytes(DISK):
         lines.append(f"  disk path: {machine.disk.path} ({machine.disk.path_reason})")
     nbytes, seconds = checkpoint_cost(plan, machine) if machine is not None else (0, None)
