@@ -57,9 +57,12 @@ TRAIN_SUITES = {
     "tiny": dict(model="tiny-llama", seq_len=64, micro_batch_size=2, grad_accum=2, cap_gib=None, device="cpu",
                  warmup=1, steps=2),
 }
-# The NVMe tier against the same run in RAM, in one run: B3 with every sliding block's master and moments on disk,
+# The NVMe tier against the same run in RAM, in one run: B3 with every sliding block's master and moments on disk
+# (and with its clipped gradients there too),
 # and B8 with the share `auto` picks on a machine file whose host has 64 GiB (each a separate Slide process).
 NVME_RUNS = (("b3", "ram", (), None), ("b3", "disk", ("--engine.nvme.fraction=1",), None),
+             # held gradients on disk too (clip 1.0): written in the backward, read back with the states
+             ("b3", "disk-grads", ("--engine.nvme.fraction=1", "--engine.placement.disk_grads=true"), None),
              ("b8", "ram", (), None), ("b8", "disk-auto-host-64gib", ("--engine.nvme.fraction=auto",), 64.0))
 # The largest Llama-architecture shape the plan puts at LARGEST["step_limit_s"] or less with the disk tier: the
 # widths of Llama 3.1 8B and 70B at any depth, fp32 or bf16 states; B8's tokens per step under a consumer card's cap.

@@ -101,6 +101,8 @@ STEPS = [
     # the NVMe tier against RAM (in one piece it took about 700 s): B3, then B8 with the share `auto` picks on a
     # 64 GiB host; each part measures the disk under --work first
     {"name": "nvme-b3", "estimate_s": 360, "run": ["run.py nvme --variants b3-ram,b3-disk --warmup 2 --steps 3"]},
+    {"name": "nvme-b3-grads", "estimate_s": 300, "run": ["run.py nvme --variants b3-ram,b3-disk-grads --warmup 2 "
+                                                        "--steps 3"]},
     {"name": "nvme-b8", "estimate_s": 420,
      "run": ["run.py nvme --variants b8-ram,b8-disk-auto-host-64gib --warmup 2 --steps 3"]},
     {"name": "largest", "estimate_s": 450, "run": ["run.py largest"]},

@@ -102,7 +102,7 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
                      dataclasses.replace(o, nvme_fraction=found[0], disk_loads=found[2],
                                          disk_grads=found[3])) if found else plan
     if o.disk_loads is None or o.disk_grads is None:  # the least taken to disk that fits host memory
-        tried = [(False, False), (True, False), (True, True)]  # (loads read from disk, gradients wait there)
+        tried = [(False, False), (True, False), (False, True), (True, True)]  # (loads read from disk, gradients)
         plan = None
         for loads, grads in tried:
             if o.disk_loads not in (None, loads) or o.disk_grads not in (None, grads) or (grads and not run.clip):

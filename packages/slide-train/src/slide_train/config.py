@@ -72,6 +72,8 @@ PLACEMENT_KEYS = {
     "landing_sets": "sets of GPU buffers the backward fetches boundary activations into (unset: one per slot and "
                     "one more, one where that does not fit the GPU)",
     "edges_early": "streamed edges update their final norm and lm head apart, early (unset: true)",
+    "disk_grads": "clipped gradients of the blocks whose states are on disk wait there too (unset: where host "
+                  "memory holds the run no other way)",
 }
 # Keys that were renamed or removed, with what replaces them.
 MOVED = {
@@ -171,7 +173,7 @@ KEY_HELP = {
                             "auto: the least share that fits the host's memory (0 where it holds the run, and with "
                             "data-parallel ranks)",
     "engine.placement": "expert overrides: window, resident, device_update_share, speculate, synchronous, "
-                        "sequence_tile, landing_sets, edges_early (docs/placement.md)",
+                        "sequence_tile, landing_sets, edges_early, disk_grads (docs/placement.md)",
     "checkpoint.every": "steps between checkpoints; 0: only at the end",
     "checkpoint.keep": "the newest checkpoints kept; 0: write none",
     "resume": "auto (the newest good checkpoint in output_dir) or a checkpoint's path; null: a new run",
@@ -356,9 +358,9 @@ def check_placement(overrides: dict, states_dtype: str) -> None:
     landing = overrides.get("landing_sets")
     if landing is not None and (isinstance(landing, bool) or not isinstance(landing, int) or landing < 1):
         raise ConfigError(f"engine.placement.landing_sets must be a count of at least 1, got {landing!r}")
-    early = overrides.get("edges_early")
-    if early is not None and not isinstance(early, bool):
-        raise ConfigError(f"engine.placement.edges_early must be true or false, got {early!r}")
+    for key in ("edges_early", "disk_grads"):
+        if overrides.get(key) is not None and not isinstance(overrides.get(key), bool):
+            raise ConfigError(f"engine.placement.{key} must be true or false, got {overrides.get(key)!r}")
     synchronous, speculate = overrides.get("synchronous"), overrides.get("speculate")
     if synchronous is not None and not isinstance(synchronous, bool):
         raise ConfigError(f"engine.placement.synchronous must be true or false, got {synchronous!r}")
