@@ -5,6 +5,7 @@ Triton kernels themselves, in Triton's interpreter."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -199,7 +200,13 @@ def interpreted_gemma3(tmp_path: str) -> None:
 
 
 def interpreted_olmoe(tmp_path: str) -> None:
-    """As interpreted_gemma3, for OLMoE: moe_experts' Triton forward and backward in the blocks."""
+    """As interpreted_gemma3, for OLMoE: moe_experts' Triton forward and backward in the blocks (turned on in the
+    families table, whatever its switch says)."""
+    from slide_train.models import families
+
+    olmoe = families.FAMILIES["olmoe"]
+    families.FAMILIES["olmoe"] = dataclasses.replace(olmoe, fused=(*dict.fromkeys((*olmoe.fused, "moe_experts")),),
+                                                     unfused=None)
     module = importlib.import_module("slide_kernels.ops.moe_experts")
     launches = {"moe_experts_forward": 0, "moe_experts_backward": 0}
     for name in launches:

@@ -328,7 +328,7 @@ class HFStack:
                 router = (module, recorder.index, int(self.config.num_experts_per_tok), self.aux_loss[1])
         block = DecoderBlock(layer, router)
         if self.kernels:
-            slide_kernels.apply_to(_Patchable(self.config, block))
+            slide_kernels.apply_to(_Patchable(self.config, block), experts="moe_experts" in self.family.fused)
         if self.sequence_tile:  # (after the kernels: the tiles run the fused ops)
             tile_layer(layer, self.sequence_tile)
         return block
