@@ -548,8 +548,8 @@ def long_length(name: str, mode: str, machine, calibration: dict) -> dict:
     def predicted(length: int) -> float:
         return long_plan(wide, length, mode, machine)[2].estimate.step_s
 
-    length = fits
-    if predicted(fits) > budget:  # (the predicted step grows with the rows: a bisection over granules)
+    length = fits // LONG["granule"] * LONG["granule"]  # (the run's rows: whole granules)
+    if predicted(length) > budget:  # (the predicted step grows with the rows: a bisection over granules)
         low, high = 0, fits // LONG["granule"]
         while high - low > 1:
             middle = (low + high) // 2

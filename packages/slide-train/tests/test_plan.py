@@ -529,7 +529,8 @@ def test_a_step_of_milliseconds_is_printed_in_milliseconds_phase_by_phase(capsys
 
 
 def test_plan_longest_finds_the_longest_rows_that_fit(capsys):
-    """`plan --longest`: rows of the length it names fit the machine, rows 1024 tokens longer do not."""
+    """`plan --longest`: rows of the length it names fit the machine, rows 128 tokens longer do not; Llama-3.1-8B
+    (its -256k preset, whose positions go past 131,072) under a 24 GiB cap on the H200 host fits 131,072 or more."""
     from slide_train.cli import main
 
     machine = pathlib.Path(__file__).parents[3] / "docs" / "machines" / "h200-host.yaml"
@@ -540,7 +541,15 @@ def test_plan_longest_finds_the_longest_rows_that_fit(capsys):
     assert f"1 x 1 x {found} tokens per step" in out
     model = load_model("llama-3.2-1b", 0, need_tokenizer=False, need_weights=False)
     m = load_machine(machine)
-    for seq_len, fits in ((found, True), (found + 1024, False)):
+    for seq_len, fits in ((found, True), (found + 128, False)):
+        cfg = load_config(None, [*args, f"--seq_len={seq_len}"])
+        assert plan_run(cfg, model, m, running=False)[0].fits == fits, seq_len
+    args = ["--model=llama-3.1-8b-256k", "--micro_batch_size=1", "--grad_accum=1", "--engine.gpu_memory_limit_gb=24"]
+    assert main(["plan", "--longest", f"--machine={machine}", *args]) == 0
+    found = int(re.search(r"longest: rows of ([\d,]+) tokens fit", capsys.readouterr().out).group(1).replace(",", ""))
+    assert found >= 131072
+    model = load_model("llama-3.1-8b-256k", 0, need_tokenizer=False, need_weights=False)
+    for seq_len, fits in ((found, True), (found + 128, False)):
         cfg = load_config(None, [*args, f"--seq_len={seq_len}"])
         assert plan_run(cfg, model, m, running=False)[0].fits == fits, seq_len
 

@@ -277,9 +277,9 @@ def suggest(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, ma
 
 def longest_rows(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, machine: Machine,
                  overrides: Overrides | None = None, limit: int = 1 << 22, unit: int = 128) -> int | None:
-    """The longest rows (a multiple of 1024, or of `unit` under 1024, at most `limit`) whose plan fits, the
-    step's rows per micro-batch and micro-batches as they are: doublings, then a bisection between the last two.
-    None where not even rows of `unit` fit."""
+    """The longest rows (a multiple of `unit`, at most `limit`) whose plan fits, the step's rows per micro-batch
+    and micro-batches as they are: doublings, then a bisection between the last two. None where not even rows of
+    `unit` fit."""
     o, rows = overrides or Overrides(), step.tokens_per_micro // (step.seq_len or step.tokens_per_micro)
 
     def fits(length: int) -> bool:
@@ -291,7 +291,7 @@ def longest_rows(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budget
     while high < limit and fits(min(2 * high, limit)):
         low = high = min(2 * high, limit)
     high = min(2 * high, limit) if high < limit else high
-    while high - low > (1024 if low >= 1024 else unit):
+    while high - low > unit:
         middle = (low + high) // 2 // unit * unit
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low

@@ -118,7 +118,7 @@ def cmd_plan(args, overrides) -> int:
 
 
 def longest(cfg, model, machine, nproc: int):
-    """The config with the longest seq_len (a multiple of 1024, or of 128 under 1024) whose plan fits on
+    """The config with the longest seq_len (a multiple of 128) whose plan fits on
     `machine`, the other settings as they are (the planner's search over one stack); it says so in one line."""
     import dataclasses
 
