@@ -15,12 +15,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 DISK_START, DISK_END = "<!-- disk:start -->", "<!-- disk:end -->"  # the disk tier: planned, then measured
 TRAIN = ("b1", "b3", "b8", "b1-documents", "b3-documents", "b8-documents", "moe", "moe-256k", "gemma2")
-ORDER = (*TRAIN, "tiny", "tiny-documents", "nvme", "largest", "plans", "dp2", "kernels", "io", "probe")
+ORDER = (*TRAIN, "long", "tiny", "tiny-documents", "nvme", "largest", "plans", "dp2", "kernels", "io", "probe")
 BENCH_NAMES = {"b1": "B1", "b3": "B3", "b8": "B8", "tiny": "tiny (CPU check)", "b1-documents": "B1 packed documents",
                "b3-documents": "B3 packed documents", "b8-documents": "B8 packed documents",
                "tiny-documents": "tiny packed documents (CPU check)", "moe": "MoE", "moe-256k": "MoE 256k tokens",
                "gemma2": "Gemma 2", "nvme": "NVMe tier against RAM", "dp2": "Data parallel, 1 and 2 ranks",
-               "largest": "The largest model on this host", "plans": "Planned on paper"}
+               "largest": "The largest model on this host", "plans": "Planned on paper",
+               "long": "Long sequences"}
 MODE_NAMES = {"1.0": "1.0", "1e6": "1e6 (never acts)", "none": "off"}
 SHORT = {"slide": "Slide", "slide-nospec": "Slide, no speculation", "slide-spec": "Slide, speculating",
          "baseline": "Slide baseline", "plain": "plain", "liger": "plain + Liger"}
@@ -198,6 +199,29 @@ def plans_table(doc: dict) -> list[str]:
     return lines
 
 
+def long_table(doc: dict) -> list[str]:
+    """One row per run: its rows, clipping, speed and both FLOP counts, its plan and its peak memory."""
+    lines = ["Tokens per step = rows x micro-batches; `tflops` counts 6·N·T, `tflops_attn` adds causal attention "
+             "(6·L·d·S per token).", "",
+             "| run | system | model | rows x micro-batches | clip | tok/s | TFLOP/s | TFLOP/s with attention | "
+             "step s | predicted s | GPU peak GiB | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in doc["figures"]:
+        ok = e.get("status") == "ok"
+        note = "" if ok else f"{e.get('status')}: {e.get('reason', '')}"[:120]
+        if e.get("longest"):
+            note = f"longest that ran: {e['longest']:,}"
+        elif e.get("longest_fits"):
+            note = f"the plan's longest: {e['longest_fits']:,}"
+        rows = f"{e['seq_len']:,} x {e.get('grad_accum', 1)}" if e.get("seq_len") else "-"
+        speed = {k: e.get(k) if ok else None for k in ("tokens_per_s", "tflops", "tflops_attn")}
+        lines.append(f"| {e.get('variant', '')} | {e.get('label', e.get('system'))} | {e.get('model', '')} | {rows} | "
+                     f"{e.get('mode', '')} | {num(speed['tokens_per_s'], ',.0f')} | "
+                     f"{num(speed['tflops'], '.1f')} | {num(speed['tflops_attn'], '.1f')} | "
+                     f"{num(e.get('step_s') if ok else None, '.2f')} | {num(e.get('predicted_step_s'), '.2f')} | "
+                     f"{num(e.get('gpu_peak_gib') if ok else None, '.1f')} | {note} |")
+    return lines
+
+
 def kernels_table(doc: dict) -> list[str]:
     lines = ["Forward + backward, bf16: median ms (triton.testing.do_bench) and extra peak GiB.", "",
              "| op | shape | provider | ms | extra peak GiB |", "|---|---|---|---|---|"]
@@ -257,7 +281,8 @@ def probe_table(doc: dict) -> list[str]:
 def suite_table(doc: dict) -> str:
     suite = doc["suite"]
     body = {"kernels": kernels_table, "io": io_table, "probe": probe_table, "nvme": nvme_table,
-            "largest": largest_table, "plans": plans_table, "dp2": dp_table}.get(suite, train_table)(doc)
+            "largest": largest_table, "plans": plans_table, "dp2": dp_table, "long": long_table}.get(suite,
+                                                                                                  train_table)(doc)
     return "\n".join([f"## {BENCH_NAMES.get(suite, suite)}", "", header(doc), "", *body, ""])
 
 
