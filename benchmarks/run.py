@@ -50,7 +50,7 @@ TRAIN_SUITES = {
     "moe": dict(model="olmoe-1b-7b", seq_len=4096, micro_batch_size=1, grad_accum=8, cap_gib=24.0, device="cuda"),
     "moe-256k": dict(model="olmoe-1b-7b", seq_len=4096, micro_batch_size=1, grad_accum=64, cap_gib=24.0,
                      device="cuda"),
-    # soft-capped attention (transformers' eager path); bf16 AdamW states, as the plan asks on a 125 GiB host
+    # soft-capped attention (FlexAttention with the cap on CUDA); bf16 AdamW states, as the plan asks on a 125 GiB host
     "gemma2": dict(model="gemma-2-9b", seq_len=4096, micro_batch_size=1, grad_accum=8, cap_gib=24.0, device="cuda",
                    peers_fit=False, slide_args=("--engine.states_dtype=bf16",)),
     # the harness itself on a CPU: the smallest preset, a step or two
