@@ -119,7 +119,7 @@ def random_steps(seed: int, shapes: list[tuple[int, int]], device: str = "cpu"):
 
 PLACEMENT_KEYS = ("window", "resident", "device_update_share", "held_grads", "split_update",
                   "grads_share_activations", "nvme_fraction", "disk_loads", "speculate", "landing", "edges_early",
-                  "disk_boundaries", "disk_grads")
+                  "disk_boundaries", "disk_grads", "staging")
 FACT_KEYS = ("device", "compute_dtype", "states_dtype", "max_grad_norm", "activation_offload")
 
 
@@ -128,7 +128,8 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
     `activation_offload`: `run_facts`' words), EngineConfig keys, and these placement choices: `window` (2),
     `resident` (a count: the edges, then blocks from 0; or units), `device_update_share` (0), `held_grads` (0),
     `split_update` (True), `grads_share_activations` (False), `nvme_fraction` (0), `disk_loads` (False),
-    `speculate` (False), `landing` (0: the rule), `edges_early` (True), `disk_boundaries` (0), `disk_grads` (False)."""
+    `speculate` (False), `landing` (0: the rule), `edges_early` (True), `disk_boundaries` (0), `disk_grads`
+    (False), `staging` (0: the disk tier's default)."""
     choices = {k: kwargs.pop(k) for k in PLACEMENT_KEYS if k in kwargs}
     run = run_facts(**{k: kwargs.pop(k) for k in FACT_KEYS if k in kwargs})
     resident = choices.get("resident", 0)
@@ -140,7 +141,7 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
                         nvme_fraction=choices.get("nvme_fraction", 0.0), disk_loads=choices.get("disk_loads", False),
                         landing=choices.get("landing", 0), edges_early=choices.get("edges_early", True),
                         disk_boundaries=choices.get("disk_boundaries", 0),
-                        disk_grads=choices.get("disk_grads", False))
+                        disk_grads=choices.get("disk_grads", False), staging=choices.get("staging", 0))
     return SlidingEngine(stack, placement, EngineConfig(**kwargs))
 
 
@@ -264,7 +265,7 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
                resident: int = 0, dtype: str = "auto", device_share: float = 0.0, tied: bool = True,
                held: int = 0, split: bool = True, shared: bool = False, steps_data=None, nvme=None, acts_dir=None,
                states: str = "fp32", speculate: bool = False, disk_loads: bool = False, device: str = "cpu",
-               landing: int = 0, edges_early: bool = True, disk_grads: bool = False):
+               landing: int = 0, edges_early: bool = True, disk_grads: bool = False, staging: int = 0):
     torch.manual_seed(0)
     model = Model(tied=tied)
     engine = make_engine(ToyStack(model), device=device, window=window,
@@ -277,7 +278,8 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
                                                          grads_share_activations=shared, states_dtype=states,
                                                          speculate=speculate, disk_loads=disk_loads,
                                                          landing=landing, edges_early=edges_early,
-                                                         disk_grads=disk_grads, **on_disk(nvme))
+                                                         disk_grads=disk_grads, staging=staging,
+                                                         **on_disk(nvme))
     for name, seconds in (delays or {}).items():
         getattr(engine, name).delay = seconds
     if patch:
@@ -344,6 +346,19 @@ def test_boundary_activations_in_a_tier_per_block_give_the_same_weights(tmp_path
     got = engine.named_masters()
     assert len(list(tmp_path.rglob("*.bin"))) == 2 * 3  # (a file per disk boundary and micro-batch)
     engine.close()
+    assert losses == ref_losses
+    for unit, params in ref.items():
+        for name, t in params.items():
+            assert got[unit][name].equal(t), f"{unit}.{name}"
+
+
+@pytest.mark.parametrize("clip", [0.05, None])
+def test_the_disk_tier_read_further_ahead_gives_the_same_weights(tmp_path, clip):
+    """Four staging slots of the disk tier's states (its reads four updates ahead) instead of two: the same
+    weights, with the updater slow."""
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip, nvme=(1.0, tmp_path / "two"))
+    losses, got = run_engine(pipeline=True, window=2, clip=clip, nvme=(1.0, tmp_path / "four"), staging=4,
+                             delays={"updater": 0.004})
     assert losses == ref_losses
     for unit, params in ref.items():
         for name, t in params.items():

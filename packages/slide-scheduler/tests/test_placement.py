@@ -132,6 +132,7 @@ MIXES = {
     "activations on the device": ({"activation_offload": "none"}, {"window": 3}),
     "the first blocks' activations on disk": ({}, {"disk_boundaries": 2}),
     "gradients on disk": ({}, {"nvme_fraction": 0.5, "disk_grads": True}),
+    "three disk staging slots": ({}, {"nvme_fraction": 0.5, "staging": 3}),
     "gradients and masters on disk, loads from there": ({}, {"nvme_fraction": 1.0, "disk_grads": True,
                                                              "disk_loads": True}),
     "activations on disk and the device": ({"activation_offload": "none"}, {"disk_boundaries": 1, "landing": 1}),
@@ -452,3 +453,27 @@ def test_attention_is_priced_at_the_machines_attention_rate_with_its_window():
     for q, pairs in ((p, 28 * attention_pairs(seq)), (windowed, half)):
         flops = 4 * (4 * pairs * LLAMA_3B.hidden * rows)  # forward, and the backward's three
         assert gpu[q, 100.0] - gpu[q, 400.0] == pytest.approx(flops / 1e12 * (1 / 100 - 1 / 400), rel=1e-9)
+
+
+def test_the_planner_reads_the_disk_tier_further_ahead_where_that_prices_faster():
+    """Four staging slots of the disk tier's states instead of two (more of a clipped step's reads under the
+    backward) where the cost model prices that faster by more than the planner's tie, and their host memory
+    counted; on a slow disk, busy the whole step either way, two."""
+    from slide_scheduler import Overrides
+    from slide_scheduler.planner import DEEP_STAGING, TIE
+
+    step, gib = StepShape(8192, 4, 4096), 2**30
+    picked = {}
+    for rate in (2.0, 8.0, 40.0):
+        machine = with_rates(FAST, disk={"read_gbps": rate, "write_gbps": rate, "free_gib": 1000},
+                             host={"memory_gbps": 132, "adamw_gparams": 3.68, "cores": 16})
+        budgets = Budgets(gpu=0.92 * 16 * gib)
+        forced = {k: place(LLAMA_3B, step, RunFacts(clip=1.0), budgets, machine,
+                           Overrides(nvme_fraction=0.5, disk_staging=k)) for k in (2, DEEP_STAGING)}
+        auto = place(LLAMA_3B, step, RunFacts(clip=1.0), budgets, machine, Overrides(nvme_fraction=0.5))
+        faster = forced[DEEP_STAGING].estimate.step_s < forced[2].estimate.step_s * (1 - TIE)
+        picked[rate] = auto.placement.staging_slots
+        assert picked[rate] == (DEEP_STAGING if faster else 2), rate
+        staged = forced[DEEP_STAGING].placement.tiers()[HOST]["moments staging"]
+        assert staged == 2 * forced[2].placement.tiers()[HOST]["moments staging"]
+    assert picked[2.0] == 2 and DEEP_STAGING in picked.values()

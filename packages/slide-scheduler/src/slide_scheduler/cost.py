@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .disk_states import SLOTS as DISK_STAGING_SLOTS
 from .machine import Machine
 from .placement import Placement, early_reads_wait, kind_of
 
@@ -172,7 +171,7 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
                 on_disk = 2 * sb + (4 if master_away else 0)
                 # (clipped: the first updates' reads run under the backward, one per staging slot, where no load
                 # reads the disk there)
-                early = clip and staged_early < DISK_STAGING_SLOTS and not early_reads_wait(p)
+                early = clip and staged_early < p.staging_slots and not early_reads_wait(p)
                 staged_early += early
                 reads, writes = (bwd if early or not clip else fwd), (fwd if clip else bwd)
                 reads.disk += on_disk * numel / disk_r

@@ -34,7 +34,7 @@ import torch
 from slide_io import NVMeStore
 from slide_memory import host_zeros
 
-SLOTS = 2  # staging slots of one block's m and v each (the planner counts the same)
+SLOTS = 2  # staging slots of one block's m and v each, unless the placement says (the planner counts the same)
 LOAD_SLOTS = 2  # buffers a master read from disk for a load waits in until it has crossed to the device
 GRADS_TO_DISK = 2  # host buffers gradients on their way to disk take turns in (the planner counts the same)
 
@@ -53,11 +53,12 @@ def done_future() -> Future:
 
 class DiskStates:
     """m and v of `units` (flat, `numel` elements of `dtype` each), and the fp32 masters of `masters` (some of
-    `units`), in an NVMe store under `directory`, staged through `SLOTS` host buffers."""
+    `units`), in an NVMe store under `directory`, staged through `slots` host buffers: reads run that many
+    updates ahead."""
 
     def __init__(self, units: list[int], numel: int | dict[int, int], directory: str | os.PathLike[str],
                  dtype: torch.dtype = torch.float32, masters: list[int] = (), grads: list[int] = (),
-                 grad_dtype: torch.dtype = torch.bfloat16):
+                 grad_dtype: torch.dtype = torch.bfloat16, slots: int = SLOTS):
         # (`numel`: every unit's, or each unit's where blocks come in several shapes; staging is sized for the largest)
         self.numels = numel if isinstance(numel, dict) else dict.fromkeys(units, numel)
         self.numel, self.dtype = max(self.numels.values(), default=0), dtype
@@ -78,8 +79,8 @@ class DiskStates:
                                + sum(4 * self.numels[u] for u in self.masters)
                                + sum(grad_dtype.itemsize * self.numels[u] for u in self.grads))
         self.slots = [(host_zeros(numel, dtype, False), host_zeros(numel, dtype, False),
-                       host_zeros(numel, torch.float32, False) if self.masters else None) for _ in range(SLOTS)]
-        self._grad_slots = [host_zeros(numel, grad_dtype, False) for _ in range(SLOTS)] if self.grads else []
+                       host_zeros(numel, torch.float32, False) if self.masters else None) for _ in range(slots)]
+        self._grad_slots = [host_zeros(numel, grad_dtype, False) for _ in range(slots)] if self.grads else []
         self._grad_written: dict[int, Future] = {u: done_future() for u in self.grads}  # each one's latest write
         self._slot_free = [done_future() for _ in self.slots]  # the write-back that last used each slot
         self._written = {u: done_future() for u in units}  # each unit's latest write-back (or its placeholder)

@@ -167,7 +167,8 @@ class SlidingEngine:
         self.on_disk, self.streamed, away = p.on_disk, p.streamed, p.masters_on_disk
         self.disk = DiskStates(sorted(self.on_disk), {u: p.shapes.unit_numels[u] for u in self.on_disk},
                                config.nvme_dir, p.run.states_dtype, masters=sorted(away),
-                               grads=sorted(p.grads_on_disk), grad_dtype=self.dtype) if self.on_disk else None
+                               grads=sorted(p.grads_on_disk), grad_dtype=self.dtype,
+                               slots=p.staging_slots) if self.on_disk else None
         read = p.loads_from_disk  # (their loads read the master from disk: no copy of it in host memory)
         self.units = [Unit(edge_layout, ranks=self.ranks)] + [
             Unit(layouts[shape_of[u - 1]], u in away, None if u in read else self.dtype, self.ranks)

@@ -259,6 +259,8 @@ class Placement:
     # where each block's input boundary activations wait (none | cpu | nvme), block by block; empty: all in the
     # run's tier (`activations`)
     boundaries: tuple[str, ...] = ()
+    # staging slots of the disk tier's states: how many updates ahead their reads run (0: DISK_STAGING_SLOTS)
+    staging: int = 0
 
     def __post_init__(self):
         validate(self)
@@ -368,6 +370,12 @@ class Placement:
         return min(self.shapes.num_blocks, self.landing or (self.window if self.sliding_blocks else 1) + 1)
 
     @property
+    def staging_slots(self) -> int:
+        """Host staging slots of the disk tier's states (each a block's m and v, and master and gradient where
+        those are on disk): their reads run that many updates ahead of the optimizer."""
+        return self.staging or DISK_STAGING_SLOTS
+
+    @property
     def stream_piece_numel(self) -> int:
         """Elements per device-update buffer: a piece, or the largest streamed unit if smaller."""
         largest = max((self.shapes.unit_numels[u] for u in self.streamed), default=1)
@@ -425,6 +433,8 @@ def validate(p: Placement) -> None:
         raise ValueError(f"a placement needs one entry per unit ({len(p.shapes.unit_numels)}), got {len(p.units)}")
     if p.window < 1:
         raise ValueError(f"the window needs at least one slot, got {p.window}")
+    if p.staging < 0:
+        raise ValueError(f"the disk tier's staging slots are a count (0: the default), got {p.staging}")
     if p.landing < 0:
         raise ValueError(f"activation landing sets are a count (0: the rule), got {p.landing}")
     if any(n % p.ranks for n in p.shapes.unit_numels):
@@ -531,11 +541,11 @@ def _allocations(p: Placement) -> list[Allocation]:
     if p.on_disk:
         add(DISK, "moments", 2 * p.state_bytes * sum(numel[u] for u in p.on_disk))
         add(DISK, "masters", 4 * sum(numel[u] for u in away))
-        add(HOST, "moments staging", DISK_STAGING_SLOTS * 2 * p.state_bytes * s.block_numel)
-        add(HOST, "masters staging", DISK_STAGING_SLOTS * 4 * s.block_numel if away else 0)
+        add(HOST, "moments staging", p.staging_slots * 2 * p.state_bytes * s.block_numel)
+        add(HOST, "masters staging", p.staging_slots * 4 * s.block_numel if away else 0)
     if p.grads_on_disk:  # written from a ring of host buffers, read back into the states' staging slots
         add(DISK, "gradients", c * sum(numel[u] for u in p.grads_on_disk))
-        add(HOST, "gradients to disk", (GRADS_TO_DISK + DISK_STAGING_SLOTS) * c * s.block_numel)
+        add(HOST, "gradients to disk", (GRADS_TO_DISK + p.staging_slots) * c * s.block_numel)
     # Device: the edges' slot, the window, resident blocks' slots, resident units' fp32 master and moments
     add(dev, "edges", 2 * c * numel[0])
     if sliding:
@@ -628,6 +638,8 @@ class Overrides:
     # (clipped) the gradients of the blocks whose states are on disk wait there too (None: where host memory
     # holds the run no other way)
     disk_grads: bool | None = None
+    # staging slots of the disk tier's states, how many updates ahead its reads run (None: the planner's)
+    disk_staging: int | None = None
     # blocks (the first ones) whose input boundary activations wait on disk, the others in the run's tier (None:
     # none, or with `activations: auto` the fewest that fit host memory)
     disk_boundaries: int | None = None
@@ -657,7 +669,7 @@ def held_on_device(device_units: list[int], count: int, shared: bool) -> list[in
 def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterable[int] = (), window: int = 2,
             share: float = 0.0, shared: bool = False, held: int = 0, split: bool = True,
             speculate: bool | int = False, nvme_fraction: float = 0.0, disk_loads: bool = False,
-            disk_grads: bool = False,
+            disk_grads: bool = False, staging: int = 0,
             sequence_tile: int = 0, landing: int = 0, edges_early: bool = True, disk_boundaries: int = 0,
             threads: int | None = None) -> Placement:
     """The placement these choices make: `resident` units on the device; of the sliding blocks, the last
@@ -697,7 +709,7 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
     # the run's tier
     boundaries = ("nvme",) * disk_boundaries + (run.activations,) * (n - disk_boundaries) if disk_boundaries else ()
     return Placement(shapes, step, tuple(units), window, run, sequence_tile=sequence_tile, landing=landing,
-                     edges_early=edges_early, boundaries=boundaries, **extra)
+                     edges_early=edges_early, boundaries=boundaries, staging=staging, **extra)
 
 
 def resident_units(resident: int | Iterable[int]) -> set[int]:
@@ -717,7 +729,7 @@ def size_for_budget(shapes: Shapes, step: StepShape, run: RunFacts, budget: floa
                        split=overrides.split, threads=threads,
                        speculate=overrides.speculate is True if speculate is None else speculate,
                        nvme_fraction=overrides.nvme_fraction or 0.0, disk_loads=bool(overrides.disk_loads),
-                       disk_grads=bool(overrides.disk_grads),
+                       disk_grads=bool(overrides.disk_grads), staging=overrides.disk_staging or 0,
                        sequence_tile=overrides.sequence_tile or 0, landing=overrides.landing_sets or 0,
                        edges_early=overrides.edges_early is not False,
                        disk_boundaries=overrides.disk_boundaries or 0)

@@ -37,6 +37,7 @@ TIE = 0.05
 # How much the cost model has underpriced a speculating step where clipping does not act (docs/findings.md):
 # `speculate: auto` takes a speculating plan only where it is faster by more than that
 SPECULATION_MARGIN = 0.15
+DEEP_STAGING = 4  # the disk tier's staging slots tried beside the default two, where host memory has room
 SEQUENCE_TILE = 4096  # positions per tile of a block's MLP, where whole rows' intermediates do not fit the GPU
 
 
@@ -164,6 +165,10 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
     unclipped = price(placement, machine, clipping_acts=False) if run.clip else estimate
     plan = Plan(placement, estimate, unclipped, budgets)
     plan.problems = _problems(plan)
+    if placement.on_disk and o.disk_staging is None and plan.fits:  # the disk tier's reads further ahead
+        deeper = place(shapes, step, run, budgets, machine, dataclasses.replace(o, disk_staging=DEEP_STAGING))
+        if deeper.fits and deeper.estimate.step_s < plan.estimate.step_s * (1 - TIE):
+            return deeper
     return plan
 
 

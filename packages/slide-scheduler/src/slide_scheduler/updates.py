@@ -27,7 +27,6 @@ import torch
 from slide_memory import FlatAdamW, Slot, StreamedStep
 from slide_memory.adamw import CHUNK
 
-from .disk_states import SLOTS as STAGING_SLOTS
 from .lanes import DONE, Signal
 from .placement import early_reads_wait
 
@@ -166,7 +165,7 @@ class Host(UpdateKind):
             for u in reversed(self.on_disk):
                 self.disk.fetch(u)
         elif not early_reads_wait(e.placement):  # the first clipped updates' states are read under the backward,
-            for u in self.on_disk[:STAGING_SLOTS]:  # one per staging slot
+            for u in self.on_disk[:e.placement.staging_slots]:  # one per staging slot
                 self.disk.fetch(u)
 
     def gradient_ready(self, unit: int, grad: Gradient, lr: float) -> None:

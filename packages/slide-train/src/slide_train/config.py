@@ -74,6 +74,8 @@ PLACEMENT_KEYS = {
     "edges_early": "streamed edges update their final norm and lm head apart, early (unset: true)",
     "disk_grads": "clipped gradients of the blocks whose states are on disk wait there too (unset: where host "
                   "memory holds the run no other way)",
+    "disk_staging": "host staging slots of the disk tier's states, how many updates ahead its reads run (unset: 2, "
+                    "or 4 where the plan prices that faster)",
 }
 # Keys that were renamed or removed, with what replaces them.
 MOVED = {
@@ -173,7 +175,7 @@ KEY_HELP = {
                             "auto: the least share that fits the host's memory (0 where it holds the run, and with "
                             "data-parallel ranks)",
     "engine.placement": "expert overrides: window, resident, device_update_share, speculate, synchronous, "
-                        "sequence_tile, landing_sets, edges_early, disk_grads (docs/placement.md)",
+                        "sequence_tile, landing_sets, edges_early, disk_grads, disk_staging (docs/placement.md)",
     "checkpoint.every": "steps between checkpoints; 0: only at the end",
     "checkpoint.keep": "the newest checkpoints kept; 0: write none",
     "resume": "auto (the newest good checkpoint in output_dir) or a checkpoint's path; null: a new run",
@@ -355,9 +357,10 @@ def check_placement(overrides: dict, states_dtype: str) -> None:
     tile = overrides.get("sequence_tile")
     if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 0):
         raise ConfigError(f"engine.placement.sequence_tile must be a whole number of positions (0: none), got {tile!r}")
-    landing = overrides.get("landing_sets")
-    if landing is not None and (isinstance(landing, bool) or not isinstance(landing, int) or landing < 1):
-        raise ConfigError(f"engine.placement.landing_sets must be a count of at least 1, got {landing!r}")
+    for key in ("landing_sets", "disk_staging"):
+        count = overrides.get(key)
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            raise ConfigError(f"engine.placement.{key} must be a count of at least 1, got {count!r}")
     for key in ("edges_early", "disk_grads"):
         if overrides.get(key) is not None and not isinstance(overrides.get(key), bool):
             raise ConfigError(f"engine.placement.{key} must be true or false, got {overrides.get(key)!r}")

@@ -77,7 +77,8 @@ def overrides_of(cfg: TrainConfig, num_blocks: int) -> Overrides:
     return Overrides(window=o.get("window"), resident=resident, device_update_share=o.get("device_update_share"),
                      speculate=o.get("speculate"), nvme_fraction=None if fraction == "auto" else fraction,
                      sequence_tile=o.get("sequence_tile"), landing_sets=o.get("landing_sets"),
-                     edges_early=o.get("edges_early"), disk_grads=o.get("disk_grads"))
+                     edges_early=o.get("edges_early"), disk_grads=o.get("disk_grads"),
+                     disk_staging=o.get("disk_staging"))
 
 
 def facts_of(cfg: TrainConfig, device: str, ranks: int = 1) -> RunFacts:
