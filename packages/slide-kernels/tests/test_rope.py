@@ -3,6 +3,7 @@ import torch
 from kernels_reference import max_err, partial_rope_ref, rope_ref
 
 import slide_kernels as sk
+from slide_kernels.ops.rope import rope_cast_back
 
 
 def _inputs(bsz, hq, hk, t, d, unsqueeze_dim, cos_batch, dtype=torch.float32, device="cpu"):
@@ -151,3 +152,19 @@ def test_what_the_kernel_does_not_take_goes_the_torch_way(path):
     qo, ko = sk.rope(q7, k7, c7, s7)
     qr, kr = rope_ref(q7, k7, c7[None], s7[None])
     assert max_err(qo, qr) < 1e-5 and max_err(ko, kr) < 1e-5
+
+
+def test_fp32_tables_with_bf16_heads_give_bf16_heads(path):
+    """OLMo 2/3 keep cos/sin in fp32 beside bf16 q and k: the result is in q's and k's dtype (HF computes at the
+    wider one and casts back), within bf16 rounding of the float64 truth, and gradients reach q and k in it."""
+    torch.manual_seed(0)
+    q, k, cos, sin = _inputs(2, 4, 2, 9, 16, 1, None)
+    q = q.detach().bfloat16().requires_grad_()
+    k = k.detach().bfloat16().requires_grad_()
+    q_out, k_out = rope_cast_back(q, k, cos, sin)
+    assert q_out.dtype == k_out.dtype == torch.bfloat16
+    q_ref, k_ref = rope_ref(q, k, cos[None], sin[None])
+    torch.testing.assert_close(q_out.double(), q_ref, rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(k_out.double(), k_ref, rtol=2**-7, atol=2**-7)
+    (q_out.float().sum() + k_out.float().sum()).backward()
+    assert q.grad.dtype == k.grad.dtype == torch.bfloat16

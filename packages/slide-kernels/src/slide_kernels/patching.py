@@ -53,7 +53,7 @@ class Family:
 LLAMA = Family()
 GEMMA = Family(norm_casting="gemma", norm_offset=1.0)
 # OLMo 2/3 multiply the fp32 normalized row by the weight and round once: Gemma's casting, no offset.
-OLMO = Family(norm_casting="gemma")
+OLMO = Family(norm_casting="gemma", rope=ops.rope_cast_back)  # (fp32 rotary tables beside bf16 heads)
 MOE = Family(router_loss=True)
 
 FAMILIES: dict[str, Family] = {

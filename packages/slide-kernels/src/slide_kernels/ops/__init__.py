@@ -4,7 +4,7 @@ from .geglu import geglu
 from .linear_cross_entropy import linear_cross_entropy
 from .moe_experts import moe_experts
 from .rms_norm import rms_norm
-from .rope import partial_rope, rope
+from .rope import partial_rope, rope, rope_cast_back
 from .swiglu import swiglu, swiglu_gate_up
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "partial_rope",
     "rms_norm",
     "rope",
+    "rope_cast_back",
     "swiglu",
     "swiglu_gate_up",
 ]

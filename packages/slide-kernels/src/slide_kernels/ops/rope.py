@@ -169,3 +169,12 @@ def partial_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     if _kernel_takes(q, k, cos, sin, cos.shape[-1] <= q.shape[-1]):
         return RoPEFunction.apply(q, k, cos, sin, unsqueeze_dim)
     return partial_rope_torch(q, k, cos, sin, position_ids, unsqueeze_dim)
+
+
+def rope_cast_back(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   position_ids: torch.Tensor | None = None,
+                   unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF OLMo 2/3's `apply_rotary_pos_emb`: as `rope`, the results in q's and k's own dtypes (their rotary tables
+    stay fp32 beside bf16 heads: computed at the wider dtype, then cast back)."""
+    q_out, k_out = rope(q, k, cos, sin, position_ids, unsqueeze_dim)
+    return q_out.to(q.dtype), k_out.to(k.dtype)

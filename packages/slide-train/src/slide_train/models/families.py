@@ -65,7 +65,8 @@ class Family:
         return bool(self.fused)
 
 
-OP_TITLES = {"rms_norm": "RMSNorm", "rope": "RoPE", "partial_rope": "partial RoPE", "swiglu": "SwiGLU",
+OP_TITLES = {"rms_norm": "RMSNorm", "rope": "RoPE", "partial_rope": "partial RoPE",
+             "rope_cast_back": "RoPE (fp32 tables, cast back)", "swiglu": "SwiGLU",
              "swiglu_gate_up": "SwiGLU over the fused gate/up projection", "geglu": "GeGLU (tanh GELU)",
              "moe_experts": "MoE experts (grouped GEMMs, SwiGLU between them)"}
 # What each kind of family runs fused. RMSNorm covers every norm of a layer: q/k norms and post-norms too, each
@@ -73,6 +74,7 @@ OP_TITLES = {"rms_norm": "RMSNorm", "rope": "RoPE", "partial_rope": "partial RoP
 DENSE = ("rms_norm", "rope", "swiglu")
 GEMMA = ("rms_norm", "rope", "geglu")
 PHI3 = ("rms_norm", "partial_rope", "swiglu_gate_up")
+OLMO = ("rms_norm", "rope_cast_back", "swiglu")  # (OLMo 2/3 keep their rotary tables in fp32)
 # The mixtures' experts through slide-kernels' moe_experts (True), or transformers' own grouped matmuls (False):
 # the one switch, to be turned on once benchmarks/kernels.py's moe_experts rows show it faster on a GPU (they
 # have not run on one yet).
@@ -99,8 +101,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen2", "Qwen2 / Qwen2.5", fused=DENSE),
     Family("qwen3", "Qwen3 (dense)", fused=DENSE),
     Family("phi3", "Phi-3 / Phi-3.5 / Phi-4", window_everywhere=True, fused=PHI3),
-    Family("olmo2", "OLMo 2", fused=DENSE),
-    Family("olmo3", "OLMo 3", fused=DENSE),
+    Family("olmo2", "OLMo 2", fused=OLMO),
+    Family("olmo3", "OLMo 3", fused=OLMO),
     Family("granite", "Granite 3.x", embed_multiplier="embedding_multiplier", logits_divisor="logits_scaling",
            fused=DENSE),
     Family("gemma", "Gemma", embed_sqrt_hidden=True, norm_init=0.0, fused=GEMMA),
