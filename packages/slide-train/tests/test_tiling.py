@@ -247,6 +247,9 @@ def test_tiled_and_whole_rows_train_to_the_same_weights(tmp_path, monkeypatch, n
     assert global_relative_error(masters[TILE], masters[0]) < 1e-6
 
 
+TESTS = str(pathlib.Path(__file__).resolve().parent)  # (frames of these tests are not the step's own)
+
+
 class LargeTensors(TorchDispatchMode):
     """Every op's output of `limit` elements or more, with the op, its shape and the innermost frames of the
     project and transformers it ran from (views of a large tensor are left out: their base is what was made)."""
@@ -261,7 +264,8 @@ class LargeTensors(TorchDispatchMode):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.numel() >= self.limit:
                     frames = [f"{pathlib.Path(f.filename).name}:{f.name}" for f in traceback.extract_stack()
-                              if ("slide_" in f.filename or "transformers" in f.filename) and "tests" not in f.filename]
+                              if ("slide_" in f.filename or "transformers" in f.filename)
+                              and not f.filename.startswith(TESTS)]
                     self.seen.append((func.__name__, tuple(t.shape), frames[-3:]))
         return out
 
