@@ -79,7 +79,7 @@ PLANS = dict(models=("llama-3.1-70b", "mistral-large-2"),
 # Long sequences under a consumer card's cap: Llama-3.1-8B at 4 x 32,768 and 1 x 131,072 tokens per step (the same
 # tokens, only the row length differs) and at the longest rows the plan fits, Llama-3.2-3B at its longest; one
 # warm-up and two timed steps each. Rows past a model's 131,072 positions run its -256k preset. A run is planned to
-# fit one device call: where the longest rows' predicted time would not (`call_s`: setup and every step, each step
+# fit one sitting: where the longest rows' predicted time would not (`sitting_s`: setup and every step, each step
 # `margin` times its prediction, or as the 131,072-token run of the same mode measured it against its own), it runs
 # the longest rows that do, and records both. The peer (GPU-resident HF + Liger-Kernel, uncapped) trains Llama-3.2-3B
 # at `peer_lengths` until it runs out of memory; 8B's fp32 states alone outgrow any GPU (recorded, not run).
@@ -89,7 +89,7 @@ LONG = dict(cap_gib=24.0, device="cuda", warmup=1, steps=2, modes=("1.0", "none"
                   "8b-longest": dict(model="llama-3.1-8b", seq_len=None, grad_accum=1),
                   "3b-longest": dict(model="llama-3.2-3b", seq_len=None, grad_accum=1, modes=("1.0",))},
             peer_model="llama-3.2-3b", peer_lengths=(16384, 32768, 65536, 98304, 131072), peer_mode="1.0",
-            no_peer="llama-3.1-8b", positions=131072, long_suffix="-256k", call_s=480.0, setup_s=120.0,
+            no_peer="llama-3.1-8b", positions=131072, long_suffix="-256k", sitting_s=480.0, setup_s=120.0,
             margin=2.0, granule=8192)
 # Data parallel: a bench's shape (tokens per step and cap per GPU) on 1 and on 2 GPUs of one host, in one run.
 DP = dict(bench="b8", ranks=(1, 2))
@@ -495,7 +495,7 @@ def long_config() -> dict:
             "runs": {name: {**run, "modes": list(run.get("modes", LONG["modes"]))}
                      for name, run in LONG["runs"].items()},
             "peer": {"model": LONG["peer_model"], "lengths": list(LONG["peer_lengths"]), "mode": LONG["peer_mode"]},
-            "call_s": LONG["call_s"], "data": "uniform random token ids, rows of exactly seq_len (unpacked)"}
+            "sitting_s": LONG["sitting_s"], "data": "uniform random token ids, rows of exactly seq_len (unpacked)"}
 
 
 def long_overrides(model: str, seq_len: int, grad_accum: int, mode: str) -> list[str]:
@@ -535,7 +535,7 @@ def long_calibration(out: pathlib.Path, mode: str) -> dict:
 def long_length(name: str, mode: str, machine, calibration: dict) -> dict:
     """The rows a `*-longest` run trains: the longest one micro-batch the plan fits under the cap (`plan
     --longest`'s search, on the -256k preset up to its 262,144 positions), and, where that run's time (setup, then
-    every step at `margin` times its prediction) would not fit LONG["call_s"], the longest rows, in granules, whose
+    every step at `margin` times its prediction) would not fit LONG["sitting_s"], the longest rows, in granules, whose
     time does. Rows of up to 131,072 run the model's own preset."""
     from slide_train.cli import longest
 
@@ -543,7 +543,7 @@ def long_length(name: str, mode: str, machine, calibration: dict) -> dict:
     wide = base + LONG["long_suffix"]
     cfg, bundle, _ = long_plan(wide, LONG["granule"], mode, machine)
     fits = longest(cfg, bundle, machine, 1).seq_len
-    budget = (LONG["call_s"] - calibration["setup_s"]) / (LONG["warmup"] + LONG["steps"]) / calibration["margin"]
+    budget = (LONG["sitting_s"] - calibration["setup_s"]) / (LONG["warmup"] + LONG["steps"]) / calibration["margin"]
 
     def predicted(length: int) -> float:
         return long_plan(wide, length, mode, machine)[2].estimate.step_s
@@ -623,7 +623,7 @@ def run_long_suite(args, work: pathlib.Path, out: pathlib.Path) -> dict:
                 if not shape["seq_len"]:
                     keep({"system": "slide", "variant": name, "label": f"Slide, {name}", "mode": mode,
                           "cap_gib": LONG["cap_gib"], "date": common.now(), "status": "skipped", **shape, **chosen,
-                          "reason": f"no rows fit {LONG['call_s']:g} s of one call by the plan"})
+                          "reason": f"no rows fit {LONG['sitting_s']:g} s of one sitting by the plan"})
                     continue
             data = long_rows(work, shape["model"], shape["seq_len"], shape["grad_accum"])
             entry = slide_entry("long", name, long_spec(**shape, mode=mode, data=data), args, work)
@@ -840,7 +840,7 @@ def main() -> None:
             partial = (suite in TRAIN_SUITES and (set(args.systems) - absent != set(SYSTEMS) - absent
                                                   or set(args.modes) != set(MODES))) or (suite == "nvme"
                                                                                           and bool(args.variants)) \
-                or suite == "long"  # (run in parts, a device call each)
+                or suite == "long"  # (run in parts, a sitting on a GPU machine each)
             path = out / f"{doc['suite']}.json"
             if partial:
                 doc = merge(path, doc)

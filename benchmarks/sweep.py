@@ -1,5 +1,5 @@
 """The GPU machine's benchmark sweep: GPU tests and run.py suites as an ordered list of steps, each measured once
-per version of the code, as many as fit one call's time. Its state is `results/sweep.json`.
+per version of the code, as many as fit one sitting's time. Its state is `results/sweep.json`.
 
     python3 benchmarks/sweep.py --list [--budget-s 540]     # the plan: what is measured, what is left
     python3 benchmarks/sweep.py --budget-s 540 --wheels .whl --export DIR
@@ -34,11 +34,11 @@ from collections import deque
 from collections.abc import Callable
 
 # The engine the acceptance comparisons run against, unpacked by --pack-baseline into BASELINE_DIR (ignored by git,
-# so it reaches the GPU machine only when named in what the call carries).
+# so it reaches the GPU machine only when named in what the sitting copies over).
 BASELINE = "92d64f2"
 BASELINE_DIR = "build/baseline"
 VS_BASELINE = f"--baseline {BASELINE_DIR} --baseline-name {BASELINE}"
-# What one step may take, setup included: a call runs at most 600 s and the sweep's own checks take some of it.
+# What one step may take, setup included: a sitting runs at most 600 s and the sweep's own checks take some of it.
 STEP_LIMIT_S = 480.0
 # The plain peer of the OLMoE shape: fp32 weights, gradients and AdamW moments of 6.9 B parameters are 103 GiB before
 # activations, more than an H100's 80 GB; an H200 (141 GB) holds them.
@@ -48,8 +48,8 @@ MOE_PEER = dict(gpu_gib=120.0, why="the plain peer keeps fp32 weights, gradients
 # The steps, most important first. `run`: commands in order, each "pytest PACKAGE" (its tests marked gpu) or
 # "run.py ARGS" (benchmarks/run.py), or a dict with `cmd` and the GPU memory it needs (`gpu_gib`, `why`): on a
 # smaller GPU that command is recorded as not fitting instead of run. `estimate_s`: the wall time assumed until the
-# step has been measured. `fresh_host`: only as a call's first step on a host nothing has run on yet. `alone`: the
-# only step of its call (nothing ran before it, nothing runs after it).
+# step has been measured. `fresh_host`: only as a sitting's first step on a host nothing has run on yet. `alone`: the
+# only step of its sitting (nothing ran before it, nothing runs after it).
 STEPS = [
     # one pytest per package: each tests/ folder has its own conftest
     {"name": "gpu-tests-kernels", "estimate_s": 150, "run": ["pytest slide-kernels"]},
@@ -85,7 +85,7 @@ STEPS = [
     # the peers are recorded as not fitting by run.py itself (no process trains them)
     {"name": "gemma2", "estimate_s": 360, "run": ["run.py gemma2 --systems slide,plain --modes none,1.0"]},
     # Long sequences (run.py long), one clip mode and one row length a step: a process of 8B may take 2 min to set
-    # up, then 3 steps of 45-90 s at 131,072 tokens. Each longest run has a call of its own (run.py plans its rows to
+    # up, then 3 steps of 45-90 s at 131,072 tokens. Each longest run has a sitting of its own (run.py plans its rows to
     # fit one), and the peer's ladder of lengths stops at its first run out of memory.
     {"name": "long-8b-32k-clip", "estimate_s": 400, "run": ["run.py long --variants 8b-32k --modes 1.0"]},
     {"name": "long-8b-128k-clip", "estimate_s": 420, "run": ["run.py long --variants 8b-128k --modes 1.0"]},
@@ -305,7 +305,7 @@ def now() -> str:
 
 
 class Results:
-    """sweep.json: the latest call's environment and each step's latest result, rewritten whole after each step."""
+    """sweep.json: the latest sitting's environment and each step's latest result, rewritten whole after each step."""
 
     def __init__(self, path: pathlib.Path):
         self.path = path
@@ -378,7 +378,7 @@ Runner = Callable[[Step, Command, "float | None"], Outcome]
 
 @dataclasses.dataclass
 class Context:
-    """What the sweep knows about this call: the code's version and the machine."""
+    """What the sweep knows about this sitting: the code's version and the machine."""
 
     tree: str
     git: dict
@@ -450,9 +450,9 @@ def why_not_run(step: Step, ctx: Context) -> str | None:
         if command.uses_baseline() and ctx.baseline_problem:
             return ctx.baseline_problem
         if "liger" in command.systems() and versions.get("liger-kernel", "") is None:
-            return "liger-kernel is not installed: carry its wheel (--wheels)"
+            return "liger-kernel is not installed: bring its wheel (--wheels)"
         if command.words[0] == "pytest" and versions.get("pytest", "") is None:
-            return "pytest is not installed: carry its wheels (pytest, pluggy, iniconfig)"
+            return "pytest is not installed: bring its wheels (pytest, pluggy, iniconfig)"
     return None
 
 
@@ -464,7 +464,7 @@ class Sweep:
         self.steps, self.results, self.ctx, self.runner, self.clock = steps, results, ctx, runner, clock
         self.after_step, self.mark_host_used = after_step, mark_host_used
         self.retry_failed, self.say = retry_failed, say
-        self.ran: list[str] = []  # steps this call ran or recorded, in order
+        self.ran: list[str] = []  # steps this sitting ran or recorded, in order
         self.executed: list[Step] = []  # of those, the ones that ran commands (not recorded as skipped)
 
     def pending(self) -> list[Step]:
@@ -495,7 +495,7 @@ class Sweep:
         return sorted(chosen, key=lambda s: not s.fresh_host)  # (stable: importance otherwise)
 
     def run(self, budget_s: float | None, start: float, only: Step | None = None) -> None:
-        """Runs steps until none fits what is left of `budget_s` (counted from `start`, the call's checks
+        """Runs steps until none fits what is left of `budget_s` (counted from `start`, the sitting's checks
         included), writing each result as it comes."""
         queue = [only] if only else self.pending()
         first = self.choose(queue, None if budget_s is None else budget_s - (self.clock() - start))
@@ -514,7 +514,7 @@ class Sweep:
         if step.fresh_host and not self.ctx.host_fresh:
             return False
         if any(s.alone for s in self.executed) or (step.alone and self.executed):
-            return False  # (a step that runs alone has the call to itself)
+            return False  # (a step that runs alone has the sitting to itself)
         return left is None or self.estimate(step) <= left
 
     def run_step(self, step: Step, left: float | None) -> None:
@@ -588,14 +588,14 @@ class Sweep:
                 if step.fresh_host and not self.ctx.host_fresh:
                     state += "; waits for a fresh host"
                 if step.alone:
-                    state += "; runs alone in a call"
+                    state += "; runs alone in a sitting"
             est = self.estimate(step)
             over = "  over the step limit: split it" if est > STEP_LIMIT_S else ""
             lines.append(f"{i:3} {step.name:22} {est:6.0f} s{' ' if timed(result) else '*'}  {state}{over}")
         return lines
 
 
-# --- the call's setup: wheels, environment, baseline ---------------------------------------------------------------
+# --- the sitting's setup: wheels, environment, baseline ---------------------------------------------------------------
 
 def install_wheels(folder: pathlib.Path) -> list[str]:
     """WHEELS found in `folder`, installed (no index, no dependencies: the image has them) into WHEEL_SITE."""
@@ -650,7 +650,7 @@ def check_environment(env: dict[str, str]) -> dict:
 
 def baseline_problem(root: pathlib.Path = ROOT) -> str | None:
     folder = root / BASELINE_DIR
-    hint = (f"run `python benchmarks/sweep.py --pack-baseline` where git is and carry {BASELINE_DIR} to the GPU "
+    hint = (f"run `python benchmarks/sweep.py --pack-baseline` where git is and copy {BASELINE_DIR} to the GPU "
             "machine")
     if not any((folder / "packages").glob("*/src")):
         return f"no baseline engine in {BASELINE_DIR}: {hint}"
@@ -673,12 +673,12 @@ def pack_baseline(root: pathlib.Path = ROOT) -> None:
     (folder / "COMMIT").write_text(commit + "\n")
     size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     print(f"{BASELINE_DIR}: packages/ of {commit[:12]} ({size / 2**20:.1f} MiB)")
-    print(f"carry: {BASELINE_DIR}   (with the wheels: {BASELINE_DIR} .whl)")
+    print(f"copy along: {BASELINE_DIR}   (with the wheels: {BASELINE_DIR} .whl)")
 
 
 def export(folder: pathlib.Path, results: Results, since: float, suites: pathlib.Path = HERE / "results") -> None:
-    """results.tar in `folder`: the sweep's state and every suite file (`suites`/*.json) this call wrote, to unpack
-    into benchmarks/results where the call was made from."""
+    """results.tar in `folder`: the sweep's state and every suite file (`suites`/*.json) this sitting wrote, to unpack
+    into benchmarks/results where the sitting was made from."""
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / "results.tar.tmp"
     with tarfile.open(tmp, "w") as tar:
@@ -702,7 +702,7 @@ def interrupted(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--budget-s", type=float, help="seconds this call may take, its checks included (default: all)")
+    p.add_argument("--budget-s", type=float, help="seconds this sitting may take, its checks included (default: all)")
     p.add_argument("--list", "--dry-run", action="store_true", help="print the plan and what is measured; run nothing")
     p.add_argument("--only", metavar="NAME", help="run this step, measured or not")
     p.add_argument("--retry-failed", action="store_true", help="run again steps that failed on this tree")
@@ -710,7 +710,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--export", type=pathlib.Path, help="folder to write results.tar and sweep.log into as steps end")
     p.add_argument("--results", type=pathlib.Path, default=RESULTS, help="the sweep's state file")
     p.add_argument("--pack-baseline", action="store_true",
-                   help=f"where git is: unpack {BASELINE}'s packages/ into {BASELINE_DIR} and print what to carry")
+                   help=f"where git is: unpack {BASELINE}'s packages/ into {BASELINE_DIR} and print what to copy along")
     args = p.parse_args(argv)
     if args.pack_baseline:
         pack_baseline()
@@ -776,16 +776,16 @@ def main(argv: list[str] | None = None) -> None:
                   mark_host_used=lambda: HOST_USED.touch(), retry_failed=args.retry_failed)
     sweep.run(args.budget_s, start, only)
     elapsed = time.monotonic() - start
-    print(f"\nthis call: {elapsed:.0f} s" + ("" if args.budget_s is None else f" of {args.budget_s:.0f}"))
+    print(f"\nthis sitting: {elapsed:.0f} s" + ("" if args.budget_s is None else f" of {args.budget_s:.0f}"))
     left = sweep.pending()
     if left:
-        print(f"left for a later call ({sum(sweep.estimate(s) for s in left):.0f} s by estimate):")
+        print(f"left for a later sitting ({sum(sweep.estimate(s) for s in left):.0f} s by estimate):")
         print("\n".join(sweep.describe(left)))
     else:
         print("nothing left: every step is measured on this tree")
     failed = [n for n in sweep.ran if results.get(n)["status"] == "failed"]
     if failed:
-        sys.exit(f"failed in this call: {', '.join(failed)}")
+        sys.exit(f"failed in this sitting: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def test_each_result_is_written_as_its_step_ends(tree):
     def during(step):
         seen.append(set(saved(tree)) if (tree / "benchmarks" / "results" / "sweep.json").is_file() else set())
         if step.name == "small":
-            raise KeyboardInterrupt  # the call is stopped from outside in the third step
+            raise KeyboardInterrupt  # the sitting is stopped from outside in the third step
 
     clock = Clock()
     s = make(tree, clock=clock, runner=Runner(clock, during=during))
@@ -347,7 +347,7 @@ def test_a_process_past_its_deadline_is_interrupted_then_killed(tmp_path, monkey
 
 
 def test_a_step_that_runs_alone_has_a_call_to_itself(tree):
-    """An `alone` step runs only as the first step of a call, and nothing runs after it; a skipped step before it
+    """An `alone` step runs only as the first step of a sitting, and nothing runs after it; a skipped step before it
     takes no time and does not count."""
     table = [{"name": "tests", "estimate_s": 100, "run": ["pytest slide-kernels"]},
              {"name": "longest", "estimate_s": 300, "alone": True, "run": ["run.py b8"]},
@@ -356,7 +356,7 @@ def test_a_step_that_runs_alone_has_a_call_to_itself(tree):
     assert [st.name for st in s.choose(s.pending(), 540)] == ["tests", "small"]
     s.run(540, 0.0)
     assert s.runner.calls == ["tests", "small"]
-    assert "runs alone in a call" in "\n".join(s.describe(s.pending()))
+    assert "runs alone in a sitting" in "\n".join(s.describe(s.pending()))
     s = make(tree, table)
     assert [st.name for st in s.choose(s.pending(), 540)] == ["longest"]
     s.run(540, 0.0)
@@ -366,11 +366,11 @@ def test_a_step_that_runs_alone_has_a_call_to_itself(tree):
     shutil.rmtree(tree / "benchmarks" / "results")
     table = [{"name": "gone", "estimate_s": 10, "run": ["run.py nosuch"]}, table[1], table[2]]
     s = make(tree, table)
-    s.run(None, 0.0)  # (the step recorded as skipped ran nothing: the alone one still has the call to itself)
+    s.run(None, 0.0)  # (the step recorded as skipped ran nothing: the alone one still has the sitting to itself)
     assert s.runner.calls == ["longest"] and saved(tree)["gone"]["status"] == "skipped"
     table.append({"name": "probe", "estimate_s": 30, "run": ["run.py probe"], "fresh_host": True})
     s = make(tree, table, fresh=True)
-    s.run(None, 0.0)  # (a fresh host's probe goes first: then the alone step waits for another call)
+    s.run(None, 0.0)  # (a fresh host's probe goes first: then the alone step waits for another sitting)
     assert s.runner.calls == ["probe", "small"]
 
 
@@ -382,7 +382,7 @@ LONG_STEPS = {"long-8b-32k-clip": ("8b-32k", "1.0"), "long-8b-128k-clip": ("8b-1
 
 def test_the_long_suite_runs_in_steps_of_one_call_each(capsys):
     """run.py long's parts: each run and clip mode of run.LONG (and the peer's ladder) in a step of its own, each
-    estimated within a call (8B at 131,072 tokens: setup, then 3 steps of up to 90 s), the longest runs alone; the
+    estimated within a sitting (8B at 131,072 tokens: setup, then 3 steps of up to 90 s), the longest runs alone; the
     dry run lists them."""
     import run
 
@@ -404,13 +404,13 @@ def test_the_long_suite_runs_in_steps_of_one_call_each(capsys):
         if variant == "8b-128k":
             assert step.estimate_s >= 120 + 3 * 90
     assert covered == wanted
-    assert run.LONG["call_s"] <= sweep.STEP_LIMIT_S  # (run.py plans a longest run within a step)
+    assert run.LONG["sitting_s"] <= sweep.STEP_LIMIT_S  # (run.py plans a longest run within a step)
 
     sweep.main(["--dry-run"])
     out = capsys.readouterr().out
     for name in LONG_STEPS:
         assert f" {name} " in out, name
-    assert out.count("runs alone in a call") == 3
+    assert out.count("runs alone in a sitting") == 3
 
 
 class LongArgs:
@@ -508,7 +508,7 @@ def test_the_long_suite_runs_in_parts_merged_into_one_file(tmp_path, monkeypatch
 def test_a_longest_run_is_planned_within_one_call(tmp_path):
     """On the H200 host's machine file under 24 GiB, by slide-train's planner: the longest rows fit the plan, run on
     the -256k preset only past 131,072, and their predicted time, each step `margin` times the prediction after the
-    setup, fits the call; a margin the 131,072-token run measured takes the place of LONG's."""
+    setup, fits the sitting; a margin the 131,072-token run measured takes the place of LONG's."""
     pytest.importorskip("torch")
     pytest.importorskip("slide_train")
     import sys
