@@ -184,18 +184,25 @@ def test_kernels_on_equals_kernels_off_after_two_steps(tmp_path, model_type, hf_
 def interpreted_gemma3(tmp_path: str) -> None:
     """Run in a process with TRITON_INTERPRET=1 (it must be set before slide_kernels loads): two steps with the
     Triton kernels in the blocks against two without; prints the launches and the masters' distance."""
-    launchers = {"rms_norm": "rms_norm_forward", "rope": "rope_apply", "geglu": "geglu_forward"}
-    launches = dict.fromkeys(launchers.values(), 0)
-    for op, name in launchers.items():
+    _print_two_steps(tmp_path, "gemma3_text", {"rms_norm": ["rms_norm_forward"], "rope": ["rope_apply"],
+                                               "geglu": ["geglu_forward"]})
+
+
+def _print_two_steps(tmp_path: str, model_type: str, launchers: dict[str, list[str]]) -> None:
+    """Two steps of `model_type` with the kernels against two without, each of `launchers` (op module -> its
+    launchers) counted; prints the launches, the losses and the masters' distance."""
+    launches = {name: 0 for names in launchers.values() for name in names}
+    for op, names in launchers.items():
         module = importlib.import_module(f"slide_kernels.ops.{op}")
-        original = getattr(module, name)
+        for name in names:
+            original = getattr(module, name)
 
-        def counting(*args, _name=name, _fn=original, **kwargs):
-            launches[_name] += 1
-            return _fn(*args, **kwargs)
+            def counting(*args, _name=name, _fn=original, **kwargs):
+                launches[_name] += 1
+                return _fn(*args, **kwargs)
 
-        setattr(module, name, counting)
-    losses, masters = two_steps(pathlib.Path(tmp_path), "gemma3_text")
+            setattr(module, name, counting)
+    losses, masters = two_steps(pathlib.Path(tmp_path), model_type)
     print(json.dumps({"launches": launches, "losses": losses,
                       "distance": _global_relative(masters["on"], masters["off"])}))
 
@@ -208,19 +215,7 @@ def interpreted_olmoe(tmp_path: str) -> None:
     olmoe = families.FAMILIES["olmoe"]
     families.FAMILIES["olmoe"] = dataclasses.replace(olmoe, fused=(*dict.fromkeys((*olmoe.fused, "moe_experts")),),
                                                      unfused=None)
-    module = importlib.import_module("slide_kernels.ops.moe_experts")
-    launches = {"moe_experts_forward": 0, "moe_experts_backward": 0}
-    for name in launches:
-        original = getattr(module, name)
-
-        def counting(*args, _name=name, _fn=original, **kwargs):
-            launches[_name] += 1
-            return _fn(*args, **kwargs)
-
-        setattr(module, name, counting)
-    losses, masters = two_steps(pathlib.Path(tmp_path), "olmoe")
-    print(json.dumps({"launches": launches, "losses": losses,
-                      "distance": _global_relative(masters["on"], masters["off"])}))
+    _print_two_steps(tmp_path, "olmoe", {"moe_experts": ["moe_experts_forward", "moe_experts_backward"]})
 
 
 @pytest.mark.slow  # about 30 s on 2 cores
