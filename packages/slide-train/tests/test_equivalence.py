@@ -30,11 +30,12 @@ def make_rows(seed: int, n: int) -> tuple[list[list[int]], list[list[int]]]:
     return rows.tolist(), labels.tolist()
 
 
-def reference_run(model, rows, labels, dtype=torch.float32):
-    """The plain loop: mean loss over all label tokens of the step, AdamW, global-norm clipping."""
-    model = copy.deepcopy(model).to(dtype)
+def reference_run(model, rows, labels, dtype=torch.float32, device="cpu", autocast=None):
+    """The plain loop: mean loss over all label tokens of the step, AdamW, global-norm clipping; on `device`,
+    under autocast to `autocast` where given (the weights stay `dtype`)."""
+    model = copy.deepcopy(model).to(device, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    ids, lab = torch.tensor(rows), torch.tensor(labels)
+    ids, lab = torch.tensor(rows, device=device), torch.tensor(labels, device=device)
     losses, norms = [], []
     per_step = MICRO * ACCUM
     for step in range(STEPS):
@@ -45,13 +46,62 @@ def reference_run(model, rows, labels, dtype=torch.float32):
         total = 0.0
         for m in range(ACCUM):
             mb = slice(m * MICRO, (m + 1) * MICRO)
-            out = model(input_ids=step_ids[mb], labels=step_lab[mb], num_items_in_batch=n_items)
+            with torch.autocast(torch.device(device).type, dtype=autocast or dtype, enabled=autocast is not None):
+                out = model(input_ids=step_ids[mb], labels=step_lab[mb], num_items_in_batch=n_items)
             out.loss.backward()
             total += out.loss.item()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()
         losses.append(total)
     return model, losses, norms
+
+
+# bf16 compute's tolerance per family, against the fp32 loop: each step's loss (relative), and the trained weights'
+# distance from fp32's relative to fp32's update. HF's own autocast run stays under the same bounds.
+BF16_TOLERANCE = {
+    "llama": (2e-3, 0.1), "qwen2": (2e-3, 0.1), "qwen3": (2e-3, 0.1), "mistral": (2e-3, 0.1),
+    "phi3": (2e-3, 0.1), "granite": (2e-3, 0.1), "gemma": (2e-3, 0.1), "gemma2": (2e-3, 0.1),
+    "olmo2": (2e-3, 0.15), "olmo3": (2e-3, 0.15), "gemma3_text": (3e-3, 0.2),
+    "qwen3_moe": (2e-3, 0.15), "mixtral": (2e-3, 0.15), "olmoe": (2e-3, 0.15),
+}
+
+
+def assert_bf16_tracks_fp32(tmp_path, family: str, device: str) -> None:
+    errors = bf16_errors(tmp_path, family, device)
+    print(f"{family} on {device}: " + "; ".join(
+        f"{k}: loss {max(v[0]):.2e}, weights {v[1]:.4f}" for k, v in errors.items()))
+    loss_tol, weight_tol = BF16_TOLERANCE[family]
+    for who, (losses, weights) in errors.items():
+        assert max(losses) < loss_tol and weights < weight_tol, (who, errors)
+
+
+def bf16_errors(tmp_path, family: str, device: str) -> dict[str, tuple[list[float], float]]:
+    """Three clipped steps of a tiny `family` model in bf16 compute on `device`, ours (fp32 masters) and HF's
+    model trained there with HF's loss under bf16 autocast (fp32 weights), each measured against the same HF
+    loop in fp32: per step the loss's relative error, and the trained weights' global distance from fp32's
+    relative to the fp32 update (all tensors as one vector)."""
+    model = save_tiny_model(tmp_path / "model", family)
+    rows, labels = make_rows(seed=1, n=STEPS * MICRO * ACCUM)
+    write_token_rows(tmp_path / "data.jsonl", rows, labels)
+    trainer = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
+                                   **{"engine.device": device, "engine.compute_dtype": "bf16"}), progress=False)
+    ours = [trainer.step()["loss"] for _ in range(STEPS)]
+    trainer.engine.synchronize()
+    masters = dict(hf_tensors(trainer.engine.named_masters()))
+    trainer.close()
+    truth, truth_losses, _ = reference_run(model, rows, labels, device=device)
+    hf, hf_losses, _ = reference_run(model, rows, labels, device=device, autocast=torch.bfloat16)
+    start, want, got_hf = model.state_dict(), truth.state_dict(), hf.state_dict()
+
+    def distance(weights) -> float:
+        off = sum(((weights[n].double().cpu() - want[n].double().cpu()) ** 2).sum() for n in masters)
+        update = sum(((want[n].double().cpu() - start[n].double()) ** 2).sum() for n in masters)
+        return (off / update).sqrt().item()
+
+    def loss_errors(losses) -> list[float]:
+        return [abs(a - b) / b for a, b in zip(losses, truth_losses, strict=True)]
+
+    return {"ours": (loss_errors(ours), distance(masters)), "hf": (loss_errors(hf_losses), distance(got_hf))}
 
 
 def slide_config(tmp_path, model_dir, data_path, **extra):

@@ -12,7 +12,18 @@ import pytest
 import torch
 import transformers
 from conftest import NEW_FAMILIES, save_tiny_model, tiny_config, write_token_rows
-from test_equivalence import ACCUM, CLIP, MICRO, SEQ, STEPS, compare, make_rows, reference_run, slide_config
+from test_equivalence import (
+    ACCUM,
+    CLIP,
+    MICRO,
+    SEQ,
+    STEPS,
+    assert_bf16_tracks_fp32,
+    compare,
+    make_rows,
+    reference_run,
+    slide_config,
+)
 
 from slide_train.cli import main
 from slide_train.errors import ModelError
@@ -87,6 +98,12 @@ def test_three_steps_match_plain_pytorch_and_the_export_loads(tmp_path, family):
         with torch.no_grad():
             assert abs(loaded(ids, labels=lab).loss.item() - hf_loss) > 1e-4
     trainer.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe"])
+def test_bf16_compute_on_the_cpu_stays_within_the_familys_tolerance(tmp_path, family):
+    """The bf16 check the GPU tests make for every family (test_gpu.py), here on the CPU's torch path."""
+    assert_bf16_tracks_fp32(tmp_path, family, "cpu")
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])

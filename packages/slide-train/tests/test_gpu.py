@@ -8,7 +8,8 @@ import copy
 import pytest
 import torch
 import transformers
-from conftest import save_tiny_model
+from conftest import FAMILIES, MOE_FAMILIES, NEW_FAMILIES, save_tiny_model
+from test_equivalence import assert_bf16_tracks_fp32
 
 from slide_train.config import load_config
 from slide_train.trainer import Trainer, prepare
@@ -70,6 +71,16 @@ def test_bf16_loss_curve_tracks_gpu_resident_reference(tmp_path, family, residen
     rel = ((ours_t - theirs_t).abs() / theirs_t).max().item()
     print(f"{family}: max relative loss gap over {STEPS} steps: {rel:.4f}")
     assert rel < 0.02, f"ours {ours}\nreference {theirs}"
+
+
+@pytest.mark.parametrize("family", FAMILIES + NEW_FAMILIES + MOE_FAMILIES)
+def test_every_family_in_bf16_tracks_hfs_loop_on_the_gpu(tmp_path, family):
+    """Three clipped steps of each family in bf16 compute (slide-kernels' fused ops where the family has them),
+    ours and HF's model trained on the GPU with HF's loss under bf16 autocast, each within the family's stated
+    tolerance of the same loop in fp32."""
+    if not torch.cuda.is_available():
+        pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
+    assert_bf16_tracks_fp32(tmp_path, family, "cuda")
 
 
 def _lr(trainer, step):
