@@ -731,10 +731,10 @@ def run_plans_suite(args, work: pathlib.Path) -> dict:
 
 def run_kernels_suite(args, work: pathlib.Path) -> dict:
     result = work / "kernels.json"
-    cmd = [sys.executable, str(HERE / "kernels.py"), "--json", str(result), "--rounds", str(args.rounds)]
+    cmd = [sys.executable, str(HERE / "kernel_bench.py"), "--json", str(result), "--rounds", str(args.rounds)]
     rc = subprocess.call(cmd, cwd=common.ROOT)
     if rc != 0 or not result.is_file():
-        raise RuntimeError(f"benchmarks/kernels.py exited with status {rc}")
+        raise RuntimeError(f"benchmarks/kernel_bench.py exited with status {rc}")
     doc = json.loads(result.read_text())
     return suite_doc("kernels", doc["config"], [{"system": "kernels", "status": "ok", "results": doc["results"],
                                                  "targets": doc["targets"]}], doc["gpu"])

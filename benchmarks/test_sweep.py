@@ -513,8 +513,7 @@ def test_a_longest_run_is_planned_within_one_call(tmp_path):
     pytest.importorskip("slide_train")
     import sys
 
-    # (in a process of its own, with benchmarks/ last on the path: its kernels.py would shadow the hub's `kernels`
-    # package, which transformers imports where it is installed)
+    # (in a process of its own, with benchmarks/ last on the path, as a sweep step runs run.py)
     code = f"""
 import json, pathlib, sys
 sys.path.append({str(sweep.HERE)!r})

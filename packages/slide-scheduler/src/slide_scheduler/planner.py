@@ -181,9 +181,10 @@ def disk_share(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets,
     memory: a CPU run, data-parallel ranks)."""
     o = overrides or Overrides()
 
-    def at(fraction: float, loads: bool, grads: bool = False) -> Plan:
+    def at(fraction: float, loads: bool, grads: bool = False) -> Plan:  # (deeper staging is tried on the share found)
         return place(shapes, step, run, budgets, machine,
-                     dataclasses.replace(o, nvme_fraction=fraction, disk_loads=loads, disk_grads=grads))
+                     dataclasses.replace(o, nvme_fraction=fraction, disk_loads=loads, disk_grads=grads,
+                                         disk_staging=o.disk_staging or 0))
 
     sliding = len(at(0.0, False).placement.sliding_blocks)
     if not run.cuda or run.ranks > 1 or not sliding:

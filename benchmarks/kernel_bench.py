@@ -7,7 +7,7 @@ are those of the fused loss, norm and MLP of a Llama-3.1-8B step at 16k tokens, 
 markdown table and, with --json, writes the figures (git commit, date, GPU, versions, config) there;
 `run.py kernels` runs it that way. Without a CUDA GPU it times nothing and says so.
 
-    python3 benchmarks/kernels.py [--json FILE] [--ops rms_norm,rope] [--providers eager,liger,slide]
+    python3 benchmarks/kernel_bench.py [--json FILE] [--ops rms_norm,rope] [--providers eager,liger,slide]
 """
 
 from __future__ import annotations
@@ -322,7 +322,7 @@ def main() -> None:
     global ROUNDS
     ROUNDS = args.rounds
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py: no CUDA GPU here, nothing timed (skipped)")
+        print("benchmarks/kernel_bench.py: no CUDA GPU here, nothing timed (skipped)")
         return
     providers = set(args.providers.split(","))
     ops = args.ops.split(",")
@@ -356,7 +356,7 @@ def main() -> None:
     except Exception:
         versions["liger_kernel"] = None
     doc = {
-        "benchmark": "benchmarks/kernels.py",
+        "benchmark": "benchmarks/kernel_bench.py",
         "git_commit": git_commit(),
         "date": now.isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),
