@@ -119,7 +119,7 @@ def random_steps(seed: int, shapes: list[tuple[int, int]], device: str = "cpu"):
 
 PLACEMENT_KEYS = ("window", "resident", "device_update_share", "held_grads", "split_update",
                   "grads_share_activations", "nvme_fraction", "disk_loads", "speculate", "landing", "edges_early",
-                  "disk_boundaries", "disk_grads", "staging")
+                  "disk_boundaries", "disk_grads", "staging", "speculation_pause")
 FACT_KEYS = ("device", "compute_dtype", "states_dtype", "max_grad_norm", "activation_offload")
 
 
@@ -129,7 +129,7 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
     `resident` (a count: the edges, then blocks from 0; or units), `device_update_share` (0), `held_grads` (0),
     `split_update` (True), `grads_share_activations` (False), `nvme_fraction` (0), `disk_loads` (False),
     `speculate` (False), `landing` (0: the rule), `edges_early` (True), `disk_boundaries` (0), `disk_grads`
-    (False), `staging` (0: the disk tier's default)."""
+    (False), `staging` (0: the disk tier's default), `speculation_pause` (True)."""
     choices = {k: kwargs.pop(k) for k in PLACEMENT_KEYS if k in kwargs}
     run = run_facts(**{k: kwargs.pop(k) for k in FACT_KEYS if k in kwargs})
     resident = choices.get("resident", 0)
@@ -141,7 +141,8 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
                         nvme_fraction=choices.get("nvme_fraction", 0.0), disk_loads=choices.get("disk_loads", False),
                         landing=choices.get("landing", 0), edges_early=choices.get("edges_early", True),
                         disk_boundaries=choices.get("disk_boundaries", 0),
-                        disk_grads=choices.get("disk_grads", False), staging=choices.get("staging", 0))
+                        disk_grads=choices.get("disk_grads", False), staging=choices.get("staging", 0),
+                        speculation_pause=choices.get("speculation_pause", True))
     return SlidingEngine(stack, placement, EngineConfig(**kwargs))
 
 

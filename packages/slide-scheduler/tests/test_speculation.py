@@ -71,11 +71,24 @@ def test_speculation_gives_the_result_without_it_bit_for_bit(clips, slow):
     assert synchronous[1] == speculated[1] and {o for o, _ in reference[1]} == {"off"}
 
 
-def expected_outcomes(clip: float, reference) -> list[str]:
+def expected_outcomes(clip: float, reference, pause: bool = True) -> list[str]:
     """What each step of a speculating run says, from the norms of the run without speculation: a step whose
-    clipping acts discards, the step after it does not speculate, the others hold."""
+    clipping acts discards, the step after it does not speculate (where the placement pauses), the others hold."""
     acted = [clip / (norm + 1e-6) < 1.0 for _, norm in reference[1]]
-    return ["off" if t and acted[t - 1] else "discarded" if a else "held" for t, a in enumerate(acted)]
+    return ["off" if pause and t and acted[t - 1] else "discarded" if a else "held" for t, a in enumerate(acted)]
+
+
+@pytest.mark.parametrize("clips", ["always", "mixed"])
+def test_speculating_right_after_a_clipped_step_gives_the_result_without_it_bit_for_bit(clips):
+    """Without the pause (`speculation_pause` off) every step speculates, also after one whose clipping acted:
+    consecutive discarded speculations, and the weights without speculation."""
+    clip = {"always": 0.05, "mixed": mixed_clip()}[clips]
+    reference = run(clip, speculate=False)
+    eager = run(clip, speculate=True, slow="updater", speculation_pause=False)
+    assert same(eager, reference)
+    outcomes = [o for o, _ in eager[1]]
+    assert outcomes == expected_outcomes(clip, reference, pause=False) and "off" not in outcomes
+    assert outcomes != expected_outcomes(clip, reference)  # (a step the pause would have sat out speculated)
 
 
 @pytest.mark.parametrize("choices", [{"resident": 2}, {"device_update_share": 0.5, "held_grads": 1},

@@ -382,10 +382,11 @@ def test_activations_on_disk_match_plain_pytorch_and_leave_no_files(tmp_path, fo
     assert not any(where.rglob("*.bin")) and where.exists() == (folder == "own")
 
 
-def test_speculation_matches_plain_pytorch_and_logs_what_it_did(tmp_path, monkeypatch):
+@pytest.mark.parametrize("pause", [True, False])
+def test_speculation_matches_plain_pytorch_and_logs_what_it_did(tmp_path, monkeypatch, pause):
     """engine.placement.speculate: clipped host updates also run during backward; steps whose clipping acts
-    discard that, the others keep it, and the step after one whose clipping acted does not speculate. The result
-    is the plain loop's either way, and metrics.jsonl says which."""
+    discard that, the others keep it, and the step after one whose clipping acted does not speculate (unless
+    `speculation_pause` is off). The result is the plain loop's either way, and metrics.jsonl says which."""
     from slide_train.metrics import read_metrics
 
     model = save_tiny_model(tmp_path / "model", "llama")
@@ -398,12 +399,14 @@ def test_speculation_matches_plain_pytorch_and_logs_what_it_did(tmp_path, monkey
     ref_model, ref_losses, ref_norms = reference_run(model, rows, labels)
     assert min(ref_norms) < limit < max(ref_norms)
     trainer = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
-                                   **{"engine.placement.speculate": "true", "max_grad_norm": limit}), progress=False)
-    assert trainer.engine.placement.speculated
+                                   **{"engine.placement.speculate": "true", "max_grad_norm": limit,
+                                      "engine.placement.speculation_pause": str(pause).lower()}), progress=False)
+    assert trainer.engine.placement.speculated and trainer.engine.placement.speculation_pause == pause
     records = [trainer.step() for _ in range(STEPS)]
     acted = [n > limit for n in ref_norms]
-    expected = ["off" if t and acted[t - 1] else "discarded" if a else "held" for t, a in enumerate(acted)]
+    expected = ["off" if pause and t and acted[t - 1] else "discarded" if a else "held" for t, a in enumerate(acted)]
     assert [r["speculation"] for r in records] == expected and {"held", "discarded"} <= set(expected)
+    assert ("off" in expected) == pause  # (a step after one whose clipping acted: sat out or speculated)
     assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5)
     compare(trainer, ref_model, reference_run(model, rows, labels, torch.float64)[0])
     trainer.log.close()

@@ -177,6 +177,7 @@ def test_an_earlier_run_is_never_silently_mixed_with_a_new_one(tmp_path):
      "set it to 0 with engine.states_dtype=bf16"),
     ("--engine.placement.window=0", "engine.placement.window must be an integer of at least 1"),
     ("--engine.placement.synchronous=maybe", "engine.placement.synchronous must be true or false"),
+    ("--engine.placement.speculation_pause=1", "engine.placement.speculation_pause must be true or false"),
     ("--engine.placement.held_grads=2", "unknown key engine.placement.held_grads; the expert overrides are window"),
     ("--engine.device=gpu", "engine.device must be auto, cpu, cuda or cuda:N"),
     ("--engine.nvme.fraction=1.5", r"engine.nvme.fraction is the share .* in \[0, 1\], or auto, got 1.5"),

@@ -261,6 +261,9 @@ class Placement:
     boundaries: tuple[str, ...] = ()
     # staging slots of the disk tier's states: how many updates ahead their reads run (0: DISK_STAGING_SLOTS)
     staging: int = 0
+    # speculating blocks sit out the step after one whose clipping acted (its norm is most likely over the limit
+    # too, and a discarded speculation costs host time), until a step's clipping does not act again
+    speculation_pause: bool = True
 
     def __post_init__(self):
         validate(self)
@@ -640,6 +643,8 @@ class Overrides:
     disk_grads: bool | None = None
     # staging slots of the disk tier's states, how many updates ahead its reads run (None: the planner's)
     disk_staging: int | None = None
+    # speculating blocks sit out the step after one whose clipping acted (None: yes)
+    speculation_pause: bool | None = None
     # blocks (the first ones) whose input boundary activations wait on disk, the others in the run's tier (None:
     # none, or with `activations: auto` the fewest that fit host memory)
     disk_boundaries: int | None = None
@@ -671,7 +676,7 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
             speculate: bool | int = False, nvme_fraction: float = 0.0, disk_loads: bool = False,
             disk_grads: bool = False, staging: int = 0,
             sequence_tile: int = 0, landing: int = 0, edges_early: bool = True, disk_boundaries: int = 0,
-            threads: int | None = None) -> Placement:
+            speculation_pause: bool = True, threads: int | None = None) -> Placement:
     """The placement these choices make: `resident` units on the device; of the sliding blocks, the last
     `nvme_fraction` with masters and moments on disk, `share` of the rest (spread out) updated on the device
     with clipping, `held` of those keeping their gradient there, the others' gradients pooled (`shared`) or in
@@ -709,7 +714,8 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
     # the run's tier
     boundaries = ("nvme",) * disk_boundaries + (run.activations,) * (n - disk_boundaries) if disk_boundaries else ()
     return Placement(shapes, step, tuple(units), window, run, sequence_tile=sequence_tile, landing=landing,
-                     edges_early=edges_early, boundaries=boundaries, staging=staging, **extra)
+                     edges_early=edges_early, boundaries=boundaries, staging=staging,
+                     speculation_pause=speculation_pause, **extra)
 
 
 def resident_units(resident: int | Iterable[int]) -> set[int]:
@@ -732,7 +738,8 @@ def size_for_budget(shapes: Shapes, step: StepShape, run: RunFacts, budget: floa
                        disk_grads=bool(overrides.disk_grads), staging=overrides.disk_staging or 0,
                        sequence_tile=overrides.sequence_tile or 0, landing=overrides.landing_sets or 0,
                        edges_early=overrides.edges_early is not False,
-                       disk_boundaries=overrides.disk_boundaries or 0)
+                       disk_boundaries=overrides.disk_boundaries or 0,
+                       speculation_pause=overrides.speculation_pause is not False)
 
     if overrides.resident is not None:
         chosen = make(resident_units(overrides.resident))

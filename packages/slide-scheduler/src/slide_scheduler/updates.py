@@ -143,7 +143,8 @@ class Host(UpdateKind):
     forward waits only for new masters). A speculating block also runs its clipped update during backward as if
     clipping will not act, writing only its parameters; when it does not act its next loads take those, and the
     update proper runs whole after the others. A step whose clipping acted is followed by one that does not
-    speculate (the next norm is most likely over the limit too), until a step's clipping does not act again.
+    speculate (the next norm is most likely over the limit too), until a step's clipping does not act again,
+    where the placement says so (`speculation_pause`).
     Blocks whose moments (and master) live on disk have them read in ahead of their updates."""
 
     def __init__(self, engine, units):
@@ -215,7 +216,7 @@ class Host(UpdateKind):
 
     def _speculated(self, tried: bool, held: set[int], acted: bool) -> None:
         self.speculation = "off" if not tried else "held" if held else "discarded"
-        self.speculating = not acted
+        self.speculating = not (acted and self.engine.placement.speculation_pause)
 
     def load(self, unit: int, slot: Slot, chunks: list[int] | None = None) -> bool:
         """Speculated parameters, where this step's clipping did not act; else the master (or its copy)."""

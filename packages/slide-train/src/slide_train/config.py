@@ -76,6 +76,7 @@ PLACEMENT_KEYS = {
                   "memory holds the run no other way)",
     "disk_staging": "host staging slots of the disk tier's states, how many updates ahead its reads run (unset: 2, "
                     "or 4 where the plan prices that faster)",
+    "speculation_pause": "speculating blocks sit out the step after one whose clipping acted (unset: true)",
 }
 # Keys that were renamed or removed, with what replaces them.
 MOVED = {
@@ -175,7 +176,8 @@ KEY_HELP = {
                             "auto: the least share that fits the host's memory (0 where it holds the run, and with "
                             "data-parallel ranks)",
     "engine.placement": "expert overrides: window, resident, device_update_share, speculate, synchronous, "
-                        "sequence_tile, landing_sets, edges_early, disk_grads, disk_staging (docs/placement.md)",
+                        "sequence_tile, landing_sets, edges_early, disk_grads, disk_staging, speculation_pause "
+                        "(docs/placement.md)",
     "checkpoint.every": "steps between checkpoints; 0: only at the end",
     "checkpoint.keep": "the newest checkpoints kept; 0: write none",
     "resume": "auto (the newest good checkpoint in output_dir) or a checkpoint's path; null: a new run",
@@ -361,7 +363,7 @@ def check_placement(overrides: dict, states_dtype: str) -> None:
         count = overrides.get(key)
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
             raise ConfigError(f"engine.placement.{key} must be a count of at least 1, got {count!r}")
-    for key in ("edges_early", "disk_grads"):
+    for key in ("edges_early", "disk_grads", "speculation_pause"):
         if overrides.get(key) is not None and not isinstance(overrides.get(key), bool):
             raise ConfigError(f"engine.placement.{key} must be true or false, got {overrides.get(key)!r}")
     synchronous, speculate = overrides.get("synchronous"), overrides.get("speculate")

@@ -78,7 +78,7 @@ def overrides_of(cfg: TrainConfig, num_blocks: int) -> Overrides:
                      speculate=o.get("speculate"), nvme_fraction=None if fraction == "auto" else fraction,
                      sequence_tile=o.get("sequence_tile"), landing_sets=o.get("landing_sets"),
                      edges_early=o.get("edges_early"), disk_grads=o.get("disk_grads"),
-                     disk_staging=o.get("disk_staging"))
+                     disk_staging=o.get("disk_staging"), speculation_pause=o.get("speculation_pause"))
 
 
 def facts_of(cfg: TrainConfig, device: str, ranks: int = 1) -> RunFacts:
