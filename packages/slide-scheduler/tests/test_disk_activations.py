@@ -117,7 +117,7 @@ def test_an_activation_leaves_only_once_it_is_made(tmp_path, tier):
 
     cpu = torch.device("cpu")
     d2h, h2d, compute = Lane("d2h", cpu), Lane("h2d", cpu), Lane("compute", cpu, inline=True)
-    store = ActivationStore(tier, cpu, d2h, h2d, compute, directory=str(tmp_path))
+    store = ActivationStore((tier,), cpu, d2h, h2d, compute, directory=str(tmp_path))
     store.trim(1)
     hidden, made = torch.zeros(1024), Future()
     store.put(0, 0, hidden, FutureSignal(made))

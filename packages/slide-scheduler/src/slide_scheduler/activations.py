@@ -20,15 +20,15 @@ from .lanes import DONE, Lane, Signal
 
 
 class ActivationStore:
-    """`tiers`: one tier for every boundary, or each boundary's (block input 0, 1, ...)."""
+    """`tiers`: each boundary's tier (block input 0, 1, ...)."""
 
-    def __init__(self, tiers: str | Sequence[str], device: torch.device, d2h: Lane, h2d: Lane, compute: Lane,
+    def __init__(self, tiers: Sequence[str], device: torch.device, d2h: Lane, h2d: Lane, compute: Lane,
                  pool=None, directory: str | None = None):
-        self.tiers = tiers
-        for tier in {tiers} if isinstance(tiers, str) else set(tiers):
+        self.tiers = tuple(tiers)
+        for tier in set(self.tiers):
             if tier not in ("none", "cpu", "nvme"):
                 raise ValueError(f"activation tier must be 'none' (keep on device), 'cpu' or 'nvme', got {tier!r}")
-        on_disk = tiers == "nvme" if isinstance(tiers, str) else "nvme" in tiers
+        on_disk = "nvme" in self.tiers
         if on_disk and not directory:
             raise ValueError("activations on the nvme tier go to files: set activation_dir to a directory on a fast "
                              "local disk")
@@ -44,7 +44,7 @@ class ActivationStore:
         self._last_copy: Signal = DONE
 
     def tier(self, boundary: int) -> str:
-        return self.tiers if isinstance(self.tiers, str) else self.tiers[boundary]
+        return self.tiers[boundary]
 
     def put(self, boundary: int, micro: int, hidden: torch.Tensor, produced: Signal) -> None:
         """Keep `hidden` (made on the compute lane; `produced` holds once it is written)."""
