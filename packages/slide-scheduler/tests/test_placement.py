@@ -455,6 +455,26 @@ def test_attention_is_priced_at_the_machines_attention_rate_with_its_window():
         assert gpu[q, 100.0] - gpu[q, 400.0] == pytest.approx(flops / 1e12 * (1 / 100 - 1 / 400), rel=1e-9)
 
 
+def test_a_mixtures_routed_experts_are_priced_at_the_machines_experts_rate():
+    """Each block's routed experts (Shapes.routed_numels; the probe's count: routed_expert_flops) run at
+    gpu.experts_tflops where the machine file has it: the GPU's compute moves by exactly those FLOPs over the two
+    rates. Without it, or for a dense model, the price is the dense GEMMs' as before."""
+    from slide_scheduler.machine import routed_expert_flops
+
+    step = StepShape(8192, 2, 4096)
+    routed = tuple(4_000_000 * (b % 3) for b in range(28))  # (some blocks dense)
+    mixture = dataclasses.replace(LLAMA_3B, routed_numels=routed)
+    p = arrange(mixture, step, RunFacts(clip=None), resident=range(29))
+    dense = arrange(LLAMA_3B, step, RunFacts(clip=None), resident=range(29))
+    gpu = {r: price(p, with_rates(FAST, gpu={"experts_tflops": r})).lanes["gpu"] for r in (0.0, 100.0, 400.0)}
+    assert gpu[0.0] == price(dense, FAST).lanes["gpu"]
+    tokens = step.tokens_per_micro * step.micro_batches
+    flops = sum(routed_expert_flops(tokens, numel, 1) for numel in routed) * 4 / 3  # (the forward's recompute too)
+    assert gpu[100.0] - gpu[400.0] == pytest.approx(flops / 1e12 * (1 / 100 - 1 / 400), rel=1e-9)
+    rate = FAST.gpu.bf16_tflops * 0.71  # (cost.BLOCK_EFFICIENCY)
+    assert gpu[100.0] - gpu[0.0] == pytest.approx(flops / 1e12 * (1 / 100 - 1 / rate), rel=1e-9)
+
+
 def test_the_planner_reads_the_disk_tier_further_ahead_where_that_prices_faster():
     """Four staging slots of the disk tier's states instead of two (more of a clipped step's reads under the
     backward) where the cost model prices that faster by more than the planner's tie, and their host memory

@@ -16,7 +16,7 @@ import torch
 import slide_io.kvikio_path as kvikio_path
 import slide_scheduler.probe as probe_module
 from slide_io import PathChoice, PathRates, kvikio_choice
-from slide_scheduler.machine import Gpu, Machine, Pcie, causal_attention_flops
+from slide_scheduler.machine import Gpu, Machine, Pcie, causal_attention_flops, routed_expert_flops
 from slide_scheduler.probe import (
     QUICK,
     Lane,
@@ -29,6 +29,7 @@ from slide_scheduler.probe import (
     probe_attention,
     probe_disk,
     probe_host,
+    routed_mlp,
     run_mix,
 )
 
@@ -105,6 +106,37 @@ def test_causal_attention_flops_by_hand():
     assert causal_attention_flops(16384, 32, 128, batch=2) == 2 * 6597069766656.0
     # The trainer's count per token and layer (6 x heads x head_dim x S), over the row's S tokens.
     assert causal_attention_flops(4096, 8, 64) == 6 * 8 * 64 * 4096 * 4096
+
+
+def test_routed_expert_flops_by_hand():
+    # OLMoE-1B-7B's layer: 8 of 64 experts of 3 x 2048 x 1024 parameters per token; 4096 tokens forward:
+    # 2 x 4096 x 8 x 6,291,456 = 412,316,860,416; the backward twice that.
+    assert routed_expert_flops(4096, 3 * 2048 * 1024, 8, backward=False) == 412316860416.0
+    assert routed_expert_flops(4096, 3 * 2048 * 1024, 8) == 3 * 412316860416.0
+
+
+def test_the_probes_routed_mlp_is_each_tokens_experts_weighted():
+    """The routed MLP the probe times (sorted copies, grouped GEMMs, a weighted combine) is, token by token, the
+    sum of its top-k experts' SwiGLU outputs weighted by their routing probabilities, forward and backward
+    (float32 against a float64 loop)."""
+    torch.manual_seed(0)
+    n, hidden, width, experts, k = 37, 16, 8, 6, 2
+    ours = [torch.randn(n, hidden), torch.randn(experts, hidden), torch.randn(experts, hidden, 2 * width),
+            torch.randn(experts, width, hidden)]
+    ours = [t.requires_grad_() for t in ours]
+    ref = [t.detach().double().requires_grad_() for t in ours]
+    x, router, gate_up, down = ref
+    weights, chosen = torch.softmax(x @ router.t(), dim=-1).topk(k, dim=-1)
+    want = torch.zeros_like(x)
+    for t in range(n):
+        for j in range(k):
+            gate, up = (x[t] @ gate_up[chosen[t, j]]).chunk(2)
+            want[t] += weights[t, j] * ((torch.nn.functional.silu(gate) * up) @ down[chosen[t, j]])
+    got = routed_mlp(*ours, k)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(n, hidden)
+    for a, b in zip(torch.autograd.grad(got, ours, grad), torch.autograd.grad(want, ref, grad.double())):
+        assert (a.double() - b).abs().max() <= 1e-5 * b.abs().max()
 
 
 def test_attention_rate_round_trips_through_machine_dicts_and_files(tmp_path):
@@ -421,6 +453,9 @@ def test_quick_probe_on_a_gpu(tmp_path):
     # Causal attention forward + backward runs, slower than dense matrix products (softmax, the causal edge,
     # a backward that does more than the count says).
     assert 0 < machine.gpu.attention_tflops < machine.gpu.bf16_tflops
+    # A mixture's routed MLP forward + backward runs, slower than dense matrix products (routing, dispatch,
+    # grouped GEMMs of a few hundred rows each)
+    assert 0 < machine.gpu.experts_tflops < machine.gpu.bf16_tflops
     pcie = machine.pcie
     assert pcie.h2d_gbps > 0 and pcie.d2h_gbps > 0 and pcie.duplex_gbps > 0
     # Both ways at once move at least as much as the faster single direction, up to measurement noise.

@@ -215,18 +215,18 @@ def test_the_adapter_counts_the_parameters_one_token_computes_with(family):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     model(torch.tensor([[5]])).logits.square().sum().backward()
-    reached = 0
+    reached = experts = 0
     for name, p in model.model.layers[0].named_parameters():
         if ".experts." in f".{name}" and p.dim() == 3:  # one slice per expert: only the routed ones are reached
-            reached += sum(p[e].numel() for e in range(p.shape[0]) if p.grad[e].abs().sum() > 0)
+            experts += sum(p[e].numel() for e in range(p.shape[0]) if p.grad[e].abs().sum() > 0)
         elif ".experts." in f".{name}":  # one tensor per expert
-            reached += p.numel() if p.grad is not None and p.grad.abs().sum() > 0 else 0
+            experts += p.numel() if p.grad is not None and p.grad.abs().sum() > 0 else 0
         else:
             reached += p.numel()
     stack = HFStack(tiny_config(family), None)
     block = stack.make_block()
-    assert stack.active_numel(block) == reached
-    assert reached < sum(p.numel() for p in block.parameters())
+    assert stack.active_numel(block) == reached + experts and stack.routed_numel(block) == experts > 0
+    assert reached + experts < sum(p.numel() for p in block.parameters())
 
 
 # Qwen3-MoE with dense layers among the sparse ones: blocks of two shapes in the same slots

@@ -100,10 +100,15 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
     # GEMMs run
     attn_rate = machine.gpu.attention_tflops * 1e12 if pcie and machine.gpu.attention_tflops else gpu_rate
     rows = tokens / seq
+    # a mixture's routed experts likewise (machine.experts_tflops), where measured
+    experts_rate = machine.gpu.experts_tflops * 1e12 if pcie and machine.gpu.experts_tflops else 0.0
 
     def forward_s(u: int) -> float:  # one block's forward over the step: the GEMMs a token runs, its attention
         pairs = attention_pairs(seq, s.window(u))
-        return 2 * s.active(u) * tokens / gpu_rate + 4 * pairs * (s.attention_width or s.hidden) * rows / attn_rate
+        gemms = 2 * s.active(u) * tokens / gpu_rate
+        if experts_rate:  # (the routed experts' share at their own rate)
+            gemms += 2 * s.routed(u) * tokens * (1 / experts_rate - 1 / gpu_rate)
+        return gemms + 4 * pairs * (s.attention_width or s.hidden) * rows / attn_rate
 
     launch = LAUNCH_S * t.micro_batches if pcie else 0.0
     forward_c = [forward_s(u) + launch for u in range(1, n + 1)]

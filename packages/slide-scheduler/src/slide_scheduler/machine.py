@@ -2,7 +2,7 @@
 
 The same figures a machine file holds (`slide-train probe` measures them; docs/machines/ has examples):
 
-    gpu:  {memory_gib, bf16_tflops, attention_tflops, link_gbps}
+    gpu:  {memory_gib, bf16_tflops, attention_tflops, experts_tflops, link_gbps}
     host: {memory_gib, cores, memory_gbps, adamw_gparams}
     pcie: {h2d_gbps, d2h_gbps, duplex_gbps}
     disk: {free_gib, read_gbps, write_gbps, path, path_reason, posix_read_gbps, posix_write_gbps,
@@ -14,6 +14,11 @@ Every figure is a number except the disk's path and its reason, which are words.
 `gpu.attention_tflops` is causal attention's rate, forward and backward at a long sequence through the fused
 kernels a step runs (SDPA's flash path, FlexAttention), in FLOPs as `causal_attention_flops` counts them: the
 FLOPs of a layer's attention over a row, divided by this rate, are its seconds. 0: not measured.
+
+`gpu.experts_tflops` is a mixture of experts' routed MLP's rate, forward and backward: routing, dispatch by
+expert, the experts' grouped GEMMs and the weighted combine, in FLOPs as `routed_expert_flops` counts them (the
+experts' GEMMs alone). A block's routed experts take their FLOPs over this rate. 0: not measured, priced as the
+dense GEMMs.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ class Gpu:
     # causal attention forward + backward (bf16, fused kernels, long rows) in `causal_attention_flops`' count;
     # 0: not measured
     attention_tflops: float = 0.0
+    # a mixture's routed MLP forward + backward (bf16, grouped GEMMs) in `routed_expert_flops`' count; 0: not
+    # measured
+    experts_tflops: float = 0.0
     # what one GPU's collectives with the others move (NVLink, or PCIe between GPUs), for data-parallel ranks;
     # 0: not measured, priced at the host link's rate
     link_gbps: float = 0.0
@@ -49,6 +57,14 @@ def causal_attention_flops(seq_len: int, heads: int, head_dim: int, batch: int =
     this count, stands for somewhat more arithmetic than it says: the count, not the kernel, defines it.
     """
     forward = 2.0 * batch * float(seq_len) ** 2 * heads * head_dim
+    return 3 * forward if backward else forward
+
+
+def routed_expert_flops(tokens: int, expert_numel: int, top_k: int, backward: bool = True) -> float:
+    """The FLOPs of a mixture's routed experts for `tokens` tokens, each routed to `top_k` experts of
+    `expert_numel` parameters (gate, up and down): 2 per parameter and routed token forward, the backward at 2x
+    (the gradients of the input and the weights). The router and the combine are left out of the count."""
+    forward = 2.0 * tokens * top_k * expert_numel
     return 3 * forward if backward else forward
 
 

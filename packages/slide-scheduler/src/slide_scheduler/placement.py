@@ -68,6 +68,8 @@ class Shapes:
     active_numels: tuple[int, ...] = ()
     active_block_numel: int = 0  # the same for every block alike (a mixture of experts' routed
     #                              experts; 0: all of them)
+    # of those, each block's that run as a mixture's routed experts (grouped GEMMs; empty: none)
+    routed_numels: tuple[int, ...] = ()
     attention_width: int = 0  # query heads x head dim (0: hidden)
     windows: tuple[int, ...] = ()  # each block's attention window in tokens (0: the whole causal row; empty: all)
 
@@ -86,6 +88,10 @@ class Shapes:
             return self.active_numels[unit - 1]
         return self.active_block_numel or self.unit_numels[unit]
 
+    def routed(self, unit: int) -> int:
+        """Of unit `unit`'s (1 + block) active parameters, those of the routed experts a token runs."""
+        return self.routed_numels[unit - 1] if self.routed_numels else 0
+
     def window(self, unit: int) -> int:
         """The attention window of unit `unit` (1 + block), in tokens; 0 for the whole causal row."""
         return self.windows[unit - 1] if self.windows else 0
@@ -100,14 +106,18 @@ def shapes_of(stack, hidden: int = 0, intermediate: int = 0, vocab: int = 0, ran
     """A stack's shapes (its edges' and each block's parameter counts, padded to split into `ranks` shards;
     widths as given). A stack whose blocks come in several shapes says which block has which with
     `block_shape(index)` and makes each with `make_block(shape)`; one whose tokens compute with only part of a
-    block (a mixture of experts) says how much with `active_numel(block)`, given a block module."""
+    block (a mixture of experts) says how much with `active_numel(block)`, given a block module, and how much of
+    that its routed experts are with `routed_numel(block)`."""
     edges = FlatLayout(stack.make_edges(), shards=ranks).numel
     shapes = block_shapes(stack)
     made = {k: make_block(stack, k) for k in dict.fromkeys(shapes)}
     numel = {k: FlatLayout(m, shards=ranks).numel for k, m in made.items()}
     active = getattr(stack, "active_numel", None)
     actives = tuple(numel[k] - made_numel(made[k]) + active(made[k]) for k in shapes) if active else ()
-    return Shapes((edges,) + tuple(numel[k] for k in shapes), hidden, intermediate, vocab, active_numels=actives)
+    routed = getattr(stack, "routed_numel", None)
+    routes = tuple(routed(made[k]) for k in shapes) if routed else ()
+    return Shapes((edges,) + tuple(numel[k] for k in shapes), hidden, intermediate, vocab, active_numels=actives,
+                  routed_numels=routes if any(routes) else ())
 
 
 def block_shapes(stack) -> list:

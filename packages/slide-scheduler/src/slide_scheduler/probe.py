@@ -23,7 +23,7 @@ import torch
 from slide_io import NVMeStore, PathRates, choose_path, free_bytes, kvikio_choice
 from slide_memory import AdamWConfig, HostAdamW, host_empty
 
-from .machine import Disk, Gpu, Host, Machine, Pcie, causal_attention_flops
+from .machine import Disk, Gpu, Host, Machine, Pcie, causal_attention_flops, routed_expert_flops
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -46,6 +46,8 @@ class Sizes:
     attention_seq: int = 16384  # the row of the attention measurement (tokens; ATTENTION_HEADS' shape)
     attention_reps: int = 3  # timed forward + backward passes per kernel
     attention_flex: bool = True  # FlexAttention beside SDPA (its first call compiles it)
+    experts_tokens: int = 4096  # the micro-batch of the routed experts' measurement (EXPERTS' shape)
+    experts_reps: int = 3
 
 
 # The disk moves 1 GiB per path: shorter transfers read faster than a step's states sustain.
@@ -60,6 +62,8 @@ QUICK = Sizes(gemm_n=4096, gemm_reps=10, pcie_bytes=64 * MIB, memory_bytes=128 *
 ATTENTION_HEADS = 32
 ATTENTION_KV_HEADS = 8
 ATTENTION_HEAD_DIM = 128
+# The routed experts' shape: OLMoE-1B-7B's layer (hidden 2048, 64 experts of width 1024, 8 per token).
+EXPERTS, EXPERTS_TOP_K, EXPERTS_HIDDEN, EXPERTS_WIDTH = 64, 8, 2048, 1024
 # The AdamW's master, m, v and gradient (14 bytes a parameter) span at least this many times the machine's
 # last-level caches: from a cache it runs several times faster than from memory (16 Mi parameters, 224 MB,
 # measured 2.3x the rate of 64 Mi on an H100 host and 7x on a 2-core VM that reports 480 MB of L3).
@@ -103,6 +107,7 @@ def probe_gpu(device: torch.device, sizes: Sizes = FULL) -> Gpu:
         memory_gib=_figure(total / GIB),
         bf16_tflops=_figure(_gemm_tflops(device, sizes)),
         attention_tflops=probe_attention(device, sizes),
+        experts_tflops=probe_experts(device, sizes),
     )
 
 
@@ -143,6 +148,65 @@ def attention_rates(device: torch.device, sizes: Sizes = FULL) -> dict[str, floa
             finally:
                 torch.cuda.empty_cache()
     return rates
+
+
+def probe_experts(device: torch.device | str | None = None, sizes: Sizes = FULL) -> float:
+    """A mixture's routed MLP's rate on `device` (default: the current CUDA device), forward and backward, in
+    TFLOP/s as `routed_expert_flops` counts them: `routed_mlp` over `sizes.experts_tokens` tokens at EXPERTS'
+    shape in bf16. 0 without a CUDA device, or where torch has no grouped GEMM for it."""
+    device = _device(device)
+    if device.type != "cuda" or _grouped_mm() is None:
+        return 0.0
+    n, reps = sizes.experts_tokens, sizes.experts_reps
+    g = torch.Generator(device).manual_seed(0)
+
+    def param(*shape: int, scale: float) -> torch.Tensor:
+        t = torch.randn(*shape, device=device, generator=g) * scale
+        return t.bfloat16().requires_grad_()
+
+    x = param(n, EXPERTS_HIDDEN, scale=1.0)
+    router = param(EXPERTS, EXPERTS_HIDDEN, scale=EXPERTS_HIDDEN ** -0.5)
+    gate_up = param(EXPERTS, EXPERTS_HIDDEN, 2 * EXPERTS_WIDTH, scale=EXPERTS_HIDDEN ** -0.5)
+    down = param(EXPERTS, EXPERTS_WIDTH, EXPERTS_HIDDEN, scale=EXPERTS_WIDTH ** -0.5)
+    grad = torch.randn(n, EXPERTS_HIDDEN, device=device, generator=g).bfloat16()
+    inputs = (x, router, gate_up, down)
+    try:
+        with torch.cuda.device(device):
+            torch.autograd.grad(routed_mlp(x, router, gate_up, down, EXPERTS_TOP_K), inputs, grad)  # (untimed)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                torch.autograd.grad(routed_mlp(x, router, gate_up, down, EXPERTS_TOP_K), inputs, grad)
+            end.record()
+            end.synchronize()
+    except (RuntimeError, TypeError):  # (a grouped GEMM this GPU or torch has not, out of memory)
+        return 0.0
+    seconds = max(start.elapsed_time(end) / 1e3 / reps, 1e-9)
+    flops = routed_expert_flops(n, 3 * EXPERTS_HIDDEN * EXPERTS_WIDTH, EXPERTS_TOP_K)
+    return _figure(flops / seconds / 1e12)
+
+
+def routed_mlp(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+               top_k: int) -> torch.Tensor:
+    """A mixture's routed SwiGLU MLP over tokens `x` [n, hidden], as transformers' grouped experts run it:
+    softmax routing to the `top_k` best of the experts (`router` [experts, hidden]), the tokens' copies sorted by
+    expert, one grouped GEMM through each expert's gate and up projections (`gate_up` [experts, hidden, 2 x
+    width]) and one through its down projection (`down` [experts, width, hidden]), and each copy added back into
+    its token weighted by its routing probability."""
+    probs = torch.softmax((x @ router.t()).float(), dim=-1)
+    weights, chosen = probs.topk(top_k, dim=-1)
+    order = chosen.flatten().argsort(stable=True)
+    token = order // top_k
+    ends = torch.bincount(chosen.flatten(), minlength=router.shape[0]).cumsum(0).to(torch.int32)
+    mm = _grouped_mm()
+    gate, up = mm(x[token], gate_up, offs=ends).chunk(2, dim=-1)
+    out = mm(torch.nn.functional.silu(gate) * up, down, offs=ends)
+    out = out * weights.flatten()[order, None].to(out.dtype)
+    return torch.zeros_like(x).index_add(0, token, out)
+
+
+def _grouped_mm() -> Callable[..., torch.Tensor] | None:
+    return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def probe_pcie(device: torch.device, sizes: Sizes = FULL) -> Pcie:

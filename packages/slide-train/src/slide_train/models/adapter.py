@@ -336,12 +336,15 @@ class HFStack:
     def active_numel(self, block: nn.Module) -> int:
         """The parameters of `block` one token computes with: all but the experts it is not routed to (a mixture
         of experts holds every expert of its layer; a token runs `num_experts_per_tok` of them)."""
-        total = sum(p.numel() for p in block.parameters())
-        if not self.family.experts:
-            return total
-        experts, routed = int(getattr(self.config, self.family.experts)), int(self.config.num_experts_per_tok)
         pooled = sum(p.numel() for name, p in block.named_parameters() if ".experts." in name)
-        return total - pooled + pooled * routed // experts
+        return sum(p.numel() for p in block.parameters()) - pooled + self.routed_numel(block)
+
+    def routed_numel(self, block: nn.Module) -> int:
+        """Of those, the routed experts' (0 for a dense block): `num_experts_per_tok` of its layer's experts."""
+        if not self.family.experts:
+            return 0
+        experts, routed = int(getattr(self.config, self.family.experts)), int(self.config.num_experts_per_tok)
+        return sum(p.numel() for name, p in block.named_parameters() if ".experts." in name) * routed // experts
 
     def block_context(self, index: int, ctx: dict) -> dict:
         """Block `index`'s share of the head's context: the mask and rotary tables of its layer's type (and, with
