@@ -52,8 +52,10 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session
 def benchmarks(session: nox.Session) -> None:
-    """benchmarks/sweep.py's planning and bookkeeping: the standard library and pytest only, a few seconds."""
-    session.install("pytest")
+    """benchmarks/sweep.py's planning and bookkeeping, and run.py's plans of the long runs (slide-train's planner)."""
+    session.install(TORCH)
+    session.install(*[arg for sib in [*siblings("slide-train"), "slide-train"] for arg in ("-e", f"packages/{sib}")],
+                    "pytest")
     session.run("pytest", "benchmarks/test_sweep.py", *session.posargs)
 
 

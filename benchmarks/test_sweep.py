@@ -509,8 +509,6 @@ def test_a_longest_run_is_planned_within_one_call(tmp_path):
     """On the H200 host's machine file under 24 GiB, by slide-train's planner: the longest rows fit the plan, run on
     the -256k preset only past 131,072, and their predicted time, each step `margin` times the prediction after the
     setup, fits the sitting; a margin the 131,072-token run measured takes the place of LONG's."""
-    pytest.importorskip("torch")
-    pytest.importorskip("slide_train")
     import sys
 
     # (in a process of its own, with benchmarks/ last on the path, as a sweep step runs run.py)
