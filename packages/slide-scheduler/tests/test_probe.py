@@ -139,19 +139,16 @@ def test_the_probes_routed_mlp_is_each_tokens_experts_weighted():
         assert (a.double() - b).abs().max() <= 1e-5 * b.abs().max()
 
 
-def test_attention_rate_round_trips_through_machine_dicts_and_files(tmp_path):
-    machine = Machine(gpu=Gpu(memory_gib=79.2, bf16_tflops=612.0, attention_tflops=301.0))
-    assert machine.to_dict()["gpu"]["attention_tflops"] == 301.0
+@pytest.mark.parametrize("rate", ["attention_tflops", "experts_tflops"])
+def test_attention_and_experts_rates_round_trip_through_machine_dicts(rate):
+    """(Machine files are slide-train's: its test_machines.py writes and reads them.)"""
+    machine = Machine(gpu=Gpu(memory_gib=79.2, bf16_tflops=612.0, **{rate: 301.0}))
+    assert machine.to_dict()["gpu"][rate] == 301.0
     assert Machine.from_dict(machine.to_dict()) == machine
-    assert Machine.from_dict({"gpu": {"memory_gib": 24, "attention_tflops": 90}}).gpu.attention_tflops == 90.0
-    assert Machine.from_dict({"gpu": {"memory_gib": 24}}).gpu.attention_tflops == 0.0  # an older file: not measured
-    with pytest.raises(ValueError, match="gpu.attention_tflops must be a number"):
-        Machine.from_dict({"gpu": {"attention_tflops": -1}})
-    # Machine files are slide-train's (YAML): written and read back, the rate is kept.
-    machines = pytest.importorskip("slide_train.machines")
-    machines.save_machine(machine, tmp_path / "m.yaml")
-    assert "attention_tflops: 301.0" in (tmp_path / "m.yaml").read_text()
-    assert machines.load_machine(tmp_path / "m.yaml") == machine
+    assert getattr(Machine.from_dict({"gpu": {"memory_gib": 24, rate: 90}}).gpu, rate) == 90.0
+    assert getattr(Machine.from_dict({"gpu": {"memory_gib": 24}}).gpu, rate) == 0.0  # an older file: not measured
+    with pytest.raises(ValueError, match=f"gpu.{rate} must be a number"):
+        Machine.from_dict({"gpu": {rate: -1}})
 
 
 def test_attention_rate_is_the_faster_kernels(monkeypatch):

@@ -33,6 +33,14 @@ def test_round_trip(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["machine.yaml"]  # no temporary file left beside it
 
 
+def test_the_attention_and_experts_rates_are_kept(tmp_path):
+    machine = Machine(gpu=Gpu(memory_gib=79.2, bf16_tflops=612.0, attention_tflops=301.0, experts_tflops=122.5))
+    save_machine(machine, tmp_path / "m.yaml")
+    text = (tmp_path / "m.yaml").read_text()
+    assert "attention_tflops: 301.0" in text and "experts_tflops: 122.5" in text
+    assert load_machine(tmp_path / "m.yaml") == machine
+
+
 def test_the_disk_path_and_its_reason_are_kept(tmp_path):
     save_machine(MEASURED, tmp_path / "m.yaml")
     disk = load_machine(tmp_path / "m.yaml").disk
