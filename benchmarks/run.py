@@ -15,6 +15,7 @@ checkout's. This process never touches the GPU, so it holds none of its memory w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -93,7 +94,9 @@ LONG = dict(cap_gib=24.0, device="cuda", warmup=1, steps=2, modes=("1.0", "none"
             margin=2.0, granule=8192)
 # Data parallel: a bench's shape (tokens per step and cap per GPU) on 1 and on 2 GPUs of one host, in one run.
 DP = dict(bench="b8", ranks=(1, 2))
-OTHER_SUITES = ("kernels", "io", "probe", "nvme", "largest", "plans", "dp2", "long")
+OTHER_SUITES = ("kernels", "io", "probe", "gpu-rates", "nvme", "largest", "plans", "dp2", "long")
+# The GPU rates a machine file may lack (0: not measured), which gpu-rates.json of the same GPU fills in for planning
+MEASURED_LATER = ("attention_tflops", "experts_tflops")
 MODES = ("1.0", "1e6", "none")  # max_grad_norm: acting, on but never acting, off
 SYSTEMS = {
     "slide": "Slide",
@@ -765,6 +768,50 @@ def run_probe_suite(args, work: pathlib.Path) -> dict:
                      r["device"])
 
 
+def run_gpu_rates_suite(args, work: pathlib.Path) -> dict:
+    r = run_worker({"job": "gpu_rates", "device": "cuda"}, work, "gpu-rates", args.timeout, quiet=args.quiet)
+    if r["status"] != "ok":
+        raise RuntimeError(r["reason"])
+    return suite_doc("gpu-rates", {}, [{"system": "gpu", "status": "ok", **r["gpu"]}], r["device"])
+
+
+def gpu_name() -> str | None:
+    """This machine's first GPU as nvidia-smi names it (which torch's device name matches), without a CUDA
+    context in this process; None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    names = out.stdout.strip().splitlines() if out.returncode == 0 else []
+    return names[0].strip() if names else None
+
+
+def planning_machine(work: pathlib.Path, results: pathlib.Path, gpu: str | None) -> pathlib.Path | None:
+    """$SLIDE_MACHINE with the GPU rates it has not measured (MEASURED_LATER at 0) taken from `results`'
+    gpu-rates.json, where that was measured on this GPU (`gpu`): written under `work`, for the runs to plan with.
+    None where there is nothing to fill in."""
+    source, rates = os.environ.get("SLIDE_MACHINE"), results / "gpu-rates.json"
+    if not source or not rates.is_file() or gpu is None:
+        return None
+    from slide_train.machines import load_machine, save_machine
+    doc = json.loads(rates.read_text())
+    if doc.get("device") != gpu:
+        print(f"  {rates} was measured on {doc.get('device')}, not this {gpu}: planning with {source} as it is",
+              flush=True)
+        return None
+    machine, measured = load_machine(source), doc["figures"][0]
+    filled = {k: measured[k] for k in MEASURED_LATER if not getattr(machine.gpu, k) and measured.get(k)}
+    if not filled:
+        return None
+    path = work / "planning.machine.yaml"
+    save_machine(dataclasses.replace(machine, gpu=dataclasses.replace(machine.gpu, **filled)), path,
+                 measured_by=f"{source}, with {', '.join(filled)} from {rates.name} of {doc.get('date')}")
+    print(f"  planning with {source} and this GPU's {', '.join(f'{k} {v}' for k, v in filled.items())} "
+          f"({rates.name} of {doc.get('date')})", flush=True)
+    return path
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("suites", nargs="+", choices=[*TRAIN_SUITES, *OTHER_SUITES])
@@ -815,6 +862,10 @@ def main() -> None:
     work = pathlib.Path(tempfile.mkdtemp(prefix="slide-bench-", dir=args.work))
     failed = []
     try:
+        if set(args.suites) & {*TRAIN_SUITES, "nvme", "largest", "dp2", "long"} - {"tiny"}:
+            planning = planning_machine(work, args.out or common.RESULTS, gpu_name())
+            if planning is not None:  # (the runs' processes, and this one's own plans, read it)
+                os.environ["SLIDE_MACHINE"] = str(planning)
         for suite in args.suites:
             out = args.out or (pathlib.Path(tempfile.mkdtemp(prefix="slide-bench-tiny-")) if suite == "tiny"
                                else common.RESULTS)
@@ -830,7 +881,8 @@ def main() -> None:
                     doc = run_long_suite(args, work, out)
                 else:
                     doc = {"kernels": run_kernels_suite, "io": run_io_suite, "probe": run_probe_suite,
-                           "largest": run_largest_suite, "plans": run_plans_suite}[suite](args, work)
+                           "gpu-rates": run_gpu_rates_suite, "largest": run_largest_suite,
+                           "plans": run_plans_suite}[suite](args, work)
             except Exception as e:  # one suite failing leaves the others' results
                 print(f"{suite} failed: {e}", file=sys.stderr, flush=True)
                 failed.append(suite)

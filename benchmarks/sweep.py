@@ -57,6 +57,8 @@ STEPS = [
     {"name": "gpu-tests-io", "estimate_s": 60, "run": ["pytest slide-io"]},
     {"name": "gpu-tests-scheduler", "estimate_s": 150, "run": ["pytest slide-scheduler"]},
     {"name": "gpu-tests-train", "estimate_s": 360, "run": ["pytest slide-train"]},
+    # this GPU's attention and routed-experts rates: every run after it plans with those its machine file lacks
+    {"name": "gpu-rates", "estimate_s": 90, "run": ["run.py gpu-rates"]},
     # Against the baseline engine, old and new adjacent per clip mode and in the order old, new, new, old over each
     # bench's two steps, so a drift of the machine touches both alike. B3's Liger peer runs in the same steps: b3.json
     # then compares only figures that one step measured together (a later step's Slide figures would replace them).

@@ -15,13 +15,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 DISK_START, DISK_END = "<!-- disk:start -->", "<!-- disk:end -->"  # the disk tier: planned, then measured
 TRAIN = ("b1", "b3", "b8", "b1-documents", "b3-documents", "b8-documents", "moe", "moe-256k", "gemma2")
-ORDER = (*TRAIN, "long", "tiny", "tiny-documents", "nvme", "largest", "plans", "dp2", "kernels", "io", "probe")
+ORDER = (*TRAIN, "long", "tiny", "tiny-documents", "nvme", "largest", "plans", "dp2", "kernels", "io", "probe",
+         "gpu-rates")
 BENCH_NAMES = {"b1": "B1", "b3": "B3", "b8": "B8", "tiny": "tiny (CPU check)", "b1-documents": "B1 packed documents",
                "b3-documents": "B3 packed documents", "b8-documents": "B8 packed documents",
                "tiny-documents": "tiny packed documents (CPU check)", "moe": "MoE", "moe-256k": "MoE 256k tokens",
                "gemma2": "Gemma 2", "nvme": "NVMe tier against RAM", "dp2": "Data parallel, 1 and 2 ranks",
                "largest": "The largest model on this host", "plans": "Planned on paper",
-               "long": "Long sequences"}
+               "long": "Long sequences", "gpu-rates": "GPU rates (planning fills in what a machine file lacks)"}
 MODE_NAMES = {"1.0": "1.0", "1e6": "1e6 (never acts)", "none": "off"}
 SHORT = {"slide": "Slide", "slide-nospec": "Slide, no speculation", "slide-spec": "Slide, speculating",
          "baseline": "Slide baseline", "plain": "plain", "liger": "plain + Liger"}
@@ -280,9 +281,9 @@ def probe_table(doc: dict) -> list[str]:
 
 def suite_table(doc: dict) -> str:
     suite = doc["suite"]
-    body = {"kernels": kernels_table, "io": io_table, "probe": probe_table, "nvme": nvme_table,
-            "largest": largest_table, "plans": plans_table, "dp2": dp_table, "long": long_table}.get(suite,
-                                                                                                  train_table)(doc)
+    body = {"kernels": kernels_table, "io": io_table, "probe": probe_table, "gpu-rates": probe_table,
+            "nvme": nvme_table, "largest": largest_table, "plans": plans_table, "dp2": dp_table,
+            "long": long_table}.get(suite, train_table)(doc)
     return "\n".join([f"## {BENCH_NAMES.get(suite, suite)}", "", header(doc), "", *body, ""])
 
 

@@ -3,8 +3,8 @@ memory (host or GPU) never shapes another's figures.
 
     python benchmarks/worker.py SPEC.json RESULT.json
 
-SPEC's `job` is `slide`, `plain`, `liger` (training), `io` or `probe`; RESULT gets the figures, or a `status`
-other than "ok" with the reason.
+SPEC's `job` is `slide`, `plain`, `liger` (training), `io`, `probe` or `gpu_rates`; RESULT gets the figures, or a
+`status` other than "ok" with the reason.
 """
 
 from __future__ import annotations
@@ -384,6 +384,16 @@ def run_probe(spec: dict) -> dict:
     return {"machine": machine.to_dict()}
 
 
+def run_gpu_rates(spec: dict) -> dict:
+    """The GPU's rates alone (dense GEMMs, causal attention, a mixture's routed MLP), on a host that need not be
+    fresh: the probe's GPU part."""
+    import dataclasses
+
+    from slide_scheduler.probe import probe_gpu
+
+    return {"gpu": dataclasses.asdict(probe_gpu(torch.device("cuda")))}
+
+
 def device_name(spec: dict) -> str:
     if spec.get("device", "cuda").startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name()
@@ -395,7 +405,7 @@ def main() -> None:
     if "register" in spec:  # a shape of the suite's own (the largest suite's)
         common.register_shape(spec["register"]["base"], spec["register"]["layers"])
     jobs = {"slide": run_slide, "plain": lambda s: run_peer(s, liger=False), "liger": lambda s: run_peer(s, True),
-            "io": run_io, "probe": run_probe}
+            "io": run_io, "probe": run_probe, "gpu_rates": run_gpu_rates}
     try:
         result = jobs[spec["job"]](spec)
     except torch.OutOfMemoryError as e:
