@@ -140,6 +140,9 @@ def run_slide(spec: dict) -> dict:
     out["host_available_gib_min"] = round(min(r["host_available_gib"] for r in records), 2)
     out["major_faults_per_step"] = statistics.median(r["major_faults"] for r in timed)
     out["speculation"] = sorted({r["speculation"] for r in timed if "speculation" in r}) or None
+    # A mixture of experts: each timed step's least and most loaded expert, as multiples of an even share
+    out["expert_load"] = [[round(r["expert_load_min"], 3), round(r["expert_load_max"], 3)] for r in timed] \
+        if timed and all("expert_load_min" in r for r in timed) else None
     # The NVMe tier: how its store moves bytes, and the bytes a timed step moved (an older version has no tier)
     stores = getattr(trainer.engine, "disk_stores", lambda: [])()
     out["disk_path"] = ", ".join(sorted({f"{s.path}{'' if s.direct else ' (page cache)'}" for s in stores})) or None

@@ -137,6 +137,29 @@ def test_the_load_balancing_loss_matches_transformers(tmp_path, family):
     trainer.close()
 
 
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_without_the_load_balancing_loss_the_step_record_still_says_the_experts_load(tmp_path, family):
+    """output_router_logits off (the loss is HF's language-model loss alone): each step's record has the least and
+    most loaded experts' share of the top-k picks over all layers, and no aux_loss; the first step's are those of
+    HF's own router logits on the same micro-batches."""
+    model = save_tiny_model(tmp_path / "model", family)
+    assert not model.config.output_router_logits
+    rows, labels = make_rows(seed=2, n=STEPS * MICRO * ACCUM)
+    write_token_rows(tmp_path / "data.jsonl", rows, labels)
+    trainer = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl"), progress=False)
+    record = trainer.step()
+    trainer.close()
+    assert "aux_loss" not in record
+    with torch.no_grad():
+        logits = model(torch.tensor(rows[:MICRO * ACCUM]), output_router_logits=True).router_logits
+    experts, top_k = logits[0].shape[-1], model.config.num_experts_per_tok
+    picks = torch.cat([torch.softmax(layer, dim=-1).topk(top_k, dim=-1).indices.flatten() for layer in logits])
+    load = torch.bincount(picks, minlength=experts).float() * experts / picks.numel()
+    assert (record["expert_load_min"], record["expert_load_max"]) == pytest.approx(
+        (load.min().item(), load.max().item()), rel=1e-6)
+    assert load.min() < 1.0 < load.max()
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_router_stats_give_transformers_load_balancing_loss_and_its_gradient(padded):
     """What the blocks record and the tail computes, against transformers' `load_balancing_loss_func` over all

@@ -600,7 +600,7 @@ class Trainer:
             **{f"{k}_s": v for k, v in stats.phases.items()},
             **stats.timeline,
         }
-        # A mixture of experts with its load-balancing loss on: that loss and the experts' least and most load
+        # A mixture of experts: the experts' least and most load (and its load-balancing loss where on)
         routing = getattr(self.engine.edges, "routing_summary", None)
         record |= (routing() if routing else None) or {}
         self.log.write(record)

@@ -73,16 +73,24 @@ class RouterStats:
         counts.scatter_add_(0, picked, self.valid.repeat_interleave(top_k))
         return counts, (probs.float() * self.valid.unsqueeze(-1)).sum(dim=0), self.valid.sum()
 
+    def counts(self) -> torch.Tensor:
+        """Each expert's top-k picks over the micro-batch, all layers together."""
+        return self._pooled()[0]
+
     def loss(self, coef: float, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch's load-balancing loss and its expert counts; sets `grad` for the blocks' backward."""
-        counts = probs = rows = 0.0
-        for index in sorted(self.layers):  # in layer order, as transformers adds them up
-            c, p, r = self.layers[index]
-            counts, probs, rows = counts + c, probs + p, rows + r
+        counts, probs, rows = self._pooled()
         tokens_per_expert, prob_per_expert = counts / rows, probs / rows
         # The loss is sum_e T_e * P_e * experts / rows^2 with the counts T constant (top-k has no gradient).
         self.grad = coef * experts * tokens_per_expert / rows
         return torch.sum(tokens_per_expert * prob_per_expert) * experts, counts
+
+    def _pooled(self):
+        counts = probs = rows = 0.0
+        for index in sorted(self.layers):  # in layer order, as transformers adds them up
+            c, p, r = self.layers[index]
+            counts, probs, rows = counts + c, probs + p, rows + r
+        return counts, probs, rows
 
 
 class _RouterGradient(torch.autograd.Function):
@@ -109,11 +117,12 @@ class Edges(nn.Module):
     def __init__(self, embed_tokens: nn.Embedding, rotary: nn.Module | None, norm: nn.Module, lm_head: nn.Linear,
                  windows: dict[str, int | None] | None = None, *, embed_scale: float | None = None,
                  embed_scale_rounded: bool = False, logits_divisor: float | None = None, softcap: float | None = None,
-                 eager: bool = False, aux_loss: tuple[float, int] | None = None):
+                 eager: bool = False, routing: tuple[float | None, int] | None = None):
         super().__init__()
-        # (router_aux_loss_coef, number of experts) where the load-balancing loss is on
-        self.aux_loss = aux_loss
-        self._routing: list[tuple[torch.Tensor, torch.Tensor]] = []  # this step's (loss, expert counts)
+        # A mixture of experts' (router_aux_loss_coef where its load-balancing loss is on, else None; number of
+        # experts): the routing is counted either way, for the metrics
+        self.routing = routing
+        self._routing: list[tuple[torch.Tensor | None, torch.Tensor]] = []  # this step's (loss, expert counts)
         self.embed_tokens, self.rotary, self.norm, self.lm_head = embed_tokens, rotary, norm, lm_head
         self.windows = dict(windows) if windows else {"full_attention": None}
         self.embed_scale, self.embed_scale_rounded = embed_scale, embed_scale_rounded
@@ -149,7 +158,7 @@ class Edges(nn.Module):
                 "position_ids": positions,
                 "attention_mask": masks[window],
             }
-        if self.aux_loss is not None and not torch.is_grad_enabled():  # the forward, not the head's backward
+        if self.routing is not None and not torch.is_grad_enabled():  # the forward, not the head's backward
             valid = None if documents is None else (documents >= 0).reshape(-1).float()
             ctx[ROUTER] = RouterStats(valid)
         return hidden, ctx
@@ -183,7 +192,11 @@ class Edges(nn.Module):
         stats = (ctx or {}).get(ROUTER)
         if stats is None or not stats.layers:
             return loss
-        coef, experts = self.aux_loss
+        coef, experts = self.routing
+        if coef is None:  # counted for the metrics alone
+            if torch.is_grad_enabled():
+                self._routing.append((None, stats.counts()))
+            return loss
         aux, counts = stats.loss(coef, experts)
         if torch.is_grad_enabled():  # a training step's, not an evaluation's
             self._routing.append((aux.detach(), counts))
@@ -191,24 +204,26 @@ class Edges(nn.Module):
         return loss + coef * aux.to(loss.dtype)
 
     def routing_summary(self) -> dict[str, float] | None:
-        """The last step's load-balancing loss (mean over its micro-batches, before router_aux_loss_coef) and
-        each expert's share of the top-k picks over all layers, as a multiple of an even share (1.0)."""
+        """The last step's least and most loaded experts' share of the top-k picks over all layers, as a multiple
+        of an even share (1.0), and its load-balancing loss where on (mean over its micro-batches, before
+        router_aux_loss_coef)."""
         if not self._routing:
             return None
         losses, counts = zip(*self._routing)
         self._routing.clear()
         total = torch.stack(counts).sum(dim=0)
         load = (total * total.numel() / total.sum()).tolist()
-        return {"aux_loss": torch.stack(losses).mean().item(), "expert_load_min": min(load),
-                "expert_load_max": max(load)}
+        aux = {} if losses[0] is None else {"aux_loss": torch.stack(losses).mean().item()}
+        return {**aux, "expert_load_min": min(load), "expert_load_max": max(load)}
 
 
 class DecoderBlock(nn.Module):
     """One HF decoder layer with the engine's block signature: forward(hidden, ctx) -> hidden.
 
-    `router`: (the layer's router module, the index of the logits in its output, top-k, number of experts) where
-    the load-balancing loss is on; the router's logits are then kept by a forward hook (in transformers 5 the
-    layer does not return them) and recorded in, or given their gradient from, the context's RouterStats.
+    `router`: (the layer's router module, the index of the logits in its output, top-k, number of experts) in a
+    mixture of experts; the router's logits are then kept by a forward hook (in transformers 5 the layer does not
+    return them) and recorded in the context's RouterStats, and where the load-balancing loss is on given their
+    gradient from it in the backward.
     """
 
     def __init__(self, layer: nn.Module, router: tuple[nn.Module, int, int, int] | None = None):
@@ -231,10 +246,12 @@ class DecoderBlock(nn.Module):
         logits, self._logits = self._logits, None
         if stats is None:
             return out
-        counts, prob_sums, rows = stats.sums(logits, *self._routing)
-        if torch.is_grad_enabled():  # the backward's recompute: the tail has set the gradient
+        if torch.is_grad_enabled():  # the backward's recompute: the tail has set the gradient, if there is a loss
+            if stats.grad is None:
+                return out
+            _, prob_sums, _ = stats.sums(logits, *self._routing)
             return _RouterGradient.apply(out, prob_sums, stats)
-        stats.layers[index] = (counts, prob_sums, rows)
+        stats.layers[index] = stats.sums(logits, *self._routing)
         return out
 
 
@@ -281,12 +298,12 @@ class HFStack:
         self._first_of = {shape: self._shapes.index(shape) for shape in dict.fromkeys(self._shapes)}
         config._attn_implementation = attention.register()  # the blocks run the mask the head builds
         self._skeleton = skeleton
-        self.aux_loss = None
+        self.routing = None  # a mixture's (load-balancing loss coefficient where on, else None; experts)
         if family.experts:  # the experts implementation transformers chose for the skeleton, for the blocks too
             config._experts_implementation = skeleton.config._experts_implementation
-            if getattr(config, "output_router_logits", False):
-                self.aux_loss = (float(config.router_aux_loss_coef), int(getattr(config, family.experts)))
-                self._router = type(skeleton)._can_record_outputs["router_logits"]
+            coef = float(config.router_aux_loss_coef) if getattr(config, "output_router_logits", False) else None
+            self.routing = (coef, int(getattr(config, family.experts)))
+            self._router = type(skeleton)._can_record_outputs["router_logits"]
 
     def make_edges(self) -> Edges:
         cfg, family, skeleton = self.config, self.family, self._skeleton
@@ -308,7 +325,7 @@ class HFStack:
         edges = Edges(embed, rotary, norm, lm_head, self.windows, embed_scale=scale,
                       embed_scale_rounded=family.embed_sqrt_hidden,
                       logits_divisor=float(divisor) if divisor != 1.0 else None, softcap=self.softcap,
-                      eager=self.eager, aux_loss=self.aux_loss)
+                      eager=self.eager, routing=self.routing)
         if self.kernels:
             slide_kernels.apply_to(_Patchable(cfg, edges))
         return edges
@@ -321,11 +338,11 @@ class HFStack:
         with torch.device("meta"):
             layer = self._layer_cls(self.config, layer_idx=self._first_of[shape] if shape is not None else 0)
         router = None
-        if self.aux_loss is not None:
+        if self.routing is not None:
             recorder = self._router
             module = next((m for m in layer.modules() if isinstance(m, recorder.target_class)), None)
             if module is not None:  # (a dense layer has no router)
-                router = (module, recorder.index, int(self.config.num_experts_per_tok), self.aux_loss[1])
+                router = (module, recorder.index, int(self.config.num_experts_per_tok), self.routing[1])
         block = DecoderBlock(layer, router)
         if self.kernels:
             slide_kernels.apply_to(_Patchable(self.config, block), experts="moe_experts" in self.family.fused)
