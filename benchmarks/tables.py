@@ -91,6 +91,11 @@ def train_table(doc: dict) -> list[str]:
                      f"{e['step_s']:.3f} | "
                      f"{e['gpu_peak_gib']:.1f} | {e['host_rss_gib']:.1f} | {num(share, '.1%')} | "
                      f"{num(e.get('predicted_step_s'), '.3f')} |")
+    for e in doc["figures"]:  # a mixture of experts: how evenly each timed step spread its tokens
+        if e.get("expert_load"):
+            who = f"{SHORT.get(e['system'], e['system'])}, clip {MODE_NAMES.get(e.get('mode'), e.get('mode'))}"
+            lines += ["", f"{who}: least and most loaded expert per timed step, as multiples of an even share: "
+                          + ", ".join(f"{low:.2f} / {high:.2f}" for low, high in e["expert_load"])]
     return lines
 
 
