@@ -787,11 +787,12 @@ def gpu_name() -> str | None:
     return names[0].strip() if names else None
 
 
-def planning_machine(work: pathlib.Path, results: pathlib.Path, gpu: str | None) -> pathlib.Path | None:
-    """$SLIDE_MACHINE with the GPU rates it has not measured (MEASURED_LATER at 0) taken from `results`'
-    gpu-rates.json, where that was measured on this GPU (`gpu`): written under `work`, for the runs to plan with.
-    None where there is nothing to fill in."""
-    source, rates = os.environ.get("SLIDE_MACHINE"), results / "gpu-rates.json"
+def planning_machine(work: pathlib.Path, results: pathlib.Path, gpu: str | None,
+                     source: str | None) -> pathlib.Path | None:
+    """The machine file `source` ($SLIDE_MACHINE) with the GPU rates it has not measured (MEASURED_LATER at 0)
+    taken from `results`' gpu-rates.json, where that was measured on this GPU (`gpu`): written under `work`, for
+    the runs to plan with. None where there is nothing to fill in."""
+    rates = results / "gpu-rates.json"
     if not source or not rates.is_file() or gpu is None:
         return None
     from slide_train.machines import load_machine, save_machine
@@ -862,11 +863,14 @@ def main() -> None:
     work = pathlib.Path(tempfile.mkdtemp(prefix="slide-bench-", dir=args.work))
     failed = []
     try:
-        if set(args.suites) & {*TRAIN_SUITES, "nvme", "largest", "dp2", "long"} - {"tiny"}:
-            planning = planning_machine(work, args.out or common.RESULTS, gpu_name())
-            if planning is not None:  # (the runs' processes, and this one's own plans, read it)
-                os.environ["SLIDE_MACHINE"] = str(planning)
+        source, gpu = os.environ.get("SLIDE_MACHINE"), gpu_name()
         for suite in args.suites:
+            # The GPU suites plan with this GPU's measured rates where the machine file lacks them (the latest
+            # gpu-rates.json, a suite of this call's too); not beside a baseline engine, which reads only the keys
+            # it knows and should plan as the new one does
+            if source and suite in {*TRAIN_SUITES, "nvme", "largest", "dp2", "long"} and not args.baseline:
+                planning = planning_machine(work, args.out or common.RESULTS, gpu, source)
+                os.environ["SLIDE_MACHINE"] = str(planning or source)  # (the runs' processes and this one's plans)
             out = args.out or (pathlib.Path(tempfile.mkdtemp(prefix="slide-bench-tiny-")) if suite == "tiny"
                                else common.RESULTS)
             print(f"{suite}:", flush=True)

@@ -280,7 +280,7 @@ def test_the_tree_hash_is_gits_tree_id_of_the_files(tmp_path):
     assert sweep.tree_hash(root) != before
 
 
-def test_runs_plan_with_the_gpu_rates_their_machine_file_lacks(tmp_path, monkeypatch, capsys):
+def test_runs_plan_with_the_gpu_rates_their_machine_file_lacks(tmp_path, capsys):
     """gpu-rates.json fills in the rates the machine file has not measured (0), where it was measured on this GPU;
     a rate the file has stays, and another GPU's figures, or none, leave the file as it is."""
     import run
@@ -290,21 +290,20 @@ def test_runs_plan_with_the_gpu_rates_their_machine_file_lacks(tmp_path, monkeyp
 
     source, results = tmp_path / "host.yaml", tmp_path / "results"
     save_machine(Machine(gpu=Gpu(memory_gib=140.0, bf16_tflops=797.0, experts_tflops=150.0)), source)
-    monkeypatch.setenv("SLIDE_MACHINE", str(source))
-    assert run.planning_machine(tmp_path, results, "NVIDIA H200") is None  # (nothing measured yet)
+    assert run.planning_machine(tmp_path, results, "NVIDIA H200", str(source)) is None  # (nothing measured yet)
     results.mkdir()
     figure = {"system": "gpu", "status": "ok", "memory_gib": 139.8, "bf16_tflops": 700.0, "attention_tflops": 420.5,
               "experts_tflops": 120.0}
     (results / "gpu-rates.json").write_text(json.dumps({"suite": "gpu-rates", "device": "NVIDIA H200",
                                                         "date": "d", "figures": [figure]}))
-    path = run.planning_machine(tmp_path, results, "NVIDIA H200")
+    path = run.planning_machine(tmp_path, results, "NVIDIA H200", str(source))
     planned = load_machine(path)
     assert planned.gpu == Gpu(memory_gib=140.0, bf16_tflops=797.0, attention_tflops=420.5, experts_tflops=150.0)
     assert planned.host == load_machine(source).host and planned.disk == load_machine(source).disk
     assert "this GPU's attention_tflops 420.5" in capsys.readouterr().out
-    assert run.planning_machine(tmp_path, results, "NVIDIA H100 80GB HBM3") is None
+    assert run.planning_machine(tmp_path, results, "NVIDIA H100 80GB HBM3", str(source)) is None
     assert "measured on NVIDIA H200, not this NVIDIA H100 80GB HBM3" in capsys.readouterr().out
-    assert run.planning_machine(tmp_path, results, None) is None
+    assert run.planning_machine(tmp_path, results, None, str(source)) is None
 
 
 def test_the_step_table(tree):

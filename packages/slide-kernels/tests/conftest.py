@@ -1,6 +1,7 @@
 """Test setup: without CUDA, the Triton kernels run in Triton's interpreter (set before slide_kernels loads)."""
 
 import os
+import pathlib
 
 import pytest
 import torch
@@ -11,10 +12,17 @@ if not torch.cuda.is_available():
 # The interpreted tests' time on CI's 2 cores, at most: their shapes stay tiny (about 70 s there)
 INTERPRETER_BUDGET_S = 180.0
 _spent = [0.0]
+HERE = pathlib.Path(__file__).resolve().parent
+_root: list[pathlib.Path] = []
+
+
+def pytest_configure(config):
+    _root.append(config.rootpath)
 
 
 def pytest_runtest_logreport(report):
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    # (this folder's tests only: a pytest run over several packages calls these hooks for all of them)
+    if os.environ.get("TRITON_INTERPRET") == "1" and HERE in (_root[0] / report.location[0]).resolve().parents:
         _spent[0] += report.duration
 
 

@@ -24,6 +24,8 @@ class ActivationStore:
 
     def __init__(self, tiers: Sequence[str], device: torch.device, d2h: Lane, h2d: Lane, compute: Lane,
                  pool=None, directory: str | None = None):
+        if isinstance(tiers, str):
+            raise TypeError(f"tiers: each boundary's tier, as a sequence (got the one string {tiers!r})")
         self.tiers = tuple(tiers)
         for tier in set(self.tiers):
             if tier not in ("none", "cpu", "nvme"):

@@ -1,6 +1,7 @@
 """Measuring this machine: the sizes and rates of a machine file, taken from short runs of the operations a
-training step is made of (bf16 GEMMs, causal attention at a long sequence, pinned copies over PCIe, host memory
-under a step's mix of copies and AdamW, host AdamW, store I/O through each path slide-io can take).
+training step is made of (bf16 GEMMs, causal attention at a long sequence, a mixture's routed MLP, pinned copies
+over PCIe, host memory under a step's mix of copies and AdamW, host AdamW, store I/O through each path slide-io
+can take).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def probe_host(sizes: Sizes = FULL, device: torch.device | str | None = None) ->
 
 
 def probe_gpu(device: torch.device, sizes: Sizes = FULL) -> Gpu:
-    """Total memory of `device`, its dense bf16 matmul rate and its causal attention rate (`probe_attention`)."""
+    """Total memory of `device`, its dense bf16 matmul rate, its causal attention rate (`probe_attention`) and its
+    routed-experts rate (`probe_experts`)."""
     total = torch.cuda.get_device_properties(device).total_memory
     return Gpu(
         memory_gib=_figure(total / GIB),
@@ -197,7 +199,8 @@ def routed_mlp(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, dow
     weights, chosen = probs.topk(top_k, dim=-1)
     order = chosen.flatten().argsort(stable=True)
     token = order // top_k
-    ends = torch.bincount(chosen.flatten(), minlength=router.shape[0]).cumsum(0).to(torch.int32)
+    experts = router.shape[0]  # (histc, not bincount: no read back to the host, as transformers counts them)
+    ends = torch.histc(chosen.flatten().float(), bins=experts, min=0, max=experts - 1).cumsum(0).to(torch.int32)
     mm = _grouped_mm()
     gate, up = mm(x[token], gate_up, offs=ends).chunk(2, dim=-1)
     out = mm(torch.nn.functional.silu(gate) * up, down, offs=ends)

@@ -17,7 +17,8 @@ Their load-balancing loss (`output_router_logits`) pools every layer's routing o
 beside the blocks: the head puts a `RouterStats` in each micro-batch's context, each block's forward records its
 layer's expert counts and router-probability sums there, the tail (which the engine hands the context) computes
 the loss and its gradient w.r.t. each layer's probability sums, and each block's backward recompute passes that
-gradient to its router (`_RouterGradient`).
+gradient to its router (`_RouterGradient`). Without the loss the counts are still recorded, for the step's
+record of the experts' load; nothing reaches the gradients.
 """
 
 from __future__ import annotations
@@ -57,21 +58,26 @@ class RouterStats:
     number of top-k picks of each expert, the sum of each expert's router probability, and the rows counted
     (padding excluded, as transformers excludes it given an attention mask)."""
 
-    def __init__(self, valid: torch.Tensor | None):
+    def __init__(self, valid: torch.Tensor | None, loss: bool = True):
         self.valid = valid  # float [rows] (1: a token, 0: padding), or None: every row counts
-        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | float]] = {}
+        self.loss_on = loss  # the load-balancing loss is on (else the counts alone, for the metrics)
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | float]] = {}
         self.grad: torch.Tensor | None = None  # d(coef * loss) / d(a layer's probability sums), the same for all
 
     def sums(self, logits: torch.Tensor, top_k: int, experts: int):
-        """(top-k counts, probability sums, rows) of one layer's router logits, as transformers computes them."""
+        """(top-k counts, probability sums, rows) of one layer's router logits, as transformers computes them (the
+        probability sums only where the loss is on). The counts are added on the device: no read back to the
+        host, which bincount would make."""
         probs = torch.softmax(logits, dim=-1)  # in the logits' dtype, as there
         picked = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
-        if self.valid is None:
-            counts = torch.bincount(picked, minlength=experts).float()
-            return counts, probs.float().sum(dim=0), float(probs.shape[0])
+        valid = self.valid if self.valid is not None else torch.ones(probs.shape[0], device=logits.device)
         counts = torch.zeros(experts, dtype=torch.float32, device=logits.device)
-        counts.scatter_add_(0, picked, self.valid.repeat_interleave(top_k))
-        return counts, (probs.float() * self.valid.unsqueeze(-1)).sum(dim=0), self.valid.sum()
+        counts.scatter_add_(0, picked, valid.repeat_interleave(top_k))
+        rows = self.valid.sum() if self.valid is not None else float(probs.shape[0])
+        if not self.loss_on:
+            return counts, None, rows
+        weighted = probs.float() if self.valid is None else probs.float() * self.valid.unsqueeze(-1)
+        return counts, weighted.sum(dim=0), rows
 
     def counts(self) -> torch.Tensor:
         """Each expert's top-k picks over the micro-batch, all layers together."""
@@ -89,7 +95,7 @@ class RouterStats:
         counts = probs = rows = 0.0
         for index in sorted(self.layers):  # in layer order, as transformers adds them up
             c, p, r = self.layers[index]
-            counts, probs, rows = counts + c, probs + p, rows + r
+            counts, probs, rows = counts + c, probs if p is None else probs + p, rows + r
         return counts, probs, rows
 
 
@@ -160,7 +166,7 @@ class Edges(nn.Module):
             }
         if self.routing is not None and not torch.is_grad_enabled():  # the forward, not the head's backward
             valid = None if documents is None else (documents >= 0).reshape(-1).float()
-            ctx[ROUTER] = RouterStats(valid)
+            ctx[ROUTER] = RouterStats(valid, loss=self.routing[0] is not None)
         return hidden, ctx
 
     def _embed_scale(self, dtype: torch.dtype) -> float:
@@ -364,8 +370,8 @@ class HFStack:
         return sum(p.numel() for name, p in block.named_parameters() if ".experts." in name) * routed // experts
 
     def block_context(self, index: int, ctx: dict) -> dict:
-        """Block `index`'s share of the head's context: the mask and rotary tables of its layer's type (and, with
-        the load-balancing loss on, the micro-batch's RouterStats and the block's index)."""
+        """Block `index`'s share of the head's context: the mask and rotary tables of its layer's type (and, in a
+        mixture of experts, the micro-batch's RouterStats and the block's index)."""
         own = ctx[self.layer_types[index]]
         return own if ROUTER not in ctx else {**own, ROUTER: ctx[ROUTER], LAYER: index}
 
