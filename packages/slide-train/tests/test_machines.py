@@ -1,6 +1,7 @@
 """Machine files (reading, writing, errors that name the file and key) and the cached probe of this machine."""
 
 import pytest
+import yaml
 
 import slide_train.machines as machines
 from slide_scheduler.machine import Disk, Gpu, Host, Machine, Pcie
@@ -144,6 +145,20 @@ def test_this_machine_is_measured_once_then_read_from_the_cache(cache, tmp_path)
     assert first == second
     assert (first.gpu, first.host, first.pcie) == (MEASURED.gpu, MEASURED.host, MEASURED.pcie)
     assert first.disk.free_gib == 0  # no disk folder named: no disk tier
+
+
+def test_a_cache_entry_without_a_figure_measured_since_is_measured_again(cache, tmp_path):
+    """A cached probe an earlier version wrote (here without gpu.experts_tflops) is measured again, once."""
+    this_machine()
+    path = tmp_path / "xdg" / "slide" / f"machine-{fingerprint()}.yaml"
+    written = yaml.safe_load(path.read_text())
+    del written["gpu"]["experts_tflops"]
+    path.write_text(yaml.safe_dump(written))
+    assert load_machine(path).gpu.experts_tflops == 0.0  # (a valid file: read as not measured)
+    this_machine()
+    assert len(cache["probe"]) == 2 and "experts_tflops" in path.read_text()
+    this_machine()
+    assert len(cache["probe"]) == 2
 
 
 def test_a_first_probe_says_so_once_and_where_it_keeps_the_result(cache, tmp_path, capsys):

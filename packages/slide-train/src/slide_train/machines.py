@@ -165,13 +165,19 @@ def _write(sections: dict, path: str | os.PathLike[str], measured_by: str) -> No
 
 
 def _cached(path: pathlib.Path) -> Machine | None:
-    # A damaged or hand-broken cache entry is measured again rather than failing the run.
+    # A damaged or hand-broken cache entry is measured again rather than failing the run; so is one an earlier
+    # version wrote, which lacks a figure measured since (a rate it would otherwise read as 0, not measured)
     if not path.exists():
         return None
     try:
-        return load_machine(path)
+        machine = load_machine(path)
     except ConfigError:
         return None
+    written = yaml.safe_load(path.read_text()) or {}
+    sections = machine.to_dict()
+    if any(set(sections[name]) - set(written[name] or {}) for name in written if name in sections):
+        return None
+    return machine
 
 
 def _disk_file(folder: pathlib.Path, key: str, disk_dir: str | os.PathLike[str]) -> pathlib.Path:
