@@ -148,7 +148,7 @@ def run_worker(spec: dict, work: pathlib.Path, name: str, timeout: float | None,
         env["NCCL_NVLS_ENABLE"] = "0"  # (NVLink multicast can take a shared host's GPUs out of service)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] \
         if ranks > 1 else [sys.executable]
-    # (a session of its own: a kill reaches torchrun's ranks too)
+    # (a process group of its own: a kill reaches torchrun's ranks too)
     proc = subprocess.Popen([*launch, str(HERE / "worker.py"), str(spec_path), str(result_path)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=common.ROOT,
                             start_new_session=True)
@@ -866,7 +866,7 @@ def main() -> None:
         source, gpu = os.environ.get("SLIDE_MACHINE"), gpu_name()
         for suite in args.suites:
             # The GPU suites plan with this GPU's measured rates where the machine file lacks them (the latest
-            # gpu-rates.json, a suite of this call's too); not beside a baseline engine, which reads only the keys
+            # gpu-rates.json, one this run.py wrote too); not beside a baseline engine, which reads only the keys
             # it knows and should plan as the new one does
             if source and suite in {*TRAIN_SUITES, "nvme", "largest", "dp2", "long"} and not args.baseline:
                 planning = planning_machine(work, args.out or common.RESULTS, gpu, source)

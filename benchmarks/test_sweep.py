@@ -33,10 +33,10 @@ class Runner:
 
     def __init__(self, clock: Clock, took: dict | None = None, fail: tuple = (), during=None):
         self.clock, self.took, self.fail, self.during = clock, took or {}, fail, during
-        self.calls: list[str] = []
+        self.ran: list[str] = []
 
     def __call__(self, step, command, deadline):
-        self.calls.append(step.name)
+        self.ran.append(step.name)
         if self.during:
             self.during(step)
         took = self.took.get(step.name, 10.0)
@@ -78,26 +78,26 @@ def saved(tree) -> dict:
 def test_steps_run_most_important_first_and_a_fresh_host_step_only_first(tree):
     s = make(tree)
     s.run(None, 0.0)
-    assert s.runner.calls == ["tests", "big", "small"]
+    assert s.runner.ran == ["tests", "big", "small"]
     assert "fresh host" in "\n".join(s.describe(s.pending()))  # (the host was not fresh: probe waits)
 
     marked = []
     s = make(tree, fresh=True, mark_host_used=lambda: marked.append(1))
     s.run(None, 0.0)
-    assert s.runner.calls == ["probe"]  # (the others were measured above on the same tree)
+    assert s.runner.ran == ["probe"]  # (the others were measured above on the same tree)
     assert marked == [1] and not s.ctx.host_fresh
 
 
 def test_fresh_host_step_runs_before_more_important_ones(tree):
     s = make(tree, fresh=True)
     s.run(None, 0.0)
-    assert s.runner.calls == ["probe", "tests", "big", "small"]
+    assert s.runner.ran == ["probe", "tests", "big", "small"]
 
 
 def test_a_step_that_does_not_fit_is_passed_over_for_smaller_later_ones(tree):
     s = make(tree)
     s.run(200, 0.0)
-    assert s.runner.calls == ["tests", "small"]
+    assert s.runner.ran == ["tests", "small"]
     assert set(saved(tree)) == {"tests", "small"}
     assert [st.name for st in s.pending()] == ["big", "probe"]
     assert s.estimate(s.steps[1]) == 400  # (what is left is listed with its estimate)
@@ -108,20 +108,20 @@ def test_the_budget_counts_time_spent_before_the_steps(tree):
     clock.t = 150.0  # the wheels and the environment check took 150 s of a 200 s budget
     s = make(tree, clock=clock)
     s.run(200, 0.0)
-    assert s.runner.calls == ["small"]
+    assert s.runner.ran == ["small"]
 
 
 def test_a_step_that_runs_long_leaves_less_and_one_that_runs_short_more(tree):
     clock = Clock()
     s = make(tree, clock=clock, runner=Runner(clock, took={"tests": 180}))
     s.run(200, 0.0)
-    assert s.runner.calls == ["tests"]  # small's 50 s no longer fit
+    assert s.runner.ran == ["tests"]  # small's 50 s no longer fit
 
     shutil.rmtree(tree / "benchmarks" / "results")
     clock = Clock()
     s = make(tree, clock=clock, runner=Runner(clock, took={"tests": 5, "small": 5, "big": 300}))
     s.run(460, 0.0)  # by the estimates big does not fit after tests; tests ran short, so it does
-    assert s.runner.calls == ["tests", "small", "big"]
+    assert s.runner.ran == ["tests", "small", "big"]
 
 
 def test_each_result_is_written_as_its_step_ends(tree):
@@ -145,7 +145,7 @@ def test_a_measured_step_is_not_run_again_until_the_code_changes(tree):
     make(tree).run(None, 0.0)
     s = make(tree)
     s.run(None, 0.0)
-    assert s.runner.calls == []
+    assert s.runner.ran == []
 
     # results, caches and ignored files are not the code
     (tree / "benchmarks" / "results" / "b3.json").write_text("{}")
@@ -155,12 +155,12 @@ def test_a_measured_step_is_not_run_again_until_the_code_changes(tree):
     (tree / "build").mkdir()
     s = make(tree)
     s.run(None, 0.0)
-    assert s.runner.calls == []
+    assert s.runner.ran == []
 
     (tree / "packages" / "slide-x" / "src" / "slide_x" / "__init__.py").write_text("VALUE = 2\n")
     s = make(tree)
     s.run(None, 0.0)
-    assert s.runner.calls == ["tests", "big", "small"]
+    assert s.runner.ran == ["tests", "big", "small"]
     assert all(r["tree"] == s.ctx.tree for r in saved(tree).values())
 
 
@@ -168,7 +168,7 @@ def test_a_failing_step_is_recorded_and_the_sweep_goes_on(tree):
     clock = Clock()
     s = make(tree, clock=clock, runner=Runner(clock, fail=("tests",)))
     s.run(None, 0.0)
-    assert s.runner.calls == ["tests", "big", "small"]
+    assert s.runner.ran == ["tests", "big", "small"]
     result = saved(tree)["tests"]
     assert result["status"] == "failed" and result["commands"][0]["returncode"] == 1
     assert result["tail"] == ["pytest slide-kernels: done"]
@@ -176,10 +176,10 @@ def test_a_failing_step_is_recorded_and_the_sweep_goes_on(tree):
 
     s = make(tree)
     s.run(None, 0.0)
-    assert s.runner.calls == []  # a failure on this tree is its result
+    assert s.runner.ran == []  # a failure on this tree is its result
     s = make(tree, retry_failed=True)
     s.run(None, 0.0)
-    assert s.runner.calls == ["tests"]
+    assert s.runner.ran == ["tests"]
 
 
 def test_a_step_stopped_at_the_budgets_end_stays_queued_with_a_larger_estimate(tree):
@@ -206,7 +206,7 @@ def test_a_suite_run_py_lacks_is_skipped_with_the_reason_and_stays_queued(tree):
     table = [{"name": "long", "estimate_s": 300, "run": ["run.py long"]}, *TABLE[:1]]
     s = make(tree, table)
     s.run(120, 0.0)  # a skip takes no time: tests still fits
-    assert s.runner.calls == ["tests"]
+    assert s.runner.ran == ["tests"]
     assert saved(tree)["long"]["status"] == "skipped"
     assert saved(tree)["long"]["reason"].startswith("suite not available")
     assert [st.name for st in s.pending()] == ["long"]
@@ -218,7 +218,7 @@ def test_steps_against_the_baseline_or_a_peer_need_them_there(tree):
     s = make(tree, table, env={**H100, "versions": {"liger-kernel": None, "pytest": "8.4"}},
              baseline="no baseline engine in build/baseline")
     s.run(None, 0.0)
-    assert s.runner.calls == ["tests", "big"]
+    assert s.runner.ran == ["tests", "big"]
     assert saved(tree)["b3-none"]["reason"] == "no baseline engine in build/baseline"
     assert saved(tree)["small"]["reason"].startswith("liger-kernel is not installed")
     assert sweep.why_not_run(sweep.build_steps([{"name": "p", "estimate_s": 1, "run": ["run.py probe"]}])[0],
@@ -241,7 +241,7 @@ def test_a_command_that_needs_a_larger_gpu_is_recorded_as_not_fitting(tree):
     assert make(tree, table).pending() == []  # another H100 has nothing to add
     s = make(tree, table, env=H200)
     s.run(None, 0.0)
-    assert s.runner.calls == ["moe", "moe"]
+    assert s.runner.ran == ["moe", "moe"]
     assert saved(tree)["moe"]["status"] == "ok"
 
 
@@ -334,7 +334,7 @@ def test_the_step_table(tree):
         assert order == ["baseline", "slide", "slide", "baseline"], bench
 
 
-def test_export_holds_the_state_and_the_files_this_call_wrote(tree, tmp_path):
+def test_export_holds_the_state_and_the_files_this_run_wrote(tree, tmp_path):
     s = make(tree)
     s.run(None, 0.0)
     results = tree / "benchmarks" / "results"
@@ -372,7 +372,7 @@ def test_a_process_past_its_deadline_is_interrupted_then_killed(tmp_path, monkey
     assert not out.stopped and out.returncode == 0 and out.tail == ["done"]
 
 
-def test_a_step_that_runs_alone_has_a_call_to_itself(tree):
+def test_a_step_that_runs_alone_has_a_sitting_to_itself(tree):
     """An `alone` step runs only as the first step of a sitting, and nothing runs after it; a skipped step before it
     takes no time and does not count."""
     table = [{"name": "tests", "estimate_s": 100, "run": ["pytest slide-kernels"]},
@@ -381,23 +381,23 @@ def test_a_step_that_runs_alone_has_a_call_to_itself(tree):
     s = make(tree, table)
     assert [st.name for st in s.choose(s.pending(), 540)] == ["tests", "small"]
     s.run(540, 0.0)
-    assert s.runner.calls == ["tests", "small"]
+    assert s.runner.ran == ["tests", "small"]
     assert "runs alone in a sitting" in "\n".join(s.describe(s.pending()))
     s = make(tree, table)
     assert [st.name for st in s.choose(s.pending(), 540)] == ["longest"]
     s.run(540, 0.0)
-    assert s.runner.calls == ["longest"]
+    assert s.runner.ran == ["longest"]
     assert s.pending() == []
 
     shutil.rmtree(tree / "benchmarks" / "results")
     table = [{"name": "gone", "estimate_s": 10, "run": ["run.py nosuch"]}, table[1], table[2]]
     s = make(tree, table)
     s.run(None, 0.0)  # (the step recorded as skipped ran nothing: the alone one still has the sitting to itself)
-    assert s.runner.calls == ["longest"] and saved(tree)["gone"]["status"] == "skipped"
+    assert s.runner.ran == ["longest"] and saved(tree)["gone"]["status"] == "skipped"
     table.append({"name": "probe", "estimate_s": 30, "run": ["run.py probe"], "fresh_host": True})
     s = make(tree, table, fresh=True)
     s.run(None, 0.0)  # (a fresh host's probe goes first: then the alone step waits for another sitting)
-    assert s.runner.calls == ["probe", "small"]
+    assert s.runner.ran == ["probe", "small"]
 
 
 LONG_STEPS = {"long-8b-32k-clip": ("8b-32k", "1.0"), "long-8b-128k-clip": ("8b-128k", "1.0"),
@@ -406,7 +406,7 @@ LONG_STEPS = {"long-8b-32k-clip": ("8b-32k", "1.0"), "long-8b-128k-clip": ("8b-1
               "long-3b-longest": ("3b-longest", "1.0"), "long-peer": ("peer", None)}
 
 
-def test_the_long_suite_runs_in_steps_of_one_call_each(capsys):
+def test_the_long_suite_runs_in_steps_of_one_sitting_each(capsys):
     """run.py long's parts: each run and clip mode of run.LONG (and the peer's ladder) in a step of its own, each
     estimated within a sitting (8B at 131,072 tokens: setup, then 3 steps of up to 90 s), the longest runs alone; the
     dry run lists them."""
@@ -474,7 +474,7 @@ def fake_long(monkeypatch, tmp_path, oom_at=65536):
     import sys
     import types
 
-    fake = types.ModuleType("slide_train")  # (the planner's imports: no torch in this session)
+    fake = types.ModuleType("slide_train")  # (the planner's imports: no torch in this test)
     errors, machines = types.ModuleType("slide_train.errors"), types.ModuleType("slide_train.machines")
     errors.ConfigError = type("ConfigError", (ValueError,), {})
     machines.resolve_machine = lambda path, work: "machine"
@@ -531,7 +531,7 @@ def test_the_long_suite_runs_in_parts_merged_into_one_file(tmp_path, monkeypatch
         run.run_long_suite(LongArgs(variants=["8b-1m"]), tmp_path, out)
 
 
-def test_a_longest_run_is_planned_within_one_call(tmp_path):
+def test_a_longest_run_is_planned_within_one_sitting(tmp_path):
     """On the H200 host's machine file under 24 GiB, by slide-train's planner: the longest rows fit the plan, run on
     the -256k preset only past 131,072, and their predicted time, each step `margin` times the prediction after the
     setup, fits the sitting; a margin the 131,072-token run measured takes the place of LONG's."""
