@@ -58,6 +58,20 @@ def _tile_of(pid_m, OFFS, groups, BM: tl.constexpr, G_P2: tl.constexpr):
 
 
 @jit
+def _row_tile(PERM, OFFS, groups, width, BM: tl.constexpr, BN: tl.constexpr, G_P2: tl.constexpr):
+    """This program's tile of a grid of (row tiles of each group's run) x (column tiles of `width`): whether it
+    has no rows, its group, its rows (their mask and their (token, k) slots), its column tile and its columns."""
+    n_tiles = tl.cdiv(width, BN)
+    pid_n = tl.program_id(0) % n_tiles
+    group, start, end = _tile_of(tl.program_id(0) // n_tiles, OFFS, groups, BM, G_P2)
+    rows = start + tl.arange(0, BM)
+    rmask = rows < end
+    slot = tl.load(PERM + rows, mask=rmask, other=0)
+    cols = pid_n * BN + tl.arange(0, BN)
+    return start >= end, group, rows, rmask, slot, pid_n, cols, cols < width
+
+
+@jit
 def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     if UPCAST:  # the interpreter computes 16-bit dots wrongly
         a = a.to(tl.float32)
@@ -105,18 +119,10 @@ def _gate_up_kernel(
     # output gradients); then DGU = [dgate, dup] of dh = w d, H_OUT = w h (for the down weights' gradient) and
     # DW_PART[row, column tile] = sum over the tile's columns of d * h (the routing weight's gradient, in parts).
     # STORE_GU: the forward also writes [gate, up] to GU; LOAD_GU: the backward reads them there instead.
-    n_tiles = tl.cdiv(inter, BN)
-    pid_m = tl.program_id(0) // n_tiles
-    pid_n = tl.program_id(0) % n_tiles
-    e, start, end = _tile_of(pid_m, OFFS, experts, BM, G_P2)
-    if start >= end:
+    empty, e, rows, rmask, slot, pid_n, cols, cmask = _row_tile(PERM, OFFS, experts, inter, BM, BN, G_P2)
+    if empty:
         return
-    rows = start + tl.arange(0, BM)
-    rmask = rows < end
-    slot = tl.load(PERM + rows, mask=rmask, other=0)
     token = (slot // topk).to(tl.int64)
-    cols = pid_n * BN + tl.arange(0, BN)
-    cmask = cols < inter
     ks = tl.arange(0, BK)
     x_ptrs = X + token[:, None] * stride_x + ks[None, :]
     wg_ptrs = W1 + e.to(tl.int64) * stride_w1e + cols[None, :].to(tl.int64) * stride_w1n + ks[:, None]
@@ -156,7 +162,7 @@ def _gate_up_kernel(
     h = silu * up
     if BACKWARD:
         w = tl.load(RW + slot, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(DW_PART + rows.to(tl.int64) * n_tiles + pid_n, tl.sum(d * h, 1), mask=rmask)
+        tl.store(DW_PART + rows.to(tl.int64) * tl.cdiv(inter, BN) + pid_n, tl.sum(d * h, 1), mask=rmask)
         dh = d * w[:, None]
         tl.store(H_OUT + out, (h * w[:, None]).to(H_OUT.dtype.element_ty), mask=omask)
         # d silu(g) / dg = sig * (1 + g * (1 - sig))
@@ -191,17 +197,9 @@ def _scatter_gemm_kernel(
 ):
     # OUT[slot of row r] = A[r] @ B[e] (times the routing weight of that slot with SCALE), for the rows r of each
     # expert e, B[e] read as [k, n] through its strides. Rows past the experts' (sentinel pairs) get zeros.
-    n_tiles = tl.cdiv(n, BN)
-    pid_m = tl.program_id(0) // n_tiles
-    pid_n = tl.program_id(0) % n_tiles
-    e, start, end = _tile_of(pid_m, OFFS, experts + 1, BM, G_P2)
-    if start >= end:
+    empty, e, rows, rmask, slot, _, cols, cmask = _row_tile(PERM, OFFS, experts + 1, n, BM, BN, G_P2)
+    if empty:
         return
-    rows = start + tl.arange(0, BM)
-    rmask = rows < end
-    slot = tl.load(PERM + rows, mask=rmask, other=0)
-    cols = pid_n * BN + tl.arange(0, BN)
-    cmask = cols < n
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     if e < experts:
         ks = tl.arange(0, BK)
