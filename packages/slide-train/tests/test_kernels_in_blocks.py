@@ -218,18 +218,23 @@ def interpreted_olmoe(tmp_path: str) -> None:
     _print_two_steps(tmp_path, "olmoe", {"moe_experts": ["moe_experts_forward", "moe_experts_backward"]})
 
 
+def _interpreted(tmp_path, function: str) -> dict:
+    """What `function` of this module prints, run in a process of its own under Triton's interpreter."""
+    here = pathlib.Path(__file__).parent
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(here), os.environ.get("PYTHONPATH")) if p)}
+    code = f"import test_kernels_in_blocks as t; t.{function}({str(tmp_path)!r})"
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, cwd=here, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow  # about 30 s on 2 cores
 def test_triton_experts_in_the_engine_match_kernels_off(tmp_path):
     """OLMoE's experts through moe_experts' kernels, in Triton's interpreter (the router and the load-balancing
     loss transformers' own): two steps give the kernels-off run's losses and masters (fp32, 1e-5)."""
-    here = pathlib.Path(__file__).parent
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(here), os.environ.get("PYTHONPATH")) if p)}
-    code = f"import test_kernels_in_blocks as t; t.interpreted_olmoe({str(tmp_path)!r})"
-    run = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, cwd=here, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = _interpreted(tmp_path, "interpreted_olmoe")
     layers, steps = 3, 2  # every sparse layer of every step, forward (and the recompute) and backward
     assert result["launches"]["moe_experts_forward"] >= steps * layers
     assert result["launches"]["moe_experts_backward"] >= steps * layers
@@ -240,14 +245,7 @@ def test_triton_experts_in_the_engine_match_kernels_off(tmp_path):
 def test_triton_kernels_in_the_engine_match_kernels_off(tmp_path):
     """Gemma 3 (GeGLU, 1 + weight norms with q/k norms and post-norms, local and global rotary tables): the
     kernels themselves, in Triton's interpreter, give the kernels-off run's losses and masters."""
-    here = pathlib.Path(__file__).parent
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(here), os.environ.get("PYTHONPATH")) if p)}
-    code = f"import test_kernels_in_blocks as t; t.interpreted_gemma3({str(tmp_path)!r})"
-    run = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, cwd=here, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = _interpreted(tmp_path, "interpreted_gemma3")
     # Every layer of every step ran each kernel (its forward at least; the engine's recompute runs more).
     layers, norms_per_layer, steps = 4, 6, 2
     launches = result["launches"]
