@@ -66,14 +66,17 @@ class RouterStats:
 
     def sums(self, logits: torch.Tensor, top_k: int, experts: int):
         """(top-k counts, probability sums, rows) of one layer's router logits, as transformers computes them (the
-        probability sums only where the loss is on). The counts are added on the device: no read back to the
-        host, which bincount would make."""
+        probability sums only where the loss is on). The counts are made on the device (histc, or a weighted
+        scatter with padding): no read back to the host, which bincount would make."""
         probs = torch.softmax(logits, dim=-1)  # in the logits' dtype, as there
         picked = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
-        valid = self.valid if self.valid is not None else torch.ones(probs.shape[0], device=logits.device)
-        counts = torch.zeros(experts, dtype=torch.float32, device=logits.device)
-        counts.scatter_add_(0, picked, valid.repeat_interleave(top_k))
-        rows = self.valid.sum() if self.valid is not None else float(probs.shape[0])
+        if self.valid is None:
+            counts = torch.histc(picked.float(), bins=experts, min=0, max=experts - 1)
+            rows = float(probs.shape[0])
+        else:
+            counts = torch.zeros(experts, dtype=torch.float32, device=logits.device)
+            counts.scatter_add_(0, picked, self.valid.repeat_interleave(top_k))
+            rows = self.valid.sum()
         if not self.loss_on:
             return counts, None, rows
         weighted = probs.float() if self.valid is None else probs.float() * self.valid.unsqueeze(-1)
