@@ -94,6 +94,8 @@ LONG = dict(cap_gib=24.0, device="cuda", warmup=1, steps=2, modes=("1.0", "none"
             margin=2.0, granule=8192)
 # Data parallel: a bench's shape (tokens per step and cap per GPU) on 1 and on 2 GPUs of one host, in one run.
 DP = dict(bench="b8", ranks=(1, 2))
+# The machine file given as $SLIDE_MACHINE when this process started (main may point it at a filled-in copy)
+MACHINE_SOURCE: str | None = None
 OTHER_SUITES = ("kernels", "io", "probe", "gpu-rates", "nvme", "largest", "plans", "dp2", "long")
 # The GPU rates a machine file may lack (0: not measured), which gpu-rates.json of the same GPU fills in for planning
 MEASURED_LATER = ("attention_tflops", "experts_tflops")
@@ -175,9 +177,24 @@ def run_worker(spec: dict, work: pathlib.Path, name: str, timeout: float | None,
     return result
 
 
+def planned_with() -> str:
+    """The machine file this run's plans come from: $SLIDE_MACHINE as given (before this GPU's measured rates fill
+    it in), else this host's probe."""
+    source = MACHINE_SOURCE or os.environ.get("SLIDE_MACHINE")
+    if not source:
+        return "this host's probe"
+    path = pathlib.Path(source).resolve()
+    return str(path.relative_to(common.ROOT)) if path.is_relative_to(common.ROOT) else str(path)
+
+
 def suite_doc(suite: str, config: dict, figures: list, device: str | None) -> dict:
     return {"suite": suite, "commit": common.git_commit(), "date": common.now(), "device": device,
-            "host": common.host(), "versions": common.versions(), "config": config, "figures": figures}
+            "host": common.host(), "versions": common.versions(), "machine_file": planned_with(), "config": config,
+            "figures": figures}
+
+
+# What a figure records of its own (its warm-up and timed steps): runs that differ only there merge into one file
+PER_FIGURE = ("warmup", "steps")
 
 
 def merge(old_path: pathlib.Path, doc: dict) -> dict:
@@ -185,7 +202,11 @@ def merge(old_path: pathlib.Path, doc: dict) -> dict:
     if not old_path.is_file():
         return doc
     old = json.loads(old_path.read_text())
-    if old.get("config") != doc["config"]:
+
+    def shared(config: dict | None) -> dict:
+        return {k: v for k, v in (config or {}).items() if k not in PER_FIGURE}
+
+    if shared(old.get("config")) != shared(doc["config"]):
         print(f"  {old_path} holds another config: replaced, not merged", flush=True)
         return doc
     def key(f: dict) -> tuple:
@@ -193,8 +214,11 @@ def merge(old_path: pathlib.Path, doc: dict) -> dict:
 
     ran = {key(f) for f in doc["figures"]}
     kept = [f for f in old["figures"] if key(f) not in ran]
-    for f in kept:  # (the tables name the commit of a figure from an earlier run)
+    for f in kept:  # (the tables name the commit of a figure from an earlier run, and what it planned with)
         f.setdefault("commit", old.get("commit"))
+        f.setdefault("machine_file", old.get("machine_file"))
+        for k in PER_FIGURE:
+            f.setdefault(k, (old.get("config") or {}).get(k))
     doc["figures"] = kept + doc["figures"]
     return doc
 
@@ -278,7 +302,7 @@ def run_train_suite(suite: str, args, work: pathlib.Path, out: pathlib.Path) -> 
         entry = {"system": system, "label": SYSTEMS[system] + (f" {args.baseline_name}" if system == "baseline"
                                                                else ""),
                  "mode": mode, "cap_gib": shape["cap_gib"] if system not in ("plain", "liger") else None,
-                 "date": common.now(), **r}
+                 "date": common.now(), "warmup": warmup, "steps": steps, **r}
         device = device or (r.get("device") if r.get("status") == "ok" else None)
         figures.append(entry)
         out.mkdir(parents=True, exist_ok=True)
@@ -345,9 +369,32 @@ def slide_entry(suite: str, variant: str, spec: dict, args, work: pathlib.Path, 
     r = run_worker({**spec, "run_dir": str(work / name)}, work, name, args.timeout, quiet=args.quiet, machine=machine)
     shutil.rmtree(work / name, ignore_errors=True)
     entry = {"system": "slide", "variant": variant, "label": f"Slide, {variant}", "mode": spec["mode"],
-             "cap_gib": spec.get("cap_gib"), "date": common.now(), **r}
+             "cap_gib": spec.get("cap_gib"), "date": common.now(), "warmup": spec.get("warmup"),
+             "steps": spec.get("steps"), **r}
     print(f"  {name}: {tables.entry_line(entry)}", flush=True)
     return entry
+
+
+def slide_series(suite: str, runs: list[tuple[str, dict]], args, work: pathlib.Path) -> list[dict]:
+    """Slide runs (variant, spec) in turn in one worker process, so what they share (imports, the CUDA context,
+    compiled kernels) is set up once; an entry each, as slide_entry makes them. One run is slide_entry's."""
+    if len(runs) == 1:
+        (variant, spec), = runs
+        return [slide_entry(suite, variant, spec, args, work)]
+    name = f"{suite}-{'+'.join(v for v, _ in runs)}"
+    print(f"  {name} (one process) ...", flush=True)
+    specs = [{**spec, "run_dir": str(work / f"{suite}-{variant}")} for variant, spec in runs]
+    r = run_worker({"job": "series", "runs": specs}, work, name, args.timeout, quiet=args.quiet)
+    results = r.get("runs") or [{"status": r.get("status", "failed"), "reason": r.get("reason", "")}] * len(runs)
+    entries = []
+    for (variant, spec), result in zip(runs, results):
+        shutil.rmtree(work / f"{suite}-{variant}", ignore_errors=True)
+        entry = {"system": "slide", "variant": variant, "label": f"Slide, {variant}", "mode": spec["mode"],
+                 "cap_gib": spec.get("cap_gib"), "date": common.now(), "device": r.get("device"),
+                 "warmup": spec["warmup"], "steps": spec["steps"], "process": name, **result}
+        print(f"  {suite}-{variant}: {tables.entry_line(entry)}", flush=True)
+        entries.append(entry)
+    return entries
 
 
 def run_nvme_suite(args, work: pathlib.Path, out: pathlib.Path) -> dict:
@@ -565,21 +612,33 @@ def long_length(name: str, mode: str, machine, calibration: dict) -> dict:
     return found
 
 
-def long_rows(work: pathlib.Path, model: str, seq_len: int, grad_accum: int) -> pathlib.Path:
-    """The rows a long run trains on (random token ids; one file per model and length, shared by the modes)."""
+def long_steps(args) -> tuple[int, int]:
+    """The warm-up and timed steps of a long run: --warmup and --steps where given, else LONG's."""
+    warmup = getattr(args, "warmup", None)
+    steps = getattr(args, "steps", None)
+    return (LONG["warmup"] if warmup is None else warmup), (LONG["steps"] if steps is None else steps)
+
+
+def long_rows(work: pathlib.Path, model: str, seq_len: int, grad_accum: int, steps: int | None = None
+              ) -> pathlib.Path:
+    """The rows a long run trains on (random token ids; one file per model and length, shared by the modes), for
+    `steps` steps in all (LONG's warm-up and timed steps by default)."""
     from slide_train.models.build import load_model
 
-    path = work / f"long-{model}-{seq_len}-x{grad_accum}.jsonl"
+    steps = steps or LONG["warmup"] + LONG["steps"]
+    path = work / f"long-{model}-{seq_len}-x{grad_accum}-{steps}.jsonl"
     if not path.exists():
         vocab = load_model(model, 0, need_tokenizer=False, need_weights=False).hf_config.vocab_size
-        random_rows(path, vocab, seq_len, (LONG["warmup"] + LONG["steps"]) * LONG["micro_batch_size"] * grad_accum)
+        random_rows(path, vocab, seq_len, steps * LONG["micro_batch_size"] * grad_accum)
     return path
 
 
-def long_spec(model: str, seq_len: int, grad_accum: int, mode: str, data: pathlib.Path, job: str = "slide") -> dict:
-    """worker.py's spec of one long run: Slide under the cap, or the peer uncapped."""
+def long_spec(model: str, seq_len: int, grad_accum: int, mode: str, data: pathlib.Path, job: str = "slide",
+              warmup: int | None = None, steps: int | None = None) -> dict:
+    """worker.py's spec of one long run: Slide under the cap, or the peer uncapped (LONG's steps by default)."""
     spec = {"model": model, "seq_len": seq_len, "micro_batch_size": LONG["micro_batch_size"],
-            "grad_accum": grad_accum, "warmup": LONG["warmup"], "steps": LONG["steps"], "data": str(data), "seed": 0,
+            "grad_accum": grad_accum, "warmup": LONG["warmup"] if warmup is None else warmup,
+            "steps": LONG["steps"] if steps is None else steps, "data": str(data), "seed": 0,
             "pack": False, "mode": mode, "device": LONG["device"], "job": job}
     if job == "slide":
         return {**spec, "cap_gib": LONG["cap_gib"], "extra": []}
@@ -604,10 +663,12 @@ def run_long_suite(args, work: pathlib.Path, out: pathlib.Path) -> dict:
         doc = suite_doc("long", long_config(), figures, first_device(figures))
         (out / "long.partial.json").write_text(json.dumps(doc, indent=1) + "\n")
 
-    for name, run in LONG["runs"].items():
-        if name not in variants or "slide" not in args.systems:
-            continue
-        for mode in [m for m in args.modes if m in run.get("modes", LONG["modes"])]:
+    warmup, steps = long_steps(args)
+    for mode in [m for m in LONG["modes"] if m in args.modes]:
+        fixed, longest = [], []  # (the runs of fixed rows of this mode share one worker process)
+        for name, run in LONG["runs"].items():
+            if name not in variants or "slide" not in args.systems or mode not in run.get("modes", LONG["modes"]):
+                continue
             shape = {"model": run["model"], "seq_len": run["seq_len"], "grad_accum": run["grad_accum"]}
             chosen = {}
             if run["seq_len"] is None:
@@ -628,14 +689,25 @@ def run_long_suite(args, work: pathlib.Path, out: pathlib.Path) -> dict:
                           "cap_gib": LONG["cap_gib"], "date": common.now(), "status": "skipped", **shape, **chosen,
                           "reason": f"no rows fit {LONG['sitting_s']:g} s of one sitting by the plan"})
                     continue
-            data = long_rows(work, shape["model"], shape["seq_len"], shape["grad_accum"])
-            entry = slide_entry("long", name, long_spec(**shape, mode=mode, data=data), args, work)
-            keep({**entry, **shape, "micro_batch_size": LONG["micro_batch_size"],
-                  "tokens_per_step": shape["seq_len"] * LONG["micro_batch_size"] * shape["grad_accum"], **chosen})
+            data = long_rows(work, shape["model"], shape["seq_len"], shape["grad_accum"], warmup + steps)
+            spec = long_spec(**shape, mode=mode, data=data, warmup=warmup, steps=steps)
+            (fixed if run["seq_len"] is not None else longest).append((name, shape, spec, chosen))
+        entries = slide_series("long", [(name, spec) for name, _, spec, _ in fixed], args, work) if fixed else []
+        for (_, shape, _, _), entry in zip(fixed, entries):
+            keep(long_entry(entry, shape))
+        for name, shape, spec, chosen in longest:  # (each a process of its own, as its sitting is planned)
+            (entry,) = slide_series("long", [(name, spec)], args, work)
+            keep(long_entry(entry, shape, chosen))
     if "peer" in variants and "liger" in args.systems:
         for entry in run_long_peer(args, work):
             keep(entry)
     return suite_doc("long", long_config(), figures, first_device(figures))
+
+
+def long_entry(entry: dict, shape: dict, chosen: dict | None = None) -> dict:
+    """A long run's entry with its rows and tokens per step (and, for a longest run, how its rows were chosen)."""
+    return {**entry, **shape, "micro_batch_size": LONG["micro_batch_size"],
+            "tokens_per_step": shape["seq_len"] * LONG["micro_batch_size"] * shape["grad_accum"], **(chosen or {})}
 
 
 def first_device(figures: list[dict]) -> str | None:
@@ -846,6 +918,8 @@ def main() -> None:
     p.add_argument("--dp-bench", default=None, choices=list(TRAIN_SUITES),
                    help=f"dp2: the shape per GPU (default {DP['bench']}; tiny checks the harness on CPUs)")
     args = p.parse_args()
+    global MACHINE_SOURCE
+    MACHINE_SOURCE = os.environ.get("SLIDE_MACHINE")
     args.variants = [v for v in args.variants.split(",") if v]
     args.systems = [s for s in args.systems.split(",") if s]
     args.modes = [m for m in args.modes.split(",") if m]

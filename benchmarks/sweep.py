@@ -3,11 +3,14 @@ per version of the code, as many as fit one sitting's time. Its state is `result
 
     python3 benchmarks/sweep.py --list [--budget-s 540]     # the plan: what is measured, what is left
     python3 benchmarks/sweep.py --budget-s 540 --wheels .whl --export DIR
+    python3 benchmarks/sweep.py --quick --budget-s 540 --export DIR   # the headline figures (QUICK), two sittings
     python3 benchmarks/sweep.py --only b3-none              # one step, measured or not
     python3 benchmarks/sweep.py --pack-baseline             # where git is: the baseline engine into build/baseline
+    python3 benchmarks/sweep.py --fetch-wheels .whl         # where pip reaches an index: the wheels (WHEELS)
 
-A step is measured when its latest result carries the tree hash of `packages/` and `benchmarks/` as they are now
-(see `tree_hash`): a commit that touches neither leaves every step measured; a change under either re-queues all.
+A step is measured when its latest result carries the version of what the step runs as it is now (`step_paths`:
+the packages it imports and the harness files it runs, hashed from the files themselves): a change elsewhere leaves
+it measured, and its earlier result stays listed with its commit until it is measured again.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import shlex
 import shutil
 import signal
@@ -89,10 +93,10 @@ STEPS = [
     # Long sequences (run.py long), one clip mode and one row length a step: a process of 8B may take 2 min to set
     # up, then 3 steps of 45-90 s at 131,072 tokens. Each longest run has a sitting of its own (run.py plans its rows to
     # fit one), and the peer's ladder of lengths stops at its first run out of memory.
-    {"name": "long-8b-32k-clip", "estimate_s": 400, "run": ["run.py long --variants 8b-32k --modes 1.0"]},
-    {"name": "long-8b-128k-clip", "estimate_s": 420, "run": ["run.py long --variants 8b-128k --modes 1.0"]},
-    {"name": "long-8b-32k-none", "estimate_s": 400, "run": ["run.py long --variants 8b-32k --modes none"]},
-    {"name": "long-8b-128k-none", "estimate_s": 420, "run": ["run.py long --variants 8b-128k --modes none"]},
+    # The 32k and 128k rows of a mode run in one worker process (its setup once): 120 s, then 3 steps of about 28 s
+    # and 3 of about 56 s.
+    {"name": "long-8b-clip", "estimate_s": 460, "run": ["run.py long --variants 8b-32k,8b-128k --modes 1.0"]},
+    {"name": "long-8b-none", "estimate_s": 460, "run": ["run.py long --variants 8b-32k,8b-128k --modes none"]},
     {"name": "long-8b-longest-clip", "estimate_s": 480, "alone": True,
      "run": ["run.py long --variants 8b-longest --modes 1.0"]},
     {"name": "long-8b-longest-none", "estimate_s": 480, "alone": True,
@@ -112,17 +116,56 @@ STEPS = [
     {"name": "probe", "estimate_s": 120, "run": ["run.py probe"], "fresh_host": True},
 ]
 
+# The headline figures in at most two sittings (`--quick`): B3 clipped beside its Liger peer, B8 unclipped and
+# clipped, Gemma 2 and OLMoE unclipped, and 8B at 131,072 tokens clipped (a sitting to itself). A step of over 2 s
+# runs one warm-up and three timed steps (B3's 1.8 s keeps the suites' 2 and 5). The figures go into the suites'
+# files beside the full sweep's; the estimates are the processes' wall times in those files (setup and each step).
+QUICK_SITTING_S = 540.0
+FEW = "--warmup 1 --steps 3"
+QUICK = [
+    {"name": "quick-b3-clip", "estimate_s": 110, "run": ["run.py b3 --systems slide,liger --modes 1.0"]},
+    {"name": "quick-b8", "estimate_s": 150, "run": [f"run.py b8 --systems slide --modes none,1.0 {FEW}"]},
+    {"name": "quick-gemma2-none", "estimate_s": 120, "run": [f"run.py gemma2 --systems slide --modes none {FEW}"]},
+    {"name": "quick-moe-none", "estimate_s": 70, "run": [f"run.py moe --systems slide --modes none {FEW}"]},
+    {"name": "quick-long-8b-128k-clip", "estimate_s": 420, "alone": True,
+     "run": [f"run.py long --variants 8b-128k --modes 1.0 {FEW}"]},
+]
+# What a sitting spends before its first step: installing the wheels, checking the environment
+SETUP_S = 30.0
+
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results" / "sweep.json"
 PACKAGES = ("slide-kernels", "slide-memory", "slide-io", "slide-scheduler", "slide-train")
-# Wheels the GPU machine's image lacks, installed from --wheels where present (pytest for a bare image).
-WHEELS = ("liger-kernel", "kvikio-cu13", "libkvikio-cu13", "rapids-logger", "pytest", "pluggy", "iniconfig")
+# Wheels the GPU machine's image may lack, pinned (`--fetch-wheels DIR` downloads them where an index is reachable).
+# A sitting installs from --wheels only those the image lacks, so none shadows the image's own copy.
+WHEELS = {
+    "datasets": "5.2.0",  # slide-train's data sources (gpu-tests-train), and what it needs beyond the image's
+    "dill": "0.4.1",  # (pyarrow, pandas, fsspec, huggingface-hub, ...)
+    "multiprocess": "0.70.19",
+    "xxhash": "4.1.0",
+    "liger-kernel": "0.8.5",  # the plain peer's kernels (b1, b3, long-peer)
+    "kvikio-cu13": "26.10.0",  # the NVMe tier's store through kvikio (the image has cupy and the CUDA toolkit)
+    "libkvikio-cu13": "26.10.0",
+    "rapids-logger": "0.3.0",
+    "pytest": "9.2.0",  # a bare image's test runner
+    "pluggy": "1.7.0",
+    "iniconfig": "2.3.1",
+}
+# The GPU machine's Python and platform, as pip download names them
+WHEEL_TARGET = ("--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
+                "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64")
 WHEEL_SITE = pathlib.Path(tempfile.gettempdir()) / "slide-sweep-site"
 # Left by the first step a host runs: a host that has it is no longer fresh (the GPU machine keeps /tmp while warm).
 HOST_USED = pathlib.Path(tempfile.gettempdir()) / "slide-sweep.host-used"
-# The code whose version a result belongs to; results/ is what the sweep writes, not what it measures.
+# The code whose version a sitting records; results/ is what the sweep writes, not what it measures.
 TREE_PATHS = ("packages", "benchmarks")
+# What a step's result depends on (step_paths): run.py's files, a suite's own, the package run.py trains through
+# (with the packages it needs), and the root's pytest settings for a GPU test
+HARNESS_FILES = ("benchmarks/run.py", "benchmarks/worker.py", "benchmarks/common.py", "benchmarks/tables.py")
+SUITE_FILES = {"kernels": ("benchmarks/kernel_bench.py",), "plans": ("docs/machines",)}
+RUNS_THROUGH = "slide-train"
+PYTEST_FILES = ("pyproject.toml",)
 TREE_SKIPS = ("benchmarks/results",)
 GRACE_S = 20.0  # after an interrupt, before a step's processes are killed outright
 TAIL_LINES = 30
@@ -209,12 +252,14 @@ class Ignored:
     def __init__(self, root: pathlib.Path):
         self.root = root
         self.rules: list[tuple[str, str, bool, bool]] = []  # (folder of the file, pattern, anchored, folders only)
+        self.seen: set[pathlib.Path] = set()  # (each .gitignore read once, however many folders are hashed)
         for path in (root / ".git" / "info" / "exclude", root / ".gitignore"):
             self.read(path, "")
 
     def read(self, path: pathlib.Path, base: str) -> None:
-        if not path.is_file():
+        if path in self.seen or not path.is_file():
             return
+        self.seen.add(path)
         for line in path.read_text(errors="replace").splitlines():
             line = line.rstrip()
             if not line or line.startswith(("#", "!")):
@@ -283,6 +328,71 @@ def tree_hash(root: pathlib.Path = ROOT) -> str:
     return _tree_object(entries).hex()
 
 
+class Code:
+    """git's ids of the working tree's files and folders (each read once), and the version of a step's code: a hash
+    of the ids of the paths it runs (`step_paths`)."""
+
+    def __init__(self, root: pathlib.Path = ROOT):
+        self.root, self.ignored, self.ids = root, Ignored(root), {}
+
+    def id(self, rel: str) -> str:
+        if rel not in self.ids:
+            parts = rel.split("/")
+            for i in range(1, len(parts)):  # (the .gitignore files of the folders above it)
+                self.ignored.read(self.root.joinpath(*parts[:i], ".gitignore"), "/".join(parts[:i]))
+            path = self.root / rel
+            if path.is_dir():
+                oid = _folder_id(self.root, rel, self.ignored)
+            elif path.is_file() and not self.ignored(rel, False):
+                oid = _git_object("blob", path.read_bytes())
+            else:
+                oid = None
+            self.ids[rel] = oid.hex() if oid else ""
+        return self.ids[rel]
+
+    def version(self, paths: list[str]) -> str:
+        return hashlib.sha1("".join(f"{rel}\0{self.id(rel)}\n" for rel in sorted(paths)).encode()).hexdigest()
+
+
+def package_needs(root: pathlib.Path, package: str) -> list[str]:
+    """`package` and the sibling packages it depends on, directly or not, as their pyproject.toml files declare."""
+    import tomllib
+
+    needs, todo = [], [package]
+    while todo:
+        name = todo.pop()
+        if name in needs or not (root / "packages" / name).is_dir():
+            continue
+        needs.append(name)
+        pyproject = root / "packages" / name / "pyproject.toml"
+        declared = tomllib.loads(pyproject.read_text()).get("project", {}).get("dependencies", []) \
+            if pyproject.is_file() else []
+        todo += [dist_name(re.match(r"[A-Za-z0-9_.-]+", d).group()) for d in declared]
+    return sorted(needs)
+
+
+def step_paths(step: Step, root: pathlib.Path = ROOT) -> list[str]:
+    """What a step runs, whose change makes its result stale: a GPU test its package's folder (sources, tests,
+    conftest), the sources of the packages it needs and the root's pytest settings; a run.py command the harness
+    files, its suite's own, and the sources of the packages slide-train needs (run.py's workers train through it)."""
+    paths: set[str] = set()
+    for command in step.commands:
+        if command.words[0] == "pytest":
+            package = command.words[1]
+            paths |= {f"packages/{package}", *PYTEST_FILES}
+            paths |= {f"packages/{p}/src" for p in package_needs(root, package) if p != package}
+        else:
+            paths |= {f"packages/{p}/src" for p in package_needs(root, RUNS_THROUGH)} | set(HARNESS_FILES)
+            for suite in command.suites():
+                paths |= set(SUITE_FILES.get(suite, ()))
+    return sorted(paths)
+
+
+def step_versions(steps: list[Step], root: pathlib.Path = ROOT) -> dict[str, str]:
+    code = Code(root)
+    return {step.name: code.version(step_paths(step, root)) for step in steps}
+
+
 def git_state(root: pathlib.Path = ROOT) -> dict:
     """The commit (SLIDE_COMMIT where set: a copy without .git cannot say) and whether TREE_PATHS differ from it;
     informative only: whether a step is measured goes by the tree hash."""
@@ -345,13 +455,13 @@ def estimate_s(step: Step, result: dict | None) -> float:
     return result["wall_s"]
 
 
-def pending_why(step: Step, result: dict | None, tree: str, gpu_gib: float | None, retry_failed: bool = False
+def pending_why(step: Step, result: dict | None, code: str, gpu_gib: float | None, retry_failed: bool = False
                 ) -> str | None:
-    """Why the step still has to run for this tree (None: measured)."""
+    """Why the step still has to run for this version of its code (None: measured)."""
     if result is None:
         return "never run"
-    if result.get("tree") != tree:
-        return "measured on another tree"
+    if result.get("code") != code:  # (a result older than per-step versions has none: measured again)
+        return f"measured on {result.get('commit') or 'an unknown commit'}, whose code of this step differs"
     if result.get("stopped"):
         return "stopped at a budget's end"
     status = result["status"]
@@ -388,6 +498,11 @@ class Context:
     suites: set[str]  # what run.py offers
     baseline_problem: str | None  # why --baseline steps cannot run, or None
     host_fresh: bool
+    code: dict[str, str] = dataclasses.field(default_factory=dict)  # each step's version (step_versions)
+    machine: str | None = None  # the machine file the runs plan with ($SLIDE_MACHINE; None: this host's probe)
+
+    def version(self, step: Step) -> str:
+        return self.code.get(step.name) or self.tree
 
 
 class ProcessRunner:
@@ -470,7 +585,7 @@ class Sweep:
         self.executed: list[Step] = []  # of those, the ones that ran commands (not recorded as skipped)
 
     def pending(self) -> list[Step]:
-        return [s for s in self.steps if pending_why(s, self.results.get(s.name), self.ctx.tree,
+        return [s for s in self.steps if pending_why(s, self.results.get(s.name), self.ctx.version(s),
                                                      self.ctx.env.get("gpu_gib"), self.retry_failed)]
 
     def estimate(self, step: Step) -> float:
@@ -496,6 +611,23 @@ class Sweep:
                     break
         return sorted(chosen, key=lambda s: not s.fresh_host)  # (stable: importance otherwise)
 
+    def sittings(self, steps: list[Step], budget_s: float) -> tuple[list[list[Step]], list[Step]]:
+        """The sittings of `budget_s` (SETUP_S of it for the sitting's checks) that `steps` take by their estimates,
+        each filled as `choose` fills it; and the steps no sitting holds (an estimate over the budget). Steps that
+        cannot run here take none."""
+        left, plan, fresh = [s for s in steps if not why_not_run(s, self.ctx)], [], self.ctx.host_fresh
+        try:
+            while left:
+                chosen = self.choose(left, budget_s - SETUP_S)
+                if not chosen:
+                    break
+                plan.append(chosen)
+                left = [s for s in left if s not in chosen]
+                self.ctx.host_fresh = False  # (only the first sitting may find the host fresh)
+        finally:
+            self.ctx.host_fresh = fresh
+        return plan, left
+
     def run(self, budget_s: float | None, start: float, only: Step | None = None) -> None:
         """Runs steps until none fits what is left of `budget_s` (counted from `start`, the sitting's checks
         included), writing each result as it comes."""
@@ -520,8 +652,9 @@ class Sweep:
         return left is None or self.estimate(step) <= left
 
     def run_step(self, step: Step, left: float | None) -> None:
-        base = {"tree": self.ctx.tree, **self.ctx.git, "date": now(), "gpu": self.ctx.env.get("gpu"),
-                "gpu_gib": self.ctx.env.get("gpu_gib")}
+        base = {"code": self.ctx.version(step), "tree": self.ctx.tree, **self.ctx.git, "date": now(),
+                "gpu": self.ctx.env.get("gpu"), "gpu_gib": self.ctx.env.get("gpu_gib"),
+                "machine_file": self.ctx.machine or "this host's probe"}
         reason = why_not_run(step, self.ctx)
         if reason:
             self.say(f"== {step.name}: skipped ({reason})")
@@ -579,11 +712,15 @@ class Sweep:
         lines = []
         for i, step in enumerate(steps, 1):
             result = self.results.get(step.name)
-            why = pending_why(step, result, self.ctx.tree, self.ctx.env.get("gpu_gib"), self.retry_failed)
+            why = pending_why(step, result, self.ctx.version(step), self.ctx.env.get("gpu_gib"), self.retry_failed)
             if why is None:
-                state = f"measured: {result['status']}" + (f" on {result['gpu']}" if result.get("gpu") else "")
+                state = f"measured: {result['status']}" + (f" on {result['gpu']}" if result.get("gpu") else "") \
+                    + (f" at {result['commit']}" if result.get("commit") else "")
             else:
                 state = why
+                if result and result.get("status"):  # (an earlier version's figure stays listed)
+                    state += f" (then: {result['status']}" + (f" on {result['gpu']}" if result.get("gpu") else "") \
+                        + ")"
                 blocked = why_not_run(step, self.ctx)
                 if blocked and not why.endswith(blocked):
                     state += f"; here it would be skipped: {blocked}"
@@ -593,21 +730,63 @@ class Sweep:
                     state += "; runs alone in a sitting"
             est = self.estimate(step)
             over = "  over the step limit: split it" if est > STEP_LIMIT_S else ""
-            lines.append(f"{i:3} {step.name:22} {est:6.0f} s{' ' if timed(result) else '*'}  {state}{over}")
+            lines.append(f"{i:3} {step.name:24} {est:6.0f} s{' ' if timed(result) else '*'}  {state}{over}")
         return lines
 
 
 # --- the sitting's setup: wheels, environment, baseline ---------------------------------------------------------------
 
+def dist_name(name: str) -> str:
+    """A distribution's name as pip compares them (a wheel's file name has `_` where the project has `-`)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def wheel_command(folder: pathlib.Path, name: str, version: str) -> list[str]:
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *WHEEL_TARGET,
+            "-d", str(folder), f"{name}=={version}"]
+
+
+def fetch_wheels(folder: pathlib.Path) -> None:
+    """WHEELS downloaded into `folder` for the GPU machine (where an index is reachable), one by one."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, version in WHEELS.items():
+        command = wheel_command(folder, name, version)
+        print(shlex.join(command[2:]), flush=True)
+        if subprocess.run(command).returncode != 0:
+            raise SystemExit(f"pip could not download {name}=={version} (its output above)")
+    wheels = sorted(folder.glob("*.whl"))
+    size = sum(w.stat().st_size for w in wheels)
+    print(f"{folder}: {len(wheels)} wheels, {size / 2**20:.1f} MiB (copied along with the working tree)")
+
+
+def missing_here(names) -> list[str]:
+    """Those of `names` this Python cannot find (the image lacks them)."""
+    import importlib.metadata as md
+
+    out = []
+    for name in names:
+        try:
+            md.distribution(name)
+        except md.PackageNotFoundError:
+            out.append(name)
+    return out
+
+
 def install_wheels(folder: pathlib.Path) -> list[str]:
-    """WHEELS found in `folder`, installed (no index, no dependencies: the image has them) into WHEEL_SITE."""
-    present = {w.name.split("-")[0].lower().replace("_", "-") for w in folder.glob("*.whl")}
-    wanted = [name for name in WHEELS if name in present]
+    """The WHEELS this Python lacks, installed from `folder` (no index, no dependencies: the image has those) into
+    WHEEL_SITE; says which it lacks and `folder` has no wheel of."""
+    present = {dist_name(w.name.split("-")[0]): w for w in folder.glob("*.whl")}
+    lacking = missing_here(WHEELS)
+    wanted = [name for name in lacking if name in present]
+    absent = [name for name in lacking if name not in present]
+    if absent:
+        print(f"wheels: this image lacks {', '.join(absent)} and {folder} has none of them (`python "
+              f"benchmarks/sweep.py --fetch-wheels {folder}` where pip reaches an index)", flush=True)
     if not wanted:
-        print(f"wheels: none of {', '.join(WHEELS)} in {folder}", flush=True)
         return []
     done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-cache-dir",
-                           "--upgrade", "--find-links", str(folder), "--target", str(WHEEL_SITE), *wanted])
+                           "--no-compile", "--upgrade", "--target", str(WHEEL_SITE),
+                           *(str(present[name]) for name in wanted)])
     if done.returncode != 0:
         raise SystemExit(f"installing {', '.join(wanted)} from {folder} failed (pip's output above)")
     print(f"wheels: installed {', '.join(wanted)} from {folder}", flush=True)
@@ -618,7 +797,8 @@ def install_wheels(folder: pathlib.Path) -> list[str]:
 ENV_CHECK = """
 import importlib.metadata as md, json, platform
 out = {"python": platform.python_version(), "versions": {}}
-for dist in ("torch", "triton", "transformers", "liger-kernel", "kvikio-cu13", "pytest"):
+for dist in ("torch", "triton", "transformers", "liger-kernel", "kvikio-cu13", "pytest", "datasets", "pyarrow",
+             "huggingface-hub", "fsspec"):
     try:
         out["versions"][dist] = md.version(dist)
     except md.PackageNotFoundError:
@@ -706,28 +886,38 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budget-s", type=float, help="seconds this sitting may take, its checks included (default: all)")
     p.add_argument("--list", "--dry-run", action="store_true", help="print the plan and what is measured; run nothing")
+    p.add_argument("--quick", action="store_true",
+                   help=f"the headline figures only (QUICK): at most two sittings of {QUICK_SITTING_S:.0f} s")
     p.add_argument("--only", metavar="NAME", help="run this step, measured or not")
     p.add_argument("--retry-failed", action="store_true", help="run again steps that failed on this tree")
     p.add_argument("--wheels", type=pathlib.Path, default=ROOT / ".whl", help="folder of wheels to install first")
     p.add_argument("--export", type=pathlib.Path, help="folder to write results.tar and sweep.log into as steps end")
     p.add_argument("--results", type=pathlib.Path, default=RESULTS, help="the sweep's state file")
+    p.add_argument("--fetch-wheels", type=pathlib.Path, metavar="DIR",
+                   help="where pip reaches an index: download the GPU machine's wheels (WHEELS) into DIR")
     p.add_argument("--pack-baseline", action="store_true",
                    help=f"where git is: unpack {BASELINE}'s packages/ into {BASELINE_DIR} and print what to copy along")
     args = p.parse_args(argv)
     if args.pack_baseline:
         pack_baseline()
         return
+    if args.fetch_wheels:
+        fetch_wheels(args.fetch_wheels)
+        return
     start, since = time.monotonic(), time.time()
-    steps = build_steps(STEPS)
+    steps = build_steps(QUICK if args.quick else STEPS)
     only = None
     if args.only:
         only = next((s for s in steps if s.name == args.only), None)
         if only is None:
             p.error(f"--only: no step {args.only!r} (steps: {', '.join(s.name for s in steps)})")
     results = Results(args.results)
-    ctx = Context(tree_hash(), git_state(), {}, available_suites(), baseline_problem(), not HOST_USED.exists())
+    ctx = Context(tree_hash(), git_state(), {}, available_suites(), baseline_problem(), not HOST_USED.exists(),
+                  step_versions(steps), os.environ.get("SLIDE_MACHINE"))
     head = f"tree {ctx.tree[:12]} (packages/ and benchmarks/ as they are here; commit {ctx.git['commit'] or '?'}" \
-           + {True: ", dirty)", False: ", clean)", None: ")"}[ctx.git["dirty"]]
+           + {True: ", dirty)", False: ", clean)", None: ")"}[ctx.git["dirty"]] \
+           + f"; planned with {ctx.machine or 'this host' + chr(39) + 's probe'}; a step is measured for the version " \
+             "of what it runs"
     if args.list:
         sweep = Sweep(steps, results, ctx, runner=lambda *_: Outcome(0), retry_failed=args.retry_failed)
         print(head)
@@ -743,6 +933,14 @@ def main(argv: list[str] | None = None) -> None:
             if skips:
                 print(f"and record as skipped: {', '.join(skips)}")
         print(f"left: {len(pending)} steps, {sum(sweep.estimate(s) for s in pending):.0f} s by estimate")
+        if args.quick:
+            budget = args.budget_s or QUICK_SITTING_S
+            plan, over = sweep.sittings(pending, budget)
+            for i, sitting in enumerate(plan, 1):
+                print(f"sitting {i} of {budget:.0f} s: {', '.join(s.name for s in sitting)} "
+                      f"({sum(sweep.estimate(s) for s in sitting) + SETUP_S:.0f} s by estimate, setup included)")
+            if over:
+                print(f"no sitting of {budget:.0f} s holds: {', '.join(s.name for s in over)}")
         return
 
     signal.signal(signal.SIGTERM, interrupted)
@@ -761,7 +959,7 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)
     if e["gpu"] is None:
         sys.exit("no CUDA GPU is visible: every step needs one (--list works anywhere)")
-    results.doc["environment"] = ctx.env
+    results.doc["environment"] = {**ctx.env, "machine_file": ctx.machine}
     results.save()
     srcs = [str(ROOT / "packages" / p / "src") for p in PACKAGES]
     # GPU tests import this checkout's sources, as noxfile.py's gpu session has them; run.py puts them on its path

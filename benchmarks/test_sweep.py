@@ -48,10 +48,18 @@ class Runner:
 
 
 def make_tree(root):
-    (root / "packages" / "slide-x" / "src" / "slide_x").mkdir(parents=True)
-    (root / "packages" / "slide-x" / "src" / "slide_x" / "__init__.py").write_text("VALUE = 1\n")
+    """Two packages, slide-train needing slide-kernels, and the harness files."""
+    for name, needs in (("slide-kernels", []), ("slide-train", ["slide-kernels>=0.1,<0.2", "torch"])):
+        src = root / "packages" / name / "src" / name.replace("-", "_")
+        src.mkdir(parents=True)
+        (src / "__init__.py").write_text("VALUE = 1\n")
+        (root / "packages" / name / "tests").mkdir()
+        (root / "packages" / name / "tests" / "test_it.py").write_text("def test(): pass\n")
+        (root / "packages" / name / "pyproject.toml").write_text(
+            f'[project]\nname = "{name}"\ndependencies = {needs!r}\n'.replace("'", '"'))
     (root / "benchmarks" / "results").mkdir(parents=True)
-    (root / "benchmarks" / "run.py").write_text("# suites\n")
+    for name in ("run.py", "worker.py", "common.py", "tables.py", "kernel_bench.py", "sweep.py", "README.md"):
+        (root / "benchmarks" / name).write_text(f"# {name}\n")
     (root / ".gitignore").write_text("__pycache__/\n*.egg-info/\nbuild/\nbenchmarks/results/*.partial.json\n")
 
 
@@ -66,7 +74,7 @@ def make(tree, table=TABLE, env=H100, fresh=False, suites=("b1", "b3", "b8", "mo
     clock = clock or Clock()
     runner = runner or Runner(clock)
     ctx = sweep.Context(sweep.tree_hash(tree), {"commit": "abc", "dirty": False}, dict(env), set(suites), baseline,
-                        fresh)
+                        fresh, sweep.step_versions(sweep.build_steps(table), tree))
     results = sweep.Results(tree / "benchmarks" / "results" / "sweep.json")
     return sweep.Sweep(sweep.build_steps(table), results, ctx, runner, clock=clock, say=lambda _: None, **kw)
 
@@ -151,17 +159,19 @@ def test_a_measured_step_is_not_run_again_until_the_code_changes(tree):
     (tree / "benchmarks" / "results" / "b3.json").write_text("{}")
     (tree / "benchmarks" / "__pycache__").mkdir()
     (tree / "benchmarks" / "__pycache__" / "run.cpython-312.pyc").write_bytes(b"\0")
-    (tree / "packages" / "slide-x" / "slide_x.egg-info").mkdir()
+    (tree / "packages" / "slide-kernels" / "slide_kernels.egg-info").mkdir()
     (tree / "build").mkdir()
     s = make(tree)
     s.run(None, 0.0)
     assert s.runner.ran == []
 
-    (tree / "packages" / "slide-x" / "src" / "slide_x" / "__init__.py").write_text("VALUE = 2\n")
+    (tree / "packages" / "slide-kernels" / "src" / "slide_kernels" / "__init__.py").write_text("VALUE = 2\n")
     s = make(tree)
     s.run(None, 0.0)
     assert s.runner.ran == ["tests", "big", "small"]
-    assert all(r["tree"] == s.ctx.tree for r in saved(tree).values())
+    results = saved(tree)
+    assert all(results[st.name]["tree"] == s.ctx.tree and results[st.name]["code"] == s.ctx.version(st)
+               for st in s.steps if st.name in results)
 
 
 def test_a_failing_step_is_recorded_and_the_sweep_goes_on(tree):
@@ -251,14 +261,13 @@ def test_the_tree_hash_is_gits_tree_id_of_the_files(tmp_path):
     root = tmp_path / "repo"
     make_tree(root)
     # git's order of names (a folder sorts as if it ended in "/"), an executable file, a nested .gitignore
-    pkg = root / "packages" / "slide-x"
+    pkg = root / "packages" / "slide-kernels"
     (pkg / "a.b").write_text("x")
     (pkg / "a").mkdir()
     (pkg / "a" / "c").write_text("y")
     (pkg / "a-b").write_text("z")
     (pkg / "tool.sh").write_text("#!/bin/sh\n")
     (pkg / "tool.sh").chmod(0o755)
-    (pkg / "tests").mkdir()
     (pkg / "tests" / ".gitignore").write_text("scratch*\n")
     (pkg / "tests" / "test_x.py").write_text("def test(): pass\n")
 
@@ -270,11 +279,14 @@ def test_the_tree_hash_is_gits_tree_id_of_the_files(tmp_path):
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "t")
     # files git does not keep, made after the commit
     (pkg / "tests" / "scratch.txt").write_text("ignored")
-    (pkg / "src" / "slide_x" / "__pycache__").mkdir()
-    (pkg / "src" / "slide_x" / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    (pkg / "src" / "slide_kernels" / "__pycache__").mkdir()
+    (pkg / "src" / "slide_kernels" / "__pycache__" / "x.pyc").write_bytes(b"\0")
     (pkg / "empty").mkdir()
     assert sweep.folder_id(root, "packages") == git("rev-parse", "HEAD:packages")
-    assert sweep.folder_id(root, "packages/slide-x/tests") == git("rev-parse", "HEAD:packages/slide-x/tests")
+    assert sweep.folder_id(root, "packages/slide-kernels/tests") == git("rev-parse",
+                                                                        "HEAD:packages/slide-kernels/tests")
+    assert sweep.Code(root).id("packages/slide-kernels/tests") == git("rev-parse", "HEAD:packages/slide-kernels/tests")
+    assert sweep.Code(root).id("benchmarks/run.py") == git("rev-parse", "HEAD:benchmarks/run.py")
     before = sweep.tree_hash(root)
     (pkg / "a" / "c").write_text("changed")
     assert sweep.tree_hash(root) != before
@@ -400,8 +412,7 @@ def test_a_step_that_runs_alone_has_a_sitting_to_itself(tree):
     assert s.runner.ran == ["probe", "small"]
 
 
-LONG_STEPS = {"long-8b-32k-clip": ("8b-32k", "1.0"), "long-8b-128k-clip": ("8b-128k", "1.0"),
-              "long-8b-32k-none": ("8b-32k", "none"), "long-8b-128k-none": ("8b-128k", "none"),
+LONG_STEPS = {"long-8b-clip": ("8b-32k,8b-128k", "1.0"), "long-8b-none": ("8b-32k,8b-128k", "none"),
               "long-8b-longest-clip": ("8b-longest", "1.0"), "long-8b-longest-none": ("8b-longest", "none"),
               "long-3b-longest": ("3b-longest", "1.0"), "long-peer": ("peer", None)}
 
@@ -426,9 +437,9 @@ def test_the_long_suite_runs_in_steps_of_one_sitting_each(capsys):
             assert command.systems() == ["liger"]  # (skipped where Liger-Kernel is not there)
             continue
         assert words[words.index("--modes") + 1] == mode
-        covered.add((variant, mode))
-        if variant == "8b-128k":
-            assert step.estimate_s >= 120 + 3 * 90
+        covered |= {(v, mode) for v in variant.split(",")}
+        if "8b-128k" in variant:  # (one process: its setup, 3 steps of 32k rows at 28 s and of 131,072 at 56 s)
+            assert step.estimate_s >= 120 + 3 * 28 + 3 * 56
     assert covered == wanted
     assert run.LONG["sitting_s"] <= sweep.STEP_LIMIT_S  # (run.py plans a longest run within a step)
 
@@ -452,22 +463,30 @@ def fake_long(monkeypatch, tmp_path, oom_at=65536):
     """run.py's long suite with its workers, data and planner faked: the specs it would run, in order."""
     import run
 
-    specs = []
+    specs, processes = [], []
 
-    def worker(spec, work, name, timeout, pythonpath=None, quiet=False, machine=None):
-        specs.append(spec)
+    def one(spec):
         if spec["job"] == "liger" and spec["seq_len"] >= oom_at:
             return {"status": "does not fit", "reason": "out of GPU memory: CUDA out of memory", "device": "GPU"}
         return {"status": "ok", "device": "GPU", "tokens_per_s": spec["seq_len"] / 10, "tflops": 1.0,
                 "tflops_attn": 2.0, "step_s": 10.0, "gpu_peak_gib": 20.0, "host_rss_gib": 100.0,
                 "predicted_step_s": 8.0, "wall_s": 100.0, "step_s_each": [10.0, 10.0, 10.0]}
 
+    def worker(spec, work, name, timeout, pythonpath=None, quiet=False, machine=None):
+        processes.append([s["seq_len"] for s in spec.get("runs", [spec])])
+        if spec["job"] == "series":
+            specs.extend(spec["runs"])
+            return {"status": "ok", "device": "GPU", "runs": [one(s) for s in spec["runs"]]}
+        specs.append(spec)
+        return one(spec)
+
     def length(name, mode, machine, calibration):
         return {"model": run.LONG["runs"][name]["model"] + "-256k", "seq_len": 196608, "longest_fits": 229376,
                 "step_budget_s": 60.0, "calibration": calibration, "planned_step_s": 55.0}
 
     monkeypatch.setattr(run, "run_worker", worker)
-    monkeypatch.setattr(run, "long_rows", lambda work, model, seq_len, accum: work / f"{model}-{seq_len}.jsonl")
+    monkeypatch.setattr(run, "long_rows", lambda work, model, seq_len, accum, steps=None:
+                        work / f"{model}-{seq_len}.jsonl")
     monkeypatch.setattr(run, "long_length", length)
     monkeypatch.setattr(run, "peer_does_not_fit", lambda model, mode: {
         "system": "liger", "variant": f"peer-{model}", "mode": mode, "status": "does not fit", "reason": "16 bytes"})
@@ -480,7 +499,7 @@ def fake_long(monkeypatch, tmp_path, oom_at=65536):
     machines.resolve_machine = lambda path, work: "machine"
     for name, module in (("slide_train", fake), ("slide_train.errors", errors), ("slide_train.machines", machines)):
         monkeypatch.setitem(sys.modules, name, module)
-    return run, specs
+    return run, specs, processes
 
 
 def test_the_long_suite_builds_each_run_as_the_issue_asks(tmp_path, monkeypatch):
@@ -488,13 +507,15 @@ def test_the_long_suite_builds_each_run_as_the_issue_asks(tmp_path, monkeypatch)
     steps; the longest rows from the plan, on the -256k preset past 131,072; Llama-3.2-3B at its longest with clip
     1.0. The peer: Llama-3.2-3B at increasing lengths, uncapped, until it runs out of memory, its longest recorded
     with its tokens/s there, and 8B recorded as not fitting."""
-    run, specs = fake_long(monkeypatch, tmp_path)
+    run, specs, processes = fake_long(monkeypatch, tmp_path)
     doc = run.run_long_suite(LongArgs(), tmp_path, tmp_path / "out")
     slide = [(s["model"], s["seq_len"], s["grad_accum"], s["mode"]) for s in specs if s["job"] == "slide"]
-    assert slide == [("llama-3.1-8b", 32768, 4, "1.0"), ("llama-3.1-8b", 32768, 4, "none"),
-                     ("llama-3.1-8b", 131072, 1, "1.0"), ("llama-3.1-8b", 131072, 1, "none"),
-                     ("llama-3.1-8b-256k", 196608, 1, "1.0"), ("llama-3.1-8b-256k", 196608, 1, "none"),
-                     ("llama-3.2-3b-256k", 196608, 1, "1.0")]
+    assert slide == [("llama-3.1-8b", 32768, 4, "1.0"), ("llama-3.1-8b", 131072, 1, "1.0"),
+                     ("llama-3.1-8b-256k", 196608, 1, "1.0"), ("llama-3.2-3b-256k", 196608, 1, "1.0"),
+                     ("llama-3.1-8b", 32768, 4, "none"), ("llama-3.1-8b", 131072, 1, "none"),
+                     ("llama-3.1-8b-256k", 196608, 1, "none")]
+    # the 32k and 128k rows of a mode share one process (8B's setup once); a longest run has one of its own
+    assert processes[:3] == [[32768, 131072], [196608], [196608]] and processes[3:5] == [[32768, 131072], [196608]]
     for s in specs:
         assert (s["warmup"], s["steps"], s["micro_batch_size"], s["device"]) == (1, 2, 1, "cuda")
         assert s["cap_gib"] == (24.0 if s["job"] == "slide" else None)
@@ -515,7 +536,7 @@ def test_the_long_suite_runs_in_parts_merged_into_one_file(tmp_path, monkeypatch
     and the training table of tables.py reads the file."""
     import sys
 
-    run, specs = fake_long(monkeypatch, tmp_path)
+    run, specs, _ = fake_long(monkeypatch, tmp_path)
     out = tmp_path / "out"
     for argv in (["long", "--variants", "8b-128k", "--modes", "1.0"],
                  ["long", "--variants", "8b-32k", "--modes", "1.0"],
@@ -562,3 +583,168 @@ print(json.dumps({{"default": default, "measured": measured, "found": found}}))
     assert 0 < found["seq_len"] <= found["longest_fits"] and found["seq_len"] % 1024 == 0
     assert found["model"] == ("llama-3.1-8b-256k" if found["seq_len"] > 131072 else "llama-3.1-8b")
     assert found["planned_step_s"] <= found["step_budget_s"] == round((480 - 66.0) / 3 / 2.2, 1)
+
+
+def test_a_steps_version_is_what_it_runs(tree):
+    """A GPU test's version follows its package and the packages it needs; a run.py step's, the harness files, its
+    suite's own and the packages slide-train needs; files no step runs change none."""
+    table = [{"name": "kernels-tests", "estimate_s": 10, "run": ["pytest slide-kernels"]},
+             {"name": "train-tests", "estimate_s": 10, "run": ["pytest slide-train"]},
+             {"name": "b3", "estimate_s": 10, "run": ["run.py b3"]},
+             {"name": "kernels", "estimate_s": 10, "run": ["run.py kernels"]}]
+    steps = sweep.build_steps(table)
+    assert sweep.package_needs(tree, "slide-train") == ["slide-kernels", "slide-train"]
+    assert sweep.package_needs(tree, "slide-kernels") == ["slide-kernels"]
+
+    def changed(rel, text="changed\n"):
+        before = sweep.step_versions(steps, tree)
+        (tree / rel).write_text(text)
+        after = sweep.step_versions(steps, tree)
+        return {name for name in before if before[name] != after[name]}
+
+    assert changed("benchmarks/sweep.py") == set()
+    assert changed("benchmarks/README.md") == set()
+    assert changed("benchmarks/results/b3.json") == set()
+    assert changed("packages/slide-train/tests/test_it.py") == {"train-tests"}
+    assert changed("packages/slide-train/src/slide_train/__init__.py") == {"train-tests", "b3", "kernels"}
+    assert changed("packages/slide-kernels/src/slide_kernels/__init__.py") == set(sweep.step_versions(steps, tree))
+    assert changed("packages/slide-kernels/tests/test_it.py") == {"kernels-tests"}
+    assert changed("benchmarks/worker.py") == {"b3", "kernels"}
+    assert changed("benchmarks/kernel_bench.py") == {"kernels"}
+    assert changed("packages/slide-kernels/src/slide_kernels/new.py") == set(sweep.step_versions(steps, tree))
+    # (this checkout: slide-train needs every package, slide-scheduler slide-memory and slide-io)
+    assert sweep.package_needs(sweep.ROOT, "slide-train") == sorted(sweep.PACKAGES)
+    assert sweep.package_needs(sweep.ROOT, "slide-scheduler") == ["slide-io", "slide-memory", "slide-scheduler"]
+
+
+def test_a_figure_of_an_earlier_version_stays_listed_with_its_commit(tree):
+    make(tree).run(None, 0.0)
+    (tree / "benchmarks" / "run.py").write_text("# suites, changed\n")
+    s = make(tree)
+    assert [st.name for st in s.pending()] == ["big", "small", "probe"]  # (the GPU test does not run run.py)
+    listed = "\n".join(s.describe(s.steps))
+    assert "measured on abc, whose code of this step differs (then: ok on NVIDIA H100 80GB HBM3)" in listed
+    assert "measured: ok on NVIDIA H100 80GB HBM3 at abc" in listed
+
+
+QUICK_HEADLINE = {("b3", "slide", "1.0"), ("b3", "liger", "1.0"), ("b8", "slide", "none"), ("b8", "slide", "1.0"),
+                  ("gemma2", "slide", "none"), ("moe", "slide", "none"), ("long", "8b-128k", "1.0")}
+# 8B at 131,072 tokens, clip 1.0, on an H100 (issue figures: no long.json is committed yet)
+LONG_128K_STEP_S = 55.5
+
+
+def test_the_quick_list_fits_its_sittings(tree):
+    """--quick measures the headline figures in at most two sittings of 540 s, by estimates that cover what the
+    committed results measured: each process's setup (its wall time less its steps), its first step, then its
+    other steps at their median; a step of over 2 s runs 1 warm-up and 3 timed steps."""
+    import run
+
+    steps = sweep.build_steps(sweep.QUICK)
+    s = make(tree, sweep.QUICK, suites=set(run.TRAIN_SUITES) | set(run.OTHER_SUITES))
+    plan, over = s.sittings(s.pending(), sweep.QUICK_SITTING_S)
+    assert len(plan) <= 2 and not over
+    assert sum(len(sitting) for sitting in plan) == len(steps)
+    assert all(sum(st.estimate_s for st in sitting) + sweep.SETUP_S <= sweep.QUICK_SITTING_S for sitting in plan)
+
+    covered = set()
+    for step in steps:
+        needed = 0.0
+        for command in step.commands:
+            words = command.words
+            (suite,) = command.suites()
+            modes = words[words.index("--modes") + 1].split(",")
+            given = {w: int(words[words.index(w) + 1]) for w in ("--warmup", "--steps") if w in words}
+            if suite == "long":
+                variant = words[words.index("--variants") + 1]
+                covered |= {(suite, variant, m) for m in modes}
+                warmup, timed = given["--warmup"], given["--steps"]
+                needed += run.LONG["setup_s"] + (warmup + timed) * LONG_128K_STEP_S
+                continue
+            doc = json.loads((sweep.HERE / "results" / f"{suite}.json").read_text())
+            # (Slide's step decides: B3's Liger peer at 2.08 s runs beside it on the suites' 2 and 5)
+            long_steps = max(f["step_s"] for f in doc["figures"] if f["system"] == "slide" and f["mode"] in modes) > 2
+            assert given == ({"--warmup": 1, "--steps": 3} if long_steps else {}), step.name
+            for system in command.systems():
+                for mode in modes:
+                    covered.add((suite, system, mode))
+                    (e,) = [f for f in doc["figures"] if (f["system"], f["mode"]) == (system, mode)]
+                    each = e["step_s_each"]
+                    warmup = given.get("--warmup", doc["config"]["warmup"])
+                    timed = given.get("--steps", doc["config"]["steps"])
+                    needed += (e["wall_s"] - sum(each)) + each[0] + (warmup - 1 + timed) * e["step_s"]
+        assert needed <= step.estimate_s, (step.name, needed)
+    assert covered == QUICK_HEADLINE
+
+
+def test_the_profile_dry_run_and_a_cpu_profile(tmp_path):
+    """profile.py --dry-run prints the worker spec of the suite's own shape and writes nothing; on a CPU the tiny
+    preset's profiled step comes back with its ops, and each lane's busy time read from the engine's trace, whose
+    compute lane is the step's GPU-busy figure."""
+    import sys
+
+    import run
+
+    def profile(*argv):
+        return subprocess.run([sys.executable, str(sweep.HERE / "profile.py"), *argv], capture_output=True,
+                              text=True, cwd=tmp_path, timeout=300)
+
+    done = profile("gemma2", "--mode", "1.0", "--dry-run", "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    spec = json.loads(next(ln for ln in done.stdout.splitlines() if ln.startswith("with SPEC: "))[11:])
+    shape = run.TRAIN_SUITES["gemma2"]
+    assert {k: spec[k] for k in ("model", "seq_len", "micro_batch_size", "grad_accum", "cap_gib")} == \
+        {k: shape[k] for k in ("model", "seq_len", "micro_batch_size", "grad_accum", "cap_gib")}
+    assert spec["extra"] == list(shape["slide_args"]) and spec["mode"] == "1.0" and spec["job"] == "profile"
+    assert (spec["warmup"], spec["steps"]) == (2, 1) and not (tmp_path / "out").exists()
+    assert profile("long-8b-128k", "--dry-run").returncode == 0
+    assert profile("nosuch", "--dry-run").returncode == 2
+
+    done = profile("tiny", "--top", "5", "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads((tmp_path / "out" / "profile-tiny-clip-none.json").read_text())
+    assert got["step"]["step"] == run.TRAIN_SUITES["tiny"]["warmup"] + 1 and got["ops_by"] == "self_cpu_s"
+    times = [op["self_cpu_s"] for op in got["ops"]]
+    assert len(times) == 5 and times == sorted(times, reverse=True) and sum(times) <= got["ops_total_s"]
+    assert got["lanes"]["compute"]["busy_s"] == pytest.approx(got["step"]["gpu_busy_s"], abs=1e-5)
+    trace = json.loads((tmp_path / "out" / "profile-tiny-clip-none.lanes.json").read_text())
+    assert sum(e.get("ph") == "X" for e in trace["traceEvents"]) == sum(v["spans"] for v in got["lanes"].values())
+    assert "Self CPU" in (tmp_path / "out" / "profile-tiny-clip-none.ops.txt").read_text()
+
+    # (a process started from benchmarks/ that imports cProfile, as torch's compiler does, gets the stdlib's)
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import cProfile, profile; cProfile.run('1'); " \
+           "print(profile.Profile.__module__)"
+    done = subprocess.run([sys.executable, "-c", code, str(sweep.HERE)], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip().endswith("profile"), done.stderr
+
+
+def test_a_sitting_installs_only_the_wheels_the_image_lacks(tmp_path, monkeypatch):
+    for name in ("datasets-5.2.0-py3-none-any.whl", "liger_kernel-0.8.5-py3-none-any.whl",
+                 "pytest-9.2.0-py3-none-any.whl"):
+        (tmp_path / name).write_bytes(b"")
+    monkeypatch.setattr(sweep, "missing_here", lambda names: ["datasets", "dill", "liger-kernel"])
+    ran = []
+    monkeypatch.setattr(sweep.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(
+        cmd, 0))
+    assert sweep.install_wheels(tmp_path) == ["datasets", "liger-kernel"]  # (pytest: the image has it)
+    (cmd,) = ran
+    assert cmd[-2:] == [str(tmp_path / "datasets-5.2.0-py3-none-any.whl"),
+                        str(tmp_path / "liger_kernel-0.8.5-py3-none-any.whl")]
+    assert "--no-index" in cmd and "--no-deps" in cmd
+    fetch = sweep.wheel_command(tmp_path, "datasets", sweep.WHEELS["datasets"])
+    assert fetch[-1] == "datasets==5.2.0" and "--only-binary=:all:" in fetch and "3.12" in fetch
+
+
+def test_runs_that_differ_only_in_their_steps_merge_into_one_file(tmp_path):
+    import run
+
+    old = {"config": {"model": "m", "warmup": 2, "steps": 5}, "commit": "old", "machine_file": "a.yaml",
+           "figures": [{"system": "slide", "mode": "1.0", "step_s": 1.0}, {"system": "slide", "mode": "none"}]}
+    (tmp_path / "b8.json").write_text(json.dumps(old))
+    new = {"config": {"model": "m", "warmup": 1, "steps": 3}, "figures": [
+        {"system": "slide", "mode": "none", "warmup": 1, "steps": 3}]}
+    merged = run.merge(tmp_path / "b8.json", new)
+    assert merged["figures"] == [{"system": "slide", "mode": "1.0", "step_s": 1.0, "commit": "old",
+                                  "machine_file": "a.yaml", "warmup": 2, "steps": 5},
+                                 {"system": "slide", "mode": "none", "warmup": 1, "steps": 3}]
+    other = {"config": {"model": "other", "warmup": 2, "steps": 5}, "figures": []}
+    assert run.merge(tmp_path / "b8.json", other)["figures"] == []  # (another shape replaces)

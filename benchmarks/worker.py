@@ -3,8 +3,9 @@ memory (host or GPU) never shapes another's figures.
 
     python benchmarks/worker.py SPEC.json RESULT.json
 
-SPEC's `job` is `slide`, `plain`, `liger` (training), `io`, `probe` or `gpu_rates`; RESULT gets the figures, or a
-`status` other than "ok" with the reason.
+SPEC's `job` is `slide`, `plain`, `liger` (training), `series` (Slide runs in turn, `runs`), `profile` (a Slide
+step under torch.profiler), `io`, `probe` or `gpu_rates`; RESULT gets the figures, or a `status` other than "ok"
+with the reason.
 """
 
 from __future__ import annotations
@@ -92,9 +93,8 @@ def summary(records: list[dict], warmup: int, tokens: int, num_params: int, acti
             "grad_norms": [None if r["grad_norm"] is None else round(r["grad_norm"], 5) for r in records]}
 
 
-def run_slide(spec: dict) -> dict:
+def slide_trainer(spec: dict, extra: tuple[str, ...] = ()):
     """slide-train's Trainer, configured only with keys every version of it accepts (the baseline too)."""
-    import slide_train
     from slide_train.config import load_config
     from slide_train.trainer import Trainer
 
@@ -111,7 +111,14 @@ def run_slide(spec: dict) -> dict:
     overrides += spec.get("extra", [])  # the suite's own settings (bf16 states for a model the host cannot hold)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="checkpoint.keep=0")  # a benchmark wants no checkpoint
-        trainer = Trainer(load_config(None, overrides), progress=False)
+        return Trainer(load_config(None, [*overrides, *extra]), progress=False)
+
+
+def run_slide(spec: dict) -> dict:
+    """Slide's figures over the spec's warm-up and timed steps."""
+    import slide_train
+
+    trainer = slide_trainer(spec)
     try:
         records = []
         ranks = rank_figures(trainer)  # (before the first step: what the run holds once built)
@@ -397,6 +404,94 @@ def run_gpu_rates(spec: dict) -> dict:
     return {"gpu": dataclasses.asdict(probe_gpu(torch.device("cuda")))}
 
 
+def run_series(spec: dict) -> dict:
+    """Slide runs (`runs`, each a `slide` spec) in turn in this one process, so the imports, the CUDA context and
+    compiled kernels are set up once; each run's figures or its failure, its wall time, and the host memory this
+    process held before it (what the runs before it left)."""
+    results = []
+    for run in spec["runs"]:
+        start, before = time.perf_counter(), common.rss_gib()
+        result = attempt(run_slide, run)
+        results.append({**result, "wall_s": round(time.perf_counter() - start, 1),
+                        "host_rss_before_gib": round(before, 2)})
+        gc.collect()  # (the next run gets back what this one cached: GPU blocks, pinned host blocks)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
+    return {"runs": results}
+
+
+# What a profile keeps of the profiled step's metrics line: its time and the engine timeline's split of it
+PROFILE_STEP = ("step", "step_s", "engine_step_s", "predicted_step_s", "tokens", "tflops", "gpu_busy_s", "exposed_s",
+                *TIMELINE[1:])
+
+
+def run_profile(spec: dict) -> dict:
+    """One Slide step under torch.profiler after `warmup` steps, beside the engine's lane timeline of the same step
+    (the trace.json a run with `profile` on writes of its step min(3, steps)): per-op device time (host time on a
+    CPU), the `top` ops by their own time, and each lane's busy time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if spec["warmup"] > 2:
+        raise ValueError("warmup: at most 2 (the trainer writes the lane timeline of step 3 at the latest)")
+    trainer = slide_trainer({**spec, "steps": 1}, extra=("--profile=true",))
+    try:
+        for _ in range(spec["warmup"]):
+            trainer.step()
+        cuda = trainer.engine.device.type == "cuda"
+        with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+            record = trainer.step()
+        if cuda:
+            torch.cuda.synchronize()
+    finally:
+        trainer.close()
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"  # (microseconds)
+    top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:spec.get("top", 30)]
+    ops = [{"name": e.key, "calls": e.count, "self_device_s": e.self_device_time_total / 1e6,
+            "device_s": e.device_time_total / 1e6, "self_cpu_s": e.self_cpu_time_total / 1e6,
+            "cpu_s": e.cpu_time_total / 1e6} for e in top]
+    trace = json.loads((pathlib.Path(spec["run_dir"]) / "trace.json").read_text())
+    return {"step": {k: record[k] for k in PROFILE_STEP if k in record},
+            "ops_by": "self_device_s" if cuda else "self_cpu_s",
+            "ops_total_s": sum(getattr(e, key) for e in events) / 1e6, "ops": ops,
+            "ops_table": events.table(sort_by=key, row_limit=spec.get("top", 30)), "lanes": lane_busy(trace),
+            "lane_trace": trace}
+
+
+def lane_busy(trace: dict) -> dict[str, dict]:
+    """Each lane of an engine trace (Chrome trace events): its spans, and the seconds it was busy (overlapping
+    spans counted once)."""
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("ph") == "M"}
+    lanes: dict[str, list[tuple[float, float]]] = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X":
+            lanes.setdefault(names[e["tid"]], []).append((e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6))
+    out = {}
+    for lane, spans in sorted(lanes.items()):
+        busy, end = 0.0, float("-inf")
+        for start, stop in sorted(spans):
+            busy += max(0.0, stop - max(start, end))
+            end = max(end, stop)
+        out[lane] = {"spans": len(spans), "busy_s": busy}
+    return out
+
+
+def attempt(job, spec: dict) -> dict:
+    """A job's result, or what stopped it (out of memory: "does not fit"; anything else: "failed")."""
+    try:
+        result = job(spec)
+    except torch.OutOfMemoryError as e:
+        result = {"status": "does not fit", "reason": f"out of GPU memory: {str(e).splitlines()[0]}"}
+    except MemoryError as e:
+        result = {"status": "does not fit", "reason": f"out of host memory: {e}"}
+    except Exception as e:
+        traceback.print_exc()
+        result = {"status": "failed", "reason": f"{type(e).__name__}: {e}"[:2000]}
+    result.setdefault("status", "ok")
+    return result
+
+
 def device_name(spec: dict) -> str:
     if spec.get("device", "cuda").startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name()
@@ -408,18 +503,10 @@ def main() -> None:
     if "register" in spec:  # a shape of the suite's own (the largest suite's)
         common.register_shape(spec["register"]["base"], spec["register"]["layers"])
     jobs = {"slide": run_slide, "plain": lambda s: run_peer(s, liger=False), "liger": lambda s: run_peer(s, True),
-            "io": run_io, "probe": run_probe, "gpu_rates": run_gpu_rates}
-    try:
-        result = jobs[spec["job"]](spec)
-    except torch.OutOfMemoryError as e:
-        result = {"status": "does not fit", "reason": f"out of GPU memory: {str(e).splitlines()[0]}"}
-    except MemoryError as e:
-        result = {"status": "does not fit", "reason": f"out of host memory: {e}"}
-    except Exception as e:
-        traceback.print_exc()
-        result = {"status": "failed", "reason": f"{type(e).__name__}: {e}"[:2000]}
-    result.setdefault("status", "ok")
-    result["device"] = device_name(spec)
+            "series": run_series, "profile": run_profile, "io": run_io, "probe": run_probe,
+            "gpu_rates": run_gpu_rates}
+    result = attempt(jobs[spec["job"]], spec)
+    result["device"] = device_name(spec["runs"][0] if spec["job"] == "series" else spec)
     gc.collect()
     if os.environ.get("RANK", "0") == "0":  # (a data-parallel run's first rank speaks for all)
         pathlib.Path(sys.argv[2]).write_text(json.dumps(result, indent=1) + "\n")
