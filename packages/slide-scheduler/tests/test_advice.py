@@ -163,10 +163,11 @@ def test_with_data_parallel_ranks_no_suggestion_puts_anything_on_disk():
 
 
 def test_the_step_at_which_the_gpu_binds_is_the_fewest_micro_batches_that_do():
-    """A PCIe-bound run: at the micro-batches offered the GPU binds, at one fewer it does not."""
+    """A run on slow PCIe, bound by another lane than the GPU: at the micro-batches offered the GPU binds, at one
+    fewer it does not."""
     slow = with_rates(PC, pcie={"h2d_gbps": 8, "d2h_gbps": 8, "duplex_gbps": 14})
     run, b, step = RunFacts(clip=None), budgets(slow), StepShape(4096, 2, 4096)
-    assert place(LLAMA_3B, step, run, b, slow).estimate.bottleneck.startswith("pcie")
+    assert place(LLAMA_3B, step, run, b, slow).estimate.bottleneck != "gpu"
     found = compute_bound_step(LLAMA_3B, step, run, b, slow)
     micro = found.changes["micro_batches"]
     assert micro > 2 and found.plan.fits and found.plan.estimate.bottleneck == "gpu"

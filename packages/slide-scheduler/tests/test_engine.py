@@ -119,7 +119,7 @@ def random_steps(seed: int, shapes: list[tuple[int, int]], device: str = "cpu"):
 
 PLACEMENT_KEYS = ("window", "resident", "device_update_share", "held_grads", "split_update",
                   "grads_share_activations", "nvme_fraction", "disk_loads", "speculate", "landing", "edges_early",
-                  "disk_boundaries", "disk_grads", "staging", "speculation_pause")
+                  "disk_boundaries", "disk_grads", "staging", "speculation_pause", "defer_updates")
 FACT_KEYS = ("device", "compute_dtype", "states_dtype", "max_grad_norm", "activation_offload")
 
 
@@ -129,7 +129,7 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
     `resident` (a count: the edges, then blocks from 0; or units), `device_update_share` (0), `held_grads` (0),
     `split_update` (True), `grads_share_activations` (False), `nvme_fraction` (0), `disk_loads` (False),
     `speculate` (False), `landing` (0: the rule), `edges_early` (True), `disk_boundaries` (0), `disk_grads`
-    (False), `staging` (0: the disk tier's default), `speculation_pause` (True)."""
+    (False), `staging` (0: the disk tier's default), `speculation_pause` (True), `defer_updates` (False)."""
     choices = {k: kwargs.pop(k) for k in PLACEMENT_KEYS if k in kwargs}
     run = run_facts(**{k: kwargs.pop(k) for k in FACT_KEYS if k in kwargs})
     resident = choices.get("resident", 0)
@@ -142,17 +142,20 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
                         landing=choices.get("landing", 0), edges_early=choices.get("edges_early", True),
                         disk_boundaries=choices.get("disk_boundaries", 0),
                         disk_grads=choices.get("disk_grads", False), staging=choices.get("staging", 0),
-                        speculation_pause=choices.get("speculation_pause", True))
+                        speculation_pause=choices.get("speculation_pause", True),
+                        defer=choices.get("defer_updates", False))
     return SlidingEngine(stack, placement, EngineConfig(**kwargs))
 
 
-def run_both(window, offload, clip, tied, steps=3, micro=2):
+def run_both(window, offload, clip, tied, steps=3, micro=2, **choices):
+    """The engine (with these placement choices, `make_engine`'s keys) and a plain PyTorch AdamW loop over the
+    same steps."""
     torch.manual_seed(0)
     model = Model(tied)
     ref = copy.deepcopy(model)
     opt_cfg = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     engine = make_engine(ToyStack(model), device="cpu", window=window, activation_offload=offload,
-                                                         max_grad_norm=clip, optimizer=opt_cfg)
+                         max_grad_norm=clip, optimizer=opt_cfg, **choices)
     opt = torch.optim.AdamW(ref.parameters(), lr=opt_cfg.lr, betas=opt_cfg.betas, eps=opt_cfg.eps,
                             weight_decay=opt_cfg.weight_decay)
     stats, ref_losses, ref_norms = [], [], []
@@ -266,7 +269,8 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
                resident: int = 0, dtype: str = "auto", device_share: float = 0.0, tied: bool = True,
                held: int = 0, split: bool = True, shared: bool = False, steps_data=None, nvme=None, acts_dir=None,
                states: str = "fp32", speculate: bool = False, disk_loads: bool = False, device: str = "cpu",
-               landing: int = 0, edges_early: bool = True, disk_grads: bool = False, staging: int = 0):
+               landing: int = 0, edges_early: bool = True, disk_grads: bool = False, staging: int = 0,
+               defer: bool = False):
     torch.manual_seed(0)
     model = Model(tied=tied)
     engine = make_engine(ToyStack(model), device=device, window=window,
@@ -280,7 +284,7 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
                                                          speculate=speculate, disk_loads=disk_loads,
                                                          landing=landing, edges_early=edges_early,
                                                          disk_grads=disk_grads, staging=staging,
-                                                         **on_disk(nvme))
+                                                         defer_updates=defer, **on_disk(nvme))
     for name, seconds in (delays or {}).items():
         getattr(engine, name).delay = seconds
     if patch:
@@ -317,7 +321,7 @@ def test_the_plans_other_choices_give_the_same_weights(monkeypatch, slow, clip):
     after it), and streamed edges updated whole rather than their tail-only part early: the same weights as the
     synchronous engine with the rule's choices, whichever worker is slow."""
     monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
-    share = 0.5 if clip else 0.0  # (with clipping the edges stream; without it only the sliding edges can)
+    share = 0.5  # (the edges and some blocks stream, with clipping or without)
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=clip, device_share=share)
     for choice in ({"landing": 1}, {"edges_early": False}):
         losses, got = run_engine(pipeline=True, window=2, clip=clip, device_share=share, delays={slow: 0.004},
@@ -750,23 +754,82 @@ def test_a_held_gradient_is_what_the_device_update_reads(monkeypatch):
     assert any(not got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
-def expect_streamed(share, resident, clip=True):
+def expect_streamed(share, resident):
     def check(engine):
         sliding = DEPTH - max(resident - 1, 0)
-        blocks = int(sliding * share) if clip else 0
+        blocks = int(sliding * share)
         assert len(engine.streamed) == blocks + (resident == 0) and len(engine.stream.buffers) == 2
         assert (engine.homes.own is None) == (0 in engine.streamed or resident > 0)  # no host copy of it
     return check
 
 
 @pytest.mark.parametrize("slow", ["h2d", "land", "d2h", "store", "updater"])
-def test_sliding_edges_update_on_the_device_without_clipping_too(monkeypatch, slow):
+def test_updates_stream_through_the_device_without_clipping_too(monkeypatch, slow):
+    """Without clipping, sliding edges and a share of the blocks update on the device as they next load (at a
+    scale of 1.0): bit for bit the synchronous engine's host updates, whichever worker is slow."""
     monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
     ref_losses, ref = run_engine(pipeline=False, window=2, clip=None)
     losses, got = run_engine(pipeline=True, window=2, clip=None, device_share=0.5, delays={slow: 0.003},
-                             patch=expect_streamed(0.5, 0, clip=False))
+                             patch=expect_streamed(0.5, 0))
     assert losses == ref_losses
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+
+# Unclipped placements a clipped run has: device updates with gradients held or pooled, host updates that wait for
+# the step's end (`defer_updates`), pooled and split as clipped ones are
+UNCLIPPED = {
+    "streamed, ring": {"device_share": 1.0},
+    "streamed, pooled": {"device_share": 0.5, "shared": True},
+    "streamed, held and pooled, resident": {"device_share": 1.0, "held": 2, "shared": True, "resident": 2},
+    "deferred, pooled": {"defer": True, "shared": True},
+    "deferred, split, streamed": {"defer": True, "device_share": 0.5},
+}
+
+
+def expect_unclipped(choices):
+    """A patch checking that the engine runs the placement asked for: streamed blocks, pooled gradients, deferred
+    host updates."""
+    def check(engine):
+        p = engine.placement
+        assert not p.clip and p.defer_updates == choices.get("defer", False)
+        assert len(p.streamed - {0}) == int((DEPTH - max(choices.get("resident", 0) - 1, 0))
+                                             * choices.get("device_share", 0.0))
+        assert bool(p.pooled) == choices.get("shared", False) and bool(p.held) == bool(choices.get("held"))
+        # (deferred updates split where their gradient has a host buffer of its own, as clipped ones do)
+        assert any(u.split for u in p.units[1:]) == (choices.get("defer", False) and not choices.get("shared"))
+    return check
+
+
+@pytest.mark.parametrize("choices", UNCLIPPED.values(), ids=UNCLIPPED)
+@pytest.mark.parametrize("slow", [None, "h2d", "d2h", "store", "updater"])
+def test_unclipped_device_updates_and_pooled_gradients_equal_host_updates(monkeypatch, choices, slow):
+    """Without clipping the scale is exactly 1.0, so a run may take every placement a clipped one has: its weights
+    are bit for bit those of host updates during backward (the synchronous engine), whichever worker is slow."""
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=None)
+    losses, got = run_engine(pipeline=True, window=2, clip=None, delays={slow: 0.003} if slow else None,
+                             patch=expect_unclipped(choices), device_share=choices.get("device_share", 0.0),
+                             **{k: v for k, v in choices.items() if k != "device_share"})
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+
+@pytest.mark.parametrize("choices", UNCLIPPED.values(), ids=UNCLIPPED)
+def test_unclipped_device_updates_and_pooled_gradients_match_plain_pytorch(choices):
+    """The same placements against torch's AdamW over the whole model (fp32 on the CPU, no clipping)."""
+    names = {"device_share": "device_update_share", "shared": "grads_share_activations", "held": "held_grads",
+             "defer": "defer_updates", "resident": "resident"}
+    engine, ref, stats, ref_losses, ref_norms = run_both(2, "cpu", None, tied=False,
+                                                         **{names[k]: v for k, v in choices.items()})
+    assert engine.placement.streamed or engine.placement.defer_updates
+    assert [s.loss for s in stats] == pytest.approx(ref_losses, rel=1e-6)
+    masters = engine.named_masters()
+    engine.close()
+    for name, p in ref.edges.named_parameters():
+        torch.testing.assert_close(masters["edges"][name], p.detach(), rtol=1e-5, atol=1e-6)
+    for i, block in enumerate(ref.blocks):
+        for name, p in block.named_parameters():
+            torch.testing.assert_close(masters[f"block.{i}"][name], p.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_a_device_update_still_on_its_way_home_is_waited_for(monkeypatch):

@@ -2,9 +2,10 @@
 
 Each lane's work per step comes from FLOPs and bytes; its time from the machine's measured rates. The overlap
 rules are the engine's: a block loads into a slot once the block `window` places before it has left that slot,
-and runs once it has loaded (and, with clipping, once its host update has written its master); the host
-optimizer works through its blocks in order; host memory carries every PCIe, AdamW and disk byte. With clipping
-the updates run under the next forward (a quarter of the compute), without it under the backward.
+and runs once it has loaded (and, where host updates wait for the step's end, once its host update has written
+its master); the host optimizer works through its blocks in order; host memory carries every PCIe, AdamW and disk
+byte. With clipping (or deferred without it) the updates run under the next forward (a quarter of the compute),
+otherwise under the backward.
 
 With data-parallel ranks the estimate is one rank's: its shard of each unit crosses its own PCIe link, the rest
 of the parameters arrive by all-gather and the gradients leave by reduce-scatter over the GPUs' link, and the
@@ -119,6 +120,7 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
     vocab_numel = s.vocab * s.hidden if s.vocab else s.unit_numels[0] // 2
     tail_s = 6 * vocab_numel * tokens / gpu_rate + 2 * tokens * s.hidden * c / mem * (not pcie)
     clip = p.clip
+    waits = p.deferred  # host updates wait for the step's end (with clipping, for the norm), under the next forward
     sb = p.state_bytes
     adamw_bytes = 26 if sb == 4 else 18  # read master, m, v, gradient; write master, m, v
 
@@ -144,8 +146,8 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
             bwd.disk += 4 * numel / disk_r
             fwd.host_bytes += 4 * numel
             bwd.host_bytes += 4 * numel
-        # Forward: the master crosses (with clipping, a streamed update brings m, v and the gradient along)
-        stream = clip and up.update == "stream"
+        # Forward: the master crosses (a streamed update brings m, v and the gradient along)
+        stream = up.update == "stream"
         into = numel * (c if compact else 4 + (8 + (0 if up.grad == "held" else c) if stream else 0)) * shard
         back = numel * ((4 if up.split else 12) if stream else 0) * shard
         load_f[b] = into / h2d + peers * numel / link if pcie else 0.0
@@ -166,7 +168,7 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
         elif up.update == "host":
             update_s[b] = numel / adamw
             host_order.append(b)
-            work = fwd if clip else bwd
+            work = fwd if waits else bwd
             work.adamw += update_s[b] * (0.5 if up.split else 1.0)
             work.host_bytes += numel * (18 if up.split else adamw_bytes)
             if up.split:  # the moments part runs after the forward
@@ -174,11 +176,11 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
                 bwd.host_bytes += numel * 22
             if kind_of(up.moments) == "files":  # read in ahead and written back (the master too where it is there)
                 on_disk = 2 * sb + (4 if master_away else 0)
-                # (clipped: the first updates' reads run under the backward, one per staging slot, where no load
+                # (deferred: the first updates' reads run under the backward, one per staging slot, where no load
                 # reads the disk there)
-                early = clip and staged_early < p.staging_slots and not early_reads_wait(p)
+                early = waits and staged_early < p.staging_slots and not early_reads_wait(p)
                 staged_early += early
-                reads, writes = (bwd if early or not clip else fwd), (fwd if clip else bwd)
+                reads, writes = (bwd if early or not waits else fwd), (fwd if waits else bwd)
                 reads.disk += on_disk * numel / disk_r
                 reads.host_bytes += on_disk * numel
                 writes.disk += on_disk * numel / disk_w
@@ -199,8 +201,8 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
             bwd.d2h += c * e * shard
             fwd.link += peers * e
             bwd.link += peers * e
-            (fwd if clip else bwd).adamw += e / adamw
-            (fwd if clip else bwd).host_bytes += e * adamw_bytes
+            (fwd if waits else bwd).adamw += e / adamw
+            (fwd if waits else bwd).host_bytes += e * adamw_bytes
     if offload:  # boundaries out in the forward, back in the backward (through host memory to disk for some)
         fwd.d2h += offloaded * act
         bwd.h2d += offloaded * act
@@ -211,21 +213,21 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
     for w in (fwd, bwd):
         w.host_bytes += (w.h2d + w.d2h) * ranks if pcie else 0.0
 
-    # Forward: blocks load in order into `window` slots; with clipping each waits for its host update
+    # Forward: blocks load in order into `window` slots; deferred (with clipping), each waits for its host update
     host_free = 0.0
-    if clip:
+    if waits:
         for b in host_order:
             host_free += update_s[b]
             ready[b] = host_free
     fwd_s = _slide(load_f, forward_c, ready, p.window, [p.units[b + 1].resident for b in range(n)])
     fwd.gpu = sum(forward_c)
-    # Backward: blocks in reverse; without clipping, updates follow their gradients on the host thread
+    # Backward: blocks in reverse; not deferred (no clipping), updates follow their gradients on the host thread
     rev = list(reversed(range(n)))
     bwd_s = _slide([load_b[b] for b in rev], [backward_c[b] for b in rev], [0.0] * n, p.window,
                    [p.units[b + 1].resident for b in rev])
     bwd.gpu = sum(backward_c)
     exposed_updates = 0.0
-    if not clip and host_order:  # the last blocks' updates (block 0's, the edges') run after the backward
+    if not waits and host_order:  # the last blocks' updates (block 0's, the edges') run after the backward
         exposed_updates = update_s[min(host_order)] + (e / adamw if edges.update == "host" else 0.0)
 
     # Each phase lasts as long as its slowest lane. Of its length, the GPU's compute is the GPU's; what the phase

@@ -274,6 +274,9 @@ class Placement:
     # speculating blocks sit out the step after one whose clipping acted (its norm is most likely over the limit
     # too, and a discarded speculation costs host time), until a step's clipping does not act again
     speculation_pause: bool = True
+    # without clipping: host updates wait for the step's end all the same and run in the next forward's order, as
+    # clipped ones do (under the forward rather than the backward; the same weights, the scale being 1)
+    defer_updates: bool = False
 
     def __post_init__(self):
         validate(self)
@@ -283,6 +286,11 @@ class Placement:
     @property
     def clip(self) -> bool:
         return self.run.clips
+
+    @property
+    def deferred(self) -> bool:
+        """Whether host updates wait for the step's end (with clipping, for the norm), split where placed so."""
+        return self.clip or self.defer_updates
 
     @property
     def activations(self) -> str:
@@ -370,10 +378,11 @@ class Placement:
 
     @property
     def ring(self) -> int:
-        """Host gradient buffers the sliding blocks without a place of their own take turns in: with clipping
-        one each (every gradient waits for the norm), else three (updates empty them during backward)."""
-        ringed = len(self.where("grad", "ring"))
-        return ringed if self.clip else min(3, ringed)
+        """Host gradient buffers the sliding blocks without a place of their own take turns in: one each where a
+        gradient waits (with clipping for the norm; for a streamed update, the next load), else three (host
+        updates empty them during backward)."""
+        ringed = self.where("grad", "ring")
+        return len(ringed) if self.deferred or ringed & self.streamed else min(3, len(ringed))
 
     @property
     def landing_sets(self) -> int:
@@ -482,8 +491,9 @@ def validate(p: Placement) -> None:
             raise ValueError(f"{name}: loads read the master where it is, or a copy of it in host memory")
         if unit.update == "stream" and p.state_bytes != 4:
             raise ValueError(f"{name}: updates streamed through the device need fp32 AdamW states")
-        if unit.split and (not p.clip or unit.grad not in ("ring", "own")):
-            raise ValueError(f"{name}: only a clipped update whose gradient has a host buffer of its own splits")
+        if unit.split and (not p.deferred or unit.grad not in ("ring", "own")):
+            raise ValueError(f"{name}: only a deferred update (clipped, or `defer_updates`) whose gradient has a "
+                             "host buffer of its own splits")
         if unit.speculate and (not p.clip or u == 0 or unit.update != "host" or unit.grad != "ring"
                                or kind_of(unit.moments) != "memory"):
             raise ValueError(f"{name}: only a clipped sliding block updated on the host, its gradient in the ring "
@@ -502,11 +512,9 @@ def validate(p: Placement) -> None:
                                  "whose moments are on disk (it is read back with them)")
             if unit.grad == "held" and unit.update != "stream":
                 raise ValueError(f"{name}: only a block updated on the device holds its gradient there")
-            if unit.update == "stream" and not p.clip:
-                raise ValueError(f"{name}: without clipping a block's update runs on the host during backward")
-            if unit.grad == "pool" and (not p.clip or p.boundaries_in("cpu") != p.shapes.num_blocks):
+            if unit.grad == "pool" and p.boundaries_in("cpu") != p.shapes.num_blocks:
                 raise ValueError(f"{name}: pooled gradients share the host memory of the boundary activations: "
-                                 "they need clipping and activations on the host")
+                                 "they need activations on the host")
 
 
 def early_reads_wait(p: Placement) -> bool:
@@ -631,7 +639,7 @@ class Overrides:
     window: int | None = None
     resident: int | tuple[int, ...] | None = None  # a count (edges, then blocks from 0) or the units themselves
     device_update_share: float | None = None
-    held_grads: int | None = None  # blocks whose clipped gradient waits on the device (None: what fits)
+    held_grads: int | None = None  # device-updated blocks whose gradient waits on the device (None: what fits)
     share_grads: bool | None = None  # pooled host gradients (None: wherever there is something to share)
     split: bool = True
     # clipped host updates speculated during backward: True wherever the host has room, "auto" where the cost
@@ -658,10 +666,12 @@ class Overrides:
     # blocks (the first ones) whose input boundary activations wait on disk, the others in the run's tier (None:
     # none, or with `activations: auto` the fewest that fit host memory)
     disk_boundaries: int | None = None
+    # without clipping, host updates wait for the step's end (None: where the cost model prices that faster)
+    defer_updates: bool | None = None
 
 
 def device_updated(sliding: int, share: float) -> list[int]:
-    """Which of `sliding` blocks (0 = the first to slide) a clipped step updates on the device at `share`:
+    """Which of `sliding` blocks (0 = the first to slide) a step updates on the device at `share`:
     int(sliding * share) of them, spread evenly over the forward order, host blocks first."""
     return [j for j in range(sliding) if int((j + 1) * share) > int(j * share)]
 
@@ -674,7 +684,7 @@ def on_disk_blocks(num_blocks: int, sliding: int, fraction: float) -> list[int]:
 
 
 def held_on_device(device_units: list[int], count: int, shared: bool) -> list[int]:
-    """Which device-updated units (forward order) keep their clipped gradient on the device: the first `count`,
+    """Which device-updated units (forward order) keep their gradient on the device: the first `count`,
     whose updates the next forward needs first; or, when host gradients are pooled, the last, which lie over the
     fewest boundaries and would need the most room of their own there."""
     count = min(count, len(device_units))
@@ -686,20 +696,22 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
             speculate: bool | int = False, nvme_fraction: float = 0.0, disk_loads: bool = False,
             disk_grads: bool = False, staging: int = 0,
             sequence_tile: int = 0, landing: int = 0, edges_early: bool = True, disk_boundaries: int = 0,
-            speculation_pause: bool = True, threads: int | None = None) -> Placement:
+            speculation_pause: bool = True, threads: int | None = None, defer: bool = False) -> Placement:
     """The placement these choices make: `resident` units on the device; of the sliding blocks, the last
-    `nvme_fraction` with masters and moments on disk, `share` of the rest (spread out) updated on the device
-    with clipping, `held` of those keeping their gradient there, the others' gradients pooled (`shared`) or in
-    the ring, where with `speculate` their clipped updates speculate (a number: only the first that many such
-    blocks, whose loads the next forward needs soonest)."""
+    `nvme_fraction` with masters and moments on disk, `share` of the rest (spread out) updated on the device,
+    `held` of those keeping their gradient there, the others' gradients pooled (`shared`; where host updates run
+    during backward, unclipped and not `defer`red, only the device-updated ones) or in the ring, where with
+    `speculate` their clipped updates speculate (a number: only the first that many such blocks, whose loads the
+    next forward needs soonest)."""
     o, n = run, shapes.num_blocks
     if o.ranks > 1:  # what data parallelism runs so far: host updates of host states, gradients in the ring
-        share, shared = 0.0, False
+        share, shared, defer = 0.0, False, False
+    waits = o.clips or defer  # (host updates wait for the step's end)
     resident = set(resident)
     sliding = [u for u in range(1, n + 1) if u not in resident]
     disk = {1 + b for b in on_disk_blocks(n, len(sliding), nvme_fraction)} & set(sliding)
-    streamed = {sliding[j] for j in device_updated(len(sliding), share)} - disk if o.clip else set()
-    shared = shared and o.clip and bool(sliding)  # (without clipping no gradient waits)
+    streamed = {sliding[j] for j in device_updated(len(sliding), share)} - disk
+    shared = shared and bool(sliding)
     on_device = set(held_on_device(sorted(streamed), held, shared))
     eligible = [u for u in sliding if o.clip and not shared and u not in streamed and u not in disk]
     speculating = set(eligible if speculate is True else eligible[:int(speculate)])
@@ -710,13 +722,13 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
         elif u == 0:
             stream = share > 0 and o.state_bytes == 4
             units.append(UnitPlacement(False, "stream" if stream else "host", "slot" if stream else "own", HOST,
-                                       split=o.clip and split and not stream))
+                                       split=waits and split and not stream))
         else:
             grad = "held" if u in on_device else "disk" if disk_grads and o.clip and u in disk \
-                else "pool" if shared else "ring"
+                else "pool" if shared and (waits or u in streamed) else "ring"
             host = u not in streamed
             units.append(UnitPlacement(False, "host" if host else "stream", grad, DISK if u in disk else HOST,
-                                       split=o.clip and split and grad == "ring" and u not in disk,
+                                       split=waits and split and grad == "ring" and u not in disk,
                                        speculate=u in speculating, master=DISK if u in disk else "",
                                        loads=DISK if disk_loads and u in disk else ""))
     extra = {} if threads is None else {"threads": threads}
@@ -725,7 +737,7 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
     boundaries = ("nvme",) * disk_boundaries + (run.activations,) * (n - disk_boundaries) if disk_boundaries else ()
     return Placement(shapes, step, tuple(units), window, run, sequence_tile=sequence_tile, landing=landing,
                      edges_early=edges_early, boundaries=boundaries, staging=staging,
-                     speculation_pause=speculation_pause, **extra)
+                     speculation_pause=speculation_pause, defer_updates=defer and not o.clips, **extra)
 
 
 def resident_units(resident: int | Iterable[int]) -> set[int]:
@@ -737,7 +749,7 @@ def size_for_budget(shapes: Shapes, step: StepShape, run: RunFacts, budget: floa
                     share: float, shared: bool, overrides: Overrides | None = None,
                     threads: int | None = None, speculate: bool | int | None = None) -> Placement:
     """The placement with as many units resident as the device budget allows (edges first, then blocks from 0),
-    and, with clipping, as many device-updated blocks' gradients held there as the room left allows."""
+    and as many device-updated blocks' gradients held there as the room left allows."""
     n, overrides = shapes.num_blocks, overrides or Overrides()
 
     def make(res, held=0):
@@ -749,7 +761,8 @@ def size_for_budget(shapes: Shapes, step: StepShape, run: RunFacts, budget: floa
                        sequence_tile=overrides.sequence_tile or 0, landing=overrides.landing_sets or 0,
                        edges_early=overrides.edges_early is not False,
                        disk_boundaries=overrides.disk_boundaries or 0,
-                       speculation_pause=overrides.speculation_pause is not False)
+                       speculation_pause=overrides.speculation_pause is not False,
+                       defer=bool(overrides.defer_updates))
 
     if overrides.resident is not None:
         chosen = make(resident_units(overrides.resident))
@@ -770,7 +783,7 @@ def size_for_budget(shapes: Shapes, step: StepShape, run: RunFacts, budget: floa
                 chosen = candidate
     if overrides.held_grads is not None:
         return make(chosen.resident, overrides.held_grads)
-    if run.cuda and budget is not None and run.clip and chosen.streamed - {0} and run.ranks == 1:
+    if run.cuda and budget is not None and chosen.streamed - {0} and run.ranks == 1:
         room = budget - chosen.bytes(GPU) - max(0.5 * GIB, HELD_HEADROOM * budget)
         held = int(max(0.0, room) // (run.compute_bytes * shapes.block_numel))
         chosen = make(chosen.resident, held)

@@ -1,6 +1,6 @@
 """The planner: the placement a run gets on a machine, chosen by the cost model among those that fit.
 
-What used to be tuning constants are choices here: the window of slots (two or three) and the share of clipped
+What used to be tuning constants are choices here: the window of slots (two or three) and the share of
 sliding-block updates streamed through the device. Each candidate is sized to the device budget (residency
 first, then held gradients) and priced; the fastest that fits wins, and among near-equals (within `TIE`, the
 model's own uncertainty) the one that takes the least host memory.
@@ -78,6 +78,7 @@ class Plan:
             "window": p.window,
             "landing_sets": p.landing_sets,
             "sequence_tile": p.sequence_tile,
+            "defer_updates": p.defer_updates,  # (unclipped) host updates wait for the step's end
             "run": dataclasses.asdict(p.run),
             "units": [dataclasses.asdict(u) for u in p.units],
         }
@@ -94,6 +95,12 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
     o = overrides or Overrides()
     if run.activations == "auto":
         return _activation_tier(shapes, step, run, budgets, machine, o)
+    if not run.clip and o.defer_updates is None and run.ranks == 1:
+        # Host updates during backward, or waiting for the step's end as clipped ones do (under the next forward, in
+        # its order; they need a gradient buffer each, so the least share on disk may differ): each planned whole
+        eager, deferred = (place(shapes, step, run, budgets, machine, dataclasses.replace(o, defer_updates=d))
+                           for d in (False, True))
+        return deferred if _better(_rank(deferred), _rank(eager)) else eager
     if o.nvme_fraction is None:
         plan = place(shapes, step, run, budgets, machine, dataclasses.replace(o, nvme_fraction=0.0, disk_loads=False))
         if budgets.host is None or plan.placement.bytes(HOST) <= budgets.host or run.ranks > 1:
@@ -123,13 +130,12 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
         shares = (o.device_update_share,)
     elif not cuda or not streamable:
         shares = (0.0,)
-    elif run.clip:
+    else:  # (without clipping too: a clip scale of exactly 1 runs every placement a clipped run has)
         shares = SHARES
-    else:  # without clipping only the sliding edges can stream
-        shares = (0.0, 1.0)
-    poolable = run.clip and run.activations == "cpu" and not o.disk_boundaries
-    # Held host gradients share the boundary activations' memory wherever clipping holds them: up to the
-    # activations' size less host memory, at the speed of a buffer each (docs/findings.md)
+    poolable = run.activations == "cpu" and not o.disk_boundaries
+    # Host gradients that wait (for the norm, or for a device update at the next load) share the boundary
+    # activations' memory: up to the activations' size less host memory, at the speed of a buffer each
+    # (docs/findings.md)
     pooled = poolable if o.share_grads is None else bool(o.share_grads) and poolable
     # Speculating: every block, or the first ones where the host cannot afford all (each speculating block needs
     # its speculated parameters and a gradient buffer of its own); `auto` also weighs not speculating, and takes
@@ -384,14 +390,19 @@ def _training_changes(s: _Setting) -> list[list[_Setting]]:
     return [kind for kind in out if kind]
 
 
+def _rank(plan: Plan) -> tuple:
+    """A plan's key for `_better`: fitting, its step, its host memory."""
+    return (not plan.fits, False, False, plan.estimate.step_s, plan.placement.bytes(HOST))
+
+
 def _better(key: tuple, than: tuple) -> bool:
     """Fitting the GPU, then the host, first; then what was asked for (speculation forced); then faster by more
-    than TIE; among near-equals, less host memory."""
+    than TIE; among near-equals, less host memory, and at the same memory the faster."""
     if key[:3] != than[:3]:
         return key[:3] < than[:3]
     if abs(key[3] - than[3]) > TIE * min(key[3], than[3]):
         return key[3] < than[3]
-    return key[4] < than[4]
+    return key[4] < than[4] or (key[4] == than[4] and key[3] < than[3])
 
 
 ACTIVATION_PREFERENCE = ("cpu", "none", "nvme")  # among tiers that price alike: host memory, the device, files

@@ -139,12 +139,13 @@ class Resident(UpdateKind):
 
 class Host(UpdateKind):
     """Units updated on the optimizer thread. Without clipping a block's update starts as soon as its gradient
-    reaches the host; with clipping every update waits for the norm, split where the placement says (the next
-    forward waits only for new masters). A speculating block also runs its clipped update during backward as if
-    clipping will not act, writing only its parameters; when it does not act its next loads take those, and the
-    update proper runs whole after the others. A step whose clipping acted is followed by one that does not
-    speculate (the next norm is most likely over the limit too), until a step's clipping does not act again,
-    where the placement says so (`speculation_pause`).
+    reaches the host, unless the placement defers it (`defer_updates`); with clipping, or deferred, every update
+    waits for the step's end (the norm), split where the placement says (the next forward waits only for new
+    masters), and runs in the next forward's order. A speculating block also runs its clipped update during
+    backward as if clipping will not act, writing only its parameters; when it does not act its next loads take
+    those, and the update proper runs whole after the others. A step whose clipping acted is followed by one that
+    does not speculate (the next norm is most likely over the limit too), until a step's clipping does not act
+    again, where the placement says so (`speculation_pause`).
     Blocks whose moments (and master) live on disk have them read in ahead of their updates."""
 
     def __init__(self, engine, units):
@@ -157,12 +158,13 @@ class Host(UpdateKind):
         self.from_speculation: set[int] = set()  # blocks whose loads take their speculated parameters
         self.speculating = True
         self.speculation = "off"  # the last step's: held, discarded, or off
+        self.waits = p.deferred  # (without clipping the scale is 1.0: waiting is only where the updates run)
 
     def before_backward(self) -> None:
         e = self.engine
         if self.disk is None:
             return
-        if not e.clip:  # moments from disk, in the order backward will submit their updates
+        if not self.waits:  # moments from disk, in the order backward will submit their updates
             for u in reversed(self.on_disk):
                 self.disk.fetch(u)
         elif not early_reads_wait(e.placement):  # the first clipped updates' states are read under the backward,
@@ -173,7 +175,7 @@ class Host(UpdateKind):
         e = self.engine
         if unit == 0:  # (the edges' update waits for the step's end: nothing reads their gradient before)
             return
-        if not e.clip:  # the update starts as soon as its first piece is on the host
+        if not self.waits:  # the update starts as soon as its first piece is on the host
             e.updater.submit(unit, grad.buffer, grad.arrived, lr, 1.0, into=e.units[unit].params)
         elif unit in self.speculative and self.speculating:
             # As if clipping will not act: only new parameters are written (over the ones its loads took: until
@@ -189,13 +191,13 @@ class Host(UpdateKind):
         tried = bool(e.clip and self.speculative and self.speculating)
         held = set(self.speculative) if tried and not acted else set()
         self._speculated(tried, held, acted)
-        if e.clip and self.disk:  # their moments start coming in, in the order the updates below will run
+        if self.waits and self.disk:  # their moments start coming in, in the order the updates below will run
             for u in self.on_disk:
                 self.disk.fetch(u)
         for u in self.units:
             if u in held:
                 continue  # below, after the updates the next forward waits for
-            if u == 0 or e.clip:  # without clipping, sliding blocks were submitted during backward
+            if u == 0 or self.waits:  # otherwise sliding blocks were submitted during backward
                 g, split = grads[u], u in self.split
                 e.updater.submit(u, g.buffer, g.arrived, lr, scale, part="params" if split else "all",
                                  into=e.units[u].params)
@@ -281,16 +283,25 @@ class Streamed(UpdateKind):
         """The edges' chunks their load updates now (the tail-only part waits); None: no update pending."""
         return [k for k in self.pending[0].chunks if k not in self.tail] if 0 in self.pending else None
 
+    def gradient_ready(self, unit: int, grad: Gradient, lr: float) -> None:
+        """Without clipping a block's update needs no norm: it is due once its gradient is home, at a scale of
+        1.0, and runs at the block's next load."""
+        if not self.engine.clip:
+            self.pending[unit] = self._due(unit, grad, lr, 1.0)
+
     def norm_known(self, grads: dict[int, Gradient], lr: float, scale: float) -> None:
         e = self.engine
         for u in self.units:
-            chunks = range(len(e.optimizer.units[u].ranges))
-            if u == 0 and not e.clip:  # the tail-only part is done already
-                chunks = [k for k in chunks if k not in self.tail]
-            self.pending[u] = PendingUpdate(grads[u].buffer, grads[u].arrived[-1], lr, scale, list(chunks),
-                                            u in self.split)
+            if u == 0 or e.clip:  # (unclipped, the blocks' updates were due at their gradients)
+                self.pending[u] = self._due(u, grads[u], lr, scale)
         if 0 in self.units:
             e.edges_stale()
+
+    def _due(self, unit: int, grad: Gradient, lr: float, scale: float) -> PendingUpdate:
+        chunks = range(len(self.engine.optimizer.units[unit].ranges))
+        if unit == 0 and not self.engine.clip:  # the tail-only part is done already
+            chunks = [k for k in chunks if k not in self.tail]
+        return PendingUpdate(grad.buffer, grad.arrived[-1], lr, scale, list(chunks), unit in self.split)
 
     def load(self, unit: int, slot: Slot, chunks: list[int] | None = None) -> bool:
         if unit not in self.pending:
