@@ -176,14 +176,32 @@ def test_tokens_used_exactly_as_given(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", rows)
     loaded = load_examples(DataConfig(path=path, format="tokens"), builtin_tokenizer(), 3)
     got = [(ex.input_ids.tolist(), ex.labels.tolist()) for ex in loaded.examples]
-    # one-token chunks ([8] and [9]) have no label once the first is masked: dropped
+    # one-token pieces ([8] and [9]) have no label once the first is masked: dropped, their rows kept
     assert got == [
         ([5, 6, 7], [X, 6, 7]),
         ([9, 10, 11], [X, 10, X]),
         ([3, 4, 5], [X, 4, 5]),
         ([6, 7, 8], [X, 7, 8]),
     ]
-    assert loaded.dropped == 2
+    assert (loaded.dropped, loaded.dropped_pieces, loaded.dropped_piece_tokens) == (0, 2, 2)
+    assert loaded.dropped_where(pieces=True) == "lines 1, 3"
+
+
+def test_rows_one_token_longer_than_seq_len_lose_only_that_token(tmp_path):
+    """Rows of 65 tokens at seq_len=64: each trains its first 64, and the warning counts the 11 one-token pieces,
+    not examples; a row whose labels are all -100 is still a dropped example."""
+    rows = [{"input_ids": [3 + (7 * i + j) % 250 for j in range(65)]} for i in range(11)]
+    rows.append({"input_ids": [5, 6, 7], "labels": [X, X, X]})
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    with pytest.warns(UserWarning) as caught:
+        data = build_data(DataConfig(path=path, format="tokens", pack=False), builtin_tokenizer(), 64, 1, 0)
+    messages = [str(w.message) for w in caught]
+    assert (f"{path}: rows longer than seq_len=64 are cut into pieces of 64 tokens, each piece's first token "
+            "without a loss; 11 pieces (11 tokens in all) have no token with a loss left and were dropped (lines 1, "
+            "2, 3, 4, 5, ...); the rest of their rows trains") in messages
+    assert f"{path}: 1 example has no token with a loss and was dropped (line 12)" in messages
+    assert [ex.input_ids.tolist() for ex in data.loaded.examples] == [r["input_ids"][:64] for r in rows[:11]]
+    assert (data.stats["dropped"], data.stats["dropped_pieces"], data.stats["train_label_tokens"]) == (1, 11, 11 * 63)
 
 
 def test_truncation_of_alpaca_warns_with_count(tmp_path):

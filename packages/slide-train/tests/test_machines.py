@@ -1,5 +1,7 @@
 """Machine files (reading, writing, errors that name the file and key) and the cached probe of this machine."""
 
+import dataclasses
+
 import pytest
 import yaml
 
@@ -255,3 +257,56 @@ def test_this_machine_measures_for_real(tmp_path, monkeypatch):
     assert machine.host.cores >= 1 and machine.disk.read_gbps > 0
     assert list(disk.iterdir()) == []
     assert load_machine(tmp_path / "xdg" / "slide" / f"machine-{fingerprint()}.yaml").host == machine.host
+
+
+def test_probe_keeps_what_it_measured_as_the_last_probe_that_a_later_plan_reads(cache, tmp_path, monkeypatch,
+                                                                                capsys):
+    """`slide-train probe` without --out replaces the cache file that runs without --machine read (it kept its
+    old contents before), says where in a line on stderr, and prints the machine file on stdout; a later `plan`
+    reads it and measures nothing."""
+    from slide_train.cli import main
+
+    this_machine()  # an earlier quick probe, cached
+    assert len(cache["probe"]) == 1
+    newer = dataclasses.replace(MEASURED, gpu=dataclasses.replace(MEASURED.gpu, memory_gib=40.0),
+                                host=dataclasses.replace(MEASURED.host, memory_gib=100.0))
+    probed = []
+    monkeypatch.setattr(machines, "probe", lambda disk_dir=None, quick=False: probed.append(disk_dir) or newer)
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["probe"]) == 0
+    out, err = capsys.readouterr()
+    folder = tmp_path / "xdg" / "slide"
+    machine_file = folder / f"machine-{fingerprint()}.yaml"
+    assert probed == [str(tmp_path)]  # the disk of the current folder, as --disk says
+    (line,) = err.splitlines()
+    assert "last probe of this machine" in line and str(machine_file) in line and str(folder / "disk-") in line
+    assert Machine.from_dict(yaml.safe_load(out)) == newer
+    assert load_machine(machine_file).gpu == newer.gpu and load_machine(machine_file).host == newer.host
+    assert this_machine(disk_dir=tmp_path).disk.read_gbps == newer.disk.read_gbps  # the folder's rates, cached
+    assert main(["plan", "--model=tiny-llama", "--seq_len=128"]) == 0
+    text = capsys.readouterr().out
+    assert "machine: this one (last probe)" in text
+    assert "GPU ~" in text and f" of {0.92 * 40:.1f} usable" in text  # (the budgets of the newer figures)
+    assert "host memory ~" in text and f" of {0.95 * 100:.1f} usable" in text
+    assert len(cache["probe"]) == 1 and len(probed) == 1 and cache["probe_disk"] == []
+
+
+def test_probe_with_out_writes_the_file_and_the_cache(cache, tmp_path, capsys):
+    """With --out the file is written where asked, and this machine's cache too: it always holds the last probe
+    of this machine, whatever else the probe wrote."""
+    from slide_train.cli import main
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    assert main(["probe", "--quick", "--out", str(tmp_path / "box.yaml"), "--disk", str(disk)]) == 0
+    _, err = capsys.readouterr()
+    assert cache["probe"] == [(str(disk), True)]
+    first, second = err.splitlines()
+    assert first == f"slide-train: wrote {tmp_path / 'box.yaml'}" and "last probe of this machine" in second
+    assert load_machine(tmp_path / "box.yaml") == MEASURED
+    assert "quick" in (tmp_path / "box.yaml").read_text().splitlines()[0]
+    cached = tmp_path / "xdg" / "slide" / f"machine-{fingerprint()}.yaml"
+    assert str(cached) in second and load_machine(cached).host == MEASURED.host
+    assert this_machine(disk_dir=disk).disk.write_gbps == MEASURED.disk.write_gbps
+    assert len(cache["probe"]) == 1 and cache["probe_disk"] == []

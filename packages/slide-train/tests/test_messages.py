@@ -63,6 +63,36 @@ def test_without_a_terminal_progress_is_plain_lines_and_the_run_keeps_a_log(tmp_
     assert "step 4/4: loss" in log and "done: 4 steps" in log
 
 
+def test_no_progress_keeps_the_step_lines_in_log_txt_and_a_cpu_run_shows_no_gpu_memory(tmp_path, capsys):
+    """--no-progress drops the bars and the step lines on the terminal, not those of log.txt, which the README
+    says holds them. A run on the CPU has no GPU memory to show (it printed `gpu 0.0 GiB`): its lines give the
+    host's, each figure that of the step's metrics.jsonl record."""
+    from slide_train.cli import main
+    from slide_train.metrics import read_metrics
+
+    run = tmp_path / "run"
+    assert main(["finetune", *SMALL, "--steps=4", "--engine.device=cpu", "--checkpoint.keep=0",
+                 f"--output_dir={run}", "--no-progress"]) == 0
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    logged = [line.split(" info: ")[1] for line in (run / "log.txt").read_text().splitlines()
+              if " info: step " in line]
+    assert [line.split(":")[0] for line in logged] == [f"step {i}/4" for i in (1, 2, 3, 4)]
+    rows = read_metrics(run / "metrics.jsonl")
+    assert len(rows) == 4
+    for line, row in zip(logged, rows, strict=True):
+        assert f"loss {row['loss']:.3f} | " in line and line.endswith(f"| host {row['host_rss_gib']:.1f} GiB")
+        assert "gpu" not in line.lower() and row["gpu_peak_gib"] == 0.0
+
+
+def test_a_gpu_runs_step_line_shows_its_peak_gpu_memory():
+    from slide_train.metrics import step_figures
+
+    record = {"loss": 2.5, "tokens_per_s": 12345.6, "tflops": 312.5, "gpu_peak_gib": 21.94, "host_rss_gib": 97.2}
+    assert step_figures(record, on_gpu=True) == ("loss 2.500 | 12,346 tok/s | 312.50 TFLOP/s | gpu 21.9 GiB | "
+                                                 "host 97.2 GiB")
+    assert step_figures(record, on_gpu=False) == "loss 2.500 | 12,346 tok/s | 312.50 TFLOP/s | host 97.2 GiB"
+
+
 def test_scratch_a_stopped_run_left_in_the_users_own_folder_is_named_and_kept(tmp_path):
     """engine.nvme.dir of the user's choosing is never cleared: what a killed run left there is said, not
     removed (the run's own default folder is cleared at its start)."""

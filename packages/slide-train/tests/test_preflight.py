@@ -102,7 +102,7 @@ def test_a_tokenizer_without_a_vocabulary_is_refused(bare_models, tmp_path, caps
     text.write_text("one document\n")
     assert main(["data", f"--model={folder}", f"--data.path={text}"]) == 2
     line = one_error_line(capsys.readouterr().err)
-    assert f"the tokenizer of {folder} has no vocabulary" in line and "encodes to <unk>" in line
+    assert f"the tokenizer of {folder} has no vocabulary" in line and "all special: <pad> <eos> <bos> <unk>" in line
 
 
 def test_text_and_alpaca_need_an_eos_token_and_tokens_rows_do_not(tmp_path):

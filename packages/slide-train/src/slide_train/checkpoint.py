@@ -277,14 +277,16 @@ def list_checkpoints(root: pathlib.Path) -> list[pathlib.Path]:
 def find_resumable(root: pathlib.Path) -> pathlib.Path | None:
     """The newest checkpoint that verifies; damaged newer ones are reported and skipped. None when there is
     none at all; CheckpointError when every one is damaged (starting over would silently lose the run)."""
-    problems = []
-    for path in reversed(list_checkpoints(root)):
+    problems, found = [], list_checkpoints(root)
+    for index in range(len(found) - 1, -1, -1):
         try:
-            verify(path)
-            return path
+            verify(found[index])
+            return found[index]
         except CheckpointError as e:
             problems.append(str(e))
-            warnings.warn(f"skipping damaged checkpoint: {e}; falling back to the previous one", stacklevel=2)
+            if index:  # (the last one damaged: the error below says so)
+                warnings.warn(f"skipping damaged checkpoint: {e}; falling back to {found[index - 1].name}",
+                              stacklevel=2)
     if problems:
         raise CheckpointError(f"every checkpoint in {root} is damaged, nothing to resume from: "
                               f"{'; '.join(problems)}. Restore them, or start afresh with --overwrite=true "

@@ -21,25 +21,26 @@ def _keys_help() -> str:
         f"  {k.ljust(key_width)}  {v.ljust(value_width)}  {text}" for k, v, text in rows)
 
 
-def _config_parser(sub, name: str, help: str):
+def _config_parser(sub, name: str, help: str, config_help: str = "YAML file (optional: every key has a default)"):
     p = sub.add_parser(name, help=help, description=help, epilog=_keys_help(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", nargs="?", help="YAML file (optional: every key has a default)")
+    p.add_argument("config", nargs="?", help=config_help)
     return p
 
 
 def cmd_finetune(args, overrides) -> int:
     from .distributed import leave
     from .progress import hide_bars
+    from .resume import resumed_config
     from .trainer import Trainer
 
-    cfg = load_config(args.config, overrides)
+    cfg, checkpoint = resumed_config(args.config, overrides)  # (a resume: the run's own config, as overridden)
     check_finetune(cfg)  # before minutes of loading and tokenizing
     machine = _machine(args.machine)
     if args.no_progress:  # checkpoints and the export included
         hide_bars()
     try:
-        trainer = Trainer(cfg, progress=not args.no_progress, machine=machine)
+        trainer = Trainer(cfg, progress=not args.no_progress, machine=machine, checkpoint=checkpoint)
         if cfg.resume == "auto" and trainer.resumed_from is None:
             say(f"resume=auto: no checkpoint in {trainer.checkpoints}, so the run starts from step 0")
         trainer.fit()
@@ -73,7 +74,7 @@ def cmd_plan(args, overrides) -> int:
 
     from .machines import resolve_machine
     from .models.build import check_fits, load_model
-    from .plan import advice, checkpoint_cost, describe, params_text
+    from .plan import advice, aux_loss_text, checkpoint_cost, describe, params_text
     from .trainer import asks_for_disk, nvme_dir, plan_run, uses_disk
 
     cfg = load_config(args.config, overrides)
@@ -112,7 +113,8 @@ def cmd_plan(args, overrides) -> int:
         ranks = f" per rank, {args.nproc} ranks (host memory below: one rank)" if args.nproc > 1 else ""
         print(f"model: {cfg.model} ({model.hf_config.model_type}, {params_text(sum(shapes.unit_numels))} params, "
               f"{plural(shapes.num_blocks, 'block')}); {cfg.grad_accum} x {cfg.micro_batch_size} x {cfg.seq_len} "
-              f"tokens per step{ranks}; machine: {named or 'this one (last probe)'}")
+              f"tokens per step{ranks}; machine: {named or 'this one (last probe)'}"
+              f"{aux_loss_text(cfg, model.hf_config)}")
         print(describe(plan, machine, cfg))
     return 0 if plan.fits else 2
 
@@ -142,16 +144,12 @@ def longest(cfg, model, machine, nproc: int):
 
 
 def cmd_probe(args, overrides) -> int:
-    from slide_scheduler import probe_machine
-
-    from .machines import save_machine
-
-    machine = probe_machine(disk_dir=args.disk, quick=args.quick)
-    if args.out:
-        save_machine(machine, args.out)
-        print(f"wrote {args.out}")
     import yaml
 
+    from .machines import probe_this_machine, written_lines
+
+    machine, written = probe_this_machine(disk_dir=args.disk, quick=args.quick, out=args.out)
+    print(written_lines(written, args.out), file=sys.stderr)  # (stdout: the machine file itself)
     print(yaml.safe_dump(machine.to_dict(), sort_keys=False), end="")
     return 0
 
@@ -167,8 +165,11 @@ def cmd_export(args, overrides) -> int:
 def cmd_presets(args, overrides) -> int:
     from .models.presets import PRESETS
 
-    for name, spec in PRESETS.items():
-        print(f"{name:14s} {spec['model_type']:8s} hidden {spec['hidden_size']}, {spec['num_hidden_layers']} layers")
+    rows = [(name, spec["model_type"], f"hidden {spec['hidden_size']},", f"{spec['num_hidden_layers']} layers")
+            for name, spec in PRESETS.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:  # (columns as wide as their longest entry)
+        print("  ".join(text.ljust(width) for text, width in zip(row, widths)), row[3].rjust(9))
     return 0
 
 
@@ -186,7 +187,9 @@ def _positive(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slide-train", description=__doc__)
     sub = parser.add_subparsers(dest="command")
-    p = _config_parser(sub, "finetune", "fine-tune every parameter of a model (default: the built-in tiny demo)")
+    p = _config_parser(sub, "finetune", "fine-tune every parameter of a model (default: the built-in tiny demo)",
+                       "YAML file (optional: every key has a default), or a run's folder with --resume=auto (a "
+                       "resume continues with the run's own config; keys given override it)")
     p.add_argument("--machine", default=None,
                    help="a machine file for the placement (default: the last probe of this machine)")
     p.add_argument("--no-progress", action="store_true",
@@ -207,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                         "memory shared")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("probe", help="measure this machine (GPU, PCIe, host memory and AdamW, disk) as a machine file")
-    p.add_argument("--out", default=None, help="write the machine file here")
+    p.add_argument("--out", default=None, help="also write the machine file here (the last probe of this machine, "
+                                               "which runs use without --machine, is kept either way)")
     p.add_argument("--disk", default=None, help="measure the disk of this folder (default: the current one)")
     p.add_argument("--quick", action="store_true", help="a few seconds, smaller transfers (rougher figures)")
     p.set_defaults(func=cmd_probe)

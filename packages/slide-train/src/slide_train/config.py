@@ -4,6 +4,7 @@ front so that a typo fails in the first second, not after an hour of training.""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import math
@@ -112,6 +113,8 @@ class TrainConfig:
     optimizer: AdamWConfig = field(default_factory=AdamWConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     max_grad_norm: float | None = 1.0
+    # A mixture of experts' load-balancing loss (output_router_logits): trainer | per_micro_batch
+    router_aux_loss: str = "trainer"
     seed: int = 0
     output_dir: str = "runs/default"
     engine: EngineSection = field(default_factory=EngineSection)
@@ -126,6 +129,7 @@ class TrainConfig:
 
 CHOICES = {
     "data.format": FORMATS,
+    "router_aux_loss": ("trainer", "per_micro_batch"),
     "schedule.decay": ("constant", "cosine", "linear"),
     "engine.compute_dtype": ("auto", "bf16", "fp32"),
     "engine.activation_offload": ("auto", "none", "cpu", "nvme"),
@@ -149,6 +153,8 @@ KEY_HELP = {
                  "rows without labels, are cut at a row's end and continue in the next, other examples stay whole",
     "data.eval_fraction": "share of the examples held out for the validation loss, in [0, 1)",
     "data.eval_batches": "micro-batches of held-out examples per validation",
+    "data.allow_unknown_tokens": "train even where over half the tokens of the data's first 1,000 examples are "
+                                 "unknown to the tokenizer (over 5% warns)",
     "seq_len": "tokens per row",
     "micro_batch_size": "rows per micro-batch",
     "grad_accum": "micro-batches per optimizer step",
@@ -162,6 +168,9 @@ KEY_HELP = {
     "schedule.decay": "the learning rate after warm-up",
     "schedule.min_lr_ratio": "the last step's learning rate as a share of optimizer.lr, in [0, 1]",
     "max_grad_norm": "clip the global gradient norm to this (exactly); null: no clipping",
+    "router_aux_loss": "a mixture of experts' load-balancing loss (output_router_logits) in the step: trainer: each "
+                       "micro-batch's term whole, as transformers.Trainer adds it; per_micro_batch: their mean, as "
+                       "a loop of model(ids, labels=ids).loss / grad_accum has it",
     "seed": "seed of the data order and of random initialization",
     "output_dir": "the run's folder: config, metrics.jsonl, log.txt, checkpoints, export",
     "engine.device": "auto, cpu, cuda or cuda:N",
@@ -202,10 +211,40 @@ def _build(cls, values: dict[str, Any], prefix: str = ""):
             raise ConfigError(f"config key '{prefix}{key}' was replaced by {MOVED[prefix + key]}")
         if key not in fields:
             near = difflib.get_close_matches(key, fields, n=1)
-            hint = f"; did you mean {prefix}{near[0]}?" if near else f"; valid keys: {', '.join(fields)}"
+            near = prefix + near[0] if near else nearest_key(prefix + key)
+            hint = f"; did you mean {near}?" if near else f"; valid keys: {', '.join(fields)}"
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
         kwargs[key] = _coerce(hints[key], value, prefix + key)
     return cls(**kwargs)
+
+
+# Names other trainers (transformers' TrainingArguments, torchtune, axolotl) give these keys: a key typed that
+# way, in any section, is pointed at ours.
+ALIASES = {
+    "learning_rate": "optimizer.lr", "lr": "optimizer.lr", "beta1": "optimizer.betas", "beta2": "optimizer.betas",
+    "adam_beta1": "optimizer.betas", "adam_beta2": "optimizer.betas", "adam_epsilon": "optimizer.eps",
+    "weight_decay": "optimizer.weight_decay", "warmup_steps": "schedule.warmup_steps",
+    "warmup": "schedule.warmup_steps", "lr_scheduler_type": "schedule.decay", "lr_scheduler": "schedule.decay",
+    "max_steps": "steps", "num_steps": "steps", "num_train_epochs": "epochs", "batch_size": "micro_batch_size",
+    "per_device_train_batch_size": "micro_batch_size", "gradient_accumulation_steps": "grad_accum",
+    "max_seq_length": "seq_len", "max_length": "seq_len", "seq_length": "seq_len", "sequence_len": "seq_len",
+    "block_size": "seq_len", "clip_grad_norm": "max_grad_norm",
+    "model_name_or_path": "model", "base_model": "model", "dataset": "data.path", "save_steps": "checkpoint.every",
+    "save_total_limit": "checkpoint.keep", "resume_from_checkpoint": "resume", "device": "engine.device",
+}
+
+
+def nearest_key(dotted: str) -> str | None:
+    """The config key nearest an unknown one, by its last part: a key of that name (or of an `ALIASES` name) in
+    another section, then the closest such name (`lerning_rate` -> optimizer.lr), then the closest whole key."""
+    keys = [k for k, _, _ in describe_keys()]
+    names = {k.rsplit(".", 1)[-1]: k for k in reversed(keys)} | ALIASES  # (a shared last part: the first key)
+    last = dotted.rsplit(".", 1)[-1]
+    near = difflib.get_close_matches(last, names, n=1, cutoff=0.75)
+    if near:
+        return names[near[0]]
+    near = difflib.get_close_matches(dotted, keys, n=1)
+    return near[0] if near else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,7 +427,10 @@ def parse_override(arg: str) -> tuple[str, _Typed]:
     return key, _Typed(arg, raw)
 
 
-def load_config(path: str | pathlib.Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+def load_config(path: str | pathlib.Path | None = None, overrides: list[str] = (),
+                base: dict[str, Any] | None = None, checked: bool = True) -> TrainConfig:
+    """Defaults, then `base` (a resumed run's own config), then the YAML file's keys, then `overrides`; each
+    key's type checked, and (`checked`) the whole config validated."""
     values: dict[str, Any] = {}
     if path is not None:
         path = pathlib.Path(path)
@@ -408,6 +450,8 @@ def load_config(path: str | pathlib.Path | None = None, overrides: list[str] = (
             raise ConfigError(f"{path} is not UTF-8 text ({e}): save it as UTF-8") from e
         if not isinstance(values, dict):
             raise ConfigError(f"{path} must map config keys to values, not be a YAML {type(values).__name__}")
+    if base is not None:
+        values = _merged(copy.deepcopy(base), values)
     for arg in overrides:
         key, value = parse_override(arg)
         node = values
@@ -421,7 +465,18 @@ def load_config(path: str | pathlib.Path | None = None, overrides: list[str] = (
             if not isinstance(node, dict):
                 raise ConfigError(f"override {arg!r}: {part} is not a section")
         node[last] = value
-    return validate(_build(TrainConfig, values))
+    cfg = _build(TrainConfig, values)
+    return validate(cfg) if checked else cfg
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """`over`'s keys over `base`'s, section by section (a free mapping such as data.roles replaced whole)."""
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict) and key not in ("roles", "placement"):
+            _merged(base[key], value)
+        else:
+            base[key] = value
+    return base
 
 
 def to_dict(cfg) -> dict[str, Any]:

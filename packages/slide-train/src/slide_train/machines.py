@@ -59,7 +59,7 @@ def load_machine(path: str | os.PathLike[str]) -> Machine:
 def save_machine(machine: Machine, path: str | os.PathLike[str], measured_by: str | None = None) -> None:
     """Write `machine` as a machine file, with a header saying what measured it (`measured_by`, by default
     the probe on this host) and when."""
-    _write(machine.to_dict(), path, measured_by or f"slide-scheduler {scheduler_version} probe on {_host()}")
+    _write(machine.to_dict(), path, measured_by or _full_probe())
 
 
 def fingerprint() -> str:
@@ -103,11 +103,8 @@ def this_machine(disk_dir: str | os.PathLike[str] | None = None, refresh: bool =
                   + (f" and the disk's in {_disk_file(folder, key, disk_dir)}" if disk_dir is not None else ""))
         # Without a folder of its own the probe's disk part runs where a file can surely be written.
         machine = probe(disk_dir=disk_dir if disk_dir is not None else tempfile.gettempdir(), quick=True)
-        sections = machine.to_dict()
-        _write({name: sections[name] for name in ("gpu", "host", "pcie")}, machine_file, _quick_probe())
-        if disk_dir is not None:
-            disk = machine.disk
-            _write({"disk": sections["disk"]}, _disk_file(folder, key, disk_dir), _quick_probe())
+        _keep(machine, disk_dir, _quick_probe())
+        disk = machine.disk if disk_dir is not None else None
     if disk_dir is None:
         return dataclasses.replace(machine, disk=Disk(free_gib=0.0))
     if disk is None:
@@ -120,6 +117,31 @@ def this_machine(disk_dir: str | os.PathLike[str] | None = None, refresh: bool =
         else:
             disk = dataclasses.replace(cached.disk, free_gib=round(free_bytes(disk_dir) / GIB, 1))
     return dataclasses.replace(machine, disk=disk)
+
+
+def probe_this_machine(disk_dir: str | os.PathLike[str] | None = None, quick: bool = False,
+                       out: str | os.PathLike[str] | None = None) -> tuple[Machine, list[pathlib.Path]]:
+    """Measure this machine (`slide-train probe`), its disk under `disk_dir` (default: the current folder), and
+    keep the result as the last probe of this machine, which runs without a machine file read, and at `out`
+    where given. Returns the machine and the files written (`out` first)."""
+    disk_dir = disk_dir if disk_dir is not None else os.getcwd()
+    machine = probe(disk_dir=disk_dir, quick=quick)
+    measured_by = _quick_probe() if quick else None
+    written = []
+    if out is not None:
+        save_machine(machine, out, measured_by)
+        written.append(pathlib.Path(out))
+    # The cache holds the newest figures of this machine whatever else the probe wrote: a run reads them
+    return machine, written + _keep(machine, disk_dir, measured_by or _full_probe())
+
+
+def written_lines(files: list[pathlib.Path], out: str | os.PathLike[str] | None) -> str:
+    """What `slide-train probe` tells of the files it wrote (`probe_this_machine`'s list)."""
+    kept = files[1:] if out is not None else files
+    lines = [f"slide-train: wrote {files[0]}"] if out is not None else []
+    lines.append(f"slide-train: kept as the last probe of this machine, which `finetune` and `plan` use without "
+                 f"--machine: {' and '.join(map(str, kept))}")
+    return "\n".join(lines)
 
 
 def resolve_machine(path: str | os.PathLike[str] | None, disk_dir: str | os.PathLike[str] | None = None) -> Machine:
@@ -164,6 +186,18 @@ def _write(sections: dict, path: str | os.PathLike[str], measured_by: str) -> No
         raise
 
 
+def _keep(machine: Machine, disk_dir: str | os.PathLike[str] | None, measured_by: str) -> list[pathlib.Path]:
+    """Cache `machine` as this machine's last probe: its hardware's figures, and its disk's rates as those of the
+    folder `disk_dir` (where given). Returns the files written."""
+    key, folder, sections = fingerprint(), cache_dir(), machine.to_dict()
+    files = [folder / f"machine-{key}.yaml"]
+    _write({name: sections[name] for name in ("gpu", "host", "pcie")}, files[0], measured_by)
+    if disk_dir is not None:
+        files.append(_disk_file(folder, key, disk_dir))
+        _write({"disk": sections["disk"]}, files[1], measured_by)
+    return files
+
+
 def _cached(path: pathlib.Path) -> Machine | None:
     # A damaged or hand-broken cache entry is measured again rather than failing the run; so is one an earlier
     # version wrote, which lacks a figure measured since (a rate it would otherwise read as 0, not measured)
@@ -187,6 +221,10 @@ def _disk_file(folder: pathlib.Path, key: str, disk_dir: str | os.PathLike[str])
 
 def _quick_probe() -> str:
     return f"a quick slide-scheduler {scheduler_version} probe on {_host()}"
+
+
+def _full_probe() -> str:
+    return f"slide-scheduler {scheduler_version} probe on {_host()}"
 
 
 def _host() -> str:

@@ -96,3 +96,10 @@ def plot_loss(metrics_path: pathlib.Path, out: pathlib.Path) -> pathlib.Path | N
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def step_figures(record: dict, on_gpu: bool) -> str:
+    """A step's figures as its progress line shows them; a run on the CPU has no GPU memory to show."""
+    gpu = f"gpu {record['gpu_peak_gib']:.1f} GiB | " if on_gpu else ""
+    return (f"loss {record['loss']:.3f} | {record['tokens_per_s']:,.0f} tok/s | {record['tflops']:.2f} TFLOP/s | "
+            f"{gpu}host {record['host_rss_gib']:.1f} GiB")

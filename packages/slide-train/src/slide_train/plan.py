@@ -4,6 +4,7 @@ words of the config (what each tier holds, the predicted step, what would make a
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 
 from slide_scheduler import (
@@ -37,6 +38,16 @@ HOST_USABLE = 0.95  # of host memory: the rest for the operating system and the 
 def params_text(count: int) -> str:
     """A parameter count as people say it: 0.8M, 124.4M, 8.03B."""
     return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+
+
+def aux_loss_text(cfg: TrainConfig, hf_config) -> str:
+    """For the model line: a mixture of experts' load-balancing loss, where on, and which HF loop it follows."""
+    if not getattr(hf_config, "output_router_logits", False):
+        return ""
+    how = ("each micro-batch's whole, as transformers.Trainer adds it" if cfg.router_aux_loss == "trainer" else
+           "their mean over the step's micro-batches, as a loop of model(ids, labels=ids).loss / grad_accum has it")
+    return (f"; load-balancing loss x {hf_config.router_aux_loss_coef:g}: {how} "
+            f"(router_aux_loss={cfg.router_aux_loss})")
 
 
 def model_shapes(model, stack, ranks: int = 1) -> Shapes:
@@ -140,6 +151,36 @@ CONFIG_KEYS = {
 }
 ACTIVATIONS_WHERE = {"none": "on the GPU", "cpu": "in host memory", "nvme": "on disk"}
 MORE_TOKENS = 64  # how far past the run's own grad_accum a plan looks for the GPU to bind
+STALL_SHARE = 0.05  # a stall under this share of the step binds nothing (the cost model's own uncertainty)
+
+# The plan's words for slide-scheduler's names (its lanes, phases, kinds of allocation and unit placements);
+# docs/placement.md's glossary explains the terms that remain (unit, edges, block, slot, sliding, resident, master,
+# moments, boundary activations, speculation)
+LANE_WORDS = {"gpu": "GPU compute", "compute": "CPU compute", "pcie_h2d": "copies to the GPU",
+              "pcie_d2h": "copies from the GPU", "gpu_link": "the GPUs' link", "host_memory": "host memory traffic",
+              "host_adamw": "CPU AdamW", "disk": "the disk"}
+PHASE_WORDS = {"exposed_updates": "updates after the backward", "host_backlog": "updates the forward cannot hide"}
+TIER_WORDS = {GPU: "GPU", HOST: "host memory", DISK: "disk"}
+CONTENT_WORDS = {
+    "masters": "fp32 masters", "moments": "AdamW moments", "optimizer scratch": "AdamW scratch",
+    "parameters of masters on disk": "parameter copies of blocks on disk",
+    "masters read for loads": "buffers for masters read from disk",
+    "moments staging": "buffers for moments on disk", "masters staging": "buffers for masters on disk",
+    "gradients to disk": "buffers for gradients on disk",
+    "resident states": "resident masters and AdamW moments",
+    "device-update buffers": "buffers for updates on the GPU", "held gradients": "gradients kept on the GPU",
+    "step readout": "loss and gradient norms",
+    "gradients + boundary activations": "gradients and boundary activations (shared)",
+    "boundary activation rings": "buffers for activations on disk",
+    "speculative parameters": "speculated parameters",
+    "activation landing": "buffers for activations coming back",
+    "workspace": "recompute workspace", "loss chunk + margin": "loss chunk and allocator margin",
+    "runtime": "torch and libraries",
+}
+GRADIENT_WORDS = {"slot": "gradient stays where it is made", "held": "gradient kept on the GPU",
+                  "pool": "gradient in host memory shared with the boundary activations",
+                  "ring": "gradient in a host buffer shared by the blocks",
+                  "own": "gradient in a host buffer of its own", "disk": "gradient on disk"}
 
 
 def step_of(cfg: TrainConfig) -> StepShape:
@@ -238,10 +279,25 @@ def refuse(plan: Plan, cfg: TrainConfig) -> None:
         raise ConfigError(refusal(plan, cfg))
 
 
+def lane_word(lane: str) -> str:
+    return LANE_WORDS.get(lane, lane.replace("_", " "))
+
+
+def binding_lane(plan: Plan) -> str:
+    """The lane the plan says binds the step: the device's compute where it is the largest share of the step
+    (every other lane then only stalls it), else the lane that adds the most to it."""
+    e = plan.estimate
+    compute = "compute" if plan.placement.device_is_host else "gpu"
+    worst = max((lane for lane in e.critical if lane != compute), key=e.critical.get, default=compute)
+    return compute if e.critical[compute] >= e.critical.get(worst, 0.0) else worst
+
+
 def prediction_lines(plan: Plan) -> list[str]:
-    """The predicted step, the lane that binds it and the figures that show it: the step is the sum of its
-    phases; each phase lasts as long as its slowest lane, of which the device's compute is its own and the rest
-    is what another lane adds. The bottleneck adds the most. Where it is not the busiest lane, a line says why."""
+    """The predicted step, what binds it and the figures that show it: the step is the sum of its phases; each
+    phase lasts as long as its slowest lane, of which the device's compute is its own and the rest is what
+    another lane adds (a stall). Where the compute is the largest share the step is GPU-bound (CPU-bound on the
+    CPU), and each stall is named with what it adds; otherwise the lane that adds the most binds it. Where the
+    lane named is not the busiest, a line says why."""
     p, e, u = plan.placement, plan.estimate, plan.estimate_unclipped
     compute = "compute" if p.device_is_host else "gpu"
     device = "the CPU" if p.device_is_host else "the GPU"
@@ -256,30 +312,61 @@ def prediction_lines(plan: Plan) -> list[str]:
     clipped = f" (clipping acts; {num(u.step_s)} {unit} when it does not)" if p.clip else ""
     added = sorted(((lane, s) for lane, s in e.critical.items() if lane != compute and shown(s)),
                    key=lambda item: -item[1])
-    lines = [f"  predicted step {num(e.step_s)} {unit}{clipped}, bound by {e.bottleneck}: {device} computes "
-             f"{num(e.critical[compute])} {unit} of it"
-             + "".join(f", {lane} adds {num(s)} {unit}" for lane, s in added)]
+    stalls = ", ".join(f"{lane_word(lane)} {num(s)} {unit}" for lane, s in added)
+    bound = binding_lane(plan)
+    lines = [f"  predicted step {num(e.step_s)} {unit}{clipped}, "
+             + (f"{device.removeprefix('the ')}-bound" if bound == compute else f"bound by {lane_word(bound)}")
+             + f": {device} computes {num(e.critical[compute])} {unit} of it ({e.critical[compute] / e.step_s:.0%})"
+             + (f"; stalls add {num(sum(s for _, s in added))} {unit}: {stalls}" if added else "; nothing stalls it")]
     lines.append("    " + "; ".join(
-        f"{name.replace('_', ' ')} {num(e.phases[name])} {unit} = "
-        + " + ".join(f"{lane} {num(s)}" for lane, s in e.setters[name].items() if shown(s))
+        f"{PHASE_WORDS.get(name, name)} {num(e.phases[name])} {unit} = "
+        + " + ".join(f"{lane_word(lane)} {num(s)}" for lane, s in e.setters[name].items() if shown(s))
         for name in e.phases if shown(e.phases[name])))
-    lines.append("    busy per step: " + ", ".join(f"{lane} {num(busy)} {unit}" for lane, busy in e.lanes.items()))
+    lines.append("    busy per step: " + ", ".join(f"{lane_word(lane)} {num(busy)} {unit}"
+                                                  for lane, busy in e.lanes.items()))
     busiest = max(e.lanes, key=e.lanes.get)
-    if busiest != e.bottleneck:
+    if busiest != bound:
         rule = "the step is the sum of its phases, each as long as its slowest lane"
-        if e.bottleneck == compute:
-            why = (f"{busiest} is busier than {device}'s compute ({num(e.lanes[busiest])} {unit} against "
-                   f"{num(e.lanes[compute])} {unit}), but {rule}, and {busiest} runs beside {device}'s work: it adds "
-                   f"{num(e.critical.get(busiest, 0.0))} {unit}")
+        if bound == compute:
+            why = (f"{lane_word(busiest)}: busy longer than {device}'s compute ({num(e.lanes[busiest])} {unit} "
+                   f"against {num(e.lanes[compute])} {unit}), but {rule}, and most of it runs beside "
+                   f"{device}'s work: it adds {num(e.critical.get(busiest, 0.0))} {unit}")
         else:
-            where = [name.replace("_", " ") for name, parts in e.setters.items() if parts.get(e.bottleneck, 0) > 0]
-            than = f"{device}'s compute" if busiest == compute else busiest
-            why = (f"{e.bottleneck} is busy less than {than} ({num(e.lanes[e.bottleneck])} {unit} against "
-                   f"{num(e.lanes[busiest])} {unit}), but {rule}: in the {' and the '.join(where)} {e.bottleneck} "
-                   f"outlasts {device}'s work, by {num(e.critical[e.bottleneck])} {unit} in all"
+            where = [PHASE_WORDS.get(name, name) for name, parts in e.setters.items() if parts.get(bound, 0) > 0]
+            than = f"{device}'s compute" if busiest == compute else lane_word(busiest)
+            why = (f"{lane_word(bound)}: busy less than {than} ({num(e.lanes[bound])} {unit} against "
+                   f"{num(e.lanes[busiest])} {unit}), but {rule}: in the {' and the '.join(where)} it outlasts "
+                   f"{device}'s work, by {num(e.critical[bound])} {unit} in all"
                    + ("" if busiest == compute
-                      else f", while {busiest} adds {num(e.critical.get(busiest, 0.0))} {unit}"))
+                      else f", while {lane_word(busiest)} adds {num(e.critical.get(busiest, 0.0))} {unit}"))
         lines.append("    " + why)
+    return lines
+
+
+def unit_lines(p) -> list[str]:
+    """One line per run of units placed alike: where each keeps its parameters, runs its AdamW, keeps its
+    gradient, its master and its moments."""
+    device = "the CPU" if p.device_is_host else "the GPU"
+    where = {GPU: f"on {device}", HOST: "in host memory", DISK: "on disk"}
+    lines = []
+    for u, group in itertools.groupby(range(len(p.units)), key=lambda i: p.units[i]):
+        units = list(group)
+        first, last = units[0], units[-1]
+        blocks = (f"block {last - 1}" if last == max(first, 1) else f"blocks {max(first, 1) - 1}..{last - 1}")
+        name = "edges" if last == 0 else (f"edges, {blocks}" if first == 0 else blocks)
+        update = {"device": f"AdamW on {device}", "stream": "AdamW on the GPU as it loads",
+                  "host": "AdamW on the CPU"}.get(u.update, u.update)
+        states = (f"master and AdamW moments {where.get(u.master, u.master)}" if u.master == u.moments else
+                  f"master {where.get(u.master, u.master)}, AdamW moments {where.get(u.moments, u.moments)}")
+        parts = [f"resident on {device}" if u.resident else "sliding", update, GRADIENT_WORDS.get(u.grad, u.grad),
+                 states]
+        if u.split:
+            parts.append("a clipped update in two parts (master before the next forward, moments after)")
+        if u.speculate:
+            parts.append("speculates")
+        if u.loads == u.master != HOST and not u.resident:
+            parts.append(f"loads read the master from {u.loads}")
+        lines.append(f"    {name}: {'; '.join(parts)}")
     return lines
 
 
@@ -308,9 +395,10 @@ def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None
     tiers = p.tiers()
 
     def tier_line(tier: str, budget: float | None) -> str:
-        parts = ", ".join(f"{kind} {nbytes / GIB:.2f}" for kind, nbytes in tiers[tier].items())
+        parts = ", ".join(f"{CONTENT_WORDS.get(kind, kind)} {nbytes / GIB:.2f}" for kind, nbytes in tiers[tier].items()
+                          if round(nbytes / GIB, 2))  # (a few bytes, the loss and norms: no 0.00)
         cap = "" if budget is None else f" of {budget / GIB:.1f} usable"
-        return f"  {tier} ~{p.bytes(tier) / GIB:.1f} GiB{cap}: {parts or 'nothing'}"
+        return f"  {TIER_WORDS.get(tier, tier)} ~{p.bytes(tier) / GIB:.1f} GiB{cap}: {parts or 'nothing'}"
 
     def counted(n: int, one: str, many: str) -> str:  # "1 block updates", "2 blocks update"
         return f"{n} {one if n == 1 else many}"
@@ -332,7 +420,7 @@ def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None
     device = "host memory (CPU run)" if p.device_is_host else "the GPU"
     lines = [f"plan: {len(p.resident)} of {plural(len(p.units), 'unit')} resident on {device}, {sliding} sliding "
              f"through {plural(p.window, 'slot')}; " + ", ".join(parts)]
-    groups = p.describe()
+    groups = unit_lines(p)
     if len(groups) > 8:
         groups = [f"    ({len(groups)} runs of units placed alike: `plan --json` lists each unit)"]
     lines += groups
@@ -355,11 +443,11 @@ def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None
         auto = cfg is not None and cfg.engine.nvme.fraction == "auto" and p.on_disk
         folder = f" in {nvme_folder(cfg)}" if cfg is not None else ""
         lines.append(f"  {'host memory alone does not hold this run: ' if auto else ''}the disk tier{folder} reads "
-                     f"{read / 1e9:.0f} GB and writes {written / 1e9:.0f} GB per step, busy "
+                     f"{read / GIB:.0f} GiB and writes {written / GIB:.0f} GiB per step, busy "
                      f"{plan.estimate.lanes['disk']:.1f} s of the {plan.estimate.step_s:.1f} s step")
         if machine is not None and machine.disk.tbw and written:
-            steps = machine.disk.tbw * 1e12 / written
-            lines.append(f"  drive wear: at {written / 1e12:.2f} TB written per step, the drive's rated "
+            steps = machine.disk.tbw * 1e12 / written  # (a drive's rating counts terabytes of 1e12 bytes)
+            lines.append(f"  drive wear: at {written / GIB:,.0f} GiB written per step, the drive's rated "
                          f"{machine.disk.tbw:g} TBW lasts ~{steps:,.0f} steps "
                          f"(~{steps * plan.estimate.step_s / 86400:,.1f} days of this run)")
     if machine is not None and machine.disk.path and p.bytes(DISK):
@@ -375,21 +463,17 @@ def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None
         q = s.plan.placement
         tokens = q.step.tokens_per_micro * q.step.micro_batches
         now = p.step.tokens_per_micro * p.step.micro_batches
-        lines.append(f"  more tokens per step: at {' '.join(setting_args(s))} ({tokens} tokens) {device_name(p)} "
-                     f"would bind, {s.plan.estimate.step_s:.2f} s per step ({tokens / s.plan.estimate.step_s:,.0f} "
-                     f"tokens/s against {now / plan.estimate.step_s:,.0f} now)")
+        lines.append(f"  more tokens per step: at {' '.join(setting_args(s))} ({tokens} tokens) every stall would "
+                     f"add under {STALL_SHARE:.0%} of the step, {s.plan.estimate.step_s:.2f} s per step "
+                     f"({tokens / s.plan.estimate.step_s:,.0f} tokens/s against {now / plan.estimate.step_s:,.0f} now)")
     elif plan.fits and plan.estimate.bottleneck not in ("gpu", "compute"):
-        lines.append(f"  more tokens per step: no grad_accum up to {MORE_TOKENS} times this one that fits makes "
-                     f"{device_name(p)} bind")
+        lines.append(f"  more tokens per step: no grad_accum up to {MORE_TOKENS} times this one that fits brings "
+                     f"every stall under {STALL_SHARE:.0%} of the step")
     lines += [f"  does NOT fit: {problem}" for problem in plan.problems]
     if not plan.fits and cfg is not None:
         head, *suggestions = _advice_lines(plan, cfg)
         lines += ["  " + head, *suggestions]
     return "\n".join(lines)
-
-
-def device_name(p) -> str:
-    return "the CPU's compute" if p.device_is_host else "the GPU"
 
 
 def nvme_folder(cfg: TrainConfig) -> str:

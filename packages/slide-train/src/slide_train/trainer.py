@@ -47,12 +47,13 @@ from .export import MARKER as EXPORT_MARKER
 from .export import base_dir, export_dtype, export_hf, export_size, is_earlier_export, layout_tensors, save_base_files
 from .log import LOG_FILE, open_run_log, say
 from .machines import resolve_machine
-from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics
+from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics, step_figures
 from .models.build import BASE_MODEL_DIR, check_fits, load_model, saved_model_source
 from .models.loss import loss_rows
-from .plan import advise, budgets_for, describe, facts_of, make_plan, model_shapes, params_text, refuse
+from .plan import advise, aux_loss_text, budgets_for, describe, facts_of, make_plan, model_shapes, params_text, refuse
 from .preflight import check_writable
 from .progress import bar
+from .resume import find_checkpoint, saved_config
 from .schedule import lr_at
 from .space import Size
 
@@ -160,7 +161,8 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True, ra
         cuda = False
     run = facts_of(cfg, str(device), ranks)
     kernels = e.kernels == "on" or (e.kernels == "auto" and cuda)
-    stack = model.stack(kernels=kernels)
+    stack = model.stack(kernels=kernels, aux_loss_mean_of=cfg.grad_accum * ranks  # (every rank's micro-batches)
+                        if cfg.router_aux_loss == "per_micro_batch" else 1)
     shapes = model_shapes(model, stack, ranks)
 
     def planned(machine: Machine):
@@ -305,7 +307,8 @@ def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, progress: bool = True, machine: Machine | None = None):
+    def __init__(self, cfg: TrainConfig, progress: bool = True, machine: Machine | None = None,
+                 checkpoint: pathlib.Path | None = None):  # (one `resumed_config` found and verified)
         self.cfg = cfg
         self.progress = progress
         self.run_dir = pathlib.Path(cfg.output_dir)
@@ -321,7 +324,7 @@ class Trainer:
                 "another output_dir")
         resolve_device(cfg.engine.device)  # before minutes of loading
         self.ranks = join(cfg.engine.device)
-        self._resume_path = self._find_checkpoint() if cfg.resume else None
+        self._resume_path = checkpoint or (find_checkpoint(cfg) if cfg.resume else None)
         if self._resume_path is not None:
             self.cfg = cfg = self._keep_global_batch(cfg, self._resume_path)
         torch.manual_seed(cfg.seed)
@@ -388,7 +391,7 @@ class Trainer:
         checkpoint = export = Size(0)
         if cfg.checkpoint.keep:
             state = {"step": cfg.steps, "total_steps": cfg.steps, "data": self.data.train.state_dict(),
-                     "model": self.model.identity, "config": to_dict(cfg)}  # trainer.json, as a checkpoint has it
+                     "model": self.model.identity, "config": saved_config(cfg)}  # a checkpoint's trainer.json
             checkpoint = ckpt.checkpoint_size(numels, plan.placement.resident, cfg.engine.states_dtype, state,
                                               cfg.steps)
         if cfg.export:
@@ -429,16 +432,6 @@ class Trainer:
     def lead(self) -> bool:
         """Whether this process writes the run's files (the first rank; every rank computes)."""
         return self.ranks.lead
-
-    def _find_checkpoint(self) -> pathlib.Path | None:
-        """The verified checkpoint --resume names (auto: the latest intact one; None: nothing saved yet)."""
-        if self.cfg.resume == "auto":  # find_resumable returns a verified checkpoint
-            return ckpt.find_resumable(self.checkpoints)
-        path = pathlib.Path(self.cfg.resume)
-        if not path.is_dir():
-            raise ckpt.CheckpointError(f"resume: checkpoint {path} does not exist")
-        ckpt.verify(path)
-        return path
 
     def _keep_global_batch(self, cfg: TrainConfig, path: pathlib.Path) -> TrainConfig:
         """A checkpoint of a run with another rank count resumes with the rows per step it had: grad_accum
@@ -513,7 +506,7 @@ class Trainer:
         if not self.cfg.checkpoint.keep:
             return None
         state = {"step": self.step_index, "total_steps": self.total_steps, "data": self.data.train.state_dict(),
-                 "model": self.model.identity, "config": to_dict(self.cfg), "ranks": self.ranks.size}
+                 "model": self.model.identity, "config": saved_config(self.cfg), "ranks": self.ranks.size}
         checked = self._finite_at == self.step_index
         check = None if checked else lambda name, master: self._check_master("checkpoint", name, master)
         while True:
@@ -658,7 +651,7 @@ class Trainer:
         ranks = self.ranks.size
         tokens = cfg.micro_batch_size * cfg.grad_accum * cfg.seq_len * ranks
         return (f"model: {self.model.name} ({self.model.hf_config.model_type}, {params_text(self.num_params)} "
-                f"params, {e.num_blocks} blocks)\n{self.data.summary()}\n"
+                f"params, {e.num_blocks} blocks){aux_loss_text(cfg, self.model.hf_config)}\n{self.data.summary()}\n"
                 f"steps: {self.total_steps} x {cfg.grad_accum} micro-batches of {cfg.micro_batch_size} x "
                 f"{cfg.seq_len}{f' on each of {ranks} ranks' if ranks > 1 else ''} = {tokens} tokens per step"
                 f"{' (host memory below: one rank)' if ranks > 1 else ''}\n"
@@ -695,15 +688,11 @@ class Trainer:
         while self.step_index < self.total_steps:
             last = self.step()
             steps.update(1)
-            figures = (f"loss {last['loss']:.3f} | {last['tokens_per_s']:,.0f} tok/s | "
-                       f"{last['tflops']:.2f} TFLOP/s | gpu {last['gpu_peak_gib']:.1f} GiB | "
-                       f"host {last['host_rss_gib']:.1f} GiB")
+            figures = step_figures(last, on_gpu=self.engine.device.type == "cuda")
             steps.set_postfix_str(figures)
             i = self.step_index
-            if self.progress and not bar_shown and (i % line_every == 0 or i == self.total_steps or i == 1):
-                say(f"step {i}/{self.total_steps}: {figures}")
-            elif bar_shown and (i % line_every == 0 or i == self.total_steps or i == 1):
-                say(f"step {i}/{self.total_steps}: {figures}", screen=False)  # (the bar shows it; log.txt keeps it)
+            if i % line_every == 0 or i == self.total_steps or i == 1:  # log.txt keeps each, bar or --no-progress
+                say(f"step {i}/{self.total_steps}: {figures}", screen=self.progress and not bar_shown)
             if cfg.eval_every and self.step_index % cfg.eval_every == 0:
                 ev = self.evaluate()
                 say(f"step {self.step_index}: validation loss {ev['eval_loss']:.4f} (ppl {ev['eval_ppl']:.2f})")

@@ -29,6 +29,7 @@ class DataConfig:
     pack: bool = True  # pack short examples into seq_len rows
     eval_fraction: float = 0.0  # held-out share of examples for validation loss
     eval_batches: int = 4
+    allow_unknown_tokens: bool = False  # train where over half the tokens are unknown to the tokenizer
 
 
 def check_config(cfg: DataConfig, seq_len: int, micro_batch_size: int) -> None:

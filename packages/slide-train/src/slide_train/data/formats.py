@@ -32,7 +32,7 @@ from .config import DataConfig, DataError
 from .conversations import SHAREGPT_ROLES, RoleMap, chat_messages, sharegpt_messages
 from .corpus import builtin_corpus_path
 from .sources import ROW_FILES, Record, Records, check_file, get_key, has_rows, read_documents, read_rows
-from .tokenizer import check_tokenizer
+from .tokenizer import UNKNOWN_SAMPLE, UnknownShare, check_tokenizer, judge_unknown, unknown_share
 
 IGNORE = -100
 ENCODE_BATCH = 1024  # documents per tokenizer call: parallel inside a call, progress shown between calls
@@ -66,6 +66,17 @@ class ExampleSet:
     dropped: int = 0  # examples with no loss token (empty, or all cut off by truncation)
     dropped_rows: list[int] = field(default_factory=list)  # the first DROPPED_SHOWN rows of dropped examples
     unit: str = "row"  # what the record numbers count: "line" (jsonl, text) or "row"
+    # `tokens` rows longer than seq_len are cut into pieces: those of them with no loss token, dropped
+    dropped_pieces: int = 0
+    dropped_piece_tokens: int = 0
+    dropped_piece_rows: list[int] = field(default_factory=list)
+    # The first UNKNOWN_SAMPLE records' (text, ids, where) until measured, and what was measured of them
+    probe: list[tuple[str, list[int], str]] = field(default_factory=list)
+    unknown: UnknownShare | None = None
+
+    def probed(self, text: str, ids: list[int], record: Record) -> None:
+        if len(self.probe) < UNKNOWN_SAMPLE:
+            self.probe.append((text, list(ids), record.where))
 
     def add(self, ids: list[int], labels: list[int], record: Record, splittable: bool = False) -> None:
         """One example of the record, or a drop when none of its tokens has a loss (e.g. a conversation with no
@@ -84,13 +95,21 @@ class ExampleSet:
         if len(self.dropped_rows) < DROPPED_SHOWN and row not in self.dropped_rows:
             self.dropped_rows.append(row)
 
-    def dropped_where(self) -> str:
-        """ "lines 2, 5, 9" (or "rows ..."), "..." past the first DROPPED_SHOWN; "" when none was dropped."""
-        if not self.dropped_rows:
+    def drop_piece(self, row: int, tokens: int) -> None:
+        self.dropped_pieces += 1
+        self.dropped_piece_tokens += tokens
+        if len(self.dropped_piece_rows) < DROPPED_SHOWN and row not in self.dropped_piece_rows:
+            self.dropped_piece_rows.append(row)
+
+    def dropped_where(self, pieces: bool = False) -> str:
+        """ "lines 2, 5, 9" (or "rows ..."), "..." past the first DROPPED_SHOWN; "" when none was dropped.
+        `pieces`: the rows of the dropped pieces instead."""
+        rows, count = (self.dropped_piece_rows, self.dropped_pieces) if pieces else (self.dropped_rows, self.dropped)
+        if not rows:
             return ""
-        more = ", ..." if self.dropped > len(self.dropped_rows) else ""
-        unit = self.unit if len(self.dropped_rows) == 1 and not more else self.unit + "s"
-        return f"{unit} {', '.join(map(str, self.dropped_rows))}{more}"
+        more = ", ..." if count > len(rows) else ""
+        unit = self.unit if len(rows) == 1 and not more else self.unit + "s"
+        return f"{unit} {', '.join(map(str, rows))}{more}"
 
 
 def _counted(out: ExampleSet, records: Iterable[Record]) -> Iterator[Record]:
@@ -124,7 +143,8 @@ def _text_examples(out: ExampleSet, records: Records, cfg: DataConfig, tokenizer
     for batch in _progress(_batched(_counted(out, records), ENCODE_BATCH), batches,
                            f"{records.path.name} (batches)", progress):
         texts = [r.value if isinstance(r.value, str) else get_key(r.value, cfg.text_key, r.where) for r in batch]
-        for record, ids in zip(batch, tokenizer(texts, add_special_tokens=False)["input_ids"]):
+        for record, text, ids in zip(batch, texts, tokenizer(texts, add_special_tokens=False)["input_ids"]):
+            out.probed(text, ids, record)
             if not ids:  # an empty document: bos then eos would teach only that documents can be empty
                 out.drop(record.number)
                 continue
@@ -165,7 +185,7 @@ def _trained_spans(tokenizer, text: str, spans: list[tuple[int, int]]):
     return ids, labels
 
 
-def _alpaca_example(row: dict, where: str, tokenizer) -> tuple[list[int], list[int]]:
+def _alpaca_example(row: dict, where: str, tokenizer) -> tuple[list[int], list[int], str]:
     instruction = get_key(row, "instruction", where)
     input = get_key(row, "input", where, (str, type(None)), required=False) or ""
     output = get_key(row, "output", where)
@@ -173,7 +193,7 @@ def _alpaca_example(row: dict, where: str, tokenizer) -> tuple[list[int], list[i
     text = prompt + output
     ids, labels = _trained_spans(tokenizer, text, [(len(prompt), len(text))])
     bos, eos = _bos(tokenizer), _eos(tokenizer)
-    return bos + ids + eos, [IGNORE] * len(bos) + labels + eos
+    return bos + ids + eos, [IGNORE] * len(bos) + labels + eos, text
 
 
 def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, where: str) -> str:
@@ -185,7 +205,7 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, where:
         raise DataError(f"{where}: the tokenizer's chat template failed on this conversation ({e})") from e
 
 
-def _chat_example(messages: list[dict], where: str, tokenizer) -> tuple[list[int], list[int]]:
+def _chat_example(messages: list[dict], where: str, tokenizer) -> tuple[list[int], list[int], str]:
     """Loss on assistant turns only, found by rendering prefixes of the conversation.
 
     Assistant turn i spans from the end of render(messages[:i], add_generation_prompt=True) to the end
@@ -207,7 +227,7 @@ def _chat_example(messages: list[dict], where: str, tokenizer) -> tuple[list[int
                 "does not render the conversation turn by turn (a prefix renders differently from the whole)"
             )
         spans.append((len(start), len(end)))
-    return _trained_spans(tokenizer, full, spans)
+    return *_trained_spans(tokenizer, full, spans), full
 
 
 def _tokens_examples(out: ExampleSet, records: Iterable[Record], tokenizer, seq_len: int,
@@ -232,11 +252,18 @@ def _tokens_examples(out: ExampleSet, records: Iterable[Record], tokenizer, seq_
                             f"has {len(ids)}")
         if not all(type(t) is int and (t == IGNORE or 0 <= t < vocab) for t in labels):
             raise DataError(f"{where}: 'labels' must be integers in [0, {vocab}) or -100")
-        if not ids:
+        # Each piece's first label is masked (`add`): a piece of one token, the overflow of a row one token
+        # longer than seq_len, has none left. The row is dropped only when none of its pieces trains.
+        pieces = [(ids[a : a + seq_len], labels[a : a + seq_len]) for a in range(0, len(ids), seq_len)]
+        trains = [any(t != IGNORE for t in piece_labels[1:]) for _, piece_labels in pieces]
+        if not any(trains):
             out.drop(record.number)
             continue
-        for a in range(0, len(ids), seq_len):
-            out.add(ids[a : a + seq_len], labels[a : a + seq_len], record, splittable=splittable)
+        for (piece, piece_labels), kept in zip(pieces, trains):
+            if kept:
+                out.add(piece, piece_labels, record, splittable=splittable)
+            else:
+                out.drop_piece(record.number, len(piece))
 
 
 def _row_examples(out: ExampleSet, records: Records, cfg: DataConfig, tokenizer, seq_len: int,
@@ -252,7 +279,8 @@ def _row_examples(out: ExampleSet, records: Records, cfg: DataConfig, tokenizer,
             return _chat_example(messages(row, where, roles), where, tokenizer)
 
     for record in _progress(_counted(out, records), records.total, records.path.name, progress):
-        ids, labels = make(record.value, record.where, tokenizer)
+        ids, labels, text = make(record.value, record.where, tokenizer)
+        out.probed(text, ids, record)
         if len(ids) > seq_len:
             ids, labels = ids[:seq_len], labels[:seq_len]
             out.truncated += 1
@@ -288,6 +316,10 @@ def load_examples(cfg: DataConfig, tokenizer, seq_len: int, vocab_size: int | No
         _tokens_examples(out, _counted(out, records), tokenizer, seq_len, vocab_size)
     else:
         _row_examples(out, records, cfg, tokenizer, seq_len, progress)
+    if cfg.format != "tokens":  # (ids given as such are the model's by construction)
+        out.unknown = unknown_share(tokenizer, out.probe)
+        out.probe = []
+        judge_unknown(out.unknown, tokenizer, path, cfg.allow_unknown_tokens)
     if not out.examples:
         raise DataError(_empty_reason(out, cfg, seq_len))
     return out

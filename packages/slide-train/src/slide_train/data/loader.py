@@ -131,6 +131,11 @@ class TokenData:
         if self.eval is not None:
             batches = plural(len(self.eval), "micro-batch", "micro-batches")
             text += f"; {plural(s['eval_examples'], 'eval example')} in {batches}"
+        if self.loaded.unknown is not None:
+            text += f"; {self.loaded.unknown.text()} unknown"
+        if s["dropped_pieces"]:
+            text += (f"; {plural(s['dropped_pieces'], 'piece')} of rows longer than seq_len dropped (no loss token: "
+                     f"{self.loaded.dropped_where(pieces=True)})")
         if s["truncated"] or s["dropped"]:
             text += f"; {s['truncated']} truncated, {s['dropped']} dropped (no loss token"
             text += f": {self.loaded.dropped_where()})" if s["dropped"] else ")"
@@ -172,6 +177,16 @@ def build_data(cfg: DataConfig, tokenizer, seq_len: int, micro_batch_size: int, 
             f"({loaded.dropped_where()}){hint}",
             stacklevel=2,
         )
+    if loaded.dropped_pieces:
+        one = loaded.dropped_pieces == 1
+        warnings.warn(
+            f"{loaded.source}: rows longer than seq_len={seq_len} are cut into pieces of {seq_len} tokens, each "
+            f"piece's first token without a loss; {plural(loaded.dropped_pieces, 'piece')} "
+            f"({plural(loaded.dropped_piece_tokens, 'token')} in all) {'has' if one else 'have'} no token with a "
+            f"loss left and {'was' if one else 'were'} dropped ({loaded.dropped_where(pieces=True)}); the rest of "
+            f"{'its row' if one else 'their rows'} trains",
+            stacklevel=2,
+        )
     train_idx, eval_idx = split_eval(len(loaded.examples), cfg.eval_fraction, seed, loaded.source)
     pad = pad_id(tokenizer)
     train_examples = [loaded.examples[i] for i in train_idx]
@@ -196,5 +211,7 @@ def build_data(cfg: DataConfig, tokenizer, seq_len: int, micro_batch_size: int, 
         "eval_examples": len(eval_idx),
         "truncated": loaded.truncated,
         "dropped": loaded.dropped,
+        "dropped_pieces": loaded.dropped_pieces,
+        "unknown_share": None if loaded.unknown is None else loaded.unknown.share,
     }
     return TokenData(train=train, eval=eval_batches, stats=stats, loaded=loaded)

@@ -44,7 +44,9 @@ def render_examples(cfg: DataConfig, tokenizer, seq_len: int, n: int = 3, loaded
         f"{loaded.source} (format {cfg.format}): {plural(len(loaded.examples), 'example')} "
         f"from {plural(loaded.records, 'record')}; "
         f"{loaded.truncated} truncated to seq_len={seq_len}, {loaded.dropped} dropped (no loss token"
-        + (f": {loaded.dropped_where()})" if loaded.dropped else ")"),
+        + (f": {loaded.dropped_where()})" if loaded.dropped else ")")
+        + (f"; {plural(loaded.dropped_pieces, 'piece')} of rows longer than seq_len dropped (no loss token: "
+           f"{loaded.dropped_where(pieces=True)})" if loaded.dropped_pieces else ""),
     ] if summary else []
     lines.append(f"text inside {OPEN} {CLOSE} has no loss (label -100); the rest is trained on")
     for ex in loaded.examples[:n]:

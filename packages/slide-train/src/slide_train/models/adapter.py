@@ -19,6 +19,10 @@ layer's expert counts and router-probability sums there, the tail (which the eng
 the loss and its gradient w.r.t. each layer's probability sums, and each block's backward recompute passes that
 gradient to its router (`_RouterGradient`). Without the loss the counts are still recorded, for the step's
 record of the experts' load; nothing reaches the gradients.
+
+Each micro-batch's term enters the step whole, as in the loop `transformers.Trainer` runs (`num_items_in_batch`:
+the language-model loss is a share of the step's, the load-balancing term is not divided); `aux_loss_mean_of`, the
+step's micro-batch count, makes it their mean instead, as in a loop of `model(ids, labels=ids).loss / grad_accum`.
 """
 
 from __future__ import annotations
@@ -126,11 +130,12 @@ class Edges(nn.Module):
     def __init__(self, embed_tokens: nn.Embedding, rotary: nn.Module | None, norm: nn.Module, lm_head: nn.Linear,
                  windows: dict[str, int | None] | None = None, *, embed_scale: float | None = None,
                  embed_scale_rounded: bool = False, logits_divisor: float | None = None, softcap: float | None = None,
-                 eager: bool = False, routing: tuple[float | None, int] | None = None):
+                 eager: bool = False, routing: tuple[float | None, int] | None = None, aux_loss_mean_of: int = 1):
         super().__init__()
         # A mixture of experts' (router_aux_loss_coef where its load-balancing loss is on, else None; number of
         # experts): the routing is counted either way, for the metrics
         self.routing = routing
+        self.aux_loss_mean_of = aux_loss_mean_of  # each micro-batch's load-balancing term is divided by this
         self._routing: list[tuple[torch.Tensor | None, torch.Tensor]] = []  # this step's (loss, expert counts)
         self.embed_tokens, self.rotary, self.norm, self.lm_head = embed_tokens, rotary, norm, lm_head
         self.windows = dict(windows) if windows else {"full_attention": None}
@@ -206,11 +211,13 @@ class Edges(nn.Module):
             if torch.is_grad_enabled():
                 self._routing.append((None, stats.counts()))
             return loss
-        aux, counts = stats.loss(coef, experts)
+        # transformers' loss: the language-model loss plus coef times this micro-batch's load-balancing loss
+        # (the step's mean of them with aux_loss_mean_of micro-batches); the routers' gradient follows the weight
+        weight = coef / self.aux_loss_mean_of
+        aux, counts = stats.loss(weight, experts)
         if torch.is_grad_enabled():  # a training step's, not an evaluation's
             self._routing.append((aux.detach(), counts))
-        # transformers' loss: the language-model loss plus coef times this micro-batch's load-balancing loss
-        return loss + coef * aux.to(loss.dtype)
+        return loss + weight * aux.to(loss.dtype)
 
     def routing_summary(self) -> dict[str, float] | None:
         """The last step's least and most loaded experts' share of the top-k picks over all layers, as a multiple
@@ -280,8 +287,10 @@ def layer_shapes(layers: nn.ModuleList) -> list[str]:
 class HFStack:
     """`slide_scheduler.Stack` for an HF causal LM given its config and a weight source."""
 
-    def __init__(self, config: transformers.PretrainedConfig, weights, kernels: bool = False):
+    def __init__(self, config: transformers.PretrainedConfig, weights, kernels: bool = False,
+                 aux_loss_mean_of: int = 1):
         self.family = family = check_supported(config)
+        self.aux_loss_mean_of = aux_loss_mean_of  # (Edges)
         if kernels and (family.unfused or not family.kernels):  # only what is left on the torch path
             warnings.warn(f"engine.kernels: {family.title} ({family.model_type}) runs {kernel_note(family)}",
                           stacklevel=2)
@@ -334,7 +343,7 @@ class HFStack:
         edges = Edges(embed, rotary, norm, lm_head, self.windows, embed_scale=scale,
                       embed_scale_rounded=family.embed_sqrt_hidden,
                       logits_divisor=float(divisor) if divisor != 1.0 else None, softcap=self.softcap,
-                      eager=self.eager, routing=self.routing)
+                      eager=self.eager, routing=self.routing, aux_loss_mean_of=self.aux_loss_mean_of)
         if self.kernels:
             slide_kernels.apply_to(_Patchable(cfg, edges))
         return edges

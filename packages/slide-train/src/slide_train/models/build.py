@@ -33,8 +33,10 @@ class ModelBundle:
         """What names this model however it was typed: a preset's name, or its directory's resolved path."""
         return self.name if self.name in PRESETS else str(pathlib.Path(self.name).resolve())
 
-    def stack(self, kernels: bool = False) -> HFStack:
-        return HFStack(self.hf_config, self.weights, kernels=kernels)
+    def stack(self, kernels: bool = False, aux_loss_mean_of: int = 1) -> HFStack:
+        """`aux_loss_mean_of`: a mixture of experts' load-balancing term is the mean over this many micro-batches
+        (1: each micro-batch's whole, as transformers.Trainer adds it)."""
+        return HFStack(self.hf_config, self.weights, kernels=kernels, aux_loss_mean_of=aux_loss_mean_of)
 
 
 def load_model(name: str, seed: int = 0, need_tokenizer: bool = True, need_weights: bool = True) -> ModelBundle:
@@ -49,6 +51,9 @@ def load_model(name: str, seed: int = 0, need_tokenizer: bool = True, need_weigh
     if not path.exists():
         raise ModelError(f"model {name!r} is neither a built-in preset ({', '.join(PRESETS)}) nor an existing "
                          "directory; give the path of a local HF model directory")
+    if path.is_file():  # (a model directory's config.json or weights file, given for the directory)
+        raise ModelError(f"model {name!r} is a file: give the Hugging Face model directory that holds config.json, "
+                         f"the weights (*.safetensors) and the tokenizer files (perhaps {path.parent})")
     if not (path / "config.json").is_file():
         raise ModelError(f"{path} has no config.json: is it a Hugging Face model directory?")
     refuse_remote_code(path / "config.json")
