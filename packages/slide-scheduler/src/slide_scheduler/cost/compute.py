@@ -1,0 +1,68 @@
+"""The compute lane: each block's forward and backward over the step (its GEMMs, a mixture's routed experts,
+its attention, the kernels' launches) and the tail's loss."""
+
+from __future__ import annotations
+
+from ..placement import Placement
+from .rates import Rates
+from .work import boundary_bytes, step_tokens
+
+LAUNCH_S = 1.5e-4  # per block, micro-batch and pass: the fixed cost of launching its kernels
+
+
+def attention_pairs(seq: int, window: int = 0) -> float:
+    """(query, key) pairs of one row's causal attention, each query seeing itself and the `window` - 1 tokens
+    before it (0: every token before it): S^2 / 2 for a whole row."""
+    w = min(window or seq, seq)
+    return seq * w - w * w / 2
+
+
+def attention_s(p: Placement, r: Rates, unit: int) -> float:
+    """Block `unit`'s causal attention forward over the step, in causal_attention_flops' count: 4 FLOPs per
+    (query, key) pair and attention width, every row."""
+    s, seq = p.shapes, p.step.seq_len or p.step.tokens_per_micro
+    rows = step_tokens(p) / seq
+    return 4 * attention_pairs(seq, s.window(unit)) * (s.attention_width or s.hidden) * rows / r.attention
+
+
+def gemms_s(p: Placement, r: Rates, unit: int) -> float:
+    """Block `unit`'s GEMMs forward over the step: 2 FLOPs per parameter a token computes with, and token."""
+    return 2 * p.shapes.active(unit) * step_tokens(p) / r.gemms
+
+
+def routed_experts_s(p: Placement, r: Rates, unit: int) -> float:
+    """What a mixture's routed experts add to (or take from) block `unit`'s GEMMs where their own rate is
+    measured: their share of the GEMMs' FLOPs at that rate instead."""
+    if not r.experts:
+        return 0.0
+    return 2 * p.shapes.routed(unit) * step_tokens(p) * (1 / r.experts - 1 / r.gemms)
+
+
+def forward_s(p: Placement, r: Rates, unit: int) -> float:
+    return gemms_s(p, r, unit) + routed_experts_s(p, r, unit) + attention_s(p, r, unit)
+
+
+def launches_s(p: Placement, r: Rates) -> float:
+    """One block's kernel launches in one pass, every micro-batch (none to speak of on a CPU device)."""
+    return LAUNCH_S * p.step.micro_batches if r.pcie else 0.0
+
+
+def block_compute(p: Placement, r: Rates) -> tuple[list[float], list[float]]:
+    """Each block's compute seconds in the forward and in the backward, which recomputes the forward and runs
+    back at twice its work. With one landing set of activation buffers the backward also waits for each block's
+    boundary activations to cross (only once the block after it is done)."""
+    offloaded = p.boundaries_in("none") < p.shapes.num_blocks
+    fetch = boundary_bytes(p) / r.h2d if r.pcie and offloaded and p.landing_sets == 1 else 0.0
+    launch = launches_s(p, r)
+    units = range(1, p.shapes.num_blocks + 1)
+    forward = [forward_s(p, r, u) + launch for u in units]
+    backward = [3 * forward_s(p, r, u) + 2 * launch + fetch for u in units]
+    return forward, backward
+
+
+def tail_s(p: Placement, r: Rates) -> float:
+    """The loss: the output projection forward and backward (6 FLOPs per parameter and token), and on a CPU
+    device the hidden states it reads through host memory."""
+    s, tokens = p.shapes, step_tokens(p)
+    vocab_numel = s.vocab * s.hidden if s.vocab else s.unit_numels[0] // 2
+    return 6 * vocab_numel * tokens / r.gemms + 2 * tokens * s.hidden * p.compute_bytes / r.memory * (not r.pcie)

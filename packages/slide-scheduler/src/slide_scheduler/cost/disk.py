@@ -1,0 +1,79 @@
+"""The disk lane, every term of it: masters read for each load where their parameters have no copy in host
+memory, the states of each block on disk read in ahead of its update and written back after it (its gradient
+too where that waits there), and the boundary activations on disk. Each byte also crosses host memory."""
+
+from __future__ import annotations
+
+from ..placement import Placement, UnitPlacement, early_reads_wait, kind_of
+from .rates import Rates
+from .work import PhaseWork, Work, boundary_bytes, loads_from_disk, master_on_disk
+
+
+def read(w: PhaseWork, nbytes: float, r: Rates) -> None:
+    w.disk += nbytes / r.disk_read
+    w.host_bytes += nbytes
+
+
+def write(w: PhaseWork, nbytes: float, r: Rates) -> None:
+    w.disk += nbytes / r.disk_write
+    w.host_bytes += nbytes
+
+
+def state_bytes_on_disk(p: Placement, unit: UnitPlacement) -> int:
+    """Per parameter: the AdamW moments, and the fp32 master where it is there too."""
+    return 2 * p.state_bytes + (4 if master_on_disk(unit) else 0)
+
+
+def block_disk(p: Placement, r: Rates) -> Work:
+    """Deferred (with clipping), a block's states are read under the next forward, ahead of its update, and
+    written back after it; the first updates' reads run under the backward, one per staging slot, where nothing
+    the backward waits for reads the disk then. Not deferred, both run under the backward."""
+    work = Work()
+    fwd, bwd = work.forward, work.backward
+    staged_early, waits = 0, p.deferred
+    for u in p.sliding_blocks:
+        unit, numel = p.units[u], p.shapes.unit_numels[u]
+        if loads_from_disk(unit):  # its master as it loads, each pass
+            read(fwd, 4 * numel, r)
+            read(bwd, 4 * numel, r)
+        if kind_of(unit.moments) != "files":
+            continue
+        early = waits and staged_early < p.staging_slots and not early_reads_wait(p)
+        staged_early += early
+        reads, writes = (bwd if early or not waits else fwd), work.update_phase(waits)
+        states = state_bytes_on_disk(p, unit) * numel
+        read(reads, states, r)
+        write(writes, states, r)
+        if master_on_disk(unit) and not loads_from_disk(unit):  # the update writes the loads' copy too
+            writes.host_bytes += p.compute_bytes * numel
+        if unit.grad == "disk":  # written as the backward makes it, read back with the states
+            write(bwd, p.compute_bytes * numel, r)
+            read(reads, p.compute_bytes * numel, r)
+    return work
+
+
+def boundary_disk(p: Placement, r: Rates) -> Work:
+    """The boundary activations on disk: written in the forward, read in the backward."""
+    work, nbytes = Work(), p.boundaries_in("nvme") * boundary_bytes(p)
+    write(work.forward, nbytes, r)
+    read(work.backward, nbytes, r)
+    return work
+
+
+def disk_traffic(p: Placement) -> tuple[int, int]:
+    """Bytes the disk tier reads and writes per step, as `price` moves them: the states of each block there
+    (its AdamW moments, and its master where that is there too) read and written back once, a master read for
+    each load (forward and backward) where its parameters have no copy in host memory, and the boundary
+    activations on disk written in the forward and read in the backward."""
+    s, t = p.shapes, p.step
+    read = written = 0
+    for u in p.on_disk:
+        numel = s.unit_numels[u]
+        states = (2 * p.state_bytes + (4 if u in p.masters_on_disk else 0)) * numel
+        read, written = read + states, written + states
+    read += sum(2 * 4 * s.unit_numels[u] for u in p.loads_from_disk)
+    grads = sum(p.compute_bytes * s.unit_numels[u] for u in p.grads_on_disk)  # written, then read back
+    read, written = read + grads, written + grads
+    boundaries = p.boundaries_in("nvme") * t.tokens_per_micro * s.hidden * p.compute_bytes * t.micro_batches
+    read, written = read + boundaries, written + boundaries
+    return read, written
