@@ -5,13 +5,16 @@ fp32 master weights on the host.
 """
 
 from .__about__ import __version__
-from .adamw import AdamWConfig, FlatAdamW, HostAdamW, StreamedStep
+from .adamw import BLOCK_PER_THREAD, CHUNK, PIECE_ALIGN, AdamWConfig, FlatAdamW, HostAdamW, StreamedStep
 from .host import HostArena, StagingRing, can_pin, host_empty, host_zeros
 from .layout import ALIGN, Entry, FlatLayout
 from .slots import Slot, SlotQueue
 
 __all__ = [
     "ALIGN",
+    "BLOCK_PER_THREAD",
+    "CHUNK",
+    "PIECE_ALIGN",
     "AdamWConfig",
     "Entry",
     "FlatAdamW",

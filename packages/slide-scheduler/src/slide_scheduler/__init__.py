@@ -3,6 +3,7 @@ placement it executes and the cost model that prices it on a machine."""
 
 from .__about__ import __version__
 from .activations import ActivationStore
+from .choices import Budgets, Overrides, arrange
 from .cost import Estimate, disk_traffic, price
 from .engine import EngineConfig, SlidingEngine, StepStats
 from .machine import Disk, Gpu, Host, Machine, Pcie
@@ -13,14 +14,11 @@ from .placement import (
     HOST,
     TIERS,
     Allocation,
-    Budgets,
-    Overrides,
     Placement,
     RunFacts,
     Shapes,
     StepShape,
     UnitPlacement,
-    arrange,
     block_shapes,
     make_block,
     register_tier,

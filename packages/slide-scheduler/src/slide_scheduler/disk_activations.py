@@ -29,8 +29,7 @@ from slide_memory import host_empty
 
 from .disk_states import done_future
 from .lanes import FutureSignal, Lane, Signal
-
-SLOTS_PER_MICRO = 2  # buffers per micro-batch in each ring: two blocks' boundaries on their way (the planner's count)
+from .sizes import SLOTS_PER_MICRO  # (the placement's count: sizes.py)
 
 Key = tuple[int, int]  # (boundary, micro-batch)
 

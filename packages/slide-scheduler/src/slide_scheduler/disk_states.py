@@ -34,9 +34,7 @@ import torch
 from slide_io import NVMeStore
 from slide_memory import host_zeros
 
-SLOTS = 2  # staging slots of one block's m and v each, unless the placement says (the planner counts the same)
-LOAD_SLOTS = 2  # buffers a master read from disk for a load waits in until it has crossed to the device
-GRADS_TO_DISK = 2  # host buffers gradients on their way to disk take turns in (the planner counts the same)
+from .sizes import DISK_STAGING_SLOTS as SLOTS  # (the placement's count: sizes.py)
 
 
 def state_bytes(dtype: torch.dtype) -> int:

@@ -21,32 +21,38 @@ norm is known, so with clipping the updates of a step run while the next step's 
 waiting for its own update or running it. Data-parallel ranks (ranks.py) hook in at the backward (gradients
 reduce-scattered), the load (shards gathered) and the readout (summed over ranks).
 
-`pipeline=False` runs the very same schedule with every lane inline and the optimizer on the calling thread:
-the synchronous engine, kept as the reference the pipelined one is tested against.
+A synchronous placement (`Placement.synchronous`) runs the very same schedule with every lane inline and the
+optimizer on the calling thread: the reference the pipelined one is tested against.
+
+The engine wires parts and holds none of their state: each is given at construction what it uses (lanes.py's
+`Lanes`, the updater and its waits, the units' states, its buffers, the placement's facts), and none holds the
+engine.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from slide_memory import AdamWConfig, FlatLayout, HostAdamW, Slot, SlotQueue, host_zeros
+from slide_memory import AdamWConfig, FlatLayout, Slot, SlotQueue
 
 from .activations import ActivationStore
-from .disk_states import LOAD_SLOTS, DiskStates
+from .disk_states import DiskStates
 from .homes import GradientHomes
-from .lanes import DONE, Lane, Signal
+from .lanes import DONE, Lanes, Signal
+from .loads import Loads
 from .placement import Placement, block_shapes, make_block
 from .ranks import Ranks
-from .stack import Batch, Stack
-from .timeline import Span, Timeline, summarize
-from .updater import HostUpdater
-from .updates import Gradient, Host, Moments, Resident, Streamed, clip_scale
+from .stack import Batch, Stack, StackCalls
+from .timeline import Span, summarize
+from .units import Unit, UnitStates, host_optimizer, load_weights
+from .updater import HostUpdater, UpdateWaits
+from .updates import EdgesLoad, Gradient, Host, Moments, Resident, Streamed, clip_scale
 
 
 @dataclass
@@ -55,7 +61,7 @@ class EngineConfig:
     (`Placement` and its `RunFacts`, placement.py)."""
 
     optimizer: AdamWConfig = field(default_factory=AdamWConfig)
-    pipeline: bool = True  # False: the synchronous reference schedule (everything in order on one thread)
+    pipeline: bool = True  # False: the placement's `synchronous` reference schedule, whatever the placement says
     nvme_dir: str | None = None  # where masters and AdamW moments placed on disk live
     activation_dir: str | None = None  # where boundary activations placed on disk live (disk_activations.py)
 
@@ -86,25 +92,6 @@ class Seat:
     ready: Signal = DONE
 
 
-class Unit:
-    """One trainable unit (the edges, or one block): its layout and fp32 master weights on the host (this rank's
-    shard [start, end) of them).
-
-    The master is pinned and is what crosses PCIe when the unit loads (slots narrow it to bf16 on the device), so
-    the host keeps no compute-dtype copy: 12 bytes per parameter with the AdamW states. A unit whose master is on
-    disk (`on_disk`) keeps at most such a copy, `params` (`params_dtype` given), which its updates write and its
-    loads take; without one, its loads read the master from disk.
-    """
-
-    def __init__(self, layout: FlatLayout, on_disk: bool = False, params_dtype: torch.dtype | None = None,
-                 ranks: Ranks | None = None):
-        self.layout = layout
-        self.start, self.end = (ranks or Ranks()).shard(layout.numel)
-        numel = self.end - self.start
-        self.master = None if on_disk else host_zeros(numel, torch.float32)
-        self.params = host_zeros(numel, params_dtype) if on_disk and params_dtype is not None else None
-
-
 class SlidingEngine:
     """Executes a `Placement`: allocates what it says where it says, and runs steps over it."""
 
@@ -112,172 +99,116 @@ class SlidingEngine:
                  ranks: Ranks | None = None):
         self.config = config = config or EngineConfig()
         self.ranks = ranks = ranks or Ranks()
-        run = placement.run
-        self.device = torch.device(run.device)
-        self.dtype = run.compute_dtype
-        self.clip = run.clip
-        self.num_blocks = stack.num_blocks
-        # What each block sees of the head's context (its layer's mask and rotary tables); the whole of it without.
-        self._block_context = getattr(stack, "block_context", None)
+        if not config.pipeline and not placement.synchronous:  # (the config's word for it, as slide-train says it)
+            placement = dataclasses.replace(placement, synchronous=True)
+        self.device = torch.device(placement.run.device)
         self.edges = stack.make_edges()
-        # A tail that takes `ctx` gets its micro-batch's head context (what the blocks recorded there)
-        self._tail_ctx = "ctx" in inspect.signature(self.edges.tail).parameters
-        # What the head's backward recomputes: its activation alone where the edges say how, without the context
-        edges = self.edges  # (not `self`: a closure over the engine would keep a dropped one alive until collected)
-        self._head_activation = getattr(edges, "head_activation", None) or (lambda b: edges.head(b)[0])
+        self.calls = StackCalls(stack, self.edges)  # (the stack's hooks: each block's context, the tail's)
         edge_layout = FlatLayout(self.edges, shards=ranks.size)
         # Blocks may come in several shapes (the stack's `block_shape`): a layout per shape, a slot holds any
         self.block_shapes = block_shapes(stack)
         layouts = {k: FlatLayout(make_block(stack, k), shards=ranks.size) for k in dict.fromkeys(self.block_shapes)}
         _check(placement, (edge_layout.numel,) + tuple(layouts[k].numel for k in self.block_shapes), config, ranks)
         self.placement = placement
-        self._make_lanes(config)
+        self.lanes = Lanes(self.device, inline=placement.synchronous)
         self._allocate(stack, placement, edge_layout, layouts)
         self.closed = False
 
-    def _make_lanes(self, config: EngineConfig) -> None:
-        inline = not config.pipeline
-        self.compute = Lane("compute", self.device, inline=True)
-        self.h2d = Lane("h2d", self.device, inline=inline)
-        self.d2h = Lane("d2h", self.device, inline=inline)
-        # What lands on the device is turned into slot contents (a master narrowed to bf16, a streamed AdamW
-        # step) on a lane of its own: a copy queued behind such a kernel would wait with it for SMs, which the
-        # forward's GEMMs hold up to a millisecond at a time. Higher priority: its kernels go first when SMs free.
-        self.land = Lane("land", self.device, inline=inline, priority=-1)
-        # Device updates' results go home on a lane of their own: on d2h their copies would queue behind the
-        # forward's boundary activations, each waiting for a block's forward to end, holding both buffers.
-        self.store = Lane("store", self.device, inline=inline)
-        self.lanes = (self.compute, self.h2d, self.land, self.d2h, self.store)
-        self.timeline = Timeline(self.device)
-        for lane in self.lanes:
-            lane.timeline = self.timeline
-        self._wait_update_s = 0.0
-
     def _allocate(self, stack: Stack, p: Placement, edge_layout: FlatLayout, layouts: dict) -> None:
-        config, numel = self.config, p.shapes.block_numel  # (the largest block: what a slot holds)
-        shape_of = self.block_shapes
+        config, numel, lanes = self.config, p.shapes.block_numel, self.lanes  # (numel: the largest block's)
+        shape_of, n = self.block_shapes, self.num_blocks
         # Edges: head + tail parameters, on the device in a slot of their own for the whole run.
         self.edge_slot = Slot(edge_layout, self.edges, self.device, self.dtype)
-        for module in self.edges.modules():
-            for name, buf in module._buffers.items():
-                if buf is not None:
-                    module._buffers[name] = buf.to(self.device)
-        # Every unit's fp32 master on the host, or on disk with a compute-dtype copy of its parameters on the host;
-        # a window of device slots for the sliding blocks.
-        self.on_disk, self.streamed, away = p.on_disk, p.streamed, p.masters_on_disk
-        self.disk = DiskStates(sorted(self.on_disk), {u: p.shapes.unit_numels[u] for u in self.on_disk},
+        _buffers_to(self.edges, self.device)
+        # Every unit's fp32 master on the host, or on disk with a compute-dtype copy of its parameters on the host
+        # (none where its loads read the master from disk); a window of device slots for the sliding blocks.
+        away, read = p.masters_on_disk, p.loads_from_disk
+        self.disk = DiskStates(sorted(p.on_disk), {u: p.shapes.unit_numels[u] for u in p.on_disk},
                                config.nvme_dir, p.run.states_dtype, masters=sorted(away),
                                grads=sorted(p.grads_on_disk), grad_dtype=self.dtype,
-                               slots=p.staging_slots) if self.on_disk else None
-        read = p.loads_from_disk  # (their loads read the master from disk: no copy of it in host memory)
-        self.units = [Unit(edge_layout, ranks=self.ranks)] + [
+                               slots=p.staging_slots) if p.on_disk else None
+        units = [Unit(edge_layout, ranks=self.ranks)] + [
             Unit(layouts[shape_of[u - 1]], u in away, None if u in read else self.dtype, self.ranks)
-            for u in range(1, self.num_blocks + 1)]
-        # Masters read from disk for loads wait here until they have crossed to the device (pinned on CUDA)
-        self._load_ring = [host_zeros(numel, torch.float32) for _ in range(LOAD_SLOTS)] if read else []
-        self._load_free = [DONE] * len(self._load_ring)
-        self._load_next = 0
-        self._load_weights(stack, edge_layout, away)
-        self.resident = p.resident
+            for u in range(1, n + 1)]
+        load_weights(stack, units, edge_layout, self.disk)
+        resident = p.resident
         first, *others = layouts
         self.slots = SlotQueue(layouts[first], lambda: make_block(stack, first), p.window, self.device, self.dtype,
                                first, {k: (layouts[k], lambda k=k: make_block(stack, k)) for k in others}) \
             if p.sliding_blocks else None
         tail_from = _tail_only_from(self.edges, edge_layout)
-        # Only the states of units updated on the device cross PCIe: only they are page-locked. A master on disk
-        # is bound before each update, as its moments are (a staging buffer stands in until then).
-        masters = [None if u in self.resident else self.disk.slots[0][2][:unit.layout.numel] if u in away
-                   else unit.master for u, unit in enumerate(self.units)]
-        self.optimizer = HostAdamW(masters, config.optimizer, p.run.states_dtype,
-                                   pinned=[self.device.type == "cuda" and u in self.streamed
-                                           for u in range(len(self.units))],
-                                   bounds=[tuple(b - self.units[0].start for b in (tail_from,)
-                                                 if self.units[0].start < b < self.units[0].end)]
-                                   + [()] * self.num_blocks,
-                                   external=[u in self.on_disk for u in range(len(self.units))])
+        optimizer = host_optimizer(units, p, config.optimizer, self.disk, tail_from)
         # Resident blocks get a slot of their own. Every slot has a seat: the engine's scheduling state of it.
         self.resident_slots: dict[int, Slot] = {
             u - 1: Slot(layouts[shape_of[u - 1]], make_block(stack, shape_of[u - 1]), self.device, self.dtype,
-                        shape_of[u - 1]) for u in sorted(self.resident) if u}
+                        shape_of[u - 1]) for u in sorted(resident) if u}
         self.seats: dict[int, Seat] = {id(slot): self._seat(slot) for slot in [
             self.edge_slot, *self.resident_slots.values(), *(self.slots.slots if self.slots else [])]}
-        self._edges_loaded: Signal | None = None  # set once the edges' latest parameters are queued to the device
-        # Speculating blocks: the parameters their update gives if clipping does not act, written during backward
-        self.speculative = {u: host_zeros(self.units[u].end - self.units[u].start, self.dtype)
-                            for u in sorted(p.speculated)}
-        self.updater = HostUpdater(self.optimizer, inline=not config.pipeline, disk=self.disk)
-        self.moments = Moments(self.updater)
+        self.updater = updater = HostUpdater(optimizer, inline=p.synchronous, disk=self.disk)
+        self.moments = Moments(updater)
+        self.waits = UpdateWaits(updater, lanes.timeline, p.synchronous)  # (where the engine blocks for updates)
+        self.edges_load = EdgesLoad()  # set once the edges' latest parameters are queued to the device
         # Each unit's update kind (updates.py), and where each gradient waits for it (homes.py)
-        edge_ranges = self.optimizer.units[0].ranges if 0 in self.streamed else []
-        self.resident_updates = Resident(self, self.resident)
-        self.host_updates = Host(self, p.where("update", "host"))
+        slots = {u: self.edge_slot if u == 0 else self.resident_slots[u - 1] for u in resident}
+        edge_ranges = optimizer.units[0].ranges if 0 in p.streamed else []
         early = [k for k, (a, _) in enumerate(edge_ranges) if a >= tail_from] if p.edges_early else []
-        self.stream = Streamed(self, self.streamed, early)
-        self.updates = (self.resident_updates, self.host_updates, self.stream)  # (the order their work is queued)
+        parts = dict(lanes=lanes, moments=self.moments, waits=self.waits, edges=self.edges_load)
+        self.updates = (  # (the order their work is queued)
+            Resident(resident, updater, states=units, slots=slots, lanes=lanes, config=config.optimizer,
+                     device=self.device),
+            Host(p.where("update", "host"), updater, placement=p, states=units, disk=self.disk, **parts),
+            Streamed(p.streamed, updater, early, placement=p, optimizer=optimizer, config=config.optimizer,
+                     edge_slot=self.edge_slot, **parts))
         self.update_of = {u: kind for kind in self.updates for u in kind.units}
-        self.homes = GradientHomes(self)
+        self.states = UnitStates(units, optimizer, self.disk, p.on_disk, self.resident_updates.optimizers)
+        self.homes = GradientHomes(p, lanes=lanes, optimizer=optimizer, disk=self.disk, waits=self.waits,
+                                   edges_numel=edge_layout.numel, ranks=self.ranks.size)
+        self.loads = Loads(units, self.update_of, self.stream, lanes=lanes, waits=self.waits, ranks=self.ranks,
+                           disk=self.disk, read_from_disk=bool(read), numel=numel)
         self._load_resident()
         self._disk_counted: tuple[int, int] | None = None  # disk_traffic() when the last step ended
-        self.activations = ActivationStore(p.boundary_tiers, self.device, self.d2h, self.h2d, self.compute,
+        self.activations = ActivationStore(p.boundary_tiers, self.device, lanes.d2h, lanes.h2d, lanes.compute,
                                            self.homes.pool, config.activation_dir)
         # Backward fetches activations into the plan's sets of device buffers, each free again once the backward
         # that read it is done
         self._act_landing = [_Landing() for _ in range(p.landing_sets)]
         # The step's one device->host read: its loss, then each unit's squared gradient norm (reduced on the
         # device as gradients are made).
-        self._readout = torch.zeros(1 + len(self.units), dtype=torch.float32, device=self.device)
-        self._loss, self._sq_norms = self._readout[0], self._readout[1:]
+        self._readout = torch.zeros(1 + len(units), dtype=torch.float32, device=self.device)
 
     def _seat(self, slot: Slot) -> Seat:
         shard = slot.grads if not self.ranks.sharded else \
             torch.zeros(slot.grads.numel() // self.ranks.size, dtype=self.dtype, device=self.device)
         return Seat(slot, shard)
 
-    def _load_weights(self, stack: Stack, edge_layout: FlatLayout, away: set[int]) -> None:
-        """The model's weights into every unit's master (this rank's shard of it; on disk where the placement puts
-        it)."""
-        largest = max(u.layout.numel for u in self.units)
-        whole = torch.zeros(largest) if self.ranks.sharded else None
+    # -- views of the parts (for tests, tools and slide-train) ----------------------------------------------------
 
-        def whole_master(unit: int) -> torch.Tensor:  # (loaded whole, kept as this rank's shard)
-            if whole is None:
-                return self.units[unit].master
-            return whole[:self.units[unit].layout.numel].zero_()  # (padding stays zero)
+    compute = property(lambda self: self.lanes.compute)
+    h2d = property(lambda self: self.lanes.h2d)
+    land = property(lambda self: self.lanes.land)
+    d2h = property(lambda self: self.lanes.d2h)
+    store = property(lambda self: self.lanes.store)
+    timeline = property(lambda self: self.lanes.timeline)
+    resident_updates = property(lambda self: self.updates[0])
+    host_updates = property(lambda self: self.updates[1])
+    stream = property(lambda self: self.updates[2])
+    units = property(lambda self: self.states.units)
+    optimizer = property(lambda self: self.states.optimizer)
+    speculative = property(lambda self: self.host_updates.speculative)
+    dtype = property(lambda self: self.placement.run.compute_dtype)
+    num_blocks = property(lambda self: len(self.block_shapes))
+    resident = property(lambda self: self.placement.resident)
+    on_disk = property(lambda self: self.placement.on_disk)
+    streamed = property(lambda self: self.placement.streamed)
 
-        with torch.no_grad():
-            stack.load_edges(edge_layout.views(loaded := whole_master(0)))
-            self._keep_shard(0, loaded)
-            for i in range(self.num_blocks):
-                layout = self.units[i + 1].layout
-                if i + 1 not in away:
-                    stack.load_block(i, layout.views(loaded := whole_master(i + 1)))
-                    self._keep_shard(i + 1, loaded)
-                    continue
-                staged = self.disk.slots[0][2][:layout.numel]  # (free until the first update)
-                stack.load_block(i, layout.views(staged))
-                self.load_master(i + 1, staged)
-
-    def slot_of(self, unit: int) -> Slot:
-        """A resident unit's slot."""
-        return self.edge_slot if unit == 0 else self.resident_slots[unit - 1]
+    @property
+    def window(self) -> int:
+        return len(self.slots) if self.slots else 1
 
     def seat(self, slot: Slot) -> Seat:
         return self.seats[id(slot)]
 
-    def shard_of_slot(self, unit: int, slot: Slot) -> torch.Tensor:
-        """This rank's shard of `slot`'s parameters (all of them, alone)."""
-        return slot.params[self.units[unit].start:self.units[unit].end]
-
-    def edges_stale(self) -> None:
-        """The edges' parameters changed on the host: the next forward reloads them."""
-        self._edges_loaded = None
-
-    def landed(self) -> Signal:
-        """A signal for everything queued so far on the h2d and land lanes."""
-        self.land.wait(self.h2d.record())
-        return self.land.record()
-
-    # -- parameters ---------------------------------------------------------------------------------------------
+    # -- parameters -------------------------------------------------------------------------------------------------
 
     def synchronize(self) -> None:
         """Wait for every queued update: afterwards the host fp32 masters are the model."""
@@ -293,46 +224,26 @@ class SlidingEngine:
         self.host_updates.flush()
         for u, opt in self.resident_updates.optimizers.items():
             opt.master.copy_(self.units[u].master)
-        self._edges_loaded = None
+        self.edges_load.stale()
         self._load_resident()
 
     def _load_resident(self) -> None:
         for i, slot in self.resident_slots.items():
             slot.load(self.units[i + 1].master, i)
             self.seat(slot).free = self.seat(slot).drained = DONE
-        if 0 in self.resident:
+        if 0 in self.resident_updates.units:
             self.edge_slot.load(self.units[0].master)
-            self._edges_loaded = DONE
+            self.edges_load.landed = DONE
 
     def optimizer_state(self, unit: int) -> dict[str, torch.Tensor]:
-        """A unit's AdamW state as host tensors (for checkpoints; call `synchronize()` first; moments on disk are
-        their files memory-mapped, to read before the unit's next update). Sharded, every rank calls it and gets
-        the whole unit's on the first rank, in the layout of one process (`base_numel` long); None on the others."""
-        if unit in self.resident_updates.optimizers:
-            return self.resident_updates.optimizers[unit].state_tensors(to_host=True)
-        if unit in self.on_disk:
-            opt, moments = self.optimizer.units[unit], self.disk.state(unit)
-            if not opt.step_count or moments is None:
-                return {}
-            return {"step": opt.steps[0].clone(), "exp_avg": moments[0], "exp_avg_sq": moments[1]}
-        state = self.optimizer.state_tensors(unit)
-        # (sharded, every rank has stepped alike: all have a state or none has)
-        return {k: v if k == "step" else self._whole(unit, v) for k, v in state.items()}
+        """A unit's AdamW state as host tensors, for checkpoints (call `synchronize()` first; UnitStates says more)."""
+        return self.states.optimizer_state(unit)
 
     def load_optimizer_state(self, unit: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Load `optimizer_state(unit)` output (sharded: each rank takes its shard of the whole)."""
-        if unit in self.resident_updates.optimizers:
-            self.resident_updates.optimizers[unit].load_state_tensors(tensors)
-        elif unit in self.on_disk:
-            self.disk.load(unit, tensors.get("exp_avg"), tensors.get("exp_avg_sq"))
-            for step in self.optimizer.units[unit].steps:
-                step.fill_(float(tensors["step"]) if tensors else 0.0)
-        else:
-            self.optimizer.load_state_tensors(unit, {k: v if k == "step" else self._shard_of(unit, v)
-                                                     for k, v in tensors.items()})
+        self.states.load_optimizer_state(unit, tensors)
 
     def unit_names(self) -> list[str]:
-        return ["edges"] + [f"block.{i}" for i in range(self.num_blocks)]
+        return self.states.names()
 
     def named_masters(self) -> dict[str, dict[str, torch.Tensor]]:
         """Unit name ('edges', 'block.<i>') -> parameter name -> fp32 master view (after pending updates; of its
@@ -344,103 +255,23 @@ class SlidingEngine:
         return {name: u.layout.views(m) for name, u, m in zip(self.unit_names(), self.units, masters)}
 
     def master(self, unit: int) -> torch.Tensor:
-        """A unit's flat fp32 master (call `synchronize()` first): the host tensor itself, or its file on disk
-        memory-mapped (read it before the unit's next update). Sharded, every rank calls it; the first gets the
-        whole master, gathered, in the layout of one process (`base_numel` long), the others None."""
-        u = self.units[unit]
-        if u.master is None:
-            return self.disk.master(unit)
-        return self._whole(unit, u.master)
-
-    def _whole(self, unit: int, shard: torch.Tensor) -> torch.Tensor | None:
-        """Every rank's `shard` of a unit's flat host tensor, without the padding that made it split evenly, on
-        the first rank (None on the others); one rank's is the tensor itself."""
-        if not self.ranks.sharded:
-            return shard
-        whole = self.ranks.gather_host(shard)
-        return None if whole is None else whole[:self.units[unit].layout.base_numel]
-
-    def _shard_of(self, unit: int, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a unit's flat tensor given whole (padded or not); one rank's is the whole."""
-        if not self.ranks.sharded:
-            return whole
-        u = self.units[unit]
-        if whole.numel() not in (u.layout.numel, u.layout.base_numel):
-            raise ValueError(f"unit {unit}: {whole.numel()} elements given, its layout has {u.layout.base_numel}")
-        out = torch.zeros(u.end - u.start, dtype=whole.dtype)
-        piece = whole[u.start:min(u.end, whole.numel())]
-        out[:piece.numel()] = piece
-        return out
-
-    def _keep_shard(self, unit: int, whole: torch.Tensor) -> None:
-        """Keep this rank's shard of a unit's whole master (sharded; otherwise the master is the whole)."""
-        u = self.units[unit]
-        if self.ranks.sharded:
-            u.master.copy_(whole[u.start:u.end])
+        """A unit's flat fp32 master (call `synchronize()` first; UnitStates says more)."""
+        return self.states.master(unit)
 
     def load_master(self, unit: int, master: torch.Tensor) -> None:
         """Replace a unit's fp32 master (a checkpoint's; call `refresh()` after the last; sharded, each rank
         takes its shard of the whole)."""
-        u = self.units[unit]
-        if u.master is not None:
-            u.master.copy_(self._shard_of(unit, master))
-            return
-        self.disk.load_master(unit, master)
-        if u.params is not None:
-            u.params.copy_(master)  # what its loads take, rounded as a slot would round the master
+        self.states.load_master(unit, master)
 
     # -- loading units --------------------------------------------------------------------------------------------
-
-    def _load(self, unit: int, slot: Slot, chunks: list[int] | None = None) -> None:
-        """Queue the unit's newest parameters into `slot` (copies on the h2d lane, kernels on land): its update
-        kind's where that runs at the load (a device update, `chunks` of it if given) or keeps them apart
-        (speculated); otherwise its master (or its copy in the compute dtype) once its host update has written it
-        (which also means its gradient has left the slot) and any device update's store is home. Loads gather the
-        other ranks' shards."""
-        block = unit - 1 if unit else None
-        label = f"params {'edges' if unit == 0 else block}"
-        if not self.update_of[unit].load(unit, slot, chunks):
-            self.wait_for_update(unit, params_only=True)
-            self.h2d.wait(self.stream.home(unit))
-            into, ready = self.shard_of_slot(unit, slot), self.units[unit].params
-            if ready is not None:  # (a master on disk: the copy its update wrote)
-                self.h2d.run(into.copy_, ready, True, label=label)
-            else:
-                self._load_master(unit, slot, into, label)
-        self.ranks.gather_load(slot.params, self.h2d, self.land, label)
-        slot.unit = block
-
-    def _load_master(self, unit: int, slot: Slot, into: torch.Tensor, label: str) -> None:
-        """Queue the unit's fp32 master into `into` (its part of `slot`'s parameters), narrowed where the slot is
-        narrower."""
-        master = self.units[unit].master
-        ring = None
-        if master is None:  # its master is on disk and host memory keeps no copy: read it for this load
-            ring, self._load_next = self._load_next, (self._load_next + 1) % len(self._load_ring)
-            self._load_free[ring].wait_host()  # the copies out of this buffer an earlier load queued are done
-            master = self._load_ring[ring][:self.units[unit].layout.numel]
-            self.disk.read_master(unit, master)
-            label += " (read from disk)"
-        if not slot.narrow:
-            self.h2d.run(into.copy_, master, True, label=label)
-        else:  # copied in on h2d, narrowed on the land lane, piece by piece through the landing zone's halves
-            narrowed: dict[int, Signal] = {}  # landing buffer -> its last narrowing
-            for start, end, k, landing in slot.pieces(master.numel()):
-                self.h2d.wait(narrowed.get(k, DONE))
-                self.h2d.run(landing.copy_, master[start:end], True, label=label)
-                self.land.wait(self.h2d.record())
-                self.land.run(into[start:end].copy_, landing, label=label)
-                narrowed[k] = self.land.record()
-        if ring is not None:
-            self._load_free[ring] = self.h2d.record()
 
     def _load_edges(self) -> None:
         """Refresh the resident edge parameters once their pending update is done (the tail-only part of a
         device update waits: see _forward)."""
-        if self._edges_loaded is None:
-            self._load(0, self.edge_slot, self.stream.head_chunks())
-            self._edges_loaded = self.landed()
-        self.compute.wait(self._edges_loaded)
+        if self.edges_load.landed is None:
+            self.loads.load(0, self.edge_slot, self.stream.head_chunks())
+            self.edges_load.landed = self.lanes.landed()
+        self.compute.wait(self.edges_load.landed)
 
     def stage(self, block: int) -> Seat:
         """Queue block `block` into the next slot on the h2d and land lanes; the seat's `ready` says when."""
@@ -450,8 +281,8 @@ class SlidingEngine:
             seat = self.seat(self.slots.next())
             self.h2d.wait(seat.free)
             self.h2d.wait(seat.drained)  # loading lands in the gradient buffer: its last gradient has left
-            self._load(block + 1, seat.slot)  # never before its update has finished (or it runs now, into the slot)
-        seat.ready = self.landed()
+            self.loads.load(block + 1, seat.slot)  # never before its update has finished (or it runs now, into it)
+        seat.ready = self.lanes.landed()
         return seat
 
     def fetch_boundary(self, block: int, micro: int) -> tuple[list, Signal]:
@@ -460,27 +291,7 @@ class SlidingEngine:
         landing = self._act_landing[block % len(self._act_landing)]
         self.h2d.wait(landing.free)
         acts = [self.activations.fetch(block, j, owner=landing) for j in range(micro)]
-        return acts, self.landed()
-
-    @property
-    def window(self) -> int:
-        return len(self.slots) if self.slots else 1
-
-    def wait_for_update(self, unit: int, params_only: bool = False, speculated: bool = False) -> None:
-        """Block until unit's last host update is done (`params_only`: its params part; `speculated`: its
-        speculated parameters); the time goes on the timeline's `waits` lane, where the GPU running out of work
-        counts as exposed CPU-update time."""
-        start = time.perf_counter()
-        if speculated:
-            self.updater.speculated[unit].wait_host()
-        else:
-            self.updater.wait(unit, params_only)
-        end = time.perf_counter()
-        self._wait_update_s += end - start
-        # (most loads find their update done; inline, the updates themselves are the waits, from _spans, and a
-        # pause here, a GC or a thread switch, is not update work)
-        if self.config.pipeline and end - start > 1e-4:
-            self.timeline.add_host("waits", f"waiting for update {unit - 1 if unit else 'edges'}", start, end)
+        return acts, self.lanes.landed()
 
     # -- one optimizer step -------------------------------------------------------------------------------------
 
@@ -528,7 +339,7 @@ class SlidingEngine:
                 seat.slot.grads.zero_()
                 for j, ctx in enumerate(contexts):
                     h = acts[j].detach().requires_grad_()
-                    seat.slot.module_of(self.block_shapes[i])(h, self._context(i, ctx)).backward(grads[j])
+                    seat.slot.module_of(self.block_shapes[i])(h, self.calls.context(i, ctx)).backward(grads[j])
                     grads[j] = h.grad
                 self._gradient_made(i + 1, seat)
             seat.free = self._act_landing[i % len(self._act_landing)].free = self.compute.record()
@@ -543,7 +354,7 @@ class SlidingEngine:
         self._edges_tail(None)
         with self.timeline.span("compute", "head backward", stream):
             for j, batch in enumerate(batches):
-                self._head_activation(batch).backward(grads[j])
+                self.calls.head_activation(batch).backward(grads[j])
             self._gradient_made(0, self.seat(self.edge_slot))
         gradients[0] = self.homes.send(0, self.seat(self.edge_slot), self.compute.record())
         clock.lap("backward")
@@ -554,7 +365,7 @@ class SlidingEngine:
         self.ranks.readout(self.compute, self._readout)
         loss_value, *sq = self._readout.tolist()
         grad_norm = math.sqrt(sum(sq))
-        scale = clip_scale(self.clip, grad_norm)
+        scale = clip_scale(self.placement.run.clip, grad_norm)
         commit = math.isfinite(scale)  # (a clipped step with a non-finite norm changes nothing)
         for kind in self.updates:
             if commit:
@@ -571,23 +382,23 @@ class SlidingEngine:
         """On the compute lane, once a unit's gradient is made: this rank's shard of it summed over ranks, and its
         squared norm."""
         self.ranks.reduce_gradient(seat.shard, seat.slot.grads)
-        self._sq_norms[unit] = torch.linalg.vector_norm(seat.shard, dtype=torch.float32).square()
+        self._readout[1 + unit] = torch.linalg.vector_norm(seat.shard, dtype=torch.float32).square()
 
     def _begin(self) -> _Clock:
-        memory = self._memory_counters()
+        memory = _memory_counters(self.device)
         if self._disk_counted is None:  # (not the tier's first fill, when the weights were loaded)
             self._disk_counted = self.disk_traffic()
         # Phase laps synchronize the device only in the synchronous schedule; pipelined, the timeline says more.
-        clock = _Clock(self.device, sync=not self.config.pipeline)
+        clock = _Clock(self.device, sync=self.placement.synchronous)
         clock.memory = memory
         self.timeline.begin()
-        self._wait_update_s = 0.0
+        self.waits.seconds = 0.0
         return clock
 
     def _end(self, clock: _Clock, loss: float, grad_norm: float) -> StepStats:
         """The step's work is queued: wait for every lane (in the synchronous schedule, every update), and count
         what it took."""
-        if not self.config.pipeline:
+        if self.placement.synchronous:
             self.synchronize()
         for lane in self.lanes:  # the spans of every lane are complete (and a failed copy raises here)
             lane.record().wait_host()
@@ -595,7 +406,7 @@ class SlidingEngine:
         clock.lap("update")
         spans = self._spans(clock.start)
         timeline = summarize(spans, clock.total)
-        timeline["wait_update_s"] = self._wait_update_s
+        timeline["wait_update_s"] = self.waits.seconds
         timeline.update(clock.memory)
         traffic = self.disk_traffic()  # (write-backs still running finish in the next step's count)
         timeline["disk_read_gb"] = (traffic[0] - self._disk_counted[0]) / 1e9
@@ -613,9 +424,9 @@ class SlidingEngine:
             self._readout.zero_()
             for j, batch in enumerate(batches):
                 h = hidden[j].detach().requires_grad_()
-                share = self._loss_of(h, batch, normalizer, contexts[j])
+                share = self.calls.loss(h, batch, normalizer, contexts[j])
                 share.backward()
-                self._loss += share.detach().float()
+                self._readout[0].add_(share.detach().float())
                 grads.append(h.grad)
         return grads
 
@@ -624,7 +435,7 @@ class SlidingEngine:
         spans = self.timeline.spans()
         for label, start, end in _drain(self.updater.spans, origin):
             spans.append(Span("optimizer", label, start, end))
-            if not self.config.pipeline:  # inline updates: the engine's thread itself was busy with them
+            if self.placement.synchronous:  # inline updates: the engine's thread itself was busy with them
                 spans.append(Span("waits", label, start, end))
         if self.disk is not None:  # the moments' reads and write-backs, likewise
             spans += [Span("disk", *span) for span in _drain(self.disk.spans, origin)]
@@ -639,21 +450,13 @@ class SlidingEngine:
         stores = self.disk_stores()
         return sum(s.bytes_read for s in stores), sum(s.bytes_written for s in stores)
 
-    def _memory_counters(self) -> dict[str, float]:
-        if self.device.type != "cuda":
-            return {}
-        stats = torch.cuda.memory_stats(self.device)
-        return {"allocated_bytes_at_start": float(stats.get("allocated_bytes.all.current", 0)),
-                "alloc_retries": float(stats.get("num_alloc_retries", 0)),
-                "cuda_mallocs": float(stats.get("segment.all.allocated", 0))}
-
     def evaluate(self, micro_batches: list[Batch], *, normalizer: float) -> float:
         """The loss over `micro_batches` (normalized by `normalizer`) with no gradient and no update."""
         batches = self._to_device(micro_batches)
         with torch.no_grad():
             hidden, contexts = self._forward(batches, keep=False)
             self.moments.submit()
-            loss = sum((self._loss_of(h, batch, normalizer, ctx).float() for h, batch, ctx in zip(hidden, batches,
+            loss = sum((self.calls.loss(h, batch, normalizer, ctx).float() for h, batch, ctx in zip(hidden, batches,
                                                                                                     contexts)),
                        torch.zeros((), device=self.device))  # (a rank may have no micro-batch of the last group)
             self.ranks.readout(self.compute, loss)
@@ -689,11 +492,11 @@ class SlidingEngine:
             # not even the chunk of the edges' update below, which the tail alone waits for.
             seat = staged.pop(i) if i in staged else self.stage(i)
             if self._edges_tail():
-                tail_ready = self.landed()
+                tail_ready = self.lanes.landed()
             self.compute.wait(seat.ready)
             with self.timeline.span("compute", f"forward {i}", self.compute.stream):
                 block = seat.slot.module_of(self.block_shapes[i])
-                hidden = [block(h, self._context(i, ctx)) for h, ctx in zip(hidden, contexts)]
+                hidden = [block(h, self.calls.context(i, ctx)) for h, ctx in zip(hidden, contexts)]
             seat.free = self.compute.record()
             acts.release()  # this block's inputs (all that is held): compute has queued its last read of them
             if keep and i + 1 < n:  # the last output goes straight to the tail; backward never reads it
@@ -701,19 +504,10 @@ class SlidingEngine:
                     acts.put(i + 1, j, h, seat.free)
             self._prefetch(staged, i + 1)
         if self._edges_tail(None):
-            tail_ready = self.landed()
+            tail_ready = self.lanes.landed()
         if tail_ready is not None:  # the tail reads it
             self.compute.wait(tail_ready)
         return hidden, contexts
-
-    def _loss_of(self, hidden, batch: Batch, normalizer: float, ctx):
-        if self._tail_ctx:
-            return self.edges.tail(hidden, batch, normalizer, ctx=ctx)
-        return self.edges.tail(hidden, batch, normalizer)
-
-    def _context(self, index: int, ctx):
-        """The context block `index` runs with: the stack's `block_context` of the head's, where it has one."""
-        return ctx if self._block_context is None else self._block_context(index, ctx)
 
     def _prefetch(self, staged: dict[int, Seat], first: int) -> None:
         """Stage forward blocks from `first` on until every slot holds one not yet run. Resident blocks need no
@@ -761,6 +555,23 @@ def _check(p: Placement, numels: tuple[int, ...], config: EngineConfig, ranks: R
     if p.boundaries_in("nvme") and not config.activation_dir:
         raise ValueError("the placement keeps boundary activations on disk: set activation_dir to a directory on a "
                          "fast local disk")
+
+
+def _memory_counters(device: torch.device) -> dict[str, float]:
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"allocated_bytes_at_start": float(stats.get("allocated_bytes.all.current", 0)),
+            "alloc_retries": float(stats.get("num_alloc_retries", 0)),
+            "cuda_mallocs": float(stats.get("segment.all.allocated", 0))}
+
+
+def _buffers_to(edges, device: torch.device) -> None:
+    """The edges' buffers (rotary tables, say) to the device, where they stay."""
+    for module in edges.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
 
 
 def _drain(spans: list[tuple[str, float, float]], origin: float) -> list[tuple[str, float, float]]:

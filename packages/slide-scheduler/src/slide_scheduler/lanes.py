@@ -15,6 +15,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from .timeline import Timeline
+
 
 class Signal:
     """Something that becomes true once: a CUDA event, a future, or already done."""
@@ -144,3 +146,42 @@ class Lane:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+class Lanes:
+    """The engine's five lanes and the timeline their spans go on: compute; h2d, host-to-device copies; land, the
+    kernels that turn landed bytes into slot contents; d2h, device-to-host copies; store, device updates' results
+    going home. Inline (the synchronous schedule), every lane runs its work on the calling thread as it is queued.
+    Iterating gives the lanes in that order."""
+
+    def __init__(self, device: torch.device, inline: bool = False):
+        self.compute = Lane("compute", device, inline=True)
+        self.h2d = Lane("h2d", device, inline=inline)
+        self.d2h = Lane("d2h", device, inline=inline)
+        # What lands on the device is turned into slot contents (a master narrowed to bf16, a streamed AdamW
+        # step) on a lane of its own: a copy queued behind such a kernel would wait with it for SMs, which the
+        # forward's GEMMs hold up to a millisecond at a time. Higher priority: its kernels go first when SMs free.
+        self.land = Lane("land", device, inline=inline, priority=-1)
+        # Device updates' results go home on a lane of their own: on d2h their copies would queue behind the
+        # forward's boundary activations, each waiting for a block's forward to end, holding both buffers.
+        self.store = Lane("store", device, inline=inline)
+        self.timeline = Timeline(device)
+        for lane in self:
+            lane.timeline = self.timeline
+
+    def _all(self) -> tuple[Lane, ...]:
+        return self.compute, self.h2d, self.land, self.d2h, self.store
+
+    def __iter__(self):
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __getitem__(self, index):
+        return self._all()[index]
+
+    def landed(self) -> Signal:
+        """A signal for everything queued so far on the h2d and land lanes."""
+        self.land.wait(self.h2d.record())
+        return self.land.record()

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .choices import Budgets, Overrides, size_for_budget
 from .cost import Estimate, disk_traffic, price
 from .machine import Machine
 from .placement import (
@@ -21,13 +22,10 @@ from .placement import (
     GIB,
     GPU,
     HOST,
-    Budgets,
-    Overrides,
     Placement,
     RunFacts,
     Shapes,
     StepShape,
-    size_for_budget,
 )
 
 SHARES = (0.0, 0.25, 0.375, 0.5, 0.5625, 0.625, 0.75, 1.0)
@@ -79,6 +77,7 @@ class Plan:
             "landing_sets": p.landing_sets,
             "sequence_tile": p.sequence_tile,
             "defer_updates": p.defer_updates,  # (unclipped) host updates wait for the step's end
+            "synchronous": p.synchronous,  # the reference schedule: every lane inline
             "run": dataclasses.asdict(p.run),
             "units": [dataclasses.asdict(u) for u in p.units],
         }

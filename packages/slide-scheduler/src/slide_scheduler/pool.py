@@ -17,36 +17,9 @@ import torch
 
 from slide_memory import host_empty
 
-ALIGN = 4096  # every region starts on a page
+from .sizes import boundary_layout, page_round, pool_bytes, pool_layout
 
-
-def _round(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def pool_layout(blocks: list[int], grad_bytes: int, boundary_bytes: int, boundaries: int) -> tuple[int, dict[int, int]]:
-    """(pool bytes, block -> offset of its gradient) with boundary j at [j, j + 1) * `boundary_bytes` and each
-    listed block's gradient (`grad_bytes`) clear of boundaries 0 to its own. Sizes already page-rounded."""
-    size = boundaries * boundary_bytes
-    order = sorted(blocks, reverse=True)
-    for k, block in enumerate(order, 1):  # the k-th gradient from the top ends its clearance at (block + 1)
-        size = max(size, k * grad_bytes + (block + 1) * boundary_bytes)
-    return size, {block: size - k * grad_bytes for k, block in enumerate(order, 1)}
-
-
-def _boundary(micro_bytes: list[int]) -> tuple[list[int], int]:
-    """Where each micro-batch's activation starts within a boundary, and the boundary's bytes."""
-    offsets, total = [], 0
-    for nbytes in micro_bytes:
-        offsets.append(total)
-        total += _round(nbytes)
-    return offsets, total
-
-
-def pool_bytes(blocks: list[int], grad_bytes: int, micro_bytes: list[int], boundaries: int) -> int:
-    """What a pool for these gradients and boundaries (of these micro-batch activations) takes; the planner's
-    count."""
-    return pool_layout(blocks, _round(grad_bytes), _boundary(micro_bytes)[1], boundaries)[0]
+__all__ = ["SharedPool", "pool_bytes", "pool_layout"]  # (the layout is the plan's: sizes.py)
 
 
 class SharedPool:
@@ -59,7 +32,7 @@ class SharedPool:
 
     def __init__(self, blocks: list[int], grad_numel: int, dtype: torch.dtype, boundaries: int):
         self.blocks, self.grad_numel, self.dtype, self.boundaries = sorted(blocks), grad_numel, dtype, boundaries
-        self.grad_bytes = _round(grad_numel * dtype.itemsize)
+        self.grad_bytes = page_round(grad_numel * dtype.itemsize)
         self.boundary_bytes = 0
         self.nbytes = 0
         self._micro: list[int] = []  # offset of each micro-batch's activation within a boundary
@@ -71,7 +44,7 @@ class SharedPool:
         """Make room for boundaries of micro-batch activations of these sizes; True when that took a new
         allocation (activations and gradients taken before live on in the old one). Within the room a boundary
         has, micro-batches are laid out afresh: the gradients' places do not move."""
-        self._micro, total = _boundary(micro_bytes)
+        self._micro, total = boundary_layout(micro_bytes)
         if self._buffer is not None and total <= self.boundary_bytes:
             return False
         if self._buffer is not None:

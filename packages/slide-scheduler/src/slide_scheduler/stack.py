@@ -7,6 +7,7 @@ the output projection stay one tensor.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Protocol
 
 import torch
@@ -70,3 +71,25 @@ class Stack(Protocol):
 
     def load_block(self, index: int, params: dict[str, torch.Tensor]) -> None:
         """Fill block `index`'s views (block parameter name -> fp32 host tensor) with its initial weights."""
+
+
+class StackCalls:
+    """How the engine calls a stack's edges and blocks, with the hooks a stack may have: what each block sees of
+    the head's context (`block_context`; the whole of it without), a tail that takes its micro-batch's head context
+    (`ctx`: what the blocks recorded there), and what the head's backward recomputes (`head_activation`: its
+    activation alone, without the context)."""
+
+    def __init__(self, stack: Stack, edges: Edges):
+        self.edges = edges  # (not the engine: the calls keep no engine alive)
+        self._block_context = getattr(stack, "block_context", None)
+        self._tail_ctx = "ctx" in inspect.signature(edges.tail).parameters
+        self.head_activation = getattr(edges, "head_activation", None) or (lambda b: edges.head(b)[0])
+
+    def context(self, index: int, ctx):
+        """The context block `index` runs with."""
+        return ctx if self._block_context is None else self._block_context(index, ctx)
+
+    def loss(self, hidden, batch: Batch, normalizer: float, ctx):
+        if self._tail_ctx:
+            return self.edges.tail(hidden, batch, normalizer, ctx=ctx)
+        return self.edges.tail(hidden, batch, normalizer)

@@ -147,3 +147,30 @@ class HostUpdater:
             self._thread.join()
             self._queue = None
         _running.discard(self)
+
+
+class UpdateWaits:
+    """Where the engine's thread blocks for a host update: each wait's time is counted (`seconds`, this step's),
+    and pipelined, put on the timeline's `waits` lane, where the GPU running out of work counts as exposed
+    CPU-update time."""
+
+    def __init__(self, updater: HostUpdater, timeline, synchronous: bool):
+        self.updater = updater
+        self.timeline = timeline
+        self.synchronous = synchronous
+        self.seconds = 0.0
+
+    def __call__(self, unit: int, params_only: bool = False, speculated: bool = False) -> None:
+        """Block until unit's last host update is done (`params_only`: its params part; `speculated`: its
+        speculated parameters)."""
+        start = time.perf_counter()
+        if speculated:
+            self.updater.speculated[unit].wait_host()
+        else:
+            self.updater.wait(unit, params_only)
+        end = time.perf_counter()
+        self.seconds += end - start
+        # (most loads find their update done; inline, the updates themselves are the waits, from the engine's
+        # spans, and a pause here, a GC or a thread switch, is not update work)
+        if not self.synchronous and end - start > 1e-4:
+            self.timeline.add_host("waits", f"waiting for update {unit - 1 if unit else 'edges'}", start, end)

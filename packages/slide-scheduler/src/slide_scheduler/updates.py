@@ -13,22 +13,25 @@ each kind what happened, in this order:
   load(unit, slot, chunks)          queue the unit's newest parameters into a slot, its update first where it runs
                                     there; False where the unit's master (or copy of it) is what to load
 and the engine queues the moments parts of split updates (`Moments`) after the next forward.
+
+A kind is given what it uses when it is made (its units' states, the lanes, the updater, its buffers, the
+placement's facts) and holds no engine: what the engine learns per step comes as the arguments of these calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 from dataclasses import dataclass
 
 import torch
 
-from slide_memory import FlatAdamW, Slot, StreamedStep
-from slide_memory.adamw import CHUNK
+from slide_memory import AdamWConfig, FlatAdamW, HostAdamW, Slot, StreamedStep, host_zeros
 
-from .lanes import DONE, Signal
-from .placement import early_reads_wait
+from .lanes import DONE, Lanes, Signal
+from .placement import Placement, early_reads_wait
+from .sizes import CHUNK
+from .updater import HostUpdater, UpdateWaits
 
 
 @dataclass
@@ -61,6 +64,17 @@ class MomentsPart:
     scale: float
 
 
+@dataclass
+class EdgesLoad:
+    """The edges' last load into their slot: the signal for when it has landed, or None once an update changed
+    their parameters on the host (the next forward loads them again)."""
+
+    landed: Signal | None = None
+
+    def stale(self) -> None:
+        self.landed = None
+
+
 class Moments:
     """Split updates' moments parts, queued on the optimizer thread after the next forward, last block first (the
     order in which backward reuses the gradient buffers, each waiting for it)."""
@@ -81,9 +95,9 @@ class Moments:
 class UpdateKind:
     """The events every kind answers; a kind acts on those that concern it."""
 
-    def __init__(self, engine, units):
-        self.engine = weakref.proxy(engine)  # (the engine owns its parts: no cycle keeps a dropped one alive)
+    def __init__(self, units, updater: HostUpdater):
         self.units = sorted(units)
+        self.updater = updater
 
     def before_backward(self) -> None:
         pass
@@ -95,7 +109,7 @@ class UpdateKind:
         return False
 
     def loadable(self, unit: int) -> bool:
-        return self.engine.updater.ready(unit, params_only=True)
+        return self.updater.ready(unit, params_only=True)
 
     def norm_known(self, grads: dict[int, Gradient], lr: float, scale: float) -> None:
         pass
@@ -114,25 +128,27 @@ class Resident(UpdateKind):
     """Units on the device for good: fp32 master and AdamW there, updated on the compute lane once the norm is
     known, from the gradient in their slot."""
 
-    def __init__(self, engine, units):
-        super().__init__(engine, units)
-        e = engine
+    def __init__(self, units, updater: HostUpdater, *, states: list, slots: dict[int, Slot], lanes: Lanes,
+                 config: AdamWConfig, device: torch.device):
+        super().__init__(units, updater)
+        self.slots = slots  # unit -> its slot
+        self.lanes = lanes
         self.optimizers: dict[int, FlatAdamW] = {}
         if self.units:
-            largest = max(e.units[u].layout.numel for u in self.units)
-            scratch = torch.empty(min(CHUNK, largest), dtype=torch.float32, device=e.device)
+            largest = max(states[u].layout.numel for u in self.units)
+            scratch = torch.empty(min(CHUNK, largest), dtype=torch.float32, device=device)
             for u in self.units:
-                master = e.units[u].master.to(e.device, copy=True)
-                self.optimizers[u] = FlatAdamW(master, e.config.optimizer, scratch)
+                master = states[u].master.to(device, copy=True)
+                self.optimizers[u] = FlatAdamW(master, config, scratch)
 
     def loadable(self, unit: int) -> bool:
         return True
 
     def norm_known(self, grads: dict[int, Gradient], lr: float, scale: float) -> None:
-        e = self.engine
-        with e.timeline.span("compute", "update resident", e.compute.stream):
+        lanes = self.lanes
+        with lanes.timeline.span("compute", "update resident", lanes.compute.stream):
             for u, opt in self.optimizers.items():
-                slot = e.slot_of(u)
+                slot = self.slots[u]
                 opt.step(slot.grads, lr, scale)
                 slot.params.copy_(opt.master)
 
@@ -148,94 +164,95 @@ class Host(UpdateKind):
     again, where the placement says so (`speculation_pause`).
     Blocks whose moments (and master) live on disk have them read in ahead of their updates."""
 
-    def __init__(self, engine, units):
-        super().__init__(engine, units)
-        e, p = engine, engine.placement
-        self.disk = e.disk
+    def __init__(self, units, updater: HostUpdater, *, placement: Placement, states: list, lanes: Lanes, disk,
+                 moments: Moments, waits: UpdateWaits, edges: EdgesLoad):
+        super().__init__(units, updater)
+        p = placement
+        self.states, self.lanes, self.disk = states, lanes, disk  # (states: every unit's, by index)
+        self.moments, self.waits, self.edges = moments, waits, edges
+        self.clip, self.pause = p.run.clip, p.speculation_pause
         self.on_disk = sorted(set(self.units) & p.on_disk)
+        self.early_reads = 0 if early_reads_wait(p) else p.staging_slots  # (first updates' states read early)
         self.split = {u for u in self.units if p.units[u].split}
-        self.speculative = {u: e.speculative[u] for u in self.units if u in e.speculative}
+        # Speculating blocks: the parameters their update gives if clipping does not act, written during backward
+        self.speculative = {u: host_zeros(states[u].end - states[u].start, p.run.compute_dtype)
+                            for u in sorted(p.speculated) if u in self.units}
         self.from_speculation: set[int] = set()  # blocks whose loads take their speculated parameters
         self.speculating = True
         self.speculation = "off"  # the last step's: held, discarded, or off
-        self.waits = p.deferred  # (without clipping the scale is 1.0: waiting is only where the updates run)
+        self.deferred = p.deferred  # (without clipping the scale is 1.0: waiting is only where the updates run)
 
     def before_backward(self) -> None:
-        e = self.engine
         if self.disk is None:
             return
-        if not self.waits:  # moments from disk, in the order backward will submit their updates
+        if not self.deferred:  # moments from disk, in the order backward will submit their updates
             for u in reversed(self.on_disk):
                 self.disk.fetch(u)
-        elif not early_reads_wait(e.placement):  # the first clipped updates' states are read under the backward,
-            for u in self.on_disk[:e.placement.staging_slots]:  # one per staging slot
+        else:  # the first clipped updates' states are read under the backward (where nothing the backward waits
+            for u in self.on_disk[:self.early_reads]:  # for reads the disk then), one per staging slot
                 self.disk.fetch(u)
 
     def gradient_ready(self, unit: int, grad: Gradient, lr: float) -> None:
-        e = self.engine
         if unit == 0:  # (the edges' update waits for the step's end: nothing reads their gradient before)
             return
-        if not self.waits:  # the update starts as soon as its first piece is on the host
-            e.updater.submit(unit, grad.buffer, grad.arrived, lr, 1.0, into=e.units[unit].params)
+        if not self.deferred:  # the update starts as soon as its first piece is on the host
+            self.updater.submit(unit, grad.buffer, grad.arrived, lr, 1.0, into=self.states[unit].params)
         elif unit in self.speculative and self.speculating:
             # As if clipping will not act: only new parameters are written (over the ones its loads took: until
             # this step says otherwise, later loads take the master)
             self.from_speculation.discard(unit)
-            e.updater.submit(unit, grad.buffer, grad.arrived, lr, 1.0, part="speculate",
+            self.updater.submit(unit, grad.buffer, grad.arrived, lr, 1.0, part="speculate",
                              into=self.speculative[unit])
 
     def norm_known(self, grads: dict[int, Gradient], lr: float, scale: float) -> None:
-        e = self.engine
         # Clipping that does not act multiplies by exactly 1: the speculated parameters are the update's own
-        acted = bool(e.clip) and scale != 1.0
-        tried = bool(e.clip and self.speculative and self.speculating)
+        acted = bool(self.clip) and scale != 1.0
+        tried = bool(self.clip and self.speculative and self.speculating)
         held = set(self.speculative) if tried and not acted else set()
         self._speculated(tried, held, acted)
-        if self.waits and self.disk:  # their moments start coming in, in the order the updates below will run
+        if self.deferred and self.disk:  # their moments start coming in, in the order the updates below will run
             for u in self.on_disk:
                 self.disk.fetch(u)
         for u in self.units:
             if u in held:
                 continue  # below, after the updates the next forward waits for
-            if u == 0 or self.waits:  # otherwise sliding blocks were submitted during backward
+            if u == 0 or self.deferred:  # otherwise sliding blocks were submitted during backward
                 g, split = grads[u], u in self.split
-                e.updater.submit(u, g.buffer, g.arrived, lr, scale, part="params" if split else "all",
-                                 into=e.units[u].params)
+                self.updater.submit(u, g.buffer, g.arrived, lr, scale, part="params" if split else "all",
+                                    into=self.states[u].params)
                 if split:
-                    e.moments.add(u, MomentsPart(g.buffer, g.arrived, lr, scale))
+                    self.moments.add(u, MomentsPart(g.buffer, g.arrived, lr, scale))
         # Whole, last block first: the next backward reuses the last block's gradient buffer first
         for u in sorted(held, reverse=True):
-            e.updater.submit(u, grads[u].buffer, grads[u].arrived, lr, scale)
+            self.updater.submit(u, grads[u].buffer, grads[u].arrived, lr, scale)
         self.from_speculation = held
         if 0 in self.units:
-            e.edges_stale()
+            self.edges.stale()
 
     def norm_not_finite(self) -> None:
-        self._speculated(bool(self.engine.clip and self.speculative and self.speculating), set(), True)
+        self._speculated(bool(self.clip and self.speculative and self.speculating), set(), True)
         self.from_speculation = set()
         if self.disk is not None:  # no update follows: the states read for them stay as they are on disk
             self.disk.call_off()
 
     def _speculated(self, tried: bool, held: set[int], acted: bool) -> None:
         self.speculation = "off" if not tried else "held" if held else "discarded"
-        self.speculating = not (acted and self.engine.placement.speculation_pause)
+        self.speculating = not (acted and self.pause)
 
     def load(self, unit: int, slot: Slot, chunks: list[int] | None = None) -> bool:
         """Speculated parameters, where this step's clipping did not act; else the master (or its copy)."""
-        e = self.engine
         if unit not in self.from_speculation:
             return False
-        e.wait_for_update(unit, speculated=True)
-        e.h2d.run(e.shard_of_slot(unit, slot).copy_, self.speculative[unit], True,
-                  label=f"params {unit - 1 if unit else None} (speculated)")
+        self.waits(unit, speculated=True)
+        self.lanes.h2d.run(self.states[unit].slot_shard(slot).copy_, self.speculative[unit], True,
+                           label=f"params {unit - 1 if unit else None} (speculated)")
         return True
 
     def loadable(self, unit: int) -> bool:
         """Whether loading `unit` would queue at once (its update's params part, or its speculation, is done)."""
-        e = self.engine
         if unit in self.from_speculation:
-            return e.updater.speculated[unit].is_set()
-        return e.updater.ready(unit, params_only=True)
+            return self.updater.speculated[unit].is_set()
+        return self.updater.ready(unit, params_only=True)
 
     def flush(self) -> None:
         self.from_speculation = set()
@@ -248,13 +265,17 @@ class Streamed(UpdateKind):
     tail and nothing reads it before the next tail, so without clipping it updates during backward, and with
     clipping after the next forward's loads; only the part the head reads stands between one step and the next."""
 
-    def __init__(self, engine, units, tail_chunks: list[int]):
-        super().__init__(engine, units)
-        e = engine
-        self.split = {u for u in self.units if e.placement.units[u].split}
+    def __init__(self, units, updater: HostUpdater, tail_chunks: list[int], *, placement: Placement,
+                 optimizer: HostAdamW, config: AdamWConfig, lanes: Lanes, moments: Moments, waits: UpdateWaits,
+                 edge_slot: Slot, edges: EdgesLoad):
+        super().__init__(units, updater)
+        p = placement
+        self.optimizer, self.lanes, self.moments, self.waits = optimizer, lanes, moments, waits
+        self.edge_slot, self.edges, self.clip = edge_slot, edges, p.run.clip
+        self.split = {u for u in self.units if p.units[u].split}
         self.tail = list(tail_chunks)  # the edges' optimizer chunks only the tail reads
-        self.buffers = [StreamedStep(e.placement.stream_piece_numel, e.config.optimizer, e.device, e.dtype)
-                        for _ in range(e.placement.stream_buffers if self.units else 0)]
+        self.buffers = [StreamedStep(p.stream_piece_numel, config, torch.device(p.run.device), p.run.compute_dtype)
+                        for _ in range(p.stream_buffers if self.units else 0)]
         self.buffer_free = [DONE] * len(self.buffers)  # each buffer's last store has left
         self.next_buffer = 0
         self.pending: dict[int, PendingUpdate] = {}  # unit -> its update, to run at its next load
@@ -262,9 +283,9 @@ class Streamed(UpdateKind):
 
     def tail_final(self, lr: float) -> None:
         """Without clipping the edges' tail-only gradient is final after the tail: it updates during backward."""
-        e = self.engine
-        if not e.clip and self.tail:
-            self.pending[0] = PendingUpdate(e.edge_slot.grads, e.compute.record(), lr, 1.0, list(self.tail), False)
+        if not self.clip and self.tail:
+            self.pending[0] = PendingUpdate(self.edge_slot.grads, self.lanes.compute.record(), lr, 1.0,
+                                            list(self.tail), False)
 
     def edges_tail(self, chunks: int | None = 1) -> bool:
         """Queue `chunks` more optimizer chunks (None: all that are left) of the edges' pending tail-only update;
@@ -272,12 +293,12 @@ class Streamed(UpdateKind):
         if 0 not in self.pending:
             return False
         todo = self.pending[0].chunks
-        self.update_on_device(0, self.engine.edge_slot, todo if chunks is None else todo[:chunks])
+        self.update_on_device(0, self.edge_slot, todo if chunks is None else todo[:chunks])
         return True
 
     def loadable(self, unit: int) -> bool:
         """A pending device update waits for the host's moments part of the last one; a load, for its master."""
-        return self.engine.updater.ready(unit, params_only=unit not in self.pending)
+        return self.updater.ready(unit, params_only=unit not in self.pending)
 
     def head_chunks(self) -> list[int] | None:
         """The edges' chunks their load updates now (the tail-only part waits); None: no update pending."""
@@ -286,20 +307,19 @@ class Streamed(UpdateKind):
     def gradient_ready(self, unit: int, grad: Gradient, lr: float) -> None:
         """Without clipping a block's update needs no norm: it is due once its gradient is home, at a scale of
         1.0, and runs at the block's next load."""
-        if not self.engine.clip:
+        if not self.clip:
             self.pending[unit] = self._due(unit, grad, lr, 1.0)
 
     def norm_known(self, grads: dict[int, Gradient], lr: float, scale: float) -> None:
-        e = self.engine
         for u in self.units:
-            if u == 0 or e.clip:  # (unclipped, the blocks' updates were due at their gradients)
+            if u == 0 or self.clip:  # (unclipped, the blocks' updates were due at their gradients)
                 self.pending[u] = self._due(u, grads[u], lr, scale)
         if 0 in self.units:
-            e.edges_stale()
+            self.edges.stale()
 
     def _due(self, unit: int, grad: Gradient, lr: float, scale: float) -> PendingUpdate:
-        chunks = range(len(self.engine.optimizer.units[unit].ranges))
-        if unit == 0 and not self.engine.clip:  # the tail-only part is done already
+        chunks = range(len(self.optimizer.units[unit].ranges))
+        if unit == 0 and not self.clip:  # the tail-only part is done already
             chunks = [k for k in chunks if k not in self.tail]
         return PendingUpdate(grad.buffer, grad.arrived[-1], lr, scale, list(chunks), unit in self.split)
 
@@ -312,17 +332,17 @@ class Streamed(UpdateKind):
     def update_on_device(self, unit: int, slot: Slot | None, chunks: list[int] | None = None) -> None:
         """Queue unit's pending update on the device (only optimizer `chunks` of it, if given), writing the new
         parameters into `slot` (if any)."""
-        e = self.engine
+        lanes = self.lanes
         pending = self.pending.pop(unit)
         grad, arrived, lr, scale, split = pending.grad, pending.arrived, pending.lr, pending.scale, pending.split
         chunks = pending.chunks if chunks is None else chunks
         if rest := [k for k in pending.chunks if k not in chunks]:
             self.pending[unit] = dataclasses.replace(pending, chunks=rest)
-        opt = e.optimizer.units[unit]
+        opt = self.optimizer.units[unit]
         name = unit - 1 if unit else "edges"
-        e.wait_for_update(unit)  # the host's moments part of its last update is done with m and v
-        e.h2d.wait(arrived)
-        e.h2d.wait(self.written.get(unit, DONE))
+        self.waits(unit)  # the host's moments part of its last update is done with m and v
+        lanes.h2d.wait(arrived)
+        lanes.h2d.wait(self.written.get(unit, DONE))
         piece = self.buffers[0].numel
         for k in chunks:
             (a, b), step = opt.ranges[k], opt.steps[k]
@@ -332,18 +352,18 @@ class Streamed(UpdateKind):
                 n = self.next_buffer
                 buf = self.buffers[n]
                 self.next_buffer = (n + 1) % len(self.buffers)
-                e.h2d.wait(self.buffer_free[n])
-                e.h2d.run(buf.load, opt, start, end, grad, label=f"update {name}")
-                e.land.wait(e.h2d.record())
-                e.land.run(step_piece, buf, start, end, grad, count, lr, scale, slot, label=f"update {name}")
-                e.store.wait(e.land.record())
-                e.store.run(buf.store, opt, start, end, not split, label=f"store {name}")
-                self.buffer_free[n] = e.store.record()
+                lanes.h2d.wait(self.buffer_free[n])
+                lanes.h2d.run(buf.load, opt, start, end, grad, label=f"update {name}")
+                lanes.land.wait(lanes.h2d.record())
+                lanes.land.run(step_piece, buf, start, end, grad, count, lr, scale, slot, label=f"update {name}")
+                lanes.store.wait(lanes.land.record())
+                lanes.store.run(buf.store, opt, start, end, not split, label=f"store {name}")
+                self.buffer_free[n] = lanes.store.record()
             step += 1  # host bookkeeping of the chunk's AdamW step count (in place: the chunk's state)
         if split:  # m and v stay as they were: the host steps them once they have been read (and, so that a failed
             # device step stops the host's part too, once the steps are done)
-            e.moments.add(unit, MomentsPart(grad, [e.landed()] * len(opt.ranges), lr, scale))
-        self.written[unit] = e.store.record()
+            self.moments.add(unit, MomentsPart(grad, [lanes.landed()] * len(opt.ranges), lr, scale))
+        self.written[unit] = lanes.store.record()
         if slot is not None:
             slot.unit = unit - 1 if unit else None
 
@@ -355,7 +375,7 @@ class Streamed(UpdateKind):
         """Run the device updates still waiting for their unit's next load, and wait until all are home."""
         for unit in list(self.pending):
             self.update_on_device(unit, None)
-        self.engine.moments.submit()
+        self.moments.submit()
         for signal in self.written.values():
             signal.wait_host()
 
