@@ -30,9 +30,9 @@ def make_rows(seed: int, n: int) -> tuple[list[list[int]], list[list[int]]]:
     return rows.tolist(), labels.tolist()
 
 
-def reference_run(model, rows, labels, dtype=torch.float32, device="cpu", autocast=None):
-    """The plain loop: mean loss over all label tokens of the step, AdamW, global-norm clipping; on `device`,
-    under autocast to `autocast` where given (the weights stay `dtype`)."""
+def reference_run(model, rows, labels, dtype=torch.float32, device="cpu", autocast=None, clip=CLIP):
+    """The plain loop: mean loss over all label tokens of the step, AdamW, global-norm clipping at `clip`; on
+    `device`, under autocast to `autocast` where given (the weights stay `dtype`)."""
     model = copy.deepcopy(model).to(device, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     ids, lab = torch.tensor(rows, device=device), torch.tensor(labels, device=device)
@@ -50,7 +50,7 @@ def reference_run(model, rows, labels, dtype=torch.float32, device="cpu", autoca
                 out = model(input_ids=step_ids[mb], labels=step_lab[mb], num_items_in_batch=n_items)
             out.loss.backward()
             total += out.loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
         losses.append(total)
     return model, losses, norms
@@ -219,7 +219,7 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path, family):
         hf_loss = loaded(ids, labels=lab).loss.item()
     batch = {"input_ids": ids, "labels": lab, "position_ids": torch.arange(SEQ).expand(2, SEQ),
              "document_ids": torch.zeros(2, SEQ, dtype=torch.long)}
-    from slide_train.trainer import prepare
+    from slide_train.batches import prepare
 
     micro = [prepare(batch)]
     n = int((micro[0]["targets"] != -100).sum())
@@ -320,7 +320,7 @@ def test_sliding_window_attention_longer_than_the_window_matches_hf(tmp_path):
     write_token_rows(tmp_path / "data.jsonl", rows, labels)
     trainer = Trainer(slide_config(tmp_path, tmp_path / "m", tmp_path / "data.jsonl"), progress=False)
     ids, lab = torch.tensor(rows[:2]), torch.tensor(labels[:2])
-    from slide_train.trainer import prepare
+    from slide_train.batches import prepare
 
     micro = [prepare({"input_ids": ids, "labels": lab, "position_ids": torch.arange(SEQ).expand(2, SEQ),
                       "document_ids": torch.zeros(2, SEQ, dtype=torch.long)})]

@@ -15,10 +15,10 @@ import transformers
 from conftest import save_tiny_model, write_token_rows
 from safetensors import SafetensorError
 
-from slide_train.checkpoint import export_run
 from slide_train.cli import main
 from slide_train.config import load_config
 from slide_train.errors import CheckpointError, ConfigError, DiskFullError, ExportError, ModelError, TrainingError
+from slide_train.export import export_run
 from slide_train.machines import resolve_machine
 from slide_train.metrics import read_metrics
 from slide_train.models.build import load_model

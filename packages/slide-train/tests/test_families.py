@@ -25,6 +25,7 @@ from test_equivalence import (
     slide_config,
 )
 
+from slide_train.batches import prepare
 from slide_train.cli import main
 from slide_train.errors import ModelError
 from slide_train.export import hf_tensors
@@ -33,7 +34,7 @@ from slide_train.models.build import load_model
 from slide_train.models.families import FAMILIES
 from slide_train.models.presets import preset_config
 from slide_train.models.random_init import RandomWeights
-from slide_train.trainer import Trainer, prepare
+from slide_train.trainer import Trainer
 
 
 def eval_batch(rows, labels):

@@ -14,11 +14,12 @@ from torch import nn
 
 import slide_train.data.formats
 import slide_train.models.loss
+from slide_train.batches import prepare
 from slide_train.cli import main
 from slide_train.config import load_config
 from slide_train.data import DataConfig, build_data
 from slide_train.models.adapter import Edges
-from slide_train.trainer import Trainer, prepare
+from slide_train.trainer import Trainer
 
 
 def test_the_tail_runs_the_lm_head_only_on_tokens_with_a_target(monkeypatch):

@@ -11,8 +11,9 @@ import transformers
 from conftest import FAMILIES, MOE_FAMILIES, NEW_FAMILIES, save_tiny_model
 from test_equivalence import assert_bf16_tracks_fp32
 
+from slide_train.batches import prepare
 from slide_train.config import load_config
-from slide_train.trainer import Trainer, prepare
+from slide_train.trainer import Trainer
 
 pytestmark = pytest.mark.gpu
 STEPS = 20

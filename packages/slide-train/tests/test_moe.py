@@ -334,7 +334,7 @@ def test_the_plan_of_qwen3_30b_a3b_with_dense_first_layers_prints_each_block_siz
 def test_a_checkpoint_of_dense_layers_among_experts_exports(tmp_path):
     """`slide-train export` lays out each block of a checkpoint by its own shape: the export of a checkpoint is
     the trainer's own export, tensor for tensor."""
-    from slide_train.checkpoint import export_run
+    from slide_train.export import export_run
 
     save_mixed_model(tmp_path / "model", MIXED["dense first, middle and last"], aux=False)
     rows, labels = make_rows(seed=4, n=STEPS * MICRO * ACCUM)

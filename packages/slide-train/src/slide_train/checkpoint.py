@@ -366,35 +366,3 @@ def unit_layouts(stack) -> dict[str, object]:
     layouts = {"edges": FlatLayout(stack.make_edges())}
     layouts.update({f"block.{i}": blocks[k] for i, k in enumerate(shapes)})
     return layouts
-
-
-def export_run(run_dir: str | os.PathLike, step: int | None = None, out: str | None = None) -> pathlib.Path:
-    """Export a run's checkpoint (the newest, or `step`) as an HF model directory, with the generation config,
-    tokenizer and chat template files of its base model (as the run saved them, or from its model directory)."""
-    from .config import load_config
-    from .export import base_dir, export_dtype, export_hf
-    from .models.build import load_model, saved_model_source
-
-    run = pathlib.Path(run_dir)
-    if not (run / "config.yaml").is_file():
-        raise CheckpointError(f"{run} is not a run directory (no config.yaml)")
-    cfg = load_config(run / "config.yaml")
-    root = run / "checkpoints"
-    if step is None:  # find_resumable verifies what it returns
-        path = find_resumable(root)
-        if path is None:
-            why = " (the run had checkpoint.keep=0: its export, if it made one, is in its export/ directory)" \
-                if cfg.checkpoint.keep == 0 else ""
-            raise CheckpointError(f"{root} holds no usable checkpoint to export{why}")
-    else:
-        path = root / f"step-{step}"
-        if not path.is_dir():
-            have = ", ".join(p.name for p in list_checkpoints(root)) or "none"
-            raise CheckpointError(f"no checkpoint for step {step} in {root} (have: {have})")
-        verify(path)
-    source = saved_model_source(run, cfg.model)
-    model = load_model(source, cfg.seed, need_tokenizer=False, need_weights=False)
-    dtype = export_dtype(cfg.export_dtype, model.dtype)
-    hint = f"free some space there or choose another --out; {path} is unchanged"
-    return export_hf(out or run / "export", model.hf_config, read_masters(path, unit_layouts(model.stack())),
-                     model.tokenizer, dtype, source=base_dir(source), hint=hint)

@@ -72,10 +72,11 @@ def cmd_data(args, overrides) -> int:
 def cmd_plan(args, overrides) -> int:
     import json
 
+    from .disk_tier import asks_for_disk, nvme_dir, uses_disk
     from .machines import resolve_machine
     from .models.build import check_fits, load_model
     from .plan import advice, aux_loss_text, checkpoint_cost, describe, params_text
-    from .trainer import asks_for_disk, nvme_dir, plan_run, uses_disk
+    from .trainer import plan_run
 
     cfg = load_config(args.config, overrides)
     named = args.machine or os.environ.get("SLIDE_MACHINE")
@@ -155,7 +156,7 @@ def cmd_probe(args, overrides) -> int:
 
 
 def cmd_export(args, overrides) -> int:
-    from .checkpoint import export_run
+    from .export import export_run
 
     out = export_run(args.run_dir, step=args.step, out=args.out)
     print(f"exported to {out}")

@@ -1,6 +1,7 @@
-"""Export: an HF model directory that `transformers.AutoModelForCausalLM.from_pretrained` loads: config.json and
-the safetensors shards, with the base model directory's generation config, tokenizer files and chat template
-copied byte for byte (a built-in preset's tokenizer is written by its `save_pretrained`)."""
+"""Export: an HF model directory that `transformers.AutoModelForCausalLM.from_pretrained` loads, of a trainer's
+weights or of a run's checkpoint: config.json and the safetensors shards, with the base model directory's
+generation config, tokenizer files and chat template copied byte for byte (a built-in preset's tokenizer is
+written by its `save_pretrained`)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,12 @@ from safetensors.torch import save_file
 
 from slide_scheduler import DTYPES  # the one name -> dtype table
 
-from .errors import DiskFullError, ExportError, size_text
+from .checkpoint import find_resumable, list_checkpoints, read_masters, unit_layouts, verify
+from .config import load_config
+from .errors import CheckpointError, DiskFullError, ExportError, size_text
 from .models.adapter import block_hf_name, edge_hf_name
-from .models.build import save_model_files
+from .models.build import load_model, save_model_files, saved_model_source
+from .models.files import CHAT_TEMPLATE_DIR, copy_model_files, model_files
 from .models.presets import PRESETS
 from .progress import bar
 from .space import Size, files_size, safetensors_bytes, write_within
@@ -28,16 +32,6 @@ SHARD_BYTES = 5 * 2**30
 MARKER = ".slide-export"  # marks a directory this module wrote: only such a directory is ever replaced
 MARKER_TEXT = "written by slide-train export; a later export may replace this directory\n"
 METADATA = {"format": "pt"}
-
-# What a user loads from a model directory besides its config and weights: the generation defaults (stop tokens,
-# sampling), the tokenizer (the files of every tokenizer kind transformers reads) and the chat template, which
-# lives in tokenizer_config.json, chat_template.jinja, chat_template.json or additional_chat_templates/.
-GENERATION_CONFIG = "generation_config.json"
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
-                   "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "merges.txt",
-                   "vocab.txt", "tokenizer.tiktoken")
-CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
-CHAT_TEMPLATE_DIR = "additional_chat_templates"
 
 
 def hf_tensors(masters: dict[str, dict[str, torch.Tensor]]):
@@ -59,28 +53,6 @@ def hf_tensors(masters: dict[str, dict[str, torch.Tensor]]):
 def base_dir(model: str) -> pathlib.Path | None:
     """The model directory whose files an export carries over; None for a built-in preset (it has none)."""
     return None if model in PRESETS else pathlib.Path(model).expanduser()
-
-
-def model_files(source: pathlib.Path, tokenizer=None) -> list[str]:
-    """The files of model directory `source` that an export carries over, as paths under it: the generation
-    config, the tokenizer's files (with those its class names, `tokenizer`'s if given) and the chat templates."""
-    names = [GENERATION_CONFIG, *TOKENIZER_FILES, *CHAT_TEMPLATE_FILES,
-             *(n for n in getattr(tokenizer, "vocab_files_names", {}).values() if isinstance(n, str))]
-    found = [n for n in dict.fromkeys(names) if (source / n).is_file()]
-    templates = source / CHAT_TEMPLATE_DIR
-    return found + sorted(f"{CHAT_TEMPLATE_DIR}/{p.name}" for p in templates.glob("*.jinja") if p.is_file())
-
-
-def copy_model_files(source: pathlib.Path, dest: pathlib.Path, tokenizer=None) -> None:
-    """Make `dest`'s carried-over files byte copies of `source`'s: ones `source` lacks (written by a tokenizer's
-    `save_pretrained`, say) are removed, so that `dest` loads as `source` does."""
-    carried = model_files(source, tokenizer)
-    for name in model_files(dest, tokenizer):
-        if name not in carried:
-            (dest / name).unlink()
-    for name in carried:
-        (dest / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source / name, dest / name)
 
 
 def save_base_files(bundle, directory: pathlib.Path) -> bool:
@@ -179,6 +151,34 @@ def export_hf(directory: str | os.PathLike, hf_config, masters, tokenizer, dtype
                         lambda: _write(out, tmp, hf_config, tensors, _shards(shapes, dtype), tokenizer, source,
                                        dtype),
                         lambda free: _disk_full(out, needed, free, hint))
+
+
+def export_run(run_dir: str | os.PathLike, step: int | None = None, out: str | None = None) -> pathlib.Path:
+    """Export a run's checkpoint (the newest, or `step`) as an HF model directory, with the generation config,
+    tokenizer and chat template files of its base model (as the run saved them, or from its model directory)."""
+    run = pathlib.Path(run_dir)
+    if not (run / "config.yaml").is_file():
+        raise CheckpointError(f"{run} is not a run directory (no config.yaml)")
+    cfg = load_config(run / "config.yaml")
+    root = run / "checkpoints"
+    if step is None:  # find_resumable verifies what it returns
+        path = find_resumable(root)
+        if path is None:
+            why = " (the run had checkpoint.keep=0: its export, if it made one, is in its export/ directory)" \
+                if cfg.checkpoint.keep == 0 else ""
+            raise CheckpointError(f"{root} holds no usable checkpoint to export{why}")
+    else:
+        path = root / f"step-{step}"
+        if not path.is_dir():
+            have = ", ".join(p.name for p in list_checkpoints(root)) or "none"
+            raise CheckpointError(f"no checkpoint for step {step} in {root} (have: {have})")
+        verify(path)
+    source = saved_model_source(run, cfg.model)
+    model = load_model(source, cfg.seed, need_tokenizer=False, need_weights=False)
+    dtype = export_dtype(cfg.export_dtype, model.dtype)
+    hint = f"free some space there or choose another --out; {path} is unchanged"
+    return export_hf(out or run / "export", model.hf_config, read_masters(path, unit_layouts(model.stack())),
+                     model.tokenizer, dtype, source=base_dir(source), hint=hint)
 
 
 def is_earlier_export(out: pathlib.Path) -> bool:

@@ -10,30 +10,13 @@ import tempfile
 from .data import FORMATS
 from .data.config import DataError
 from .data.sources import check_file
-from .errors import ConfigError, ModelError
+from .disk_tier import asks_for_disk, nvme_dir
+from .errors import ConfigError
+from .models.files import no_tokenizer_files, tokenizer_files
 from .models.presets import PRESETS
 
 # The formats whose rows are text for the model's tokenizer; `tokens` rows are ids already.
 TEXT_FORMATS = tuple(f for f in FORMATS if f != "tokens")
-
-
-def tokenizer_files(model_dir: pathlib.Path) -> list[str]:
-    """The tokenizer files present in a model directory, of those transformers reads."""
-    from .export import TOKENIZER_FILES  # (export imports the model builder, which uses this module)
-
-    return [name for name in TOKENIZER_FILES if (model_dir / name).is_file()]
-
-
-def no_tokenizer_files(model_dir: pathlib.Path, fmt: str | None = None) -> ModelError:
-    """The error for a model directory without a tokenizer. transformers may build an empty one there instead of
-    failing, which turns every document into unknown tokens, so the files are looked for first."""
-    from .export import TOKENIZER_FILES
-
-    needs = f"data.format={fmt}" if fmt else "training on text"
-    return ModelError(
-        f"model {model_dir} has no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}): {needs} needs the "
-        "model's tokenizer; copy its tokenizer files next to config.json, or give pre-tokenized rows with "
-        "data.format=tokens")
 
 
 def check_tokenizer_files(model: str, fmt: str) -> None:
@@ -83,8 +66,6 @@ def check_writable(key: str, folder: str | os.PathLike) -> None:
 
 def check_finetune(cfg) -> None:
     """What `slide-train finetune` refuses before it loads the model or reads the data."""
-    from .trainer import asks_for_disk, nvme_dir
-
     check_tokenizer_files(cfg.model, cfg.data.format)
     check_data_path(cfg.data.path)
     check_writable("output_dir", cfg.output_dir)

@@ -86,6 +86,14 @@ def files_size(paths: Iterable[pathlib.Path]) -> Size:
     return Size(nbytes, files)
 
 
+def filesystem_of(path: pathlib.Path) -> int:
+    """The device id of the filesystem that holds, or will hold, `path` (its nearest existing ancestor's)."""
+    path = path.absolute()
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path.stat().st_dev
+
+
 def write_within(where: pathlib.Path, needed: int, partial: pathlib.Path, write: Callable[[], T],
                  full: Callable[[int], DiskFullError]) -> T:
     """`write()`, once `needed` bytes are free at `where`. A full disk, before or during the write, raises

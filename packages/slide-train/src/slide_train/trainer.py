@@ -38,33 +38,24 @@ from slide_scheduler import (
 from slide_scheduler import resolve_device as slide_resolve_device
 
 from . import checkpoint as ckpt
+from .batches import count_targets, prepare
 from .config import TrainConfig, to_dict
 from .data import build_data
-from .data.formats import IGNORE
+from .disk_tier import ACTIVATIONS_DIR, STATES_DIR, asks_for_disk, default_disk_folders, leftovers, nvme_dir, uses_disk
 from .distributed import join, rank_device, ranks_here
 from .errors import ConfigError, DiskFullError, TrainingError, plural, size_text
-from .export import MARKER as EXPORT_MARKER
-from .export import base_dir, export_dtype, export_hf, export_size, is_earlier_export, layout_tensors, save_base_files
-from .log import LOG_FILE, open_run_log, say
+from .export import base_dir, export_dtype, export_hf, export_size, layout_tensors, save_base_files
+from .log import open_run_log, say
 from .machines import resolve_machine
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics, step_figures
 from .models.build import BASE_MODEL_DIR, check_fits, load_model, saved_model_source
-from .models.loss import loss_rows
 from .plan import advise, aux_loss_text, budgets_for, describe, facts_of, make_plan, model_shapes, params_text, refuse
 from .preflight import check_writable
 from .progress import bar
 from .resume import find_checkpoint, saved_config
+from .run_folder import earlier_outputs, refuse_earlier_run
 from .schedule import lr_at
-from .space import Size
-
-# Files a run writes into its directory, which --overwrite=true deletes; in its folders it deletes only what
-# `_earlier_outputs` names (config.yaml and base-model/ are rewritten by the new run).
-RUN_FILES = ("metrics.jsonl", "loss.png", "timeline.png", "trace.json", LOG_FILE)
-# The default home of the NVMe tier (engine.nvme.dir), under output_dir: scratch, whose contents the checkpoints
-# hold, so what a killed process left there is removed when the next run in the folder starts.
-NVME_DIR = "nvme"
-STATES_DIR, ACTIVATIONS_DIR = "states", "activations"  # its two folders
-
+from .space import Size, files_size, filesystem_of
 
 ALLOC_CONF = "expandable_segments:True"
 ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the user's settings
@@ -104,20 +95,6 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError(f"engine.device={name}, but this machine has {torch.cuda.device_count()} CUDA device(s): "
                           f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return device
-
-
-def nvme_dir(cfg: TrainConfig) -> pathlib.Path:
-    return pathlib.Path(cfg.engine.nvme.dir or pathlib.Path(cfg.output_dir) / NVME_DIR)
-
-
-def uses_disk(cfg: TrainConfig) -> bool:
-    fraction = cfg.engine.nvme.fraction
-    return fraction == "auto" or fraction > 0 or cfg.engine.activation_offload in ("nvme", "auto")
-
-
-def asks_for_disk(cfg: TrainConfig) -> bool:
-    """Whether the config itself puts something on disk (`auto` leaves it to the plan)."""
-    return cfg.engine.nvme.fraction not in (0, "auto") or cfg.engine.activation_offload == "nvme"
 
 
 def engine_config(cfg: TrainConfig) -> EngineConfig:
@@ -202,21 +179,6 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True, ra
     return plan, engine_config(cfg), stack
 
 
-def default_disk_folders(cfg: TrainConfig) -> list[str]:
-    """The run's own folder of the NVMe tier under output_dir, where it uses one: cleared at the start (a killed
-    run leaves files behind) and removed at the end. A folder of the user's choosing is left as it is."""
-    return [str(nvme_dir(cfg))] if uses_disk(cfg) and not cfg.engine.nvme.dir else []
-
-
-def leftovers(cfg: TrainConfig) -> list[pathlib.Path]:
-    """Scratch stores a killed run left in a folder of the user's own (engine.nvme.dir), which is not cleared:
-    the slide-io store folders under its states/ and activations/ folders."""
-    if not cfg.engine.nvme.dir:
-        return []
-    folder = pathlib.Path(cfg.engine.nvme.dir)
-    return sorted(p for sub in (STATES_DIR, ACTIVATIONS_DIR) for p in (folder / sub).glob("slide-io-*"))
-
-
 def build_engine(cfg: TrainConfig, model, machine: Machine, progress: bool = False,
                  before_load=None, ranks: Ranks | None = None, measure_disk=None) -> tuple[SlidingEngine, Plan]:
     """The engine of the run's placement. Loading an 8B model's weights takes minutes: with `progress`, a bar
@@ -228,7 +190,7 @@ def build_engine(cfg: TrainConfig, model, machine: Machine, progress: bool = Fal
         shutil.rmtree(folder, ignore_errors=True)
     if left := leftovers(cfg):  # the user's own folder: said, not removed
         warnings.warn(f"{cfg.engine.nvme.dir} holds {len(left)} scratch folder(s) an earlier run left when it was "
-                      f"stopped ({size_text(sum(_bytes_under(p) for p in left))}: {', '.join(p.name for p in left)}"
+                      f"stopped ({size_text(files_size(left).nbytes)}: {', '.join(p.name for p in left)}"
                       "); this run leaves them alone: delete them to free the space", stacklevel=2)
     if before_load is not None:
         before_load(plan, engine_cfg)
@@ -250,62 +212,6 @@ def build_engine(cfg: TrainConfig, model, machine: Machine, progress: bool = Fal
             stack.load_block = read
 
 
-def _earlier_outputs(run_dir: pathlib.Path) -> list[pathlib.Path]:
-    """What --overwrite deletes: the files and folders an earlier run wrote, and nothing else. A folder of
-    ours that holds something we did not write keeps that (an export folder without our marker is refused)."""
-    out = [run_dir / name for name in RUN_FILES]
-    checkpoints = run_dir / "checkpoints"
-    if checkpoints.is_dir():
-        out += [p for p in checkpoints.iterdir() if p.name.startswith((".step-", "step-"))]
-    tensorboard = run_dir / "tensorboard"
-    if tensorboard.is_dir():
-        out += list(tensorboard.glob("events.out.tfevents.*"))
-    export = run_dir / "export"
-    if export.is_dir():
-        if not is_earlier_export(export):
-            raise ConfigError(f"--overwrite: {export} was not written by slide-train (no {EXPORT_MARKER} in it); "
-                              "move it away, or choose another output_dir")
-        out.append(export)
-    return [p for p in out if p.exists()]
-
-
-def _filesystem(path: pathlib.Path) -> int:
-    """The device id of the filesystem that holds, or will hold, `path` (its nearest existing ancestor's)."""
-    path = path.absolute()
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    return path.stat().st_dev
-
-
-def _bytes_under(path: pathlib.Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
-
-
-def count_targets(micro: list[dict[str, torch.Tensor]]) -> int:
-    """Tokens with a target in these prepared micro-batches (the loss's normalizer)."""
-    return sum(int((m["targets"] != IGNORE).sum()) for m in micro)
-
-
-def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Loader micro-batch -> engine micro-batch: next-token targets, no target across a document boundary."""
-    labels, docs = batch["labels"], batch["document_ids"]
-    targets = torch.full_like(labels, IGNORE)
-    same_doc = docs[:, 1:] == docs[:, :-1]
-    targets[:, :-1] = torch.where(same_doc, labels[:, 1:], IGNORE)
-    out = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "targets": targets}
-    # The tail gathers the tokens that have a target only when at least 1/32 have none: the gather costs a little
-    # where every token has a target and saves the logits of every token without one.
-    rows = loss_rows(targets)
-    if rows.numel() <= targets.numel() * 31 // 32:
-        out["loss_rows"] = rows
-    # Rows holding one document and no padding need no explicit mask: plain causal attention is exact.
-    if bool((docs != docs[:, :1]).any()):
-        out["document_ids"] = docs
-    return out
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig, progress: bool = True, machine: Machine | None = None,
                  checkpoint: pathlib.Path | None = None):  # (one `resumed_config` found and verified)
@@ -313,15 +219,7 @@ class Trainer:
         self.progress = progress
         self.run_dir = pathlib.Path(cfg.output_dir)
         self.checkpoints = self.run_dir / "checkpoints"
-        # Refuse to mix with an earlier run (checkpointed or not) before anything is loaded or written.
-        earlier = ckpt.list_checkpoints(self.checkpoints)
-        metrics = self.run_dir / "metrics.jsonl"
-        if (earlier or metrics.is_file()) and not cfg.resume and not cfg.overwrite:
-            what = (f"checkpoints up to {earlier[-1].name}: continue it with --resume=auto," if earlier else
-                    "metrics.jsonl, no checkpoint to continue from:")
-            raise ckpt.CheckpointError(
-                f"{self.run_dir} holds an earlier run ({what} start afresh there with --overwrite=true), or choose "
-                "another output_dir")
+        refuse_earlier_run(cfg)  # before anything is loaded or written
         resolve_device(cfg.engine.device)  # before minutes of loading
         self.ranks = join(cfg.engine.device)
         self._resume_path = checkpoint or (find_checkpoint(cfg) if cfg.resume else None)
@@ -332,7 +230,7 @@ class Trainer:
         check_fits(self.model, cfg.seq_len)
         self.data = build_data(cfg.data, self.model.tokenizer, cfg.seq_len, cfg.micro_batch_size, cfg.seed,
                                vocab_size=self.model.hf_config.vocab_size, progress=None if progress else False)
-        outputs = _earlier_outputs(self.run_dir) if cfg.overwrite and not cfg.resume else []
+        outputs = earlier_outputs(self.run_dir) if cfg.overwrite and not cfg.resume else []
         if not cfg.checkpoint.keep:
             warnings.warn("checkpoint.keep=0: this run writes no checkpoint; a stopped run (Ctrl-C) keeps only its "
                           "metrics" + (", and the export is written at the end" if cfg.export else ""), stacklevel=2)
@@ -407,13 +305,13 @@ class Trainer:
              Size(int(on_disk.get("moments", 0))))) if size.nbytes]
         disks: dict[int, list] = {}
         for want in wants:
-            disks.setdefault(_filesystem(want[1]), []).append(want)
-        run_disk = _filesystem(self.run_dir)
+            disks.setdefault(filesystem_of(want[1]), []).append(want)
+        run_disk = filesystem_of(self.run_dir)
         for disk, group in disks.items():
             needed, folder = sum((size for *_, size in group), Size(0)).needed, group[0][1]
             free = free_bytes(folder)
             if needed > free and disk == run_disk:  # only then walk what --overwrite frees
-                free += sum(_bytes_under(p) for p in outputs)
+                free += files_size(outputs).nbytes
             if needed > free:
                 folders = list(dict.fromkeys(str(f) for _, f, _ in group))
                 where = folders[0] if len(folders) == 1 else f"the disk of {' and '.join(folders)}"

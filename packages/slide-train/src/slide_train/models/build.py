@@ -12,9 +12,9 @@ import transformers
 
 from ..data import builtin_tokenizer
 from ..errors import ConfigError, ModelError
-from ..preflight import no_tokenizer_files, tokenizer_files
 from .adapter import HFStack, check_supported
 from .families import FAMILIES, supported_text
+from .files import no_tokenizer_files, tokenizer_files
 from .presets import PRESETS, preset_config
 from .random_init import RandomWeights
 from .weights import SafetensorsWeights
