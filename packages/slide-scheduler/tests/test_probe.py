@@ -456,7 +456,7 @@ def test_quick_probe_on_a_gpu(tmp_path):
     pcie = machine.pcie
     assert pcie.h2d_gbps > 0 and pcie.d2h_gbps > 0 and pcie.duplex_gbps > 0
     # Both ways at once move at least as much as the faster single direction, up to measurement noise.
-    assert pcie.duplex_gbps >= 0.8 * max(pcie.h2d_gbps, pcie.d2h_gbps)
+    assert pcie.duplex_gbps >= 0.8 * max(pcie.h2d_gbps, pcie.d2h_gbps), pcie
     # Host memory under the mix carries at least what the copies alone move across PCIe.
     assert machine.host.memory_gbps >= 0.8 * pcie.duplex_gbps
     assert list(tmp_path.iterdir()) == []
