@@ -76,9 +76,8 @@ GEMMA = ("rms_norm", "rope", "geglu")
 PHI3 = ("rms_norm", "partial_rope", "swiglu_gate_up")
 OLMO = ("rms_norm", "rope_cast_back", "swiglu")  # (OLMo 2/3 keep their rotary tables in fp32)
 # The mixtures' experts through slide-kernels' moe_experts (True), or transformers' own grouped matmuls (False):
-# the one switch, to be turned on once benchmarks/kernel_bench.py's moe_experts rows show it faster on a GPU (they
-# have not run on one yet).
-FUSED_EXPERTS = False
+# the one switch, on since benchmarks/kernel_bench.py's moe_experts rows show the fused kernel faster on a GPU.
+FUSED_EXPERTS = True
 MOE = ("rms_norm", "rope", "moe_experts") if FUSED_EXPERTS else ("rms_norm", "rope")
 EXPERTS = None if FUSED_EXPERTS else "the experts (transformers' grouped matmuls)"
 
