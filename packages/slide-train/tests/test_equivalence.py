@@ -30,9 +30,11 @@ def make_rows(seed: int, n: int) -> tuple[list[list[int]], list[list[int]]]:
     return rows.tolist(), labels.tolist()
 
 
-def reference_run(model, rows, labels, dtype=torch.float32, device="cpu", autocast=None, clip=CLIP):
-    """The plain loop: mean loss over all label tokens of the step, AdamW, global-norm clipping at `clip`; on
-    `device`, under autocast to `autocast` where given (the weights stay `dtype`)."""
+def reference_run(model, rows, labels, dtype=torch.float32, device="cpu", autocast=None, clip=None):
+    """The plain loop: mean loss over all label tokens of the step, AdamW, global-norm clipping at `clip` (by
+    default CLIP as it is when called: some tests set it); on `device`, under autocast to `autocast` where given
+    (the weights stay `dtype`)."""
+    clip = CLIP if clip is None else clip
     model = copy.deepcopy(model).to(device, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     ids, lab = torch.tensor(rows, device=device), torch.tensor(labels, device=device)
