@@ -85,6 +85,25 @@ def test_block_mask_allows_what_the_dense_mask_allows(seq, window, documents):
         assert whole.any()
 
 
+@pytest.mark.parametrize("window, softcap", [(None, None), (6, None), (6, 50.0), (None, 30.0)])
+def test_a_mask_without_documents_serves_every_row_of_the_batch(window, softcap):
+    """A BlockMask without documents is one row broadcast over the batch; FlexAttention's own dense path (what
+    runs where it is not compiled) calls its rule with every row's index, and `attend` must give each row the
+    float64 attention of its causal (windowed) scores, soft-capped where asked."""
+    g = torch.Generator().manual_seed(0)
+    batch, heads, seq, dim = 3, 2, 24, 8
+    q, k, v = (torch.randn(batch, heads, seq, dim, generator=g) for _ in range(3))
+    mask = attention.block_mask(None, window, seq, "cpu")
+    out, _ = attention.attend(None, q, k, v, mask, scaling=dim ** -0.5, softcap=softcap)
+    scores = (q.double() @ k.double().transpose(-1, -2)) * dim ** -0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    pos = torch.arange(seq)
+    allowed = (pos[:, None] >= pos[None, :]) & ((pos[:, None] - pos[None, :] < window) if window else True)
+    expected = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1) @ v.double()
+    torch.testing.assert_close(out.double(), expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
 def test_padding_sees_only_itself_and_every_row_sees_something():
     docs = packed_documents(300, LENGTHS)
     allowed = to_positions(attention.block_mask(docs, None, 300, "cpu"), 300)

@@ -22,8 +22,9 @@ STEPS = 20
 @pytest.mark.parametrize("family, resident", [("llama", "null"), ("qwen2", "null"), ("qwen3", "null"),
                                               ("mistral", "null"), ("llama", "1")])
 def test_bf16_loss_curve_tracks_gpu_resident_reference(tmp_path, family, resident):
-    """The planner keeps a tiny model resident; with only the edges resident the blocks slide, and their held
-    clipped gradients share the activations' pinned memory (slide-train's default)."""
+    """The planner keeps a tiny model resident; with only the edges resident and the blocks' updates on the host
+    (the planner would stream a model this small through the GPU), the blocks slide and their held clipped
+    gradients share the activations' pinned memory."""
     if not torch.cuda.is_available():
         pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
     model = save_tiny_model(tmp_path / "m", family)
@@ -31,7 +32,7 @@ def test_bf16_loss_curve_tracks_gpu_resident_reference(tmp_path, family, residen
         f"--model={tmp_path / 'm'}", "--seq_len=128", "--micro_batch_size=4", "--grad_accum=2",
         f"--steps={STEPS}", "--optimizer.lr=3e-3", "--schedule.warmup_steps=3", "--max_grad_norm=1.0",
         "--engine.device=cuda", f"--engine.placement.resident={resident}", f"--output_dir={tmp_path / 'run'}",
-        "--export=false"])
+        "--export=false", *(["--engine.placement.device_update_share=0"] if resident == "1" else [])])
     trainer = Trainer(cfg, progress=False)
     assert (trainer.engine.homes.pool is not None) == (resident == "1")
     # The reference sees the very same micro-batches: a second loader built from the same config and seed.

@@ -11,6 +11,7 @@ head built.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -83,9 +84,12 @@ def block_mask(document_ids: torch.Tensor | None, window: int | None, seq: int, 
         whole &= (below + 1) * TILE - 1 < window  # and the farthest
     partial = seen & ~whole
 
-    def rule(b, h, q, kv):
-        ok = (q >= kv) & (ids[b, q] == ids[b, kv])
-        return ok & (q - kv < window) if window is not None else ok
+    if document_ids is None:  # (broadcast over the batch: FlexAttention's dense path calls it with every row's b)
+        rule = _causal_rule(window)
+    else:
+        def rule(b, h, q, kv):
+            ok = (q >= kv) & (ids[b, q] == ids[b, kv])
+            return ok & (q - kv < window) if window is not None else ok
 
     def ordered(dense):  # per query tile: how many key tiles, and their indices first
         dense = dense[:, None].to(torch.int32)
@@ -94,6 +98,23 @@ def block_mask(document_ids: torch.Tensor | None, window: int | None, seq: int, 
 
     return BlockMask.from_kv_blocks(*ordered(partial), *ordered(whole), BLOCK_SIZE=TILE, mask_mod=rule,
                                     seq_lengths=(seq, seq))
+
+
+@functools.cache
+def _causal_rule(window: int | None):
+    """Causal attention's rule, within `window` where given: one function per window, so the compiled kernel sees
+    the same rule every call."""
+    def rule(b, h, q, kv):
+        return (q >= kv) & (q - kv < window) if window is not None else q >= kv
+    return rule
+
+
+@functools.cache
+def _soft_cap(softcap: float):
+    """Soft-capping as a score rule, one function per cap (as `_causal_rule`)."""
+    def score_mod(score, b, h, q, kv):
+        return softcap * torch.tanh(score / softcap)
+    return score_mod
 
 
 _compiled = None
@@ -114,10 +135,7 @@ def attend(module, query, key, value, attention_mask, scaling=None, softcap=None
     """A transformers attention function: FlexAttention for a BlockMask (soft-capping as its score rule), HF's
     eager attention of the module's own family for a float mask, SDPA otherwise."""
     if isinstance(attention_mask, BlockMask):
-        score_mod = None
-        if softcap is not None:
-            def score_mod(score, b, h, q, kv):
-                return softcap * torch.tanh(score / softcap)
+        score_mod = _soft_cap(softcap) if softcap is not None else None
         out = _flex(query)(query, key, value, score_mod=score_mod, block_mask=attention_mask, scale=scaling,
                            enable_gqa=query.shape[1] != key.shape[1])
         return out.transpose(1, 2).contiguous(), None
