@@ -48,6 +48,8 @@ class NvmeConfig:
 class EngineSection:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     gpu_memory_limit_gb: float | None = None  # cap this process's GPU memory (e.g. 24 to act as a 24 GB card)
+    # cap the host memory this run's plan may count on (e.g. 64 to leave the rest of a larger host to other work)
+    host_memory_limit_gb: float | None = None
     compute_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
     states_dtype: str = "fp32"  # fp32 | bf16 (opt-in: AdamW m and v on the host in bf16, half their memory)
     kernels: str = "auto"  # auto (slide-kernels' Triton RMSNorm/RoPE/SwiGLU on CUDA) | on | off
@@ -175,6 +177,8 @@ KEY_HELP = {
     "output_dir": "the run's folder: config, metrics.jsonl, log.txt, checkpoints, export",
     "engine.device": "auto, cpu, cuda or cuda:N",
     "engine.gpu_memory_limit_gb": "cap this process's GPU memory (24: plan and run as on a 24 GB card); null: all",
+    "engine.host_memory_limit_gb": "cap the host memory the run counts on (64: plan and run as on a host of 64 GB, "
+                                   "the rest on disk or refused); null: the machine's",
     "engine.compute_dtype": "parameters and activations on the device; auto: bf16 on CUDA, fp32 on the CPU",
     "engine.states_dtype": "AdamW m and v on the host; bf16 halves their memory and is no longer exact AdamW",
     "engine.kernels": "slide-kernels' Triton kernels; auto: on CUDA",
@@ -366,6 +370,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         cfg.engine.nvme.dir = os.path.expanduser(cfg.engine.nvme.dir)
     if cfg.engine.gpu_memory_limit_gb is not None and cfg.engine.gpu_memory_limit_gb <= 0:
         raise ConfigError("engine.gpu_memory_limit_gb must be positive, or null for no cap")
+    if cfg.engine.host_memory_limit_gb is not None and cfg.engine.host_memory_limit_gb <= 0:
+        raise ConfigError("engine.host_memory_limit_gb must be positive, or null for no cap")
     if cfg.eval_every and cfg.data.eval_fraction <= 0:
         raise ConfigError("eval_every needs a validation split: set data.eval_fraction (e.g. 0.05)")
     check_data_config(cfg.data, cfg.seq_len, cfg.micro_batch_size)  # also for `slide-train plan`, which reads no data
