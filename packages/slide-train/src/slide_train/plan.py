@@ -27,7 +27,7 @@ from slide_scheduler import (
     suggest,
 )
 
-from .config import TrainConfig
+from .config import TrainConfig, expert_fields
 from .errors import ConfigError, plural
 from .export import export_dtype, export_held_bytes
 
@@ -75,7 +75,9 @@ def unit_of(name: str) -> int:
 
 
 def overrides_of(cfg: TrainConfig, num_blocks: int) -> Overrides:
-    o = cfg.engine.placement
+    """The config's expert keys as slide-scheduler's `Overrides`: engine.placement's, each to its field of that
+    name (resident's unit names as units), and engine.nvme.fraction's share."""
+    o = {key: value for key, value in cfg.engine.placement.items() if key in expert_fields()}
     resident = o.get("resident")
     if isinstance(resident, list):
         resident = tuple(sorted(unit_of(name) for name in resident))
@@ -86,11 +88,7 @@ def overrides_of(cfg: TrainConfig, num_blocks: int) -> Overrides:
         raise ConfigError(f"engine.placement.resident={resident}, but this model has {num_blocks + 1} units (the "
                           f"edges and {num_blocks} blocks): use at most {num_blocks + 1}")
     fraction = cfg.engine.nvme.fraction
-    return Overrides(window=o.get("window"), resident=resident, device_update_share=o.get("device_update_share"),
-                     speculate=o.get("speculate"), nvme_fraction=None if fraction == "auto" else fraction,
-                     sequence_tile=o.get("sequence_tile"), landing_sets=o.get("landing_sets"),
-                     edges_early=o.get("edges_early"), disk_grads=o.get("disk_grads"),
-                     disk_staging=o.get("disk_staging"), speculation_pause=o.get("speculation_pause"))
+    return Overrides(**{**o, "resident": resident, "nvme_fraction": None if fraction == "auto" else fraction})
 
 
 def facts_of(cfg: TrainConfig, device: str, ranks: int = 1) -> RunFacts:
