@@ -50,7 +50,8 @@ def test_help_lists_every_key_with_default():
     for key in ("engine.placement", "optimizer.lr", "schedule.warmup_steps", "data.format", "checkpoint.every"):
         assert key in out.stdout
     engine_keys = [line.split()[0] for line in out.stdout.splitlines() if line.strip().startswith("engine.")]
-    assert engine_keys == ["engine.device", "engine.gpu_memory_limit_gb", "engine.compute_dtype",
+    assert engine_keys == ["engine.device", "engine.gpu_memory_limit_gb", "engine.host_memory_limit_gb",
+                           "engine.compute_dtype",
                            "engine.states_dtype", "engine.kernels", "engine.activation_offload", "engine.nvme.dir",
                            "engine.nvme.fraction", "engine.placement"]  # at most 10, each a user's choice
     assert "docs/placement.md" in next(line for line in out.stdout.splitlines() if "engine.placement" in line)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .placement import (
     DISK,
@@ -33,42 +33,84 @@ class Budgets:
         return {GPU: self.gpu, HOST: self.host, DISK: self.disk, **dict(self.others)}.get(tier)
 
 
+def expert(what: str, *, least: float = 0, most: float | None = None, must: str = "",
+           words: tuple[str, ...] = ()) -> dict:
+    """An `Overrides` field's metadata as an expert key (slide-train's engine.placement.<name>): what it does, the
+    range of a number (`least`, `most`), the words it takes beside true and false (`words`), and what a wrong value
+    is told it must be where its type and range do not say it (`must`)."""
+    return {"expert": what, "least": least, "most": most, "must": must, "words": words}
+
+
+def planner_only(why: str) -> dict:
+    """An `Overrides` field no config key sets (the planner's own choice, or another key's), and why."""
+    return {"planner_only": why}
+
+
 @dataclass(frozen=True)
 class Overrides:
-    """Expert choices the placement otherwise makes itself (engine.placement in slide-train)."""
+    """Expert choices the placement otherwise makes itself. Each field is declared once, here: a field with
+    `expert` metadata is slide-train's engine.placement.<name> (its help, type and range checked from this
+    declaration); `planner_only` ones are set by the planner or by another key."""
 
-    window: int | None = None
-    resident: int | tuple[int, ...] | None = None  # a count (edges, then blocks from 0) or the units themselves
-    device_update_share: float | None = None
-    held_grads: int | None = None  # device-updated blocks whose gradient waits on the device (None: what fits)
-    share_grads: bool | None = None  # pooled host gradients (None: wherever there is something to share)
-    split: bool = True
+    window: int | None = field(default=None, metadata=expert(
+        "GPU slots for sliding blocks (an integer of at least 1)", least=1))
+    # a count (edges, then blocks from 0) or the units themselves
+    resident: int | tuple[int, ...] | None = field(default=None, metadata=expert(
+        "units kept on the GPU: a count (the edges, then blocks from 0) or a list such as [edges, block.3]",
+        must="a count of at least 0 or a list of units such as [edges, block.3]"))
+    device_update_share: float | None = field(default=None, metadata=expert(
+        "share of the sliding blocks whose clipped update runs on the GPU (0 to 1)", most=1))
+    held_grads: int | None = field(default=None, metadata=planner_only(  # (None: what fits)
+        "device-updated blocks whose gradient waits on the device: what the GPU budget has room for"))
+    share_grads: bool | None = field(default=None, metadata=planner_only(  # (None: wherever there is something to
+        "pooled host gradients: wherever clipping holds gradients and activations are on the host"))  # share)
+    split: bool = field(default=True, metadata=planner_only("clipped host updates split wherever that is exact"))
     # clipped host updates speculated during backward: True wherever the host has room, "auto" where the cost
     # model prices it faster, None or False: off
-    speculate: bool | str | None = None
+    speculate: bool | str | None = field(default=None, metadata=expert(
+        "true: clipped host updates also run during backward as if clipping will not act (the same result bit for "
+        "bit, more host memory); auto: where the cost model prices it faster; off by default (docs/findings.md)",
+        words=("auto",)))
+    # the reference schedule: every lane inline, no overlap (None: pipelined)
+    synchronous: bool | None = field(default=None, metadata=expert(
+        "true: the synchronous reference schedule, no overlap"))
     # The share of the sliding blocks whose masters and moments live on disk (None: the least that fits host
     # memory), and whether their loads read the master from disk (None: only where copies of their parameters do
     # not fit)
-    nvme_fraction: float | None = None
-    disk_loads: bool | None = None
+    nvme_fraction: float | None = field(default=None, metadata=planner_only("engine.nvme.fraction sets it"))
+    disk_loads: bool | None = field(default=None, metadata=planner_only(
+        "where copies of the disk blocks' parameters do not fit host memory"))
     # positions per tile of a block's MLP over the sequence (None: tiles where whole rows do not fit the GPU; 0: never)
-    sequence_tile: int | None = None
+    sequence_tile: int | None = field(default=None, metadata=expert(
+        "positions per tile of each block's MLP over the sequence, recomputed tile by tile in the backward (0: whole "
+        "rows; unset: tiles of 4096 where whole rows do not fit the GPU)",
+        must="a whole number of positions (0: none)"))
     # sets of activation landing buffers (None: one per slot and one more, one where that does not fit the GPU)
-    landing_sets: int | None = None
+    landing_sets: int | None = field(default=None, metadata=expert(
+        "sets of GPU buffers the backward fetches boundary activations into (unset: one per slot and one more, one "
+        "where that does not fit the GPU)", least=1, must="a count of at least 1"))
     # streamed edges update their tail-only part early (None: yes)
-    edges_early: bool | None = None
+    edges_early: bool | None = field(default=None, metadata=expert(
+        "streamed edges update their final norm and lm head apart, early (unset: true)"))
     # (clipped) the gradients of the blocks whose states are on disk wait there too (None: where host memory
     # holds the run no other way)
-    disk_grads: bool | None = None
+    disk_grads: bool | None = field(default=None, metadata=expert(
+        "clipped gradients of the blocks whose states are on disk wait there too (unset: where host memory holds "
+        "the run no other way)"))
     # staging slots of the disk tier's states, how many updates ahead its reads run (None: the planner's)
-    disk_staging: int | None = None
+    disk_staging: int | None = field(default=None, metadata=expert(
+        "host staging slots of the disk tier's states, how many updates ahead its reads run (unset: 2, or 4 where "
+        "the plan prices that faster)", least=1, must="a count of at least 1"))
     # speculating blocks sit out the step after one whose clipping acted (None: yes)
-    speculation_pause: bool | None = None
+    speculation_pause: bool | None = field(default=None, metadata=expert(
+        "speculating blocks sit out the step after one whose clipping acted (unset: true)"))
     # blocks (the first ones) whose input boundary activations wait on disk, the others in the run's tier (None:
     # none, or with `activations: auto` the fewest that fit host memory)
-    disk_boundaries: int | None = None
+    disk_boundaries: int | None = field(default=None, metadata=planner_only(
+        "engine.activation_offload=auto chooses it"))
     # without clipping, host updates wait for the step's end (None: where the cost model prices that faster)
-    defer_updates: bool | None = None
+    defer_updates: bool | None = field(default=None, metadata=planner_only(
+        "the planner prices both and takes the faster"))
 
 
 def device_updated(sliding: int, share: float) -> list[int]:
@@ -165,7 +207,7 @@ def size_for_budget(shapes: Shapes, step: StepShape, run: RunFacts, budget: floa
                        edges_early=overrides.edges_early is not False,
                        disk_boundaries=overrides.disk_boundaries or 0,
                        speculation_pause=overrides.speculation_pause is not False,
-                       defer=bool(overrides.defer_updates))
+                       defer=bool(overrides.defer_updates), synchronous=bool(overrides.synchronous))
 
     if overrides.resident is not None:
         chosen = make(resident_units(overrides.resident))

@@ -150,6 +150,10 @@ class RunFacts:
     state_bytes: int = 4  # per AdamW moment of a host unit: 4 (fp32) or 2 (bf16)
     device: str = "cuda"  # cpu | cuda | cuda:N
     ranks: int = 1  # data-parallel ranks (ranks.py): each keeps 1/ranks of every unit's host state
+    # What the process holds in host memory besides the engine's buffers and the runtime, (name, bytes) each, as
+    # the caller knows it (slide-train: the export's largest shard, converted while the engine still holds
+    # everything): counted in the host tier with them, so that a plan fits its budget with it
+    host_extras: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
         if self.activations not in (*ACTIVATION_TIERS, "auto"):
@@ -162,6 +166,8 @@ class RunFacts:
             raise ValueError(f"the clipping norm must be positive (or None for no clipping), got {self.clip}")
         if self.ranks < 1:
             raise ValueError(f"a run has at least one rank, got {self.ranks}")
+        if any(not isinstance(name, str) or nbytes < 0 for name, nbytes in self.host_extras):
+            raise ValueError(f"host extras are (name, bytes) pairs, got {self.host_extras!r}")
         torch.device(self.device)  # (a name torch does not know is refused here)
 
     @property
@@ -616,6 +622,8 @@ def _allocations(p: Placement) -> list[Allocation]:
     if not p.device_is_host:
         add(GPU, "loss chunk + margin", LOSS_CHUNK + MARGIN, transient=True)
     add(HOST, "runtime", HOST_RUNTIME_CPU if p.device_is_host else HOST_RUNTIME_CUDA, transient=True)
+    for kind, nbytes in p.run.host_extras:  # (the caller's, beside the engine's buffers)
+        add(HOST, kind, nbytes, transient=True)
     return out
 
 

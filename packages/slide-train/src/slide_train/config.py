@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from slide_memory import AdamWConfig
+from slide_scheduler import Overrides
 
 from .data import FORMATS, DataConfig
 from .data.config import check_config as check_data_config
@@ -48,6 +49,8 @@ class NvmeConfig:
 class EngineSection:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     gpu_memory_limit_gb: float | None = None  # cap this process's GPU memory (e.g. 24 to act as a 24 GB card)
+    # cap the host memory this run's plan may count on (e.g. 64 to leave the rest of a larger host to other work)
+    host_memory_limit_gb: float | None = None
     compute_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
     states_dtype: str = "fp32"  # fp32 | bf16 (opt-in: AdamW m and v on the host in bf16, half their memory)
     kernels: str = "auto"  # auto (slide-kernels' Triton RMSNorm/RoPE/SwiGLU on CUDA) | on | off
@@ -60,25 +63,20 @@ class EngineSection:
     placement: dict = field(default_factory=dict)
 
 
-PLACEMENT_KEYS = {
-    "window": "GPU slots for sliding blocks (an integer of at least 1)",
-    "resident": "units kept on the GPU: a count (the edges, then blocks from 0) or a list such as [edges, block.3]",
-    "device_update_share": "share of the sliding blocks whose clipped update runs on the GPU (0 to 1)",
-    "speculate": "true: clipped host updates also run during backward as if clipping will not act (the same "
-                 "result bit for bit, more host memory); auto: where the cost model prices it faster; off by default "
-                 "(docs/findings.md)",
-    "synchronous": "true: the synchronous reference schedule, no overlap",
-    "sequence_tile": "positions per tile of each block's MLP over the sequence, recomputed tile by tile in the "
-                     "backward (0: whole rows; unset: tiles of 4096 where whole rows do not fit the GPU)",
-    "landing_sets": "sets of GPU buffers the backward fetches boundary activations into (unset: one per slot and "
-                    "one more, one where that does not fit the GPU)",
-    "edges_early": "streamed edges update their final norm and lm head apart, early (unset: true)",
-    "disk_grads": "clipped gradients of the blocks whose states are on disk wait there too (unset: where host "
-                  "memory holds the run no other way)",
-    "disk_staging": "host staging slots of the disk tier's states, how many updates ahead its reads run (unset: 2, "
-                    "or 4 where the plan prices that faster)",
-    "speculation_pause": "speculating blocks sit out the step after one whose clipping acted (unset: true)",
-}
+def expert_fields(cls=None) -> dict[str, tuple[object, dict]]:
+    """engine.placement's keys, from slide-scheduler's one declaration of them (its `Overrides` fields but those
+    the planner alone sets): name -> (its type, its metadata), in declaration order."""
+    cls = cls or Overrides
+    hints = typing.get_type_hints(cls)
+    return {f.name: (hints[f.name], dict(f.metadata)) for f in dataclasses.fields(cls)
+            if "planner_only" not in f.metadata}
+
+
+def placement_keys(cls=None) -> dict[str, str]:
+    """engine.placement's keys -> what each does."""
+    return {name: meta.get("expert", "") for name, (_, meta) in expert_fields(cls).items()}
+
+
 # Keys that were renamed or removed, with what replaces them.
 MOVED = {
     "engine.window": "engine.placement.window",
@@ -175,6 +173,8 @@ KEY_HELP = {
     "output_dir": "the run's folder: config, metrics.jsonl, log.txt, checkpoints, export",
     "engine.device": "auto, cpu, cuda or cuda:N",
     "engine.gpu_memory_limit_gb": "cap this process's GPU memory (24: plan and run as on a 24 GB card); null: all",
+    "engine.host_memory_limit_gb": "cap the host memory the run counts on (64: plan and run as on a host of 64 GB, "
+                                   "the rest on disk or refused); null: the machine's",
     "engine.compute_dtype": "parameters and activations on the device; auto: bf16 on CUDA, fp32 on the CPU",
     "engine.states_dtype": "AdamW m and v on the host; bf16 halves their memory and is no longer exact AdamW",
     "engine.kernels": "slide-kernels' Triton kernels; auto: on CUDA",
@@ -184,9 +184,7 @@ KEY_HELP = {
     "engine.nvme.fraction": "share of the sliding blocks whose masters and AdamW moments live on disk, in [0, 1]; "
                             "auto: the least share that fits the host's memory (0 where it holds the run, and with "
                             "data-parallel ranks)",
-    "engine.placement": "expert overrides: window, resident, device_update_share, speculate, synchronous, "
-                        "sequence_tile, landing_sets, edges_early, disk_grads, disk_staging, speculation_pause "
-                        "(docs/placement.md)",
+    "engine.placement": f"expert overrides: {', '.join(placement_keys())} (docs/placement.md)",
     "checkpoint.every": "steps between checkpoints; 0: only at the end",
     "checkpoint.keep": "the newest checkpoints kept; 0: write none",
     "resume": "auto (the newest good checkpoint in output_dir) or a checkpoint's path; null: a new run",
@@ -366,50 +364,63 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         cfg.engine.nvme.dir = os.path.expanduser(cfg.engine.nvme.dir)
     if cfg.engine.gpu_memory_limit_gb is not None and cfg.engine.gpu_memory_limit_gb <= 0:
         raise ConfigError("engine.gpu_memory_limit_gb must be positive, or null for no cap")
+    if cfg.engine.host_memory_limit_gb is not None and cfg.engine.host_memory_limit_gb <= 0:
+        raise ConfigError("engine.host_memory_limit_gb must be positive, or null for no cap")
     if cfg.eval_every and cfg.data.eval_fraction <= 0:
         raise ConfigError("eval_every needs a validation split: set data.eval_fraction (e.g. 0.05)")
     check_data_config(cfg.data, cfg.seq_len, cfg.micro_batch_size)  # also for `slide-train plan`, which reads no data
     return cfg
 
 
-def check_placement(overrides: dict, states_dtype: str) -> None:
-    """engine.placement: known keys, each of its type and range."""
+def check_placement(overrides: dict, states_dtype: str, cls=None) -> None:
+    """engine.placement: known keys, each of the type and range its `Overrides` field declares."""
+    fields = expert_fields(cls)
     for key in overrides:
-        if key not in PLACEMENT_KEYS:
+        if key not in fields:
             raise ConfigError(f"unknown key engine.placement.{key}; the expert overrides are "
-                              + "; ".join(f"{k}: {what}" for k, what in PLACEMENT_KEYS.items()))
-    window = overrides.get("window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ConfigError(f"engine.placement.window must be an integer of at least 1, got {window!r}")
-    share = overrides.get("device_update_share")
-    if share is not None:
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
-            raise ConfigError(f"engine.placement.device_update_share must be in [0, 1], got {share!r}")
-        if share and states_dtype != "fp32":
-            raise ConfigError("engine.placement.device_update_share streams fp32 AdamW states: set it to 0 with "
-                              "engine.states_dtype=bf16")
-    resident = overrides.get("resident")
-    if resident is not None and not (
-            (isinstance(resident, int) and not isinstance(resident, bool) and resident >= 0)
-            or (isinstance(resident, list) and all(isinstance(u, str) and re.fullmatch(r"edges|block\.\d+", u)
-                                                   for u in resident))):
-        raise ConfigError(f"engine.placement.resident must be a count of at least 0 or a list of units such as "
-                          f"[edges, block.3], got {resident!r}")
-    tile = overrides.get("sequence_tile")
-    if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 0):
-        raise ConfigError(f"engine.placement.sequence_tile must be a whole number of positions (0: none), got {tile!r}")
-    for key in ("landing_sets", "disk_staging"):
-        count = overrides.get(key)
-        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
-            raise ConfigError(f"engine.placement.{key} must be a count of at least 1, got {count!r}")
-    for key in ("edges_early", "disk_grads", "speculation_pause"):
-        if overrides.get(key) is not None and not isinstance(overrides.get(key), bool):
-            raise ConfigError(f"engine.placement.{key} must be true or false, got {overrides.get(key)!r}")
-    synchronous, speculate = overrides.get("synchronous"), overrides.get("speculate")
-    if synchronous is not None and not isinstance(synchronous, bool):
-        raise ConfigError(f"engine.placement.synchronous must be true or false, got {synchronous!r}")
-    if speculate is not None and not isinstance(speculate, bool) and speculate != "auto":
-        raise ConfigError(f"engine.placement.speculate must be true, false or auto, got {speculate!r}")
+                              + "; ".join(f"{k}: {what}" for k, what in placement_keys(cls).items()))
+    for key, value in overrides.items():
+        if value is not None:
+            kind, meta = fields[key]
+            if not _fits_field(kind, meta, value):
+                raise ConfigError(f"engine.placement.{key} must be {_must(kind, meta)}, got {value!r}")
+    if overrides.get("device_update_share") and states_dtype != "fp32":
+        raise ConfigError("engine.placement.device_update_share streams fp32 AdamW states: set it to 0 with "
+                          "engine.states_dtype=bf16")
+
+
+def _kinds(kind) -> set:
+    """The types a field's annotation allows, None aside."""
+    args = typing.get_args(kind) if typing.get_origin(kind) in (typing.Union, types.UnionType) else (kind,)
+    return {typing.get_origin(a) or a for a in args} - {type(None)}
+
+
+def _fits_field(kind, meta: dict, value) -> bool:
+    """Whether a config value is one its `Overrides` field takes: a unit list (resident) as unit names."""
+    kinds, least, most = _kinds(kind), meta.get("least", 0), meta.get("most")
+    if isinstance(value, bool):
+        return bool in kinds
+    if isinstance(value, str):
+        return value in meta.get("words", ())
+    if isinstance(value, list):
+        return tuple in kinds and all(isinstance(u, str) and re.fullmatch(r"edges|block\.\d+", u) for u in value)
+    number = int if float not in kinds else (int, float)
+    return (int in kinds or float in kinds) and isinstance(value, number) and value >= least \
+        and (most is None or value <= most)
+
+
+def _must(kind, meta: dict) -> str:
+    """What a wrong value of the field is told it must be."""
+    if meta.get("must"):
+        return meta["must"]
+    kinds, least, most = _kinds(kind), meta.get("least", 0), meta.get("most")
+    if kinds == {bool}:
+        return "true or false"
+    if bool in kinds:
+        return "true, false or " + " or ".join(meta.get("words", ()))
+    if float in kinds:
+        return f"in [{least:g}, {most:g}]" if most is not None else f"a number of at least {least:g}"
+    return f"an integer of at least {least:g}"
 
 
 def get_key(cfg, dotted: str):

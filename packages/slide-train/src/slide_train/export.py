@@ -88,6 +88,15 @@ def _shards(tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> l
     return shards
 
 
+def export_held_bytes(tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> int:
+    """The most host memory an export of `tensors` ((HF name, shape), in order) holds at once beside the masters
+    it reads: one shard's copies in `dtype` (fp32 masters are written as they are, no copy)."""
+    if dtype == torch.float32:
+        return 0
+    return max((sum(math.prod(tensors[i][1]) for i in shard) * dtype.itemsize for shard in _shards(tensors, dtype)),
+               default=0)
+
+
 def _shard_name(index: int, count: int) -> str:
     return "model.safetensors" if count == 1 else f"model-{index + 1:05d}.safetensors"
 

@@ -27,8 +27,9 @@ from slide_scheduler import (
     suggest,
 )
 
-from .config import TrainConfig
+from .config import TrainConfig, expert_fields
 from .errors import ConfigError, plural
+from .export import export_dtype, export_held_bytes
 
 GIB = 2**30
 GPU_USABLE = 0.92  # of a card or a cap: the rest for the CUDA context and what the plan does not see
@@ -74,7 +75,9 @@ def unit_of(name: str) -> int:
 
 
 def overrides_of(cfg: TrainConfig, num_blocks: int) -> Overrides:
-    o = cfg.engine.placement
+    """The config's expert keys as slide-scheduler's `Overrides`: engine.placement's, each to its field of that
+    name (resident's unit names as units), and engine.nvme.fraction's share."""
+    o = {key: value for key, value in cfg.engine.placement.items() if key in expert_fields()}
     resident = o.get("resident")
     if isinstance(resident, list):
         resident = tuple(sorted(unit_of(name) for name in resident))
@@ -85,11 +88,7 @@ def overrides_of(cfg: TrainConfig, num_blocks: int) -> Overrides:
         raise ConfigError(f"engine.placement.resident={resident}, but this model has {num_blocks + 1} units (the "
                           f"edges and {num_blocks} blocks): use at most {num_blocks + 1}")
     fraction = cfg.engine.nvme.fraction
-    return Overrides(window=o.get("window"), resident=resident, device_update_share=o.get("device_update_share"),
-                     speculate=o.get("speculate"), nvme_fraction=None if fraction == "auto" else fraction,
-                     sequence_tile=o.get("sequence_tile"), landing_sets=o.get("landing_sets"),
-                     edges_early=o.get("edges_early"), disk_grads=o.get("disk_grads"),
-                     disk_staging=o.get("disk_staging"), speculation_pause=o.get("speculation_pause"))
+    return Overrides(**{**o, "resident": resident, "nvme_fraction": None if fraction == "auto" else fraction})
 
 
 def facts_of(cfg: TrainConfig, device: str, ranks: int = 1) -> RunFacts:
@@ -101,16 +100,35 @@ def facts_of(cfg: TrainConfig, device: str, ranks: int = 1) -> RunFacts:
 
 
 def budgets_for(machine: Machine, cuda: bool, cap_gib: float | None, card_gib: float | None = None,
-                ranks_here: int = 1) -> Budgets:
-    """Each budget is the smaller of the machine's figure and the config's cap (and, running, the card here); a
-    GPU's is one rank's, the host's shared by the `ranks_here` ranks on it."""
+                ranks_here: int = 1, host_cap_gib: float | None = None, ram_gib: float | None = None) -> Budgets:
+    """Each budget is the smaller of the machine's figure and the config's cap (and, running, the card or the RAM
+    here); a GPU's is one rank's, the host's shared by the `ranks_here` ranks on it."""
     gpu = None
     if cuda:
         sizes = [x for x in (machine.gpu.memory_gib or None, cap_gib, card_gib) if x]
         gpu = GPU_USABLE * min(sizes) * GIB if sizes else None
-    host = HOST_USABLE * machine.host.memory_gib * GIB / ranks_here if machine.host.memory_gib else None
+    sizes = [x for x in (machine.host.memory_gib or None, host_cap_gib, ram_gib) if x]
+    host = HOST_USABLE * min(sizes) * GIB / ranks_here if sizes else None
     disk = machine.disk.free_gib * GIB if machine.disk.free_gib else None  # (0: not measured here)
     return Budgets(gpu=gpu, host=host, disk=disk)
+
+
+def host_extras(cfg: TrainConfig, tensors: list[tuple[str, tuple[int, ...]]], model_dtype) -> tuple:
+    """What the run holds in host memory besides the engine's buffers and the runtime, by name, for the plan to
+    count with them: at the end, while the engine still holds everything, the export's copies of one shard in its
+    dtype (`tensors`: what it writes, (HF name, shape) in order). Loading the weights holds one tensor as read,
+    but before the engine allocates its gradients, moments and activations, so never at the peak."""
+    held = export_held_bytes(tensors, export_dtype(cfg.export_dtype, model_dtype)) if cfg.export else 0
+    return (("export shard", held),) if held else ()
+
+
+def host_limit_problem(plan: Plan, cfg: TrainConfig) -> str | None:
+    """Where host memory does not fit a budget that engine.host_memory_limit_gb set: a line that says so."""
+    cap, b = cfg.engine.host_memory_limit_gb, plan.budgets
+    if cap is None or b.host is None or plan.placement.bytes(HOST) <= b.host:
+        return None
+    return (f"engine.host_memory_limit_gb={cap:g} sets that budget ({HOST_USABLE:.0%} of it, the rest for the "
+            f"data pipeline and the operating system)")
 
 
 def make_plan(cfg: TrainConfig, shapes: Shapes, machine: Machine, run: RunFacts, budgets: Budgets,
@@ -176,6 +194,7 @@ CONTENT_WORDS = {
     "activation landing": "buffers for activations coming back",
     "workspace": "recompute workspace", "loss chunk + margin": "loss chunk and allocator margin",
     "runtime": "torch and libraries",
+    "export shard": "the export's largest shard (at the end)",
 }
 GRADIENT_WORDS = {"slot": "gradient stays where it is made", "held": "gradient kept on the GPU",
                   "pool": "gradient in host memory shared with the boundary activations",
@@ -267,8 +286,10 @@ def _advice_lines(plan: Plan, cfg: TrainConfig) -> list[str]:
         note = ("with data-parallel ranks engine.nvme.fraction=auto keeps every state in host memory (they do not "
                 "run the disk tier); ")
     if not plan.suggestions:
+        capped = host_limit_problem(plan, cfg) is not None
         return [note + "no setting near this one fits (placements, bf16 AdamW states, no clipping, down to an "
-                "eighth of the rows and of their length): it needs a machine with more memory"]
+                "eighth of the rows and of their length): it needs "
+                + ("a larger engine.host_memory_limit_gb or " if capped else "") + "a machine with more memory"]
     ordered = sorted(plan.suggestions, key=lambda s: not s.keeps_training)
     return [note + "these settings fit, with their predicted step:", *(suggestion_line(s, plan) for s in ordered)]
 

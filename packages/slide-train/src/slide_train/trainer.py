@@ -32,6 +32,7 @@ from slide_scheduler import (
     Plan,
     Ranks,
     SlidingEngine,
+    host_memory_bytes,
     plot_timeline,
     write_trace,
 )
@@ -49,7 +50,19 @@ from .log import open_run_log, say
 from .machines import resolve_machine
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics, step_figures
 from .models.build import BASE_MODEL_DIR, check_fits, load_model, saved_model_source
-from .plan import advise, aux_loss_text, budgets_for, describe, facts_of, make_plan, model_shapes, params_text, refuse
+from .plan import (
+    advise,
+    aux_loss_text,
+    budgets_for,
+    describe,
+    facts_of,
+    host_extras,
+    host_limit_problem,
+    make_plan,
+    model_shapes,
+    params_text,
+    refuse,
+)
 from .preflight import check_writable
 from .progress import bar
 from .resume import find_checkpoint, saved_config
@@ -117,7 +130,12 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True, ra
     measured: a plan that puts something on a disk not measured yet is made again with it.
     """
     e = cfg.engine
-    card_gib = None
+    card_gib = ram_gib = None
+    if running:  # (a machine file may describe a larger host than this one)
+        ram_gib = host_memory_bytes() / 2**30
+        if e.host_memory_limit_gb is not None and e.host_memory_limit_gb > ram_gib:
+            raise ConfigError(f"engine.host_memory_limit_gb={e.host_memory_limit_gb:g} is more than the "
+                              f"{ram_gib:.1f} GiB this host has")
     if ranks > 1 and asks_for_disk(cfg):  # (`auto` keeps everything in memory for them)
         raise ConfigError("data-parallel ranks keep every state in host memory and activations on the host or the "
                           "device: set engine.nvme.fraction=0 and engine.activation_offload to cpu or none")
@@ -141,17 +159,22 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True, ra
     stack = model.stack(kernels=kernels, aux_loss_mean_of=cfg.grad_accum * ranks  # (every rank's micro-batches)
                         if cfg.router_aux_loss == "per_micro_batch" else 1)
     shapes = model_shapes(model, stack, ranks)
+    run = dataclasses.replace(run, host_extras=host_extras(cfg, layout_tensors(ckpt.unit_layouts(stack)),
+                                                           model.dtype))
 
     def planned(machine: Machine):
         budgets = budgets_for(machine, cuda, e.gpu_memory_limit_gb, card_gib,
-                              ranks_here=min(ranks, ranks_here()) if running else ranks)
+                              ranks_here=min(ranks, ranks_here()) if running else ranks,
+                              host_cap_gib=e.host_memory_limit_gb, ram_gib=ram_gib)
         return make_plan(cfg, shapes, machine, run, budgets), budgets
 
     plan, budgets = planned(machine)
     if measure_disk is not None and not machine.disk.free_gib and (plan.placement.bytes(DISK) or not plan.fits):
         machine = measure_disk()  # (`auto` found that RAM alone does not hold the run: its disk matters now)
         plan, budgets = planned(machine)
-    if not running and budgets.host is not None and plan.placement.bytes(HOST) > budgets.host and ranks == 1:
+    if (limit := host_limit_problem(plan, cfg)) is not None:
+        plan.problems.append(limit)
+    if budgets.host is not None and plan.placement.bytes(HOST) > budgets.host and ranks == 1:
         every = make_plan(cfg, shapes, machine, run, budgets, nvme_fraction=1.0)
         if every.placement.bytes(HOST) > budgets.host:
             plan.problems.append(
