@@ -40,6 +40,7 @@ from .probe import host_cores, host_memory_bytes, probe_disk
 from .probe import probe as probe_machine
 from .ranks import Ranks
 from .stack import Batch, Context, Edges, Stack
+from .stripe import Share, drive_shares, seconds_on, stripe
 from .timeline import plot as plot_timeline
 from .timeline import write_trace
 
@@ -68,6 +69,7 @@ __all__ = [
     "Plan",
     "Ranks",
     "Shapes",
+    "Share",
     "SlidingEngine",
     "Stack",
     "StepShape",
@@ -81,6 +83,7 @@ __all__ = [
     "compute_bound_step",
     "disk_share",
     "disk_traffic",
+    "drive_shares",
     "host_cores",
     "host_memory_bytes",
     "longest_rows",
@@ -93,7 +96,9 @@ __all__ = [
     "register_tier",
     "resolve_device",
     "run_facts",
+    "seconds_on",
     "shapes_of",
+    "stripe",
     "suggest",
     "write_trace",
 ]
