@@ -9,6 +9,7 @@ import pathlib
 import pytest
 from conftest import save_tiny_model, write_token_rows
 from test_equivalence import ACCUM, MICRO, STEPS, make_rows, slide_config
+from test_machines import cache  # noqa: F401 (a fixture: an empty cache and counting stand-ins for the probes)
 
 from slide_scheduler import Disk, Machine, drive_shares
 from slide_train import disk_tier
@@ -124,3 +125,14 @@ def test_a_run_over_two_folders_gives_one_folders_weights_and_each_holds_its_sha
     assert p.drive_count == 2 and {p.drive_of(u) for u in p.on_disk} == {0, 1}
     assert losses == ref_losses and all(got[name].equal(t) for name, t in ref.items())
     assert held == [s.size for s in drive_shares(p, 2)] and all(held)
+
+
+def test_probe_measures_each_folder_it_is_given_and_lists_them_as_disks(cache, tmp_path, capsys):  # noqa: F811
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert main(["probe", "--disk", a, "--disk", b, "--out", str(tmp_path / "box.yaml")]) == 0
+    machine = load_machine(tmp_path / "box.yaml")
+    assert [d.dir for d in machine.drives] == [a, b] and machine.drives[1].read_gbps == 2.0
+    assert [c[0] for c in cache["probe"]] == [a] and [c[0] for c in cache["probe_disk"]] == [b]
+    assert "disks:" in capsys.readouterr().out
+    assert main(["probe", "--disk", a, "--out", str(tmp_path / "one.yaml")]) == 0
+    assert "disks" not in (tmp_path / "one.yaml").read_text() and len(load_machine(tmp_path / "one.yaml").drives) == 1
