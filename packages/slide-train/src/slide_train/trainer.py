@@ -573,7 +573,7 @@ class Trainer:
                 f"{' (host memory below: one rank)' if ranks > 1 else ''}\n"
                 f"engine: {e.device} {str(e.dtype).removeprefix('torch.')} compute, "
                 f"{'pipelined' if e.config.pipeline else 'synchronous'}\n"
-                f"{describe(self.memory_plan, self.machine, cfg)}\n"
+                f"{describe(self.memory_plan, on_drives(self.machine, nvme_dirs(cfg, self.machine)), cfg)}\n"
                 + "".join(f"NVMe tier: {s.directory}, {s.path} ({s.path_reason}), page cache "
                           f"{'bypassed' if s.direct else 'used'}\n" for s in e.disk_stores())
                 + f"run dir: {self.run_dir}")
