@@ -208,10 +208,11 @@ def build_engine(cfg: TrainConfig, model, machine: Machine, progress: bool = Fal
     for folder in default_disk_folders(cfg):  # a killed run's files (before the checks count them)
         shutil.rmtree(folder, ignore_errors=True)
     if left := leftovers(cfg, machine):  # the user's own folders: said, not removed
-        warnings.warn(f"{folders_text(nvme_dirs(cfg, machine))} hold(s) {len(left)} scratch folder(s) an earlier "
-                      f"run left when it was "
-                      f"stopped ({size_text(files_size(left).nbytes)}: {', '.join(p.name for p in left)}"
-                      "); this run leaves them alone: delete them to free the space", stacklevel=2)
+        folders = nvme_dirs(cfg, machine)
+        warnings.warn(f"{folders_text(folders)} {'holds' if len(folders) == 1 else 'hold'} {len(left)} scratch "
+                      f"folder(s) an earlier run left when it was stopped ({size_text(files_size(left).nbytes)}: "
+                      f"{', '.join(p.name for p in left)}); this run leaves them alone: delete them to free the space",
+                      stacklevel=2)
     if before_load is not None:
         before_load(plan, engine_cfg)
     if not plan.placement.device_is_host:  # a training run's process (not `slide-train plan`), before its first
