@@ -93,7 +93,7 @@ def test_each_wait_of_the_disk_tier_matters(tmp_path, monkeypatch, pool, drop, s
     when = DiskActivations._when
 
     def impatient(self, on, after, op, label):
-        return when(self, on, tuple(a for k, a in enumerate(after) if k != drop) if on is getattr(self, pool)
+        return when(self, on, tuple(a for k, a in enumerate(after) if k != drop) if on in getattr(self, pool + "s")
                     else after, op, label)
 
     monkeypatch.setattr(DiskActivations, "_when", impatient)
@@ -218,7 +218,7 @@ def test_a_disk_error_on_read_surfaces(tmp_path, monkeypatch):
     with contextlib.suppress(RuntimeError):  # (a failed lane raises its error again; the threads stop all the same)
         engine.close()
     disk = engine.activations.disk
-    assert not any(t.is_alive() for t in disk._writer._threads | disk._reader._threads)
+    assert not any(t.is_alive() for pool in disk._writers + disk._readers for t in pool._threads)
     assert not list(tmp_path.iterdir())
 
 

@@ -5,6 +5,7 @@ from .__about__ import __version__
 from .activations import ActivationStore
 from .choices import Budgets, Overrides, arrange
 from .cost import Estimate, disk_traffic, price
+from .disk_states import folders_of
 from .engine import EngineConfig, SlidingEngine, StepStats
 from .machine import Disk, Gpu, Host, Machine, Pcie
 from .placement import (
@@ -40,6 +41,7 @@ from .probe import host_cores, host_memory_bytes, probe_disk
 from .probe import probe as probe_machine
 from .ranks import Ranks
 from .stack import Batch, Context, Edges, Stack
+from .stripe import Share, boundary_share, drive_shares, seconds_on, stripe, unit_share
 from .timeline import plot as plot_timeline
 from .timeline import write_trace
 
@@ -68,6 +70,7 @@ __all__ = [
     "Plan",
     "Ranks",
     "Shapes",
+    "Share",
     "SlidingEngine",
     "Stack",
     "StepShape",
@@ -77,10 +80,13 @@ __all__ = [
     "__version__",
     "arrange",
     "block_shapes",
+    "boundary_share",
     "budget_problems",
     "compute_bound_step",
     "disk_share",
     "disk_traffic",
+    "drive_shares",
+    "folders_of",
     "host_cores",
     "host_memory_bytes",
     "longest_rows",
@@ -93,7 +99,10 @@ __all__ = [
     "register_tier",
     "resolve_device",
     "run_facts",
+    "seconds_on",
     "shapes_of",
+    "stripe",
     "suggest",
+    "unit_share",
     "write_trace",
 ]

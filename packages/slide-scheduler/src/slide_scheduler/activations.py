@@ -16,14 +16,16 @@ import torch
 from slide_memory import host_empty
 
 from .disk_activations import DiskActivations
+from .disk_states import Folders
 from .lanes import DONE, Lane, Signal
 
 
 class ActivationStore:
-    """`tiers`: each boundary's tier (block input 0, 1, ...)."""
+    """`tiers`: each boundary's tier (block input 0, 1, ...); `drives`: each boundary's drive where the disk tier
+    has several (`directory` then a folder per drive)."""
 
     def __init__(self, tiers: Sequence[str], device: torch.device, d2h: Lane, h2d: Lane, compute: Lane,
-                 pool=None, directory: str | None = None):
+                 pool=None, directory: Folders | None = None, drives: tuple[int, ...] = ()):
         if isinstance(tiers, str):
             raise TypeError(f"tiers: each boundary's tier, as a sequence (got the one string {tiers!r})")
         self.tiers = tuple(tiers)
@@ -34,7 +36,7 @@ class ActivationStore:
         if on_disk and not directory:
             raise ValueError("activations on the nvme tier go to files: set activation_dir to a directory on a fast "
                              "local disk")
-        self.disk = DiskActivations(directory, d2h, h2d) if on_disk else None
+        self.disk = DiskActivations(directory, d2h, h2d, drives) if on_disk else None
         self.device, self.d2h, self.h2d, self.compute = device, d2h, h2d, compute
         self.pool = pool  # when set, the host buffers are its (`SharedPool.activation`)
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, Signal]] = {}

@@ -13,11 +13,13 @@ Ordering rules, each a signal or future a later operation waits for:
 - reads are queued in the order backward fetches (boundaries from the last down, micro-batches in order), at
   most a ring ahead: a buffer is read into again only once backward has queued the copy out of it, so no read
   ever waits for a fetch that is still to come.
+
+Striped over several drives (a folder each), each boundary's files live on the drive `drives` names, and each
+drive has a store, a writer and a reader of its own.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,7 +29,7 @@ import torch
 from slide_io import NVMeStore
 from slide_memory import host_empty
 
-from .disk_states import done_future
+from .disk_states import Folders, done_future, folders_of
 from .lanes import FutureSignal, Lane, Signal
 from .sizes import SLOTS_PER_MICRO  # (the placement's count: sizes.py)
 
@@ -67,10 +69,16 @@ class _Buffer:
 
 
 class DiskActivations:
-    """Boundary activations in an NVMe store under `directory`, moved by the engine's `d2h` and `h2d` lanes."""
+    """Boundary activations in an NVMe store under `directory`, moved by the engine's `d2h` and `h2d` lanes; or
+    in a store per drive, `directory` a list of folders and `drives` each boundary's drive (0 where not given)."""
 
-    def __init__(self, directory: str | os.PathLike[str], d2h: Lane, h2d: Lane):
-        self.store = NVMeStore(directory)
+    def __init__(self, directory: Folders, d2h: Lane, h2d: Lane, drives: tuple[int, ...] = ()):
+        folders = folders_of(directory)
+        if any(d >= len(folders) for d in drives):
+            raise ValueError(f"the placement stripes boundary activations over {1 + max(drives)} drives, given "
+                             f"{len(folders)} folder(s): {', '.join(folders)}")
+        self.stores = [NVMeStore(folder) for folder in folders]
+        self.drives = tuple(drives)
         self.d2h, self.h2d = d2h, h2d
         self._out: list[_Buffer] = []  # the write ring
         self._in: list[_Buffer] = []  # the read ring
@@ -82,8 +90,16 @@ class DiskActivations:
         self._free: deque[_Buffer] = deque()  # read buffers with no read queued into them
         self._order: list[Key] | None = None  # this backward's fetch order, from the first fetch on
         self._cursor = 0
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="slide-acts-write")
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="slide-acts-read")
+        self._writers = [ThreadPoolExecutor(1, thread_name_prefix=f"slide-acts-write-{d}") for d in range(len(folders))]
+        self._readers = [ThreadPoolExecutor(1, thread_name_prefix=f"slide-acts-read-{d}") for d in range(len(folders))]
+
+    @property
+    def store(self) -> NVMeStore:
+        """The first drive's store (the only one where the tier has one drive)."""
+        return self.stores[0]
+
+    def _drive(self, key: Key) -> int:
+        return self.drives[key[0]] if self.drives else 0
 
     @property
     def buffers(self) -> int:
@@ -115,8 +131,9 @@ class DiskActivations:
         self.d2h.run(data.copy_, hidden, True, label=f"acts out {key[0]}")
         copied = self.d2h.record()
         last_read = self._read.get(key)  # (only its order matters: a failed one was raised in its own step)
-        written = self._when(self._writer, (copied, last_read and _settled(last_read)),
-                             lambda: self.store.write(self._name(key), data), f"write acts {key[0]}.{key[1]}")
+        store = self.stores[self._drive(key)]
+        written = self._when(self._writers[self._drive(key)], (copied, last_read and _settled(last_read)),
+                             lambda: store.write(self._name(key), data), f"write acts {key[0]}.{key[1]}")
         buffer.busy = self._written[key] = written
         self._layout[key] = (hidden.shape, hidden.dtype)
         return copied
@@ -147,8 +164,9 @@ class DiskActivations:
             self._cursor += 1
             buffer = self._free.popleft()
             data = buffer.view(*self._layout[key])
-            read = self._when(self._reader, (buffer.busy, self._written[key]),
-                              lambda key=key, data=data: self.store.read(self._name(key), data),
+            store = self.stores[self._drive(key)]
+            read = self._when(self._readers[self._drive(key)], (buffer.busy, self._written[key]),
+                              lambda key=key, data=data, store=store: store.read(self._name(key), data),
                               f"read acts {key[0]}.{key[1]}")
             self._queued[key] = (buffer, data, read)
             self._read[key] = read
@@ -188,6 +206,7 @@ class DiskActivations:
 
     def close(self) -> None:
         """Finish every transfer, then remove the files."""
-        self._writer.shutdown(wait=True)
-        self._reader.shutdown(wait=True)
-        self.store.close()
+        for pool in self._writers + self._readers:
+            pool.shutdown(wait=True)
+        for store in self.stores:
+            store.close()

@@ -19,6 +19,9 @@ Ordering rules, each a future a later operation waits for:
 
 Reads and writes take turns on the disk (one lock around each transfer, never held while waiting on a future), as
 the cost model prices the tier: its reads, then its writes (a drive can move less in all when it mixes them).
+
+Striped over several drives (a folder each, `Placement.drives` saying which unit's files live where), each drive
+has a store, a lock, a reader and a writer of its own: the drives move at once, each in the order of its units.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -42,6 +46,16 @@ def state_bytes(dtype: torch.dtype) -> int:
     return 2 * dtype.itemsize
 
 
+Folders = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+
+
+def folders_of(directory: Folders) -> list[str]:
+    """The drives' folders: one folder, or a list of them (one per drive)."""
+    if isinstance(directory, (str, os.PathLike)):
+        return [os.fspath(directory)]
+    return [os.fspath(d) for d in directory]
+
+
 def done_future() -> Future:
     """A future that is already done (what a first use waits for)."""
     future: Future = Future()
@@ -51,12 +65,13 @@ def done_future() -> Future:
 
 class DiskStates:
     """m and v of `units` (flat, `numel` elements of `dtype` each), and the fp32 masters of `masters` (some of
-    `units`), in an NVMe store under `directory`, staged through `slots` host buffers: reads run that many
-    updates ahead."""
+    `units`), in an NVMe store under `directory` (or a store per drive, `directory` a list of folders and `drives`
+    each unit's drive: 0 where not given), staged through `slots` host buffers: reads run that many updates
+    ahead."""
 
-    def __init__(self, units: list[int], numel: int | dict[int, int], directory: str | os.PathLike[str],
+    def __init__(self, units: list[int], numel: int | dict[int, int], directory: Folders,
                  dtype: torch.dtype = torch.float32, masters: list[int] = (), grads: list[int] = (),
-                 grad_dtype: torch.dtype = torch.bfloat16, slots: int = SLOTS):
+                 grad_dtype: torch.dtype = torch.bfloat16, slots: int = SLOTS, drives: dict[int, int] | None = None):
         # (`numel`: every unit's, or each unit's where blocks come in several shapes; staging is sized for the largest)
         self.numels = numel if isinstance(numel, dict) else dict.fromkeys(units, numel)
         self.numel, self.dtype = max(self.numels.values(), default=0), dtype
@@ -72,10 +87,20 @@ class DiskStates:
         # (label, start, end) host times of reads and writes, for the timeline's `disk` lane: they run past the
         # step that queued them, so the engine takes them as it does the optimizer's spans
         self.spans: list[tuple[str, float, float]] = []
-        # Preflight: every unit's states must fit on the disk, or the run stops now with what it needs.
-        self.store = NVMeStore(directory, reserve=sum(self.numels[u] * state_bytes(dtype) for u in units)
-                               + sum(4 * self.numels[u] for u in self.masters)
-                               + sum(grad_dtype.itemsize * self.numels[u] for u in self.grads))
+        folders = folders_of(directory)
+        self.drive = {u: (drives or {}).get(u, 0) for u in units}
+        if any(d >= len(folders) for d in self.drive.values()):
+            raise ValueError(f"the placement stripes the disk tier over {1 + max(self.drive.values())} drives, "
+                             f"given {len(folders)} folder(s): {', '.join(folders)}")
+
+        def reserve(drive: int) -> int:
+            mine = [u for u in units if self.drive[u] == drive]
+            return (sum(self.numels[u] * state_bytes(dtype) for u in mine)
+                    + sum(4 * self.numels[u] for u in self.masters if u in mine)
+                    + sum(grad_dtype.itemsize * self.numels[u] for u in self.grads if u in mine))
+
+        # Preflight: every unit's states must fit on its drive, or the run stops now with what it needs.
+        self.stores = [NVMeStore(folder, reserve=reserve(d)) for d, folder in enumerate(folders)]
         self.slots = [(host_zeros(numel, dtype, False), host_zeros(numel, dtype, False),
                        host_zeros(numel, torch.float32, False) if self.masters else None) for _ in range(slots)]
         self._grad_slots = [host_zeros(numel, grad_dtype, False) for _ in range(slots)] if self.grads else []
@@ -89,26 +114,38 @@ class DiskStates:
         self._closed = False
         self._next = 0
         self._lock = threading.Lock()
-        self._disk = threading.Lock()  # one transfer on the disk at a time
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="slide-states-read")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="slide-states-write")
+        self._disks = [threading.Lock() for _ in folders]  # one transfer on each drive at a time
+        self._readers = [ThreadPoolExecutor(1, thread_name_prefix=f"slide-states-read-{d}")
+                         for d in range(len(folders))]
+        self._writers = [ThreadPoolExecutor(1, thread_name_prefix=f"slide-states-write-{d}")
+                         for d in range(len(folders))]
 
     def __contains__(self, unit: object) -> bool:
         return unit in self._written
 
+    @property
+    def store(self) -> NVMeStore:
+        """The first drive's store (the only one where the tier has one drive)."""
+        return self.stores[0]
+
+    def store_of(self, unit: int) -> NVMeStore:
+        """The store on `unit`'s drive."""
+        return self.stores[self.drive[unit]]
+
     @contextlib.contextmanager
-    def _turn(self, label: str | None = None):
-        """The disk for one transfer; its time a span of the `disk` lane under `label`."""
-        with self._disk:
+    def _turn(self, unit: int, label: str | None = None):
+        """`unit`'s drive for one transfer; its time a span of the `disk` lane under `label`."""
+        with self._disks[self.drive[unit]]:
             start = time.perf_counter()
             yield
             if label:
                 self.spans.append((label, start, time.perf_counter()))
 
-    def _both(self, op, unit: int, m: torch.Tensor, v: torch.Tensor, master: torch.Tensor | None = None,
+    def _both(self, op: str, unit: int, m: torch.Tensor, v: torch.Tensor, master: torch.Tensor | None = None,
               label: str | None = None) -> None:
-        """`store.read` or `store.write` of `unit`'s m and v (and master, if given), all at once, until done."""
-        with self._turn(label):
+        """The store's `op` (read or write) of `unit`'s m and v (and master, if given), all at once, until done."""
+        with self._turn(unit, label):
+            op = getattr(self.store_of(unit), op)
             futures = [op(f"m.{unit}", m), op(f"v.{unit}", v)] + ([op(f"master.{unit}", master)]
                                                                   if master is not None else [])
             for future in futures:
@@ -126,7 +163,7 @@ class DiskStates:
             # (a gradient on disk: this step's, written during the backward, which came before this fetch)
             after = (self._slot_free[slot], self._written[unit], self._grad_written.get(unit))
             self._slot_free[slot] = self._written[unit] = written
-            read = self._reader.submit(self._read, unit, slot, after)
+            read = self._readers[self.drive[unit]].submit(self._read, unit, slot, after)
             self._fetched[unit] = (slot, read, written)
 
     def _staged(self, unit: int, slot: int) -> tuple:
@@ -140,17 +177,17 @@ class DiskStates:
                 future.result()  # (a failed write-back fails this read, and so the update that needs it)
         m, v, master = self._staged(unit, slot)
         if unit in self.grads:
-            with self._turn(f"read gradient {unit}"):
-                self.store.read(f"g.{unit}", self._grad_slots[slot][:self.numels[unit]]).result()
+            with self._turn(unit, f"read gradient {unit}"):
+                self.store_of(unit).read(f"g.{unit}", self._grad_slots[slot][:self.numels[unit]]).result()
         master = master if unit in self.masters else None
         if unit in self._stored:
-            self._both(self.store.read, unit, m, v, master, label=f"read states {unit}")
+            self._both("read", unit, m, v, master, label=f"read states {unit}")
         else:  # moments before a first update are zeros; a master is on disk from the start (`load_master`)
             m.zero_()
             v.zero_()
             if master is not None:
-                with self._turn(f"read master {unit}"):
-                    self.store.read(f"master.{unit}", master).result()
+                with self._turn(unit, f"read master {unit}"):
+                    self.store_of(unit).read(f"master.{unit}", master).result()
         return m, v, master
 
     def bind(self, unit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -177,15 +214,15 @@ class DiskStates:
             try:
                 for signal in arrived:
                     signal.wait_host()
-                with self._turn(f"write gradient {unit}"):
-                    self.store.write(f"g.{unit}", buffer[:self.numels[unit]]).result()
+                with self._turn(unit, f"write gradient {unit}"):
+                    self.store_of(unit).write(f"g.{unit}", buffer[:self.numels[unit]]).result()
                 written.set_result(None)
             except BaseException as e:  # (the read of it for its update raises it)
                 written.set_exception(e)
 
         with self._lock:
             self._grad_written[unit] = written
-        self._writer.submit(write)
+        self._writers[self.drive[unit]].submit(write)
         return written
 
     def finish(self, unit: int, error: BaseException | None = None) -> None:
@@ -200,12 +237,13 @@ class DiskStates:
             written.set_exception(error)
             return
         m, v, master = self._staged(unit, slot)
-        self._writer.submit(self._write, unit, m, v, master if unit in self.masters else None, written)
+        self._writers[self.drive[unit]].submit(self._write, unit, m, v, master if unit in self.masters else None,
+                                               written)
 
     def _write(self, unit: int, m: torch.Tensor, v: torch.Tensor, master: torch.Tensor | None,
                written: Future) -> None:
         try:
-            self._both(self.store.write, unit, m, v, master, label=f"write states {unit}")
+            self._both("write", unit, m, v, master, label=f"write states {unit}")
             self._stored.add(unit)
             written.set_result(None)
         except BaseException as e:  # a full disk: the next read of this unit, or of this slot, raises it
@@ -223,27 +261,27 @@ class DiskStates:
         self.wait(unit)
         if unit not in self._stored:
             return None
-        return self.store.mapped(f"m.{unit}"), self.store.mapped(f"v.{unit}")
+        return self.store_of(unit).mapped(f"m.{unit}"), self.store_of(unit).mapped(f"v.{unit}")
 
     def master(self, unit: int) -> torch.Tensor:
         """`unit`'s fp32 master as on disk (after its last update's write-back), memory-mapped, as `state`."""
         self.wait(unit)
-        return self.store.mapped(f"master.{unit}")
+        return self.store_of(unit).mapped(f"master.{unit}")
 
     def read_master(self, unit: int, out: torch.Tensor) -> None:
         """Read `unit`'s fp32 master into `out`, as its last finished update left it (for a load: the update
         the load waited for has handed its write-back over, which this read waits for)."""
         self.wait(unit)
-        with self._turn(f"read master {unit} for a load"):
-            self.store.read(f"master.{unit}", out).result()
+        with self._turn(unit, f"read master {unit} for a load"):
+            self.store_of(unit).read(f"master.{unit}", out).result()
 
     def load_master(self, unit: int, master: torch.Tensor) -> None:
         """Replace `unit`'s master on disk (at the start, and from a checkpoint), with no update of it pending."""
         if unit in self._fetched:
             raise RuntimeError(f"unit {unit} is staged for an update: load its master before it is queued")
         self.wait(unit)
-        with self._turn():
-            self.store.write(f"master.{unit}", master.to(torch.float32).contiguous()).result()
+        with self._turn(unit):
+            self.store_of(unit).write(f"master.{unit}", master.to(torch.float32).contiguous()).result()
 
     def load(self, unit: int, m: torch.Tensor | None, v: torch.Tensor | None) -> None:
         """Replace `unit`'s moments on disk (None: zeros, as before a first update; any dtype, stored as the
@@ -254,7 +292,7 @@ class DiskStates:
         if m is None:
             self._stored.discard(unit)
             return
-        self._both(self.store.write, unit, m.to(self.dtype).contiguous(), v.to(self.dtype).contiguous())
+        self._both("write", unit, m.to(self.dtype).contiguous(), v.to(self.dtype).contiguous())
         self._stored.add(unit)
 
     def call_off(self) -> None:
@@ -272,6 +310,7 @@ class DiskStates:
             return
         self._closed = True
         self.call_off()  # (the updater has finished every update it was given)
-        self._reader.shutdown(wait=True)
-        self._writer.shutdown(wait=True)
-        self.store.close()
+        for pool in self._readers + self._writers:
+            pool.shutdown(wait=True)
+        for store in self.stores:
+            store.close()

@@ -62,8 +62,10 @@ class EngineConfig:
 
     optimizer: AdamWConfig = field(default_factory=AdamWConfig)
     pipeline: bool = True  # False: the placement's `synchronous` reference schedule, whatever the placement says
-    nvme_dir: str | None = None  # where masters and AdamW moments placed on disk live
-    activation_dir: str | None = None  # where boundary activations placed on disk live (disk_activations.py)
+    # where masters and AdamW moments placed on disk live: a folder, or one per drive the placement stripes over
+    nvme_dir: str | list[str] | None = None
+    # where boundary activations placed on disk live (disk_activations.py), likewise
+    activation_dir: str | list[str] | None = None
 
 
 @dataclass
@@ -126,7 +128,8 @@ class SlidingEngine:
         self.disk = DiskStates(sorted(p.on_disk), {u: p.shapes.unit_numels[u] for u in p.on_disk},
                                config.nvme_dir, p.run.states_dtype, masters=sorted(away),
                                grads=sorted(p.grads_on_disk), grad_dtype=self.dtype,
-                               slots=p.staging_slots) if p.on_disk else None
+                               slots=p.staging_slots, drives={u: p.drive_of(u) for u in p.on_disk}) \
+            if p.on_disk else None
         units = [Unit(edge_layout, ranks=self.ranks)] + [
             Unit(layouts[shape_of[u - 1]], u in away, None if u in read else self.dtype, self.ranks)
             for u in range(1, n + 1)]
@@ -168,7 +171,7 @@ class SlidingEngine:
         self._load_resident()
         self._disk_counted: tuple[int, int] | None = None  # disk_traffic() when the last step ended
         self.activations = ActivationStore(p.boundary_tiers, self.device, lanes.d2h, lanes.h2d, lanes.compute,
-                                           self.homes.pool, config.activation_dir)
+                                           self.homes.pool, config.activation_dir, p.boundary_drives)
         # Backward fetches activations into the plan's sets of device buffers, each free again once the backward
         # that read it is done
         self._act_landing = [_Landing() for _ in range(p.landing_sets)]
@@ -442,8 +445,8 @@ class SlidingEngine:
         return spans
 
     def disk_stores(self) -> list:
-        """The NVMe stores this engine moves bytes through: the states' and the activations'."""
-        return [s.store for s in (self.disk, self.activations.disk) if s is not None]
+        """The NVMe stores this engine moves bytes through: the states' and the activations', one per drive."""
+        return [store for s in (self.disk, self.activations.disk) if s is not None for store in s.stores]
 
     def disk_traffic(self) -> tuple[int, int]:
         """Bytes read from and written to the NVMe tier so far, by finished operations."""

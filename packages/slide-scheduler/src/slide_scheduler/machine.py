@@ -6,7 +6,10 @@ The same figures a machine file holds (`slide-train probe` measures them; docs/m
     host: {memory_gib, cores, memory_gbps, adamw_gparams}
     pcie: {h2d_gbps, d2h_gbps, duplex_gbps}
     disk: {free_gib, read_gbps, write_gbps, path, path_reason, posix_read_gbps, posix_write_gbps,
-           kvikio_read_gbps, kvikio_write_gbps, tbw}
+           kvikio_read_gbps, kvikio_write_gbps, tbw, dir}
+
+or, for a disk tier striped over several drives, `disks:` in place of `disk:`, a list of such sections, each
+naming its drive's folder (`dir`). A RAID 0 array the system already stripes is one drive (`disk:`).
 
 Rates are what a step can get (GB/s are 1e9 bytes per second, TFLOP/s are dense bf16 matrix work), sizes are GiB.
 Every figure is a number except the disk's path and its reason, which are words.
@@ -102,6 +105,8 @@ class Disk:
     # the drive's rated endurance in terabytes written (1e12 bytes), from its data sheet (0: not given); a plan that
     # writes to the disk tier says how many steps it lasts
     tbw: float = 0.0
+    # the folder on this drive the disk tier writes to (a run matches its folders to drives by it); "": not named
+    dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -109,42 +114,91 @@ class Machine:
     gpu: Gpu = field(default_factory=Gpu)
     host: Host = field(default_factory=Host)
     pcie: Pcie = field(default_factory=Pcie)
-    disk: Disk = field(default_factory=Disk)
+    disk: Disk = field(default_factory=Disk)  # the one drive, or the first of `disks`
+    # the drives the disk tier stripes over, where there are several (empty: `disk` alone)
+    disks: tuple[Disk, ...] = ()
+
+    def __post_init__(self):
+        if self.disks:  # (`disk` stands for the first drive wherever one figure is asked for)
+            object.__setattr__(self, "disks", tuple(self.disks))
+            object.__setattr__(self, "disk", self.disks[0])
 
     @property
     def has_gpu(self) -> bool:
         return self.gpu.memory_gib > 0
 
-    def to_dict(self) -> dict[str, dict[str, float | str]]:
-        return dataclasses.asdict(self)
+    @property
+    def drives(self) -> tuple[Disk, ...]:
+        """Every drive of the disk tier, in the order a placement numbers them."""
+        return self.disks or (self.disk,)
+
+    def with_drives(self, drives: list[Disk] | tuple[Disk, ...]) -> Machine:
+        """This machine with the disk tier on `drives` (one: the single `disk` form)."""
+        drives = tuple(drives)
+        if len(drives) == 1:
+            return dataclasses.replace(self, disk=drives[0], disks=())
+        return dataclasses.replace(self, disk=drives[0], disks=drives)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The machine file's sections: `disks` (a list) where there are several drives, else `disk`."""
+        out = {name: dataclasses.asdict(getattr(self, name)) for name in ("gpu", "host", "pcie")}
+        if self.disks:
+            out["disks"] = [dataclasses.asdict(d) for d in self.disks]
+        else:  # (a single drive's folder is the run's engine.nvme.dir: a file names it only where it was given)
+            out["disk"] = {k: v for k, v in dataclasses.asdict(self.disk).items() if k != "dir" or v}
+        return out
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], source: str = "machine file") -> Machine:
         """A machine from the four sections of a machine file; every key must be known, every figure a
-        non-negative number and every word a string (a section or key left out keeps its default)."""
+        non-negative number and every word a string (a section or key left out keeps its default). `disks`, a
+        list of disk sections each with its `dir`, stands in for `disk`."""
         if not isinstance(values, dict):
             raise ValueError(f"{source}: expected a mapping with sections gpu, host, pcie, disk")
-        sections = {f.name: f.type for f in dataclasses.fields(cls)}
         kinds = {"gpu": Gpu, "host": Host, "pcie": Pcie, "disk": Disk}
-        built = {}
+        if "disk" in values and "disks" in values:
+            raise ValueError(f"{source}: give either disk (one drive) or disks (a list of drives), not both")
+        built: dict[str, Any] = {}
         for name, body in values.items():
-            if name not in sections:
-                raise ValueError(f"{source}: unknown section {name!r} (sections: {', '.join(kinds)})")
-            if not isinstance(body, dict):
-                raise ValueError(f"{source}: section {name} must be a mapping of figures, got {body!r}")
-            kind = kinds[name]
-            known = {f.name: f for f in dataclasses.fields(kind)}
-            figures = {}
-            for key, value in body.items():
-                if key not in known:
-                    raise ValueError(f"{source}: unknown key {name}.{key} (keys: {', '.join(known)})")
-                if known[key].type in (str, "str"):
-                    if not isinstance(value, str):
-                        raise ValueError(f"{source}: {name}.{key} must be a string, got {value!r}")
-                    figures[key] = value
-                    continue
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                    raise ValueError(f"{source}: {name}.{key} must be a number of at least 0, got {value!r}")
-                figures[key] = int(value) if key == "cores" else float(value)
-            built[name] = kind(**figures)
+            if name == "disks":
+                built[name] = _drives(body, source)
+                continue
+            if name not in kinds:
+                raise ValueError(f"{source}: unknown section {name!r} (sections: {', '.join(kinds)}, disks)")
+            built[name] = _section(kinds[name], name, body, source)
         return cls(**built)
+
+
+def _drives(body: Any, source: str) -> tuple[Disk, ...]:
+    """The `disks` list: a disk section per drive, each naming its folder."""
+    if not isinstance(body, list) or not body:
+        raise ValueError(f"{source}: disks must be a list of drives, each a mapping such as "
+                         f"{{dir: /mnt/nvme0, read_gbps: 7.0, write_gbps: 6.0}}, got {body!r}")
+    drives = tuple(_section(Disk, f"disks[{i}]", drive, source) for i, drive in enumerate(body))
+    for i, drive in enumerate(drives):
+        if not drive.dir:
+            raise ValueError(f"{source}: disks[{i}] needs dir, the folder on that drive the disk tier writes to")
+    dirs = [d.dir for d in drives]
+    if len(set(dirs)) < len(dirs):
+        raise ValueError(f"{source}: disks name a folder twice ({', '.join(dirs)})")
+    return drives
+
+
+def _section(kind: type, name: str, body: Any, source: str):
+    """One section's figures as `kind`: known keys, numbers at least 0, words as strings."""
+    if not isinstance(body, dict):
+        raise ValueError(f"{source}: section {name} must be a mapping of figures, got {body!r}")
+    known = {f.name: f for f in dataclasses.fields(kind)}
+    figures = {}
+    for key, value in body.items():
+        if key not in known:
+            raise ValueError(f"{source}: unknown key {name}.{key} (keys: {', '.join(known)})")
+        if known[key].type in (str, "str"):
+            if not isinstance(value, str):
+                raise ValueError(f"{source}: {name}.{key} must be a string, got {value!r}")
+            figures[key] = value
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{source}: {name}.{key} must be a number of at least 0, got {value!r}")
+        figures[key] = int(value) if key == "cores" else float(value)
+    return kind(**figures)

@@ -275,6 +275,10 @@ class Placement:
     boundaries: tuple[str, ...] = ()
     # staging slots of the disk tier's states: how many updates ahead their reads run (0: DISK_STAGING_SLOTS)
     staging: int = 0
+    # The disk tier striped over several drives (stripe.py): the drive of each unit's files (masters, moments,
+    # held gradient), and of each block's input boundary activations; empty: every file on drive 0
+    drives: tuple[int, ...] = ()
+    boundary_drives: tuple[int, ...] = ()
     # speculating blocks sit out the step after one whose clipping acted (its norm is most likely over the limit
     # too, and a discarded speculation costs host time), until a step's clipping does not act again
     speculation_pause: bool = True
@@ -368,6 +372,19 @@ class Placement:
     @property
     def held(self) -> set[int]:
         return self.where("grad", "held")
+
+    def drive_of(self, unit: int) -> int:
+        """The drive (of the disk tier's, in the machine's order) that holds `unit`'s files."""
+        return self.drives[unit] if self.drives else 0
+
+    def boundary_drive(self, block: int) -> int:
+        """The drive that holds the input boundary activations of `block` (0-based), where they are on disk."""
+        return self.boundary_drives[block] if self.boundary_drives else 0
+
+    @property
+    def drive_count(self) -> int:
+        """How many drives the disk tier's files are striped over (1: one drive)."""
+        return 1 + max((*self.drives, *self.boundary_drives), default=0)
 
     @property
     def grads_on_disk(self) -> set[int]:
@@ -466,6 +483,9 @@ def validate(p: Placement) -> None:
         raise ValueError(f"the disk tier's staging slots are a count (0: the default), got {p.staging}")
     if p.landing < 0:
         raise ValueError(f"activation landing sets are a count (0: the rule), got {p.landing}")
+    for name, drives, count in (("unit", p.drives, len(p.units)), ("block", p.boundary_drives, p.shapes.num_blocks)):
+        if drives and (len(drives) != count or any(not isinstance(d, int) or d < 0 for d in drives)):
+            raise ValueError(f"a striped placement names a drive (0, 1, ...) per {name} ({count}), got {drives!r}")
     if any(n % p.ranks for n in p.shapes.unit_numels):
         raise ValueError(f"units of {p.shapes.unit_numels[:2]}... elements do not split into {p.ranks} shards")
     if p.ranks > 1 and p.shapes.mixed:

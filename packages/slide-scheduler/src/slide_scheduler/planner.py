@@ -27,6 +27,7 @@ from .placement import (
     Shapes,
     StepShape,
 )
+from .stripe import stripe
 
 SHARES = (0.0, 0.25, 0.375, 0.5, 0.5625, 0.625, 0.75, 1.0)
 WINDOWS = (2, 3)
@@ -144,8 +145,8 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
     forced = o.speculate is True
     best: tuple[bool, bool, float, float, Placement, Estimate] | None = None
     for window, share, (shared, speculate) in itertools.product(windows, shares, kinds):
-        p = size_for_budget(shapes, step, run, budgets.gpu, window=window, share=share, shared=shared,
-                            overrides=o, speculate=speculate)
+        p = stripe(size_for_budget(shapes, step, run, budgets.gpu, window=window, share=share, shared=shared,
+                                   overrides=o, speculate=speculate), machine.drives)
         gpu_fits = budgets.gpu is None or p.bytes(GPU) <= budgets.gpu
         host_fits = budgets.host is None or p.bytes(HOST) <= budgets.host
         est = price(p, machine)

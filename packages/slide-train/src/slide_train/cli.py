@@ -72,24 +72,26 @@ def cmd_data(args, overrides) -> int:
 def cmd_plan(args, overrides) -> int:
     import json
 
-    from .disk_tier import asks_for_disk, nvme_dir, uses_disk
+    from .disk_tier import asks_for_disk, nvme_dirs, on_drives, uses_disk
     from .machines import resolve_machine
     from .models.build import check_fits, load_model
-    from .plan import advice, aux_loss_text, checkpoint_cost, describe, params_text
+    from .plan import advice, aux_loss_text, checkpoint_cost, describe, drive_figures, params_text
     from .trainer import plan_run
 
     cfg = load_config(args.config, overrides)
     named = args.machine or os.environ.get("SLIDE_MACHINE")
     # This machine's disk there is measured where the config puts something there, or once the plan of `auto` does
     if not named and asks_for_disk(cfg) and cfg.engine.nvme.dir:
-        check_writable("engine.nvme.dir", nvme_dir(cfg))
-    machine = resolve_machine(args.machine, disk_dir=str(nvme_dir(cfg)) if asks_for_disk(cfg) else None)
+        for folder in nvme_dirs(cfg):
+            check_writable("engine.nvme.dir", folder)
+    machine = resolve_machine(args.machine, disk_dir=list(map(str, nvme_dirs(cfg))) if asks_for_disk(cfg) else None)
 
     def measure_disk():
         nonlocal machine
         if cfg.engine.nvme.dir:
-            check_writable("engine.nvme.dir", nvme_dir(cfg))
-        machine = resolve_machine(None, disk_dir=str(nvme_dir(cfg)))
+            for folder in nvme_dirs(cfg):
+                check_writable("engine.nvme.dir", folder)
+        machine = resolve_machine(None, disk_dir=list(map(str, nvme_dirs(cfg))))
         return machine
 
     if cfg.engine.device.startswith("cuda") and not machine.has_gpu:  # (plan_run would plan for the CPU)
@@ -102,12 +104,14 @@ def cmd_plan(args, overrides) -> int:
     check_fits(model, cfg.seq_len)
     plan, _, _ = plan_run(cfg, model, machine, running=False, ranks=args.nproc,
                           measure_disk=None if named or not uses_disk(cfg) else measure_disk)
+    machine = on_drives(machine, nvme_dirs(cfg, machine))  # (the drives the plan put the tier's folders on)
     if args.json:
         print(json.dumps({"model": cfg.model, "params": sum(plan.placement.shapes.unit_numels),
                           "ranks": args.nproc,
                           "tokens_per_step": cfg.micro_batch_size * cfg.seq_len * cfg.grad_accum * args.nproc,
                           "machine": machine.to_dict(), **plan.to_dict(), **advice(plan),
-                          **dict(zip(("checkpoint_bytes", "checkpoint_s"), checkpoint_cost(plan, machine)))},
+                          **dict(zip(("checkpoint_bytes", "checkpoint_s"), checkpoint_cost(plan, machine))),
+                          **({"drives": drive_figures(plan, machine)} if len(machine.drives) > 1 else {})},
                          indent=1))
     else:
         shapes = plan.placement.shapes
@@ -213,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("probe", help="measure this machine (GPU, PCIe, host memory and AdamW, disk) as a machine file")
     p.add_argument("--out", default=None, help="also write the machine file here (the last probe of this machine, "
                                                "which runs use without --machine, is kept either way)")
-    p.add_argument("--disk", default=None, help="measure the disk of this folder (default: the current one)")
+    p.add_argument("--disk", default=None, action="append",
+                   help="measure the disk of this folder (default: the current one); give it once per drive to "
+                        "measure several, which the machine file then lists as disks")
     p.add_argument("--quick", action="store_true", help="a few seconds, smaller transfers (rougher figures)")
     p.set_defaults(func=cmd_probe)
     p = sub.add_parser("export", help="write a run's weights as an HF model directory")

@@ -35,9 +35,11 @@ class ScheduleConfig:
 
 @dataclass
 class NvmeConfig:
-    # Scratch folder of the NVMe tier: masters, AdamW moments and boundary activations placed on disk (null:
-    # <output_dir>/nvme). Point it at a fast local NVMe drive; its files are removed at the end
-    dir: str | None = None
+    # Scratch folder of the NVMe tier: masters, AdamW moments and boundary activations placed on disk (null: the
+    # machine file's drives' folders where it lists several, else <output_dir>/nvme). Point it at a fast local
+    # NVMe drive, or give a list of folders, one per drive, to stripe the tier over them; its files are removed at
+    # the end
+    dir: str | list[str] | None = None
     # Share of the sliding blocks (the last ones) whose fp32 master and AdamW m and v live on disk, a bf16 copy
     # of their parameters in RAM: 10 bytes per parameter less host memory (6 with bf16 states), read and
     # written by every step; auto: the least share that fits (none where RAM holds the run; always none with
@@ -180,7 +182,8 @@ KEY_HELP = {
     "engine.kernels": "slide-kernels' Triton kernels; auto: on CUDA",
     "engine.activation_offload": "where boundary activations wait for the backward: GPU, pinned host memory, files; "
                                  "auto: the fastest that fits, as the plan prices them",
-    "engine.nvme.dir": "scratch folder for what the placement puts on disk; null: <output_dir>/nvme",
+    "engine.nvme.dir": "scratch folder for what the placement puts on disk, or a list of folders (one per drive) "
+                       "to stripe it over; null: the machine file's drives' folders (disks:), else <output_dir>/nvme",
     "engine.nvme.fraction": "share of the sliding blocks whose masters and AdamW moments live on disk, in [0, 1]; "
                             "auto: the least share that fits the host's memory (0 where it holds the run, and with "
                             "data-parallel ranks)",
@@ -264,6 +267,9 @@ def _coerce(kind, value, key: str):
     if isinstance(value, _Typed):
         text = kind is str or (typing.get_origin(kind) in (typing.Union, types.UnionType)
                                and str in typing.get_args(kind))
+        # (a key that takes a list too reads `[a, b]` as one)
+        listed = any(typing.get_origin(a) is list for a in typing.get_args(kind)) and value.raw.lstrip()[:1] == "["
+        text = text and not listed
         value = value.raw if text and value.raw not in ("null", "Null", "NULL") else value.parsed()
     if dataclasses.is_dataclass(kind):
         return _build(kind, value or {}, key + ".")
@@ -280,6 +286,10 @@ def _coerce(kind, value, key: str):
             with contextlib.suppress(ConfigError):
                 return _coerce(kind, value, key)
         return _coerce(inner[-1], value, key)
+    if origin is list:  # (engine.nvme.dir: a list of folders)
+        if not isinstance(value, list) or not value:
+            raise ConfigError(f"{key} must be a string or a non-empty list of strings, got {value!r}")
+        return [_coerce(args[0], v, key) for v in value]
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{key} must be a list of {len(args)} numbers, got {value!r}")
@@ -307,6 +317,17 @@ def _coerce(kind, value, key: str):
                               f"put it in quotes")
         return value
     return value
+
+
+def nvme_folders(value: str | list[str]) -> str | list[str]:
+    """engine.nvme.dir as given, `~` expanded: one folder, or a list of folders, one per drive (each named once)."""
+    folders = [value] if isinstance(value, str) else value
+    if not folders or any(not isinstance(f, str) or not f.strip() for f in folders):
+        raise ConfigError(f"engine.nvme.dir must be a folder or a list of folders (one per drive), got {value!r}")
+    folders = [os.path.expanduser(f) for f in folders]
+    if len({os.path.normpath(f) for f in folders}) < len(folders):
+        raise ConfigError(f"engine.nvme.dir names a folder twice: {', '.join(folders)} (one folder per drive)")
+    return folders[0] if isinstance(value, str) else folders
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
@@ -361,7 +382,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                           "disk: it "
                           f"must be in [0, 1], or auto, got {fraction}")
     if cfg.engine.nvme.dir is not None:
-        cfg.engine.nvme.dir = os.path.expanduser(cfg.engine.nvme.dir)
+        cfg.engine.nvme.dir = nvme_folders(cfg.engine.nvme.dir)
     if cfg.engine.gpu_memory_limit_gb is not None and cfg.engine.gpu_memory_limit_gb <= 0:
         raise ConfigError("engine.gpu_memory_limit_gb must be positive, or null for no cap")
     if cfg.engine.host_memory_limit_gb is not None and cfg.engine.host_memory_limit_gb <= 0:

@@ -1,11 +1,17 @@
-"""The run's NVMe tier (engine.nvme): whether the config puts anything on disk, the folder its files go to, and
-the scratch a stopped run left there."""
+"""The run's NVMe tier (engine.nvme): whether the config puts anything on disk, the folders its files go to (one
+per drive), the machine file's drive each folder is on, and the scratch a stopped run left there."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import pathlib
+import warnings
+
+from slide_scheduler import EngineConfig, Machine, Placement, boundary_share, folders_of, unit_share
 
 from .config import TrainConfig
+from .space import Size
 
 # The default home of the NVMe tier (engine.nvme.dir), under output_dir: scratch, whose contents the checkpoints
 # hold, so what a killed process left there is removed when the next run in the folder starts.
@@ -13,8 +19,65 @@ NVME_DIR = "nvme"
 STATES_DIR, ACTIVATIONS_DIR = "states", "activations"  # its two folders
 
 
-def nvme_dir(cfg: TrainConfig) -> pathlib.Path:
-    return pathlib.Path(cfg.engine.nvme.dir or pathlib.Path(cfg.output_dir) / NVME_DIR)
+def nvme_dirs(cfg: TrainConfig, machine: Machine | None = None) -> list[pathlib.Path]:
+    """The tier's folders, one per drive: engine.nvme.dir's (a folder or a list), else the folders of the drives
+    `machine`'s file lists (`disks:`), else <output_dir>/nvme."""
+    given = cfg.engine.nvme.dir
+    if given:
+        return [pathlib.Path(d) for d in ([given] if isinstance(given, str) else given)]
+    if machine is not None and machine.disks:
+        return [pathlib.Path(d.dir) for d in machine.disks]
+    return [pathlib.Path(cfg.output_dir) / NVME_DIR]
+
+
+def nvme_dir(cfg: TrainConfig, machine: Machine | None = None) -> pathlib.Path:
+    """The tier's (first) folder."""
+    return nvme_dirs(cfg, machine)[0]
+
+
+def folders_text(folders: list[pathlib.Path]) -> str:
+    return " and ".join(map(str, folders)) if len(folders) < 3 else ", ".join(map(str, folders))
+
+
+def drive_of(folder: pathlib.Path, machine: Machine) -> int | None:
+    """The machine file's drive `folder` is on: the one whose `dir` is the longest prefix of its path, else the
+    one on the same filesystem (`st_dev`); None where none is."""
+    real = os.path.realpath(folder)
+    prefixes = [(len(d), i) for i, d in ((i, os.path.realpath(d.dir)) for i, d in enumerate(machine.drives) if d.dir)
+                if real == d or real.startswith(d.rstrip(os.sep) + os.sep)]
+    if prefixes:
+        return max(prefixes)[1]
+    device = _device_of(pathlib.Path(real))
+    for i, drive in enumerate(machine.drives):
+        if drive.dir and device is not None and _device_of(pathlib.Path(drive.dir)) == device:
+            return i
+    return None
+
+
+def _device_of(path: pathlib.Path) -> int | None:
+    """The filesystem of `path`, or of its nearest folder that exists (a tier folder is made at the run)."""
+    for folder in (path, *path.parents):
+        try:
+            return os.stat(folder).st_dev
+        except OSError:
+            continue
+    return None
+
+
+def on_drives(machine: Machine, folders: list[pathlib.Path]) -> Machine:
+    """`machine` with the disk tier on `folders`, each at the rates of the drive it is on (`drive_of`). A folder
+    on none of the file's drives takes the first drive's rates, saying so. One folder and one drive: `machine`."""
+    if len(folders) == 1 and not machine.disks:
+        return machine
+    drives = []
+    for folder in folders:
+        found = drive_of(folder, machine)
+        if found is None and any(d.dir for d in machine.drives):
+            warnings.warn(f"engine.nvme.dir {folder} is on none of the machine file's drives "
+                          f"({', '.join(d.dir for d in machine.drives)}): planned at the first one's rates",
+                          stacklevel=2)
+        drives.append(dataclasses.replace(machine.drives[found or 0], dir=str(folder)))
+    return machine.with_drives(drives)
 
 
 def uses_disk(cfg: TrainConfig) -> bool:
@@ -33,10 +96,25 @@ def default_disk_folders(cfg: TrainConfig) -> list[str]:
     return [str(nvme_dir(cfg))] if uses_disk(cfg) and not cfg.engine.nvme.dir else []
 
 
-def leftovers(cfg: TrainConfig) -> list[pathlib.Path]:
-    """Scratch stores a killed run left in a folder of the user's own (engine.nvme.dir), which is not cleared:
-    the slide-io store folders under its states/ and activations/ folders."""
-    if not cfg.engine.nvme.dir:
+def leftovers(cfg: TrainConfig, machine: Machine | None = None) -> list[pathlib.Path]:
+    """Scratch stores a killed run left in folders of the user's own (engine.nvme.dir, or the machine file's
+    drives), which are not cleared: the slide-io store folders under their states/ and activations/ folders."""
+    if not cfg.engine.nvme.dir and not (machine is not None and machine.disks):
         return []
-    folder = pathlib.Path(cfg.engine.nvme.dir)
-    return sorted(p for sub in (STATES_DIR, ACTIVATIONS_DIR) for p in (folder / sub).glob("slide-io-*"))
+    return sorted(p for folder in nvme_dirs(cfg, machine) for sub in (STATES_DIR, ACTIVATIONS_DIR)
+                  for p in (folder / sub).glob("slide-io-*"))
+
+
+def tier_wants(p: Placement, engine_cfg: EngineConfig) -> list[tuple[str, pathlib.Path, Size]]:
+    """What the tier's files take on each drive's folders, as the disk check counts them: (what, folder, size)
+    for its boundary activations and its states (AdamW moments, and masters and gradients where there)."""
+    states_dirs, acts_dirs = (folders_of(d) if d else [] for d in (engine_cfg.nvme_dir, engine_cfg.activation_dir))
+    out = []
+    for drive, folder in enumerate(acts_dirs):
+        blocks = sum(1 for b, tier in enumerate(p.boundary_tiers) if tier == "nvme" and p.boundary_drive(b) == drive)
+        out.append(("boundary activations (engine.nvme.dir)", pathlib.Path(folder),
+                    Size(blocks * boundary_share(p).size)))
+    for drive, folder in enumerate(states_dirs):
+        states = sum(unit_share(p, u).size for u in p.on_disk if p.drive_of(u) == drive)
+        out.append(("AdamW states on disk (engine.nvme.dir)", pathlib.Path(folder), Size(states)))
+    return out

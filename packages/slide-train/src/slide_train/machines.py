@@ -50,9 +50,11 @@ def load_machine(path: str | os.PathLike[str]) -> Machine:
         raise ConfigError(str(error)) from None
     # from_dict takes .nan and .inf as numbers; no cost can be computed from them.
     for section, figures in machine.to_dict().items():
-        for key, value in figures.items():
-            if not isinstance(value, str) and not math.isfinite(value):
-                raise ConfigError(f"machine file {path}: {section}.{key} must be a finite number, got {value!r}")
+        for name, part in ([(f"{section}[{i}]", d) for i, d in enumerate(figures)] if section == "disks"
+                           else [(section, figures)]):
+            for key, value in part.items():
+                if not isinstance(value, str) and not math.isfinite(value):
+                    raise ConfigError(f"machine file {path}: {name}.{key} must be a finite number, got {value!r}")
     return machine
 
 
@@ -81,6 +83,9 @@ def cache_dir() -> pathlib.Path:
     """Where this machine's probes are kept: `$XDG_CACHE_HOME/slide`, or `~/.cache/slide`."""
     base = os.environ.get("XDG_CACHE_HOME")
     return pathlib.Path(base if base else pathlib.Path.home() / ".cache") / "slide"
+
+
+Folder = str | os.PathLike[str]
 
 
 def this_machine(disk_dir: str | os.PathLike[str] | None = None, refresh: bool = False) -> Machine:
@@ -119,20 +124,25 @@ def this_machine(disk_dir: str | os.PathLike[str] | None = None, refresh: bool =
     return dataclasses.replace(machine, disk=disk)
 
 
-def probe_this_machine(disk_dir: str | os.PathLike[str] | None = None, quick: bool = False,
+def probe_this_machine(disk_dir: Folder | list[Folder] | None = None, quick: bool = False,
                        out: str | os.PathLike[str] | None = None) -> tuple[Machine, list[pathlib.Path]]:
-    """Measure this machine (`slide-train probe`), its disk under `disk_dir` (default: the current folder), and
-    keep the result as the last probe of this machine, which runs without a machine file read, and at `out`
-    where given. Returns the machine and the files written (`out` first)."""
-    disk_dir = disk_dir if disk_dir is not None else os.getcwd()
-    machine = probe(disk_dir=disk_dir, quick=quick)
+    """Measure this machine (`slide-train probe`), its disk under `disk_dir` (default: the current folder; a list:
+    each folder's drive, and the machine then lists them as `disks`), and keep the result as the last probe of
+    this machine, which runs without a machine file read, and at `out` where given. Returns the machine and the
+    files written (`out` first)."""
+    folders = [os.getcwd()] if disk_dir is None else [disk_dir] if isinstance(disk_dir, (str, os.PathLike)) \
+        else list(disk_dir)
+    machine = probe(disk_dir=folders[0], quick=quick)
+    if len(folders) > 1:  # (each drive measured alone: the others idle)
+        machine = machine.with_drives([dataclasses.replace(machine.disk, dir=os.fspath(folders[0]))] + [
+            dataclasses.replace(probe_disk(folder, quick=quick), dir=os.fspath(folder)) for folder in folders[1:]])
     measured_by = _quick_probe() if quick else None
     written = []
     if out is not None:
         save_machine(machine, out, measured_by)
         written.append(pathlib.Path(out))
     # The cache holds the newest figures of this machine whatever else the probe wrote: a run reads them
-    return machine, written + _keep(machine, disk_dir, measured_by or _full_probe())
+    return machine, written + _keep(machine, folders, measured_by or _full_probe())
 
 
 def written_lines(files: list[pathlib.Path], out: str | os.PathLike[str] | None) -> str:
@@ -144,14 +154,17 @@ def written_lines(files: list[pathlib.Path], out: str | os.PathLike[str] | None)
     return "\n".join(lines)
 
 
-def resolve_machine(path: str | os.PathLike[str] | None, disk_dir: str | os.PathLike[str] | None = None) -> Machine:
+def resolve_machine(path: str | os.PathLike[str] | None, disk_dir: Folder | list[Folder] | None = None) -> Machine:
     """The machine a run plans for: the machine file at `path` when given (as it is: a file describes a
     machine, maybe another one), then the file named by $SLIDE_MACHINE, else this machine's cached probe (with
-    the disk under `disk_dir`)."""
+    the disk under `disk_dir`; a list of folders: a drive each)."""
     path = path if path is not None else os.environ.get("SLIDE_MACHINE") or None
     if path is not None:
         return load_machine(path)
-    return this_machine(disk_dir)
+    if disk_dir is None or isinstance(disk_dir, (str, os.PathLike)) or len(disk_dir) == 1:
+        return this_machine(disk_dir if disk_dir is None or isinstance(disk_dir, (str, os.PathLike)) else disk_dir[0])
+    return this_machine(disk_dir[0]).with_drives([dataclasses.replace(this_machine(d).disk, dir=os.fspath(d))
+                                                  for d in disk_dir])
 
 
 def _announce(text: str) -> None:
@@ -186,15 +199,16 @@ def _write(sections: dict, path: str | os.PathLike[str], measured_by: str) -> No
         raise
 
 
-def _keep(machine: Machine, disk_dir: str | os.PathLike[str] | None, measured_by: str) -> list[pathlib.Path]:
-    """Cache `machine` as this machine's last probe: its hardware's figures, and its disk's rates as those of the
-    folder `disk_dir` (where given). Returns the files written."""
+def _keep(machine: Machine, disk_dir: Folder | list[Folder] | None, measured_by: str) -> list[pathlib.Path]:
+    """Cache `machine` as this machine's last probe: its hardware's figures, and each drive's rates as those of
+    its folder in `disk_dir` (where given). Returns the files written."""
     key, folder, sections = fingerprint(), cache_dir(), machine.to_dict()
     files = [folder / f"machine-{key}.yaml"]
     _write({name: sections[name] for name in ("gpu", "host", "pcie")}, files[0], measured_by)
-    if disk_dir is not None:
-        files.append(_disk_file(folder, key, disk_dir))
-        _write({"disk": sections["disk"]}, files[1], measured_by)
+    dirs = [] if disk_dir is None else [disk_dir] if isinstance(disk_dir, (str, os.PathLike)) else list(disk_dir)
+    for drive, where in zip(machine.drives, dirs):
+        files.append(_disk_file(folder, key, where))
+        _write({"disk": {k: v for k, v in dataclasses.asdict(drive).items() if k != "dir"}}, files[-1], measured_by)
     return files
 
 

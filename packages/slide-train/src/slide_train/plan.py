@@ -21,13 +21,16 @@ from slide_scheduler import (
     Suggestion,
     compute_bound_step,
     disk_traffic,
+    drive_shares,
     place,
     run_facts,
+    seconds_on,
     shapes_of,
     suggest,
 )
 
 from .config import TrainConfig, expert_fields
+from .disk_tier import folders_text, nvme_dirs
 from .errors import ConfigError, plural
 from .export import export_dtype, export_held_bytes
 
@@ -109,7 +112,9 @@ def budgets_for(machine: Machine, cuda: bool, cap_gib: float | None, card_gib: f
         gpu = GPU_USABLE * min(sizes) * GIB if sizes else None
     sizes = [x for x in (machine.host.memory_gib or None, host_cap_gib, ram_gib) if x]
     host = HOST_USABLE * min(sizes) * GIB / ranks_here if sizes else None
-    disk = machine.disk.free_gib * GIB if machine.disk.free_gib else None  # (0: not measured here)
+    # (0: not measured here; several drives: their space together, the placement keeps each drive's share in its own)
+    free = sum(d.free_gib for d in machine.drives) if all(d.free_gib for d in machine.drives) else 0
+    disk = free * GIB if free else None
     return Budgets(gpu=gpu, host=host, disk=disk)
 
 
@@ -407,6 +412,30 @@ def block_sizes_line(p) -> str:
         f"; each slot holds the largest ({p.shapes.block_numel * p.compute_bytes / GIB:.2f} GiB)"
 
 
+def drive_figures(plan: Plan, machine: Machine) -> list[dict]:
+    """Each drive of a striped disk tier: its folder, the bytes its files take, what it reads and writes per step,
+    its busy seconds of the step, and the steps its rated endurance lasts at that rate (None: no TBW given)."""
+    p, out = plan.placement, []
+    for drive, share in zip(machine.drives, drive_shares(p, len(machine.drives))):
+        steps = drive.tbw * 1e12 / share.written if drive.tbw and share.written else None  # (TB of 1e12 bytes)
+        out.append({"dir": drive.dir, "bytes": share.size, "read_bytes": share.read, "written_bytes": share.written,
+                    "busy_s": seconds_on(drive, share), "tb_written": share.written / 1e12, "tbw": drive.tbw,
+                    "steps_to_tbw": steps})
+    return out
+
+
+def drive_lines(plan: Plan, machine: Machine) -> list[str]:
+    """The plan's lines for each drive of a striped disk tier."""
+    lines = [f"  the disk tier striped over {len(machine.drives)} drives:"]
+    for i, d in enumerate(drive_figures(plan, machine)):
+        wear = (f"; its rated {d['tbw']:g} TBW lasts ~{d['steps_to_tbw']:,.0f} steps "
+                f"(~{d['steps_to_tbw'] * plan.estimate.step_s / 86400:,.1f} days)" if d["steps_to_tbw"] else "")
+        lines.append(f"    drive {i} ({d['dir'] or 'no folder named'}): {d['bytes'] / GIB:.0f} GiB, reads "
+                     f"{d['read_bytes'] / GIB:.0f} GiB and writes {d['written_bytes'] / GIB:.0f} GiB per step, busy "
+                     f"{d['busy_s']:.1f} s; writes {d['tb_written']:.3f} TB per step{wear}")
+    return lines
+
+
 def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None = None) -> str:
     """The plan as a user reads it: residency, each tier's contents, the prediction and what binds it, with
     `machine` what a checkpoint costs, with `cfg` where the disk tier's folder is; where it does not fit, the
@@ -462,11 +491,13 @@ def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None
     if p.bytes(DISK):
         read, written = disk_traffic(p)
         auto = cfg is not None and cfg.engine.nvme.fraction == "auto" and p.on_disk
-        folder = f" in {nvme_folder(cfg)}" if cfg is not None else ""
+        folder = f" in {folders_text(nvme_dirs(cfg, machine))}" if cfg is not None else ""
         lines.append(f"  {'host memory alone does not hold this run: ' if auto else ''}the disk tier{folder} reads "
                      f"{read / GIB:.0f} GiB and writes {written / GIB:.0f} GiB per step, busy "
                      f"{plan.estimate.lanes['disk']:.1f} s of the {plan.estimate.step_s:.1f} s step")
-        if machine is not None and machine.disk.tbw and written:
+        if machine is not None and len(machine.drives) > 1:
+            lines += drive_lines(plan, machine)
+        elif machine is not None and machine.disk.tbw and written:
             steps = machine.disk.tbw * 1e12 / written  # (a drive's rating counts terabytes of 1e12 bytes)
             lines.append(f"  drive wear: at {written / GIB:,.0f} GiB written per step, the drive's rated "
                          f"{machine.disk.tbw:g} TBW lasts ~{steps:,.0f} steps "
@@ -495,11 +526,6 @@ def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None
         head, *suggestions = _advice_lines(plan, cfg)
         lines += ["  " + head, *suggestions]
     return "\n".join(lines)
-
-
-def nvme_folder(cfg: TrainConfig) -> str:
-    """The disk tier's folder: engine.nvme.dir, or the run's own under output_dir."""
-    return cfg.engine.nvme.dir or os.path.join(cfg.output_dir, "nvme")
 
 
 def host_memory() -> float | None:

@@ -10,7 +10,7 @@ import tempfile
 from .data import FORMATS
 from .data.config import DataError
 from .data.sources import check_file
-from .disk_tier import asks_for_disk, nvme_dir
+from .disk_tier import asks_for_disk, nvme_dirs
 from .errors import ConfigError
 from .models.files import no_tokenizer_files, tokenizer_files
 from .models.presets import PRESETS
@@ -72,7 +72,8 @@ def check_finetune(cfg) -> None:
     # (its default folder is under output_dir, checked above; where `auto` decides, once the plan puts something
     # there)
     if asks_for_disk(cfg) and cfg.engine.nvme.dir:
-        check_writable("engine.nvme.dir", nvme_dir(cfg))
+        for folder in nvme_dirs(cfg):
+            check_writable("engine.nvme.dir", folder)
 
 
 def check_data(cfg) -> None:

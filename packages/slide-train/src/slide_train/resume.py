@@ -33,8 +33,8 @@ def saved_config(cfg: TrainConfig) -> dict[str, Any]:
     data, nvme = values["data"], values["engine"]["nvme"]
     if data["path"] is not None:
         data["path"] = _absolute(data["path"])
-    if nvme["dir"] is not None:
-        nvme["dir"] = _absolute(nvme["dir"])
+    if nvme["dir"] is not None:  # (a folder, or one per drive)
+        nvme["dir"] = _absolute(nvme["dir"]) if isinstance(nvme["dir"], str) else list(map(_absolute, nvme["dir"]))
     return values
 
 

@@ -42,7 +42,19 @@ from . import checkpoint as ckpt
 from .batches import count_targets, prepare
 from .config import TrainConfig, to_dict
 from .data import build_data
-from .disk_tier import ACTIVATIONS_DIR, STATES_DIR, asks_for_disk, default_disk_folders, leftovers, nvme_dir, uses_disk
+from .disk_tier import (
+    ACTIVATIONS_DIR,
+    STATES_DIR,
+    asks_for_disk,
+    default_disk_folders,
+    folders_text,
+    leftovers,
+    nvme_dir,
+    nvme_dirs,
+    on_drives,
+    tier_wants,
+    uses_disk,
+)
 from .distributed import join, rank_device, ranks_here
 from .errors import ConfigError, DiskFullError, TrainingError, plural, size_text
 from .export import base_dir, export_dtype, export_hf, export_size, layout_tensors, save_base_files
@@ -110,12 +122,16 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def engine_config(cfg: TrainConfig) -> EngineConfig:
-    """The engine's mechanism: its schedule, AdamW's hyperparameters and the folders of the disk tier (what the
-    run is and where everything lives is the plan's)."""
-    folder = nvme_dir(cfg)
+def engine_config(cfg: TrainConfig, machine: Machine | None = None) -> EngineConfig:
+    """The engine's mechanism: its schedule, AdamW's hyperparameters and the folders of the disk tier, one per
+    drive (what the run is and where everything lives is the plan's)."""
+    folders = nvme_dirs(cfg, machine)
+
+    def under(sub: str) -> str | list[str]:
+        return str(folders[0] / sub) if len(folders) == 1 else [str(f / sub) for f in folders]
+
     return EngineConfig(optimizer=cfg.optimizer, pipeline=not cfg.engine.placement.get("synchronous", False),
-                        nvme_dir=str(folder / STATES_DIR), activation_dir=str(folder / ACTIVATIONS_DIR))
+                        nvme_dir=under(STATES_DIR), activation_dir=under(ACTIVATIONS_DIR))
 
 
 def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True, ranks: int = 1,
@@ -127,9 +143,11 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True, ra
     fit is refused, naming the settings near it that would. Not running (`slide-train plan`), the machine file's
     GPU is planned for, wherever this runs. With data-parallel `ranks`, the plan is one rank's, and the ranks on
     this host share its memory. `measure_disk()`, where given, returns the machine with the disk tier's folder
-    measured: a plan that puts something on a disk not measured yet is made again with it.
+    measured: a plan that puts something on a disk not measured yet is made again with it. The tier's folders
+    (engine.nvme.dir, or the machine file's drives') are planned at the rates of the drives they are on.
     """
     e = cfg.engine
+    machine = on_drives(machine, nvme_dirs(cfg, machine))
     card_gib = ram_gib = None
     if running:  # (a machine file may describe a larger host than this one)
         ram_gib = host_memory_bytes() / 2**30
@@ -170,7 +188,8 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True, ra
 
     plan, budgets = planned(machine)
     if measure_disk is not None and not machine.disk.free_gib and (plan.placement.bytes(DISK) or not plan.fits):
-        machine = measure_disk()  # (`auto` found that RAM alone does not hold the run: its disk matters now)
+        # (`auto` found that RAM alone does not hold the run: its disk matters now)
+        machine = on_drives(measure_disk(), nvme_dirs(cfg))
         plan, budgets = planned(machine)
     if (limit := host_limit_problem(plan, cfg)) is not None:
         plan.problems.append(limit)
@@ -199,7 +218,7 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True, ra
                 f"it is none of the {plural(sliding, 'sliding block')} (a share of {1 / sliding:.3g} keeps one "
                 "block's states there)" if sliding else "every block is resident, its states on the device"),
                 stacklevel=2)
-    return plan, engine_config(cfg), stack
+    return plan, engine_config(cfg, machine), stack
 
 
 def build_engine(cfg: TrainConfig, model, machine: Machine, progress: bool = False,
@@ -211,10 +230,12 @@ def build_engine(cfg: TrainConfig, model, machine: Machine, progress: bool = Fal
     plan, engine_cfg, stack = plan_run(cfg, model, machine, ranks=ranks.size, measure_disk=measure_disk)
     for folder in default_disk_folders(cfg):  # a killed run's files (before the checks count them)
         shutil.rmtree(folder, ignore_errors=True)
-    if left := leftovers(cfg):  # the user's own folder: said, not removed
-        warnings.warn(f"{cfg.engine.nvme.dir} holds {len(left)} scratch folder(s) an earlier run left when it was "
-                      f"stopped ({size_text(files_size(left).nbytes)}: {', '.join(p.name for p in left)}"
-                      "); this run leaves them alone: delete them to free the space", stacklevel=2)
+    if left := leftovers(cfg, machine):  # the user's own folders: said, not removed
+        folders = nvme_dirs(cfg, machine)
+        warnings.warn(f"{folders_text(folders)} {'holds' if len(folders) == 1 else 'hold'} {len(left)} scratch "
+                      f"folder(s) an earlier run left when it was stopped ({size_text(files_size(left).nbytes)}: "
+                      f"{', '.join(p.name for p in left)}); this run leaves them alone: delete them to free the space",
+                      stacklevel=2)
     if before_load is not None:
         before_load(plan, engine_cfg)
     if not plan.placement.device_is_host:  # a training run's process (not `slide-train plan`), before its first
@@ -260,7 +281,7 @@ class Trainer:
         # The disk tier's folder is measured where the config puts something on disk, or once the plan of
         # `auto` does (most runs fit in RAM, and need no probe of a folder they never write)
         self.machine = machine if machine is not None else resolve_machine(
-            None, disk_dir=str(nvme_dir(cfg)) if asks_for_disk(cfg) else None)
+            None, disk_dir=list(map(str, nvme_dirs(cfg))) if asks_for_disk(cfg) else None)
         measure = self._measure_disk if machine is None and uses_disk(cfg) and not asks_for_disk(cfg) else None
         prefer_path(self.machine.disk.path, self.machine.disk.path_reason)  # (the path the probe measured faster)
         self.engine, self.memory_plan = build_engine(cfg, self.model, self.machine, progress and self.lead,
@@ -297,8 +318,9 @@ class Trainer:
     def _measure_disk(self) -> Machine:
         """This machine with the disk tier's folder measured (the plan of `auto` puts something there)."""
         if self.cfg.engine.nvme.dir:
-            check_writable("engine.nvme.dir", nvme_dir(self.cfg))
-        self.machine = resolve_machine(None, disk_dir=str(nvme_dir(self.cfg)))
+            for folder in nvme_dirs(self.cfg):
+                check_writable("engine.nvme.dir", folder)
+        self.machine = resolve_machine(None, disk_dir=list(map(str, nvme_dirs(self.cfg))))
         prefer_path(self.machine.disk.path, self.machine.disk.path_reason)
         return self.machine
 
@@ -308,7 +330,7 @@ class Trainer:
         states), summed where they share a filesystem (`outputs`: an earlier run's, which --overwrite is about to
         delete: their space counts). Checkpoint and export are counted from the bytes of their files."""
         cfg = self.cfg
-        numels, on_disk = plan.placement.shapes.unit_numels, plan.placement.tiers()[DISK]
+        numels = plan.placement.shapes.unit_numels
         checkpoint = export = Size(0)
         if cfg.checkpoint.keep:
             state = {"step": cfg.steps, "total_steps": cfg.steps, "data": self.data.train.state_dict(),
@@ -322,10 +344,7 @@ class Trainer:
         wants = [(what, folder, size) for what, folder, size in (
             ("checkpoint", self.run_dir, checkpoint),
             ("export", self.run_dir, export),
-            ("boundary activations (engine.nvme.dir)", pathlib.Path(engine_cfg.activation_dir),
-             Size(int(on_disk.get("boundary activations", 0)))),
-            ("AdamW states on disk (engine.nvme.dir)", pathlib.Path(engine_cfg.nvme_dir),
-             Size(int(on_disk.get("moments", 0))))) if size.nbytes]
+            *tier_wants(plan.placement, engine_cfg)) if size.nbytes]
         disks: dict[int, list] = {}
         for want in wants:
             disks.setdefault(filesystem_of(want[1]), []).append(want)
@@ -578,7 +597,7 @@ class Trainer:
                 f"{' (host memory below: one rank)' if ranks > 1 else ''}\n"
                 f"engine: {e.device} {str(e.dtype).removeprefix('torch.')} compute, "
                 f"{'pipelined' if e.config.pipeline else 'synchronous'}\n"
-                f"{describe(self.memory_plan, self.machine, cfg)}\n"
+                f"{describe(self.memory_plan, on_drives(self.machine, nvme_dirs(cfg, self.machine)), cfg)}\n"
                 + "".join(f"NVMe tier: {s.directory}, {s.path} ({s.path_reason}), page cache "
                           f"{'bypassed' if s.direct else 'used'}\n" for s in e.disk_stores())
                 + f"run dir: {self.run_dir}")
@@ -649,9 +668,9 @@ class Trainer:
         on disk); the NVMe tier's folders are removed once empty, the user's own engine.nvme.dir kept."""
         self.engine.close()
         if uses_disk(self.cfg):
-            folder = nvme_dir(self.cfg)
-            for empty in [folder / STATES_DIR, folder / ACTIVATIONS_DIR, *map(pathlib.Path,
-                                                                             default_disk_folders(self.cfg))]:
+            folders = nvme_dirs(self.cfg, self.machine)
+            for empty in [*(f / sub for f in folders for sub in (STATES_DIR, ACTIVATIONS_DIR)),
+                          *map(pathlib.Path, default_disk_folders(self.cfg))]:
                 with contextlib.suppress(OSError):
                     os.rmdir(empty)
 

@@ -1,21 +1,23 @@
 """The disk lane, every term of it: masters read for each load where their parameters have no copy in host
 memory, the states of each block on disk read in ahead of its update and written back after it (its gradient
-too where that waits there), and the boundary activations on disk. Each byte also crosses host memory."""
+too where that waits there), and the boundary activations on disk. Each byte also crosses host memory. Each term
+goes to the drive the placement puts its files on (stripe.py); the lane is the slowest drive's."""
 
 from __future__ import annotations
 
 from ..placement import Placement, UnitPlacement, early_reads_wait, kind_of
+from ..stripe import drive_shares
 from .rates import Rates
 from .work import PhaseWork, Work, boundary_bytes, loads_from_disk, master_on_disk
 
 
-def read(w: PhaseWork, nbytes: float, r: Rates) -> None:
-    w.disk += nbytes / r.disk_read
+def read(w: PhaseWork, nbytes: float, r: Rates, drive: int = 0) -> None:
+    w.on_drive(drive, nbytes / r.drives[drive][0])
     w.host_bytes += nbytes
 
 
-def write(w: PhaseWork, nbytes: float, r: Rates) -> None:
-    w.disk += nbytes / r.disk_write
+def write(w: PhaseWork, nbytes: float, r: Rates, drive: int = 0) -> None:
+    w.on_drive(drive, nbytes / r.drives[drive][1])
     w.host_bytes += nbytes
 
 
@@ -32,39 +34,50 @@ def block_disk(p: Placement, r: Rates) -> Work:
     fwd, bwd = work.forward, work.backward
     staged_early, waits = 0, p.deferred
     for u in p.sliding_blocks:
-        unit, numel = p.units[u], p.shapes.unit_numels[u]
+        unit, numel, drive = p.units[u], p.shapes.unit_numels[u], p.drive_of(u)
         if loads_from_disk(unit):  # its master as it loads, each pass
-            read(fwd, 4 * numel, r)
-            read(bwd, 4 * numel, r)
+            read(fwd, 4 * numel, r, drive)
+            read(bwd, 4 * numel, r, drive)
         if kind_of(unit.moments) != "files":
             continue
         early = waits and staged_early < p.staging_slots and not early_reads_wait(p)
         staged_early += early
         reads, writes = (bwd if early or not waits else fwd), work.update_phase(waits)
         states = state_bytes_on_disk(p, unit) * numel
-        read(reads, states, r)
-        write(writes, states, r)
+        read(reads, states, r, drive)
+        write(writes, states, r, drive)
         if master_on_disk(unit) and not loads_from_disk(unit):  # the update writes the loads' copy too
             writes.host_bytes += p.compute_bytes * numel
         if unit.grad == "disk":  # written as the backward makes it, read back with the states
-            write(bwd, p.compute_bytes * numel, r)
-            read(reads, p.compute_bytes * numel, r)
+            write(bwd, p.compute_bytes * numel, r, drive)
+            read(reads, p.compute_bytes * numel, r, drive)
     return work
 
 
 def boundary_disk(p: Placement, r: Rates) -> Work:
-    """The boundary activations on disk: written in the forward, read in the backward."""
-    work, nbytes = Work(), p.boundaries_in("nvme") * boundary_bytes(p)
-    write(work.forward, nbytes, r)
-    read(work.backward, nbytes, r)
+    """The boundary activations on disk: written in the forward, read in the backward, each block's on its
+    drive."""
+    work = Work()
+    if not p.boundary_drives:  # (one drive: the tier's bytes at once, as priced before striping)
+        nbytes = p.boundaries_in("nvme") * boundary_bytes(p)
+        write(work.forward, nbytes, r)
+        read(work.backward, nbytes, r)
+        return work
+    for block, tier in enumerate(p.boundary_tiers):
+        if tier == "nvme":
+            write(work.forward, boundary_bytes(p), r, p.boundary_drive(block))
+            read(work.backward, boundary_bytes(p), r, p.boundary_drive(block))
     return work
 
 
-def disk_traffic(p: Placement) -> tuple[int, int]:
+def disk_traffic(p: Placement, drive: int | None = None) -> tuple[int, int]:
     """Bytes the disk tier reads and writes per step, as `price` moves them: the states of each block there
     (its AdamW moments, and its master where that is there too) read and written back once, a master read for
     each load (forward and backward) where its parameters have no copy in host memory, and the boundary
-    activations on disk written in the forward and read in the backward."""
+    activations on disk written in the forward and read in the backward. `drive`: that drive's bytes alone."""
+    if drive is not None:
+        share = drive_shares(p, drive + 1)[drive]
+        return share.read, share.written
     s, t = p.shapes, p.step
     read = written = 0
     for u in p.on_disk:

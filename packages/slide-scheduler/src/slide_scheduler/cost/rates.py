@@ -30,8 +30,7 @@ class Rates:
     link: float  # one GPU's collectives with the other ranks'
     memory: float  # host memory
     adamw: float  # host AdamW, parameters per second
-    disk_read: float
-    disk_write: float
+    drives: tuple[tuple[float, float], ...]  # each drive of the disk tier: (read, write) bytes per second
 
 
 def per_second(gbps: float) -> float:
@@ -40,7 +39,10 @@ def per_second(gbps: float) -> float:
 
 
 def rates_of(p: Placement, machine: Machine) -> Rates:
-    g, host, link, disk = machine.gpu, machine.host, machine.pcie, machine.disk
+    g, host, link, drives = machine.gpu, machine.host, machine.pcie, machine.drives
+    if p.drive_count > len(drives):
+        raise ValueError(f"the placement stripes the disk tier over {p.drive_count} drives, the machine file lists "
+                         f"{len(drives)}")
     pcie = not p.device_is_host
     gemms = (g.bf16_tflops * 1e12 * BLOCK_EFFICIENCY if pcie and machine.has_gpu
              else CPU_FLOPS_PER_CORE * max(1, host.cores))
@@ -53,4 +55,4 @@ def rates_of(p: Placement, machine: Machine) -> Rates:
         duplex=per_second(max(link.duplex_gbps, link.h2d_gbps, link.d2h_gbps)),
         link=per_second(g.link_gbps or link.h2d_gbps), memory=per_second(host.memory_gbps),
         adamw=per_second(host.adamw_gparams) * (ADAMW_BESIDE_COPIES if pcie else 1.0),
-        disk_read=per_second(disk.read_gbps), disk_write=per_second(disk.write_gbps))
+        drives=tuple((per_second(d.read_gbps), per_second(d.write_gbps)) for d in drives))

@@ -17,12 +17,28 @@ class PhaseWork:
     d2h: float = 0.0
     host_bytes: float = 0.0
     adamw: float = 0.0
-    disk: float = 0.0
     gpu: float = 0.0
     link: float = 0.0  # collectives with the other ranks' GPUs
+    # each drive's busy seconds (the disk tier's drives, in the machine's order): they move at once, so the disk
+    # lane is the slowest drive's
+    drives: tuple[float, ...] = ()
+
+    @property
+    def disk(self) -> float:
+        return max(self.drives, default=0.0)
+
+    def on_drive(self, drive: int, seconds: float) -> None:
+        drives = list(self.drives) + [0.0] * (drive + 1 - len(self.drives))
+        drives[drive] += seconds
+        self.drives = tuple(drives)
 
     def __add__(self, other: PhaseWork) -> PhaseWork:
-        return PhaseWork(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)
+                  if f.name != "drives"}
+        mine, theirs = self.drives, other.drives  # (drive by drive; a drive one side lacks adds nothing)
+        drives = tuple((mine[d] if d < len(mine) else 0.0) + (theirs[d] if d < len(theirs) else 0.0)
+                       for d in range(max(len(mine), len(theirs))))
+        return PhaseWork(**summed, drives=drives)
 
 
 @dataclass
