@@ -131,6 +131,7 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
     `speculate` (False), `landing` (0: the rule), `edges_early` (True), `disk_boundaries` (0), `disk_grads`
     (False), `staging` (0: the disk tier's default), `speculation_pause` (True), `defer_updates` (False)."""
     choices = {k: kwargs.pop(k) for k in PLACEMENT_KEYS if k in kwargs}
+    loaded = kwargs.pop("loaded", None)
     run = run_facts(**{k: kwargs.pop(k) for k in FACT_KEYS if k in kwargs})
     resident = choices.get("resident", 0)
     placement = arrange(shapes_of(stack), placement_module.StepShape(0, 0), run,
@@ -144,7 +145,7 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
                         disk_grads=choices.get("disk_grads", False), staging=choices.get("staging", 0),
                         speculation_pause=choices.get("speculation_pause", True),
                         defer=choices.get("defer_updates", False))
-    return SlidingEngine(stack, placement, EngineConfig(**kwargs))
+    return SlidingEngine(stack, placement, EngineConfig(**kwargs), loaded=loaded)
 
 
 def run_both(window, offload, clip, tied, steps=3, micro=2, **choices):
@@ -200,6 +201,14 @@ def test_evaluate_equals_the_reference_loss_and_changes_nothing():
     for unit, params in engine.named_masters().items():
         for name, t in params.items():
             assert t.equal(before[unit][name])
+
+
+def test_each_block_is_reported_once_its_weights_are_in():
+    """`loaded(index)` comes once per block, in order, as the engine reads the stack's weights (a progress bar)."""
+    seen = []
+    stack = ToyStack(Model(tied=True))
+    make_engine(stack, device="cpu", window=2, resident=1, loaded=seen.append)
+    assert seen == list(range(stack.num_blocks))
 
 
 def test_each_block_visits_a_slot_once_per_pass():

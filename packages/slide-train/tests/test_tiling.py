@@ -41,7 +41,7 @@ def _blocks(model_type: str, shape: str | None, tile: int):
         if model_type == "qwen3_moe":
             config.mlp_only_layers = [0]  # (a dense layer of a mixture, then sparse ones)
         stack = HFStack(config, None)
-        stack.sequence_tile = t
+        stack.tile_sequence(t)
         block = stack.make_block(shape)
         block.to_empty(device="cpu")
         g = torch.Generator().manual_seed(0)

@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -98,12 +99,15 @@ class SlidingEngine:
     """Executes a `Placement`: allocates what it says where it says, and runs steps over it."""
 
     def __init__(self, stack: Stack, placement: Placement, config: EngineConfig | None = None,
-                 ranks: Ranks | None = None):
+                 ranks: Ranks | None = None, loaded: Callable[[int], None] | None = None):
+        """`loaded(index)`, where given, is called as each block's weights are in (a progress bar's step)."""
         self.config = config = config or EngineConfig()
         self.ranks = ranks = ranks or Ranks()
         if not config.pipeline and not placement.synchronous:  # (the config's word for it, as slide-train says it)
             placement = dataclasses.replace(placement, synchronous=True)
         self.device = torch.device(placement.run.device)
+        if hasattr(stack, "tile_sequence"):  # (before any block is made: they are made tiled)
+            stack.tile_sequence(placement.sequence_tile)
         self.edges = stack.make_edges()
         self.calls = StackCalls(stack, self.edges)  # (the stack's hooks: each block's context, the tail's)
         edge_layout = FlatLayout(self.edges, shards=ranks.size)
@@ -113,10 +117,11 @@ class SlidingEngine:
         _check(placement, (edge_layout.numel,) + tuple(layouts[k].numel for k in self.block_shapes), config, ranks)
         self.placement = placement
         self.lanes = Lanes(self.device, inline=placement.synchronous)
-        self._allocate(stack, placement, edge_layout, layouts)
+        self._allocate(stack, placement, edge_layout, layouts, loaded)
         self.closed = False
 
-    def _allocate(self, stack: Stack, p: Placement, edge_layout: FlatLayout, layouts: dict) -> None:
+    def _allocate(self, stack: Stack, p: Placement, edge_layout: FlatLayout, layouts: dict,
+                  loaded: Callable[[int], None] | None) -> None:
         config, numel, lanes = self.config, p.shapes.block_numel, self.lanes  # (numel: the largest block's)
         shape_of, n = self.block_shapes, self.num_blocks
         # Edges: head + tail parameters, on the device in a slot of their own for the whole run.
@@ -133,7 +138,7 @@ class SlidingEngine:
         units = [Unit(edge_layout, ranks=self.ranks)] + [
             Unit(layouts[shape_of[u - 1]], u in away, None if u in read else self.dtype, self.ranks)
             for u in range(1, n + 1)]
-        load_weights(stack, units, edge_layout, self.disk)
+        load_weights(stack, units, edge_layout, self.disk, loaded)
         resident = p.resident
         first, *others = layouts
         self.slots = SlotQueue(layouts[first], lambda: make_block(stack, first), p.window, self.device, self.dtype,

@@ -3,6 +3,8 @@ checkpoint accessors over every unit's master and AdamW state, whichever tier ho
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from slide_memory import AdamWConfig, FlatAdamW, FlatLayout, HostAdamW, Slot, host_zeros
@@ -139,9 +141,10 @@ def host_optimizer(units: list[Unit], p, config: AdamWConfig, disk, tail_from: i
                      external=[u in p.on_disk for u in range(n)])
 
 
-def load_weights(stack: Stack, units: list[Unit], edge_layout: FlatLayout, disk) -> None:
+def load_weights(stack: Stack, units: list[Unit], edge_layout: FlatLayout, disk,
+                 loaded: Callable[[int], None] | None = None) -> None:
     """The model's weights into every unit's master (this rank's shard of it; on disk where the unit's master is
-    there, through the disk tier's first staging slot, free until the first update)."""
+    there, through the disk tier's first staging slot, free until the first update); `loaded(i)` after block i."""
     largest = max(u.layout.numel for u in units)
     whole = torch.zeros(largest) if units[0].ranks.sharded else None
 
@@ -151,14 +154,16 @@ def load_weights(stack: Stack, units: list[Unit], edge_layout: FlatLayout, disk)
         return whole[:units[unit].layout.numel].zero_()  # (padding stays zero)
 
     with torch.no_grad():
-        stack.load_edges(edge_layout.views(loaded := whole_master(0)))
-        units[0].keep_shard(loaded)
+        stack.load_edges(edge_layout.views(master := whole_master(0)))
+        units[0].keep_shard(master)
         for i in range(len(units) - 1):
             u = units[i + 1]
             if u.master is not None:
-                stack.load_block(i, u.layout.views(loaded := whole_master(i + 1)))
-                u.keep_shard(loaded)
-                continue
-            staged = disk.slots[0][2][:u.layout.numel]
-            stack.load_block(i, u.layout.views(staged))
-            load_master(units, disk, i + 1, staged)
+                stack.load_block(i, u.layout.views(master := whole_master(i + 1)))
+                u.keep_shard(master)
+            else:
+                staged = disk.slots[0][2][:u.layout.numel]
+                stack.load_block(i, u.layout.views(staged))
+                load_master(units, disk, i + 1, staged)
+            if loaded is not None:
+                loaded(i)

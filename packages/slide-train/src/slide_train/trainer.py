@@ -242,18 +242,7 @@ def build_engine(cfg: TrainConfig, model, machine: Machine, progress: bool = Fal
         use_expandable_segments()           # segment
     with bar(total=stack.num_blocks, desc="loading weights", unit="block", show=None if progress else False) \
             as loading:
-        read = stack.load_block
-
-        def load_block(index, params):
-            read(index, params)
-            loading.update(1)
-
-        stack.load_block = load_block
-        stack.sequence_tile = plan.placement.sequence_tile  # (the blocks the engine makes run their MLP tiled)
-        try:
-            return SlidingEngine(stack, plan.placement, engine_cfg, ranks), plan
-        finally:
-            stack.load_block = read
+        return SlidingEngine(stack, plan.placement, engine_cfg, ranks, loaded=lambda index: loading.update(1)), plan
 
 
 class Trainer:

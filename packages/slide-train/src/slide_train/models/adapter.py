@@ -295,7 +295,7 @@ class HFStack:
             warnings.warn(f"engine.kernels: {family.title} ({family.model_type}) runs {kernel_note(family)}",
                           stacklevel=2)
         self.kernels = kernels and family.kernels  # slide-kernels' fused ops (family.fused) in every block
-        self.sequence_tile = 0  # the plan's: positions per tile of each block's per-token work (0: none)
+        self.sequence_tile = 0  # positions per tile of each block's per-token work (0: none), the engine's word
         self.softcap = getattr(config, family.final_softcap, None) if family.final_softcap else None
         # Soft-capped attention: FlexAttention on CUDA, HF's eager path elsewhere (which adds a float mask)
         self.eager = bool(family.attn_softcap and getattr(config, family.attn_softcap, None) is not None)
@@ -351,6 +351,10 @@ class HFStack:
     def block_shape(self, index: int) -> str:
         """Block `index`'s shape: "dense", "experts", or with a number where more shapes share a kind."""
         return self._shapes[index]
+
+    def tile_sequence(self, tile: int) -> None:
+        """Blocks made from here on run their MLP over tiles of `tile` positions (0: whole rows)."""
+        self.sequence_tile = tile
 
     def make_block(self, shape: str | None = None) -> DecoderBlock:
         with torch.device("meta"):
