@@ -96,18 +96,17 @@ class Seat:
 
 
 class SlidingEngine:
-    """Executes a `Placement`: allocates what it says where it says, and runs steps over it."""
+    """Executes a `Placement`: allocates what it says where it says, and runs steps over it. `loaded(index)`,
+    where given, is called as each block's weights are in (a progress bar's step)."""
 
     def __init__(self, stack: Stack, placement: Placement, config: EngineConfig | None = None,
                  ranks: Ranks | None = None, loaded: Callable[[int], None] | None = None):
-        """`loaded(index)`, where given, is called as each block's weights are in (a progress bar's step)."""
         self.config = config = config or EngineConfig()
         self.ranks = ranks = ranks or Ranks()
         if not config.pipeline and not placement.synchronous:  # (the config's word for it, as slide-train says it)
             placement = dataclasses.replace(placement, synchronous=True)
         self.device = torch.device(placement.run.device)
-        if hasattr(stack, "tile_sequence"):  # (before any block is made: they are made tiled)
-            stack.tile_sequence(placement.sequence_tile)
+        getattr(stack, "tile_sequence", lambda tile: None)(placement.sequence_tile)  # (before any block is made)
         self.edges = stack.make_edges()
         self.calls = StackCalls(stack, self.edges)  # (the stack's hooks: each block's context, the tail's)
         edge_layout = FlatLayout(self.edges, shards=ranks.size)
@@ -120,8 +119,7 @@ class SlidingEngine:
         self._allocate(stack, placement, edge_layout, layouts, loaded)
         self.closed = False
 
-    def _allocate(self, stack: Stack, p: Placement, edge_layout: FlatLayout, layouts: dict,
-                  loaded: Callable[[int], None] | None) -> None:
+    def _allocate(self, stack: Stack, p: Placement, edge_layout: FlatLayout, layouts: dict, loaded) -> None:
         config, numel, lanes = self.config, p.shapes.block_numel, self.lanes  # (numel: the largest block's)
         shape_of, n = self.block_shapes, self.num_blocks
         # Edges: head + tail parameters, on the device in a slot of their own for the whole run.
