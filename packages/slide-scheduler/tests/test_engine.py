@@ -16,7 +16,7 @@ from torch import nn
 
 import slide_memory.adamw
 from slide_memory import AdamWConfig, StagingRing
-from slide_scheduler import DTYPES, EngineConfig, SlidingEngine, arrange, run_facts, shapes_of
+from slide_scheduler import DTYPES, EngineConfig, SlidingEngine, arrange, choices, run_facts, shapes_of
 from slide_scheduler import placement as placement_module
 from slide_scheduler import updates as updates_module
 from slide_scheduler.lanes import DONE
@@ -526,7 +526,7 @@ def test_the_engine_updates_on_the_device_the_blocks_the_planner_counts(share, r
     blocks = sorted(u - 1 - first for u in engine.streamed if u)
     engine.close()
     sliding = DEPTH - first
-    assert blocks == placement_module.device_updated(sliding, share) and len(blocks) == int(sliding * share)
+    assert blocks == choices.device_updated(sliding, share) and len(blocks) == int(sliding * share)
     assert all(b - a <= 2 for a, b in zip(blocks, blocks[1:])) or share < 0.5
     assert (0 in blocks) == (share == 1.0)
 

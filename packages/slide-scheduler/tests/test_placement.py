@@ -30,13 +30,13 @@ from slide_scheduler import (
     StepShape,
     UnitPlacement,
     arrange,
+    choices,
     place,
     price,
     run_facts,
     shapes_of,
 )
 from slide_scheduler import activations as activations_module
-from slide_scheduler import placement as placement_module
 from slide_scheduler.machine import Disk, Gpu, Host, Pcie
 
 MICRO, ROWS, LENGTH = 3, 3, 10  # test_engine.batches: 3 rows of 10 tokens per micro-batch
@@ -337,7 +337,7 @@ def test_the_planner_takes_the_cheapest_candidate_that_fits():
 
     for window in WINDOWS:
         for share in SHARES:
-            p = placement_module.size_for_budget(LLAMA_3B, step, options, budgets.gpu, window=window, share=share,
+            p = choices.size_for_budget(LLAMA_3B, step, options, budgets.gpu, window=window, share=share,
                                                  shared=True)
             if p.bytes(GPU) <= budgets.gpu:
                 assert plan.estimate.step_s <= price(p, FAST).step_s * (1 + TIE)

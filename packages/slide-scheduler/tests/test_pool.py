@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from slide_scheduler.placement import device_updated, held_on_device
+from slide_scheduler.choices import device_updated, held_on_device
 from slide_scheduler.pool import SharedPool, pool_bytes, pool_layout
 
 

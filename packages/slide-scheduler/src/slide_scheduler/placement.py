@@ -646,15 +646,3 @@ def _allocations(p: Placement) -> list[Allocation]:
         add(HOST, kind, nbytes, transient=True)
     return out
 
-
-_CHOICES = ("Budgets", "Overrides", "arrange", "device_updated", "held_on_device", "on_disk_blocks",
-            "resident_units", "size_for_budget", "with_units")
-
-
-def __getattr__(name: str):
-    """The choosing helpers (choices.py) by their old address, `slide_scheduler.placement.<name>`."""
-    if name in _CHOICES:
-        from . import choices
-
-        return getattr(choices, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
