@@ -75,7 +75,7 @@ PLANS = dict(models=("llama-3.1-70b", "mistral-large-2"),
              machines=("docs/machines/rtx4090-pc.yaml", "docs/machines/rtx4090-pc-raid0.yaml"),
              settings={"clip 1.0": ("--max_grad_norm=1.0",),
                        "no clipping, activations on disk": ("--max_grad_norm=null",
-                                                            "--engine.activation_offload=nvme")},
+                                                            "--engine.activation_offload=disk")},
              seq_len=4096, micro_batch_size=1, grad_accum=8)
 # Long sequences under a consumer card's cap: Llama-3.1-8B at 4 x 32,768 and 1 x 131,072 tokens per step (the same
 # tokens, only the row length differs) and at the longest rows the plan fits, Llama-3.2-3B at its longest; one

@@ -47,7 +47,7 @@ CASES = {  # a placement and a machine each, binding different lanes
     "slow PCIe": (dict(run=RunFacts(clip=None)), with_rates(PC, pcie={"h2d_gbps": 3, "d2h_gbps": 3,
                                                                        "duplex_gbps": 5})),
     "weak host, clipped": (dict(run=RunFacts(clip=1.0)), with_rates(PC, host={"adamw_gparams": 0.3})),
-    "activations on disk, slow drive": (dict(run=RunFacts(clip=1.0, activations="nvme"), nvme_fraction=0.25),
+    "activations on disk, slow drive": (dict(run=RunFacts(clip=1.0, activations="disk"), nvme_fraction=0.25),
                                         with_rates(PC, disk={"read_gbps": 1.0, "write_gbps": 0.8})),
     "two ranks": (dict(run=RunFacts(clip=1.0, ranks=2)), PC),
     "cpu": (dict(run=RunFacts(clip=1.0, device="cpu", compute_bytes=4)), PC),
@@ -97,7 +97,7 @@ def test_the_gpu_waiting_for_loads_is_pcie_and_waiting_for_clipped_updates_is_th
     assert slow.bottleneck == "pcie_h2d" and "host_adamw" not in slow.setters["forward"]
 
 
-@pytest.mark.parametrize("activations", ["cpu", "nvme"])
+@pytest.mark.parametrize("activations", ["host", "disk"])
 @pytest.mark.parametrize("loads", [False, True])
 def test_disk_traffic_is_what_the_disk_lane_prices(activations, loads):
     """The bytes the tier moves per step, at the drive's rates, are the disk lane's busy time."""
@@ -105,7 +105,7 @@ def test_disk_traffic_is_what_the_disk_lane_prices(activations, loads):
     slow = with_rates(PC, disk={"read_gbps": 2.0, "write_gbps": 1.5})
     read, written = disk_traffic(p)
     numel = sum(LLAMA_3B.unit_numels[u] for u in p.on_disk)
-    boundaries = 28 * STEP.micro_batches * STEP.tokens_per_micro * LLAMA_3B.hidden * 2 if activations == "nvme" else 0
+    boundaries = 28 * STEP.micro_batches * STEP.tokens_per_micro * LLAMA_3B.hidden * 2 if activations == "disk" else 0
     assert written == 12 * numel + boundaries  # fp32 master, m and v written back once; the activations once
     assert read == written + (2 * 4 * numel if loads else 0)  # read once, and the master for each load
     assert price(p, slow).lanes["disk"] == pytest.approx(read / 2e9 + written / 1.5e9)
@@ -159,7 +159,7 @@ def test_with_data_parallel_ranks_no_suggestion_puts_anything_on_disk():
     assert not place(LLAMA_3B, STEP, run, b, small).fits
     found = suggest(LLAMA_3B, STEP, run, b, small)
     assert found and all(s.plan.fits and not s.plan.placement.bytes("disk") for s in found)
-    assert not any("nvme_fraction" in s.changes or s.changes.get("activations") == "nvme" for s in found)
+    assert not any("nvme_fraction" in s.changes or s.changes.get("activations") == "disk" for s in found)
 
 
 def test_the_step_at_which_the_gpu_binds_is_the_fewest_micro_batches_that_do():

@@ -14,7 +14,7 @@ import pathlib
 
 from slide_scheduler import Machine
 from slide_scheduler.cost import price
-from slide_scheduler.placement import Placement, RunFacts, Shapes, StepShape, UnitPlacement
+from slide_scheduler.placement import Placement, RunFacts, Shapes, StepShape, UnitPlacement, activation_tier
 
 PRICES = pathlib.Path(__file__).with_name("data") / "cost_prices.json.gz"
 REL = 1e-9
@@ -31,12 +31,17 @@ def tupled(fields: dict) -> dict:
 
 def placement_of(doc: dict, fields: dict) -> Placement:
     """A placement as make_cost_prices wrote it: its fields that differ from the defaults, its shapes, step and
-    run by index in the file's tables and its units as runs of [index, count]."""
+    run by index in the file's tables and its units as runs of [index, count]. The file names the boundary
+    activations' tiers in the older words (none, cpu, nvme): read as the tiers they name."""
     rest = {k: v for k, v in fields.items() if k not in ("shapes", "step", "units", "run")}
+    if "boundaries" in rest:
+        rest["boundaries"] = [activation_tier(t) for t in rest["boundaries"]]
+    run = doc["runs"][fields["run"]]
     units = tuple(UnitPlacement(**doc["units"][i]) for i, count in fields["units"] for _ in range(count))
     return Placement(shapes=Shapes(**tupled(doc["shapes"][fields["shapes"]])),
                      step=StepShape(**doc["steps"][fields["step"]]), units=units,
-                     run=RunFacts(**doc["runs"][fields["run"]]), **tupled(rest))
+                     run=RunFacts(**{k: activation_tier(v) if k == "activations" else v for k, v in run.items()}),
+                     **tupled(rest))
 
 
 def estimate_of(doc: dict, figures: list) -> dict:

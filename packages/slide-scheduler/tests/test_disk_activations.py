@@ -1,4 +1,4 @@
-"""Boundary activations on the NVMe tier (`activation_offload="nvme"`) against the same run with them in memory."""
+"""Boundary activations on the NVMe tier (`activation_offload="disk"`) against the same run with them in memory."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def test_each_wait_of_the_disk_tier_matters(tmp_path, monkeypatch, pool, drop, s
     assert not same(got, ref)
 
 
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("tier", ["host", "disk"])
 def test_an_activation_leaves_only_once_it_is_made(tmp_path, tier):
     """The copy off the device waits for the compute that makes the activation (on a GPU, an event; here a
     future set late, on CPU worker lanes): what backward gets back is what was made, not the buffer's earlier
@@ -237,7 +237,7 @@ def test_activations_on_disk_on_cuda_give_the_in_memory_result(tmp_path, slow_di
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        for tier in ("cpu", "nvme"):
+        for tier in ("host", "disk"):
             torch.manual_seed(0)
             engine = make_engine(ToyStack(Model(tied=True)),
                 device="cuda", compute_dtype="fp32", window=2, max_grad_norm=0.05, activation_offload=tier,
@@ -253,7 +253,7 @@ def test_activations_on_disk_on_cuda_give_the_in_memory_result(tmp_path, slow_di
             engine.close()
     finally:
         torch.use_deterministic_algorithms(deterministic)
-    (ref_losses, ref), (losses, got) = results["cpu"], results["nvme"]
+    (ref_losses, ref), (losses, got) = results["host"], results["disk"]
     assert losses == ref_losses and same(got, ref)
     assert not list(tmp_path.iterdir())
 

@@ -174,7 +174,7 @@ def run_both(window, offload, clip, tied, steps=3, micro=2, **choices):
 
 
 @pytest.mark.parametrize("window", [1, 2, 3])
-@pytest.mark.parametrize("offload", ["none", "cpu"])
+@pytest.mark.parametrize("offload", ["gpu", "host"])
 @pytest.mark.parametrize("clip", [0.1, None])
 def test_engine_matches_plain_loop(window, offload, clip):
     engine, ref, stats, ref_losses, ref_norms = run_both(window, offload, clip, tied=window == 2)
@@ -191,7 +191,7 @@ def test_engine_matches_plain_loop(window, offload, clip):
 
 
 def test_evaluate_equals_the_reference_loss_and_changes_nothing():
-    engine, ref, *_ = run_both(window=2, offload="cpu", clip=1.0, tied=False, steps=1)
+    engine, ref, *_ = run_both(window=2, offload="host", clip=1.0, tied=False, steps=1)
     step = batches(seed=9, steps=1, micro=2)[0]
     before = {k: {n: t.clone() for n, t in v.items()} for k, v in engine.named_masters().items()}
     n = sum(int((b["targets"] != -100).sum()) for b in step)
@@ -212,7 +212,7 @@ def test_each_block_is_reported_once_its_weights_are_in():
 
 
 def test_each_block_visits_a_slot_once_per_pass():
-    engine, *_ = run_both(window=2, offload="none", clip=None, tied=False, steps=1)
+    engine, *_ = run_both(window=2, offload="gpu", clip=None, tied=False, steps=1)
     loads = []
     original = engine.stage
 
@@ -283,7 +283,7 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
     torch.manual_seed(0)
     model = Model(tied=tied)
     engine = make_engine(ToyStack(model), device=device, window=window,
-                                                         activation_offload="nvme" if acts_dir else "cpu",
+                                                         activation_offload="disk" if acts_dir else "host",
                                                          activation_dir=acts_dir and str(acts_dir),
                                                          max_grad_norm=clip, pipeline=pipeline, resident=resident,
                                                          optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1),
@@ -341,7 +341,7 @@ def test_the_plans_other_choices_give_the_same_weights(monkeypatch, slow, clip):
                 assert got[unit][name].equal(t), f"{choice}: {unit}.{name}"
 
 
-@pytest.mark.parametrize("tier", ["cpu", "none"])
+@pytest.mark.parametrize("tier", ["host", "gpu"])
 @pytest.mark.parametrize("slow", ["h2d", "d2h"])
 def test_boundary_activations_in_a_tier_per_block_give_the_same_weights(tmp_path, tier, slow):
     """The first blocks' boundary activations on disk, the others in host memory or on the device: the same
@@ -351,7 +351,7 @@ def test_boundary_activations_in_a_tier_per_block_give_the_same_weights(tmp_path
     engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, activation_offload=tier,
                          activation_dir=str(tmp_path), max_grad_norm=0.05, disk_boundaries=2,
                          optimizer=AdamWConfig(lr=1e-2, weight_decay=0.1))
-    assert engine.placement.boundary_tiers == ("nvme", "nvme", tier, tier)
+    assert engine.placement.boundary_tiers == ("disk", "disk", tier, tier)
     getattr(engine, slow).delay = 0.004
     losses = []
     for step in batches(seed=4, steps=3, micro=3):
@@ -828,7 +828,7 @@ def test_unclipped_device_updates_and_pooled_gradients_match_plain_pytorch(choic
     """The same placements against torch's AdamW over the whole model (fp32 on the CPU, no clipping)."""
     names = {"device_share": "device_update_share", "shared": "grads_share_activations", "held": "held_grads",
              "defer": "defer_updates", "resident": "resident"}
-    engine, ref, stats, ref_losses, ref_norms = run_both(2, "cpu", None, tied=False,
+    engine, ref, stats, ref_losses, ref_norms = run_both(2, "host", None, tied=False,
                                                          **{names[k]: v for k, v in choices.items()})
     assert engine.placement.streamed or engine.placement.defer_updates
     assert [s.loss for s in stats] == pytest.approx(ref_losses, rel=1e-6)
@@ -1096,7 +1096,7 @@ def test_cuda_landing_buffers_wait_for_the_backward_that_reads_them(monkeypatch)
 
     monkeypatch.setattr(Block, "forward", slow_forward)
     results = []
-    for offload in ("none", "cpu"):
+    for offload in ("gpu", "host"):
         torch.manual_seed(0)
         engine = make_engine(ToyStack(Model(tied=False)),
             device="cuda", compute_dtype="fp32", window=1, resident=DEPTH + 1, activation_offload=offload,
@@ -1189,7 +1189,7 @@ def test_fetched_activations_land_in_the_same_buffers_every_step():
     step no fetch allocates, and only a window's worth of them exists."""
     torch.manual_seed(0)
     engine = make_engine(ToyStack(Model(tied=False)), device="cpu", window=2, resident=2,
-                                                                     activation_offload="cpu")
+                                                                     activation_offload="host")
     seen = []
     fetch = engine.activations.fetch
     engine.activations.fetch = lambda *a, **k: seen[-1].add((out := fetch(*a, **k)).data_ptr()) or out
@@ -1544,7 +1544,7 @@ def test_clipped_steps_read_the_first_updates_states_under_the_backward(tmp_path
     they never hold it up); the others once the step knows its norm."""
     from slide_scheduler.disk_states import SLOTS
 
-    acts = {"activation_offload": "nvme", "activation_dir": str(tmp_path / "acts")} \
+    acts = {"activation_offload": "disk", "activation_dir": str(tmp_path / "acts")} \
         if backward_reads == "activations" else {}
     engine = make_engine(ToyStack(Model(tied=True)), device="cpu", window=2, max_grad_norm=1.0,
                          nvme_fraction=1.0, nvme_dir=str(tmp_path), disk_loads=backward_reads == "masters for loads",
@@ -1616,7 +1616,7 @@ def test_close_stops_every_part_when_one_before_it_raises(tmp_path, broken):
     torch.manual_seed(0)
     engine = make_engine(ToyStack(Model(tied=True)),
         device="cpu", window=2, max_grad_norm=None, nvme_fraction=0.5, nvme_dir=str(tmp_path / "states"),
-        activation_offload="nvme", activation_dir=str(tmp_path / "acts"))
+        activation_offload="disk", activation_dir=str(tmp_path / "acts"))
     engine.step(batches(seed=4, steps=1, micro=2)[0], lr=1e-2, normalizer=10)
     order = []
 

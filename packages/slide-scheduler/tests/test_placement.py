@@ -111,6 +111,16 @@ def facts_for(device: str, max_grad_norm: float | None = 0.05, **words) -> RunFa
     return run_facts(device=device, max_grad_norm=max_grad_norm, **words)
 
 
+def test_the_activations_tiers_are_the_states_tiers_and_the_older_words_name_them():
+    """A run's boundary activations wait in GPU, HOST or DISK, as states do; run_facts reads the older words of a
+    config (none, cpu, nvme) as those tiers, and RunFacts itself takes only the tiers (or auto)."""
+    for old, tier in (("none", GPU), ("cpu", HOST), ("nvme", DISK), (GPU, GPU), ("auto", "auto")):
+        assert facts_for("cpu", activation_offload=old).activations == tier
+    assert run_facts(device="cpu").activations == HOST == RunFacts().activations
+    with pytest.raises(ValueError, match="older word for host"):
+        RunFacts(activations="cpu")
+
+
 def toy_shapes(stack) -> Shapes:
     return dataclasses.replace(shapes_of(stack), hidden=DIM, intermediate=3 * DIM)
 
@@ -130,14 +140,14 @@ MIXES = {
     "moments on disk": ({}, {"nvme_fraction": 0.5}),
     "bf16 states on disk": ({"states_dtype": "bf16"}, {"nvme_fraction": 0.5}),
     "masters read from disk for loads": ({}, {"nvme_fraction": 1.0, "disk_loads": True}),
-    "activations on disk": ({"activation_offload": "nvme"}, {"resident": range(2)}),
-    "activations on the device": ({"activation_offload": "none"}, {"window": 3}),
+    "activations on disk": ({"activation_offload": DISK}, {"resident": range(2)}),
+    "activations on the device": ({"activation_offload": GPU}, {"window": 3}),
     "the first blocks' activations on disk": ({}, {"disk_boundaries": 2}),
     "gradients on disk": ({}, {"nvme_fraction": 0.5, "disk_grads": True}),
     "three disk staging slots": ({}, {"nvme_fraction": 0.5, "staging": 3}),
     "gradients and masters on disk, loads from there": ({}, {"nvme_fraction": 1.0, "disk_grads": True,
                                                              "disk_loads": True}),
-    "activations on disk and the device": ({"activation_offload": "none"}, {"disk_boundaries": 1, "landing": 1}),
+    "activations on disk and the device": ({"activation_offload": GPU}, {"disk_boundaries": 1, "landing": 1}),
     "speculating": ({}, {"speculate": True, "resident": range(2)}),
     "some speculating": ({}, {"speculate": 2, "share": 0.5}),
 }
@@ -309,7 +319,7 @@ def test_each_rank_prices_its_shard_over_pcie_and_the_rest_over_the_gpus_link(cl
     host's memory and cores, which the ranks share, carry what one process of the whole does. The link's rate is
     the machine's (PCIe's where not measured)."""
     step = StepShape(8192, 4, 8192)
-    one, two = (arrange(LLAMA_3B, step, RunFacts(clip=1.0 if clip else None, activations="none", ranks=r),
+    one, two = (arrange(LLAMA_3B, step, RunFacts(clip=1.0 if clip else None, activations=GPU, ranks=r),
                         resident=(), window=2, share=0.0, shared=False, held=0) for r in (1, 2))
     link = with_rates(FAST, gpu={"link_gbps": 400})
     single, ranked = price(one, link), price(two, link)
@@ -419,14 +429,14 @@ def test_auto_puts_the_first_blocks_activations_on_disk_where_host_memory_holds_
     from slide_scheduler import Overrides, disk_traffic
 
     step, gib = StepShape(32768, 2, 32768), 2**30
-    run = RunFacts(clip=1.0, activations="cpu")
+    run = RunFacts(clip=1.0, activations=HOST)
     whole = place(LLAMA_3B, step, run, Budgets(gpu=70 * gib), FAST).placement
     act = step.tokens_per_micro * LLAMA_3B.hidden * 2 * step.micro_batches
     budgets = Budgets(gpu=70 * gib, host=whole.bytes(HOST) - 4.5 * act, disk=1000 * gib)
     plan = place(LLAMA_3B, step, dataclasses.replace(run, activations="auto"), budgets, FAST)
     p = plan.placement
-    k = p.boundaries_in("nvme")
-    assert plan.fits and 0 < k < LLAMA_3B.num_blocks and p.boundary_tiers == ("nvme",) * k + ("cpu",) * (28 - k)
+    k = p.boundaries_in(DISK)
+    assert plan.fits and 0 < k < LLAMA_3B.num_blocks and p.boundary_tiers == (DISK,) * k + (HOST,) * (28 - k)
     fewer = place(LLAMA_3B, step, run, budgets, FAST, Overrides(disk_boundaries=k - 1))
     assert not fewer.fits
     assert p.tiers()[DISK]["boundary activations"] == k * act

@@ -13,7 +13,7 @@ from slide_train.cli import main
 AXES = {
     "engine.compute_dtype": ("auto", "bf16", "fp32"),
     "engine.states_dtype": ("fp32", "bf16"),
-    "engine.activation_offload": ("auto", "none", "cpu", "nvme"),
+    "engine.activation_offload": ("auto", "gpu", "host", "disk"),
     "engine.nvme.fraction": ("0", "0.5", "1", "auto"),
     "max_grad_norm": ("1.0", "null", "1e6"),  # clipping that acts, none, clipping that never acts
     "engine.placement.speculate": ("true", "false", "auto"),
@@ -82,7 +82,7 @@ def test_every_combination_is_planned_or_refused_in_one_line(tmp_path, capsys):
             # the plan's facts are the config's: clipping, and the activation tier asked for (or one chosen)
             asked = combo["engine.activation_offload"]
             run = plan["run"]
-            assert run["activations"] in ("none", "cpu", "nvme") and asked in ("auto", run["activations"]), combo
+            assert run["activations"] in ("gpu", "host", "disk") and asked in ("auto", run["activations"]), combo
             assert run["compute_bytes"] == (2 if combo["engine.compute_dtype"] == "bf16" else 4), combo
             assert run["state_bytes"] == (2 if combo["engine.states_dtype"] == "bf16" else 4), combo
             assert run["clip"] == (None if combo["max_grad_norm"] == "null" else float(combo["max_grad_norm"]))

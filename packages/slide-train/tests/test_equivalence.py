@@ -141,7 +141,7 @@ def compare(trainer, ref_model, ref64=None):
         assert ours_err <= 1.5 * torch_err, f"{name}: {ours_err:.2e} from float64, torch fp32 {torch_err:.2e}"
 
 
-@pytest.mark.parametrize("window, offload", [(1, "cpu"), (2, "none"), (3, "cpu")])
+@pytest.mark.parametrize("window, offload", [(1, "host"), (2, "gpu"), (3, "host")])
 def test_three_steps_match_plain_pytorch(tmp_path, family, window, offload):
     """Clipped: held host gradients over the activations' memory (activations on the host), or a buffer each
     (activations on the device; split updates)."""
@@ -152,7 +152,7 @@ def test_three_steps_match_plain_pytorch(tmp_path, family, window, offload):
                        **{"engine.placement.window": window, "engine.activation_offload": offload})
     trainer = Trainer(cfg, progress=False)
     assert trainer.engine.placement.window == window
-    assert (trainer.engine.homes.pool is None) == (offload == "none")
+    assert (trainer.engine.homes.pool is None) == (offload == "gpu")
     records = [trainer.step() for _ in range(STEPS)]
     ref_model, ref_losses, ref_norms = reference_run(model, rows, labels)
     assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5)
@@ -181,7 +181,7 @@ def test_activation_offload_and_no_clipping_match(tmp_path):
     model = save_tiny_model(tmp_path / "model", "llama")
     rows, labels = make_rows(seed=2, n=STEPS * MICRO * ACCUM)
     write_token_rows(tmp_path / "data.jsonl", rows, labels)
-    for offload in ("none", "cpu"):
+    for offload in ("gpu", "host"):
         cfg = slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl",
                            **{"engine.activation_offload": offload, "max_grad_norm": 1e9,
                               "output_dir": tmp_path / offload})
@@ -365,7 +365,7 @@ def test_activations_on_disk_match_plain_pytorch_and_leave_no_files(tmp_path, fo
     rows, labels = make_rows(seed=3, n=STEPS * MICRO * ACCUM)
     write_token_rows(tmp_path / "data.jsonl", rows, labels)
     own = tmp_path / "scratch"
-    extra = {"engine.activation_offload": "nvme"} | ({"engine.nvme.dir": str(own)} if folder == "own" else {})
+    extra = {"engine.activation_offload": "disk"} | ({"engine.nvme.dir": str(own)} if folder == "own" else {})
     results = []
     for options in ({}, extra):
         cfg = slide_config(tmp_path / str(len(results)), tmp_path / "model", tmp_path / "data.jsonl", **options)

@@ -189,7 +189,7 @@ def test_an_earlier_run_is_never_silently_mixed_with_a_new_one(tmp_path):
     ("--engine.activation_dir=/tmp/x", r"'engine.activation_dir' was replaced by engine.nvme.dir"),
     ("--engine.grads_share_activations=true", r"'engine.grads_share_activations' was replaced by nothing: the "
                                               "placement shares"),
-    ("--engine.activation_offload=disk", r"engine.activation_offload must be one of auto, none, cpu, nvme"),
+    ("--engine.activation_offload=ram", r"engine.activation_offload must be one of auto, gpu, host, disk"),
     ("--checkpoint.every=-2", "checkpoint.every must be 0 or more"),
     ("--schedule.min_lr_ratio=3", r"schedule.min_lr_ratio must be in \[0, 1\]"),
     ("--optimizer.eps=0", "optimizer.eps must be positive"),
@@ -406,7 +406,7 @@ def test_a_disk_too_small_for_the_last_checkpoint_is_refused_before_training(tmp
 
 
 def test_a_disk_too_small_for_the_activations_is_refused_before_the_weights_load(tmp_path, monkeypatch):
-    """engine.activation_offload=nvme on a disk without room for a step's boundary activations is refused up
+    """engine.activation_offload=disk on a disk without room for a step's boundary activations is refused up
     front, naming what needs the room and the key that moves it; on one disk with the checkpoint, the two are
     counted together (room for either alone is not enough)."""
     import slide_train.checkpoint as ckpt
@@ -416,7 +416,7 @@ def test_a_disk_too_small_for_the_activations_is_refused_before_the_weights_load
         raise AssertionError("the weights were loaded before the disk check")
 
     monkeypatch.setattr(trainer_module, "SlidingEngine", no_loading)
-    args = [*TINY, f"--output_dir={tmp_path / 'run'}", "--engine.activation_offload=nvme"]
+    args = [*TINY, f"--output_dir={tmp_path / 'run'}", "--engine.activation_offload=disk"]
     monkeypatch.setattr(trainer_module, "free_bytes", lambda path: 1000)
     with pytest.raises(DiskFullError, match=r"0.0 MB free, but this run's boundary activations "
                                             r"\(engine.nvme.dir\) need about"):
@@ -468,7 +468,7 @@ def test_a_share_of_states_on_disk_that_rounds_to_no_block_is_warned_about(tmp_p
 
 def test_a_folder_for_the_nvme_tier_that_the_run_does_not_use_is_warned_about(tmp_path):
     args = [*TINY, f"--output_dir={tmp_path / 'run'}", f"--engine.nvme.dir={tmp_path / 'fast'}"]
-    with pytest.warns(UserWarning, match="only used with engine.nvme.fraction > 0 or engine.activation_offload=nvme"):
+    with pytest.warns(UserWarning, match="only used with engine.nvme.fraction > 0 or engine.activation_offload=disk"):
         Trainer(load_config(None, args), progress=False).close()
     assert not (tmp_path / "fast").exists()
 

@@ -140,7 +140,7 @@ def test_plan_json_prices_a_checkpoint_of_the_disk_tier(capsys):
 
     for states, per_param in (("fp32", 12), ("bf16", 8)):
         code = main(["plan", "--model=llama-3.1-70b", "--seq_len=4096", "--micro_batch_size=1", "--grad_accum=8",
-                     "--max_grad_norm=null", "--engine.activation_offload=nvme", "--engine.nvme.fraction=auto",
+                     "--max_grad_norm=null", "--engine.activation_offload=disk", "--engine.nvme.fraction=auto",
                      f"--engine.states_dtype={states}", "--machine", str(DOCS / "rtx4090-pc.yaml"), "--json"])
         out = json.loads(capsys.readouterr().out)
         disk = out["machine"]["disk"]
@@ -658,7 +658,7 @@ PLAIN_KINDS = {"edges", "slots", "resident blocks", "gradients", "boundary activ
     [*LLAMA_70B, "--machine", str(PC)],  # streamed and host updates, pooled gradients, states and loads on disk
     ["--model=olmoe-1b-7b", "--grad_accum=8", "--micro_batch_size=1", "--seq_len=4096", "--machine", str(PC)],  # held
     ["--model=llama-3.2-3b", "--seq_len=4096", "--micro_batch_size=1", "--grad_accum=4", "--max_grad_norm=1.0",
-     "--engine.placement.speculate=true", "--engine.activation_offload=nvme", "--engine.gpu_memory_limit_gb=16",
+     "--engine.placement.speculate=true", "--engine.activation_offload=disk", "--engine.gpu_memory_limit_gb=16",
      "--machine", str(DOCS / "h200-host.yaml")],  # speculation, activations on disk
 ])
 def test_the_plan_says_each_allocation_and_unit_placement_in_plain_words(capsys, run):

@@ -140,7 +140,7 @@ def test_token_rows_train_from_a_folder_without_a_tokenizer(bare_models, tmp_pat
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/sys"), reason="needs Linux's /proc")
-@pytest.mark.parametrize("tier", ["--engine.nvme.fraction=1", "--engine.activation_offload=nvme"])
+@pytest.mark.parametrize("tier", ["--engine.nvme.fraction=1", "--engine.activation_offload=disk"])
 def test_an_nvme_dir_that_takes_no_files_is_refused_before_any_work(tier, tmp_path, capsys, no_training):
     code = main(["finetune", *SMALL, "--engine.nvme.dir=/proc/sys", tier, f"--output_dir={tmp_path / 'run'}"])
     assert code == 2

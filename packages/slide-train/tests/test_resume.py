@@ -59,7 +59,7 @@ STREAMED = "--engine.placement.device_update_share=0.5"
 # AdamW states of half the blocks in files: what the checkpoint holds is read from there, a resume writes it back
 ON_DISK = "--engine.nvme.fraction=0.5"
 # Boundary activations in files: transient, so a killed run's are cleared and the result is the same
-ACTS_ON_DISK = "--engine.activation_offload=nvme"
+ACTS_ON_DISK = "--engine.activation_offload=disk"
 
 
 @pytest.mark.parametrize("kill_after, extra", [(1, ()), (4, ()), (6, ()), (4, (STREAMED,)), (4, (ON_DISK,)),

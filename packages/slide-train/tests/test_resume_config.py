@@ -5,6 +5,7 @@ a damaged only checkpoint, `--model` given a file, the presets table."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -15,7 +16,7 @@ import pytest
 from conftest import MACHINE, save_tiny_model
 from safetensors.torch import load_file
 
-from slide_train.checkpoint import find_resumable
+from slide_train.checkpoint import MANIFEST, find_resumable
 from slide_train.cli import main
 from slide_train.config import load_config
 from slide_train.errors import CheckpointError, ConfigError, ModelError
@@ -91,6 +92,30 @@ def test_a_key_given_at_resume_overrides_and_each_change_to_the_training_is_name
     # the rest is the run's own, not the defaults
     assert (cfg.seq_len, cfg.micro_batch_size, cfg.grad_accum, cfg.seed, cfg.schedule.warmup_steps) == (32, 2, 1, 5, 4)
     assert cfg.export is False and cfg.resume == "auto" and cfg.overwrite is False
+
+
+def test_the_older_words_for_the_activations_tier_still_load_and_resume(run40, tmp_path):
+    """engine.activation_offload's older words (none, cpu, nvme) name the tiers gpu, host and disk, in a config
+    file and in a checkpoint's kept config (written before the tiers had those names): the run resumes in the
+    tier it named, and no change is named."""
+    config = tmp_path / "old.yaml"
+    for old, tier in (("none", "gpu"), ("cpu", "host"), ("nvme", "disk")):
+        config.write_text(f"engine:\n  activation_offload: {old}\n")
+        assert load_config(config).engine.activation_offload == tier
+    run = copy_of(run40, tmp_path)
+    checkpoint = run / "checkpoints" / "step-40"
+    state = json.loads((checkpoint / "trainer.json").read_text())
+    assert state["config"]["engine"]["activation_offload"] == "host"
+    state["config"]["engine"]["activation_offload"] = "cpu"  # as an older version kept it
+    (checkpoint / "trainer.json").write_text(json.dumps(state, indent=2))
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    data = (checkpoint / "trainer.json").read_bytes()
+    manifest["files"]["trainer.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg, found = resumed_config(None, [f"--output_dir={run}", "--resume=auto"])
+    assert found == checkpoint and cfg.engine.activation_offload == "host" and cfg.steps == 40
 
 
 def test_a_yaml_file_given_at_resume_overrides_the_run_with_its_own_keys_only(run40, tmp_path):

@@ -109,7 +109,7 @@ def test_a_run_over_two_folders_gives_one_folders_weights_and_each_holds_its_sha
     save_tiny_model(tmp_path / "model", "llama")
     rows, labels = make_rows(seed=5, n=STEPS * MICRO * ACCUM)
     write_token_rows(tmp_path / "data.jsonl", rows, labels)
-    on_disk = {"engine.nvme.fraction": 1.0, "engine.activation_offload": "nvme"}
+    on_disk = {"engine.nvme.fraction": 1.0, "engine.activation_offload": "disk"}
     runs = {}
     for name, folders in (("one", [tmp_path / "d0"]), ("two", [tmp_path / "d1", tmp_path / "d2"])):
         cfg = slide_config(tmp_path / name, tmp_path / "model", tmp_path / "data.jsonl", **on_disk,

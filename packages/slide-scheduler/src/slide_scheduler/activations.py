@@ -1,9 +1,9 @@
 """Boundary activations: the hidden state entering each block, per micro-batch, kept for the backward recompute.
 
-They are the only activations kept across a step (everything inside a block is recomputed). With the `cpu` tier
+They are the only activations kept across a step (everything inside a block is recomputed). In the host tier
 each one is copied to a host buffer on the device-to-host lane as soon as it is produced, and copied back on the
 host-to-device lane ahead of its block in backward, so device memory does not grow with depth. The host buffers
-are the store's own, or a `SharedPool`'s (memory the held gradients of clipping share with them). The `nvme`
+are the store's own, or a `SharedPool`'s (memory the held gradients of clipping share with them). The disk
 tier passes them through two small rings of host buffers to files (`disk_activations.py`).
 """
 
@@ -18,6 +18,7 @@ from slide_memory import host_empty
 from .disk_activations import DiskActivations
 from .disk_states import Folders
 from .lanes import DONE, Lane, Signal
+from .placement import DISK, GPU, HOST, TIERS
 
 
 class ActivationStore:
@@ -30,11 +31,12 @@ class ActivationStore:
             raise TypeError(f"tiers: each boundary's tier, as a sequence (got the one string {tiers!r})")
         self.tiers = tuple(tiers)
         for tier in set(self.tiers):
-            if tier not in ("none", "cpu", "nvme"):
-                raise ValueError(f"activation tier must be 'none' (keep on device), 'cpu' or 'nvme', got {tier!r}")
-        on_disk = "nvme" in self.tiers
+            if tier not in TIERS:
+                raise ValueError(f"activation tier must be {GPU!r} (keep on the device), {HOST!r} or {DISK!r}, got "
+                                 f"{tier!r}")
+        on_disk = DISK in self.tiers
         if on_disk and not directory:
-            raise ValueError("activations on the nvme tier go to files: set activation_dir to a directory on a fast "
+            raise ValueError("activations on the disk tier go to files: set activation_dir to a directory on a fast "
                              "local disk")
         self.disk = DiskActivations(directory, d2h, h2d, drives) if on_disk else None
         self.device, self.d2h, self.h2d, self.compute = device, d2h, h2d, compute
@@ -53,11 +55,11 @@ class ActivationStore:
     def put(self, boundary: int, micro: int, hidden: torch.Tensor, produced: Signal) -> None:
         """Keep `hidden` (made on the compute lane; `produced` holds once it is written)."""
         tier = self.tier(boundary)
-        if tier == "none":
+        if tier == GPU:
             self._saved[boundary, micro] = (hidden, DONE)
             return
         self.d2h.wait(produced)
-        if tier == "nvme":
+        if tier == DISK:
             self._leave(hidden, self.disk.put((boundary, micro), hidden))
             return
         if self.pool is not None:
@@ -105,8 +107,8 @@ class ActivationStore:
         owner's next fetch, so the steady state allocates nothing; the caller orders that next fetch after
         compute is done with this one (the owner's `free` signal)."""
         tier = self.tier(boundary)
-        saved, stored = self.disk.fetch((boundary, micro)) if tier == "nvme" else self._saved[boundary, micro]
-        if tier == "none":
+        saved, stored = self.disk.fetch((boundary, micro)) if tier == DISK else self._saved[boundary, micro]
+        if tier == GPU:
             return saved
         self.h2d.wait(stored)
         out = self._landing.get((owner, micro))
@@ -119,12 +121,12 @@ class ActivationStore:
                 out = torch.empty_like(saved, device=self.device)
             self._landing[owner, micro] = out
         self.h2d.run(out.copy_, saved, True, label=f"acts in {boundary}")
-        if tier == "nvme":
+        if tier == DISK:
             self.disk.consumed((boundary, micro), self.h2d.record())
         return out
 
     def close(self) -> None:
-        """Let go of every buffer; the nvme tier finishes its transfers and removes its files."""
+        """Let go of every buffer; the disk tier finishes its transfers and removes its files."""
         self.trim(0)
         if self.disk is not None:
             self.disk.close()

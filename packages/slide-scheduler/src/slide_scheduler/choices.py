@@ -178,7 +178,7 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
     extra = {} if threads is None else {"threads": threads}
     # the first `disk_boundaries` blocks' input activations on disk (written earliest, read last), the rest in
     # the run's tier
-    boundaries = ("nvme",) * disk_boundaries + (run.activations,) * (n - disk_boundaries) if disk_boundaries else ()
+    boundaries = (DISK,) * disk_boundaries + (run.activations,) * (n - disk_boundaries) if disk_boundaries else ()
     return Placement(shapes, step, tuple(units), window, run, sequence_tile=sequence_tile, landing=landing,
                      edges_early=edges_early, boundaries=boundaries, staging=staging,
                      speculation_pause=speculation_pause, defer_updates=defer and not o.clips,

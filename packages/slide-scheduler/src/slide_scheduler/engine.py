@@ -47,7 +47,7 @@ from .disk_states import DiskStates
 from .homes import GradientHomes
 from .lanes import DONE, Lanes, Signal
 from .loads import Loads
-from .placement import Placement, block_shapes, make_block
+from .placement import DISK, Placement, block_shapes, make_block
 from .ranks import Ranks
 from .stack import Batch, Stack, StackCalls
 from .timeline import Span, summarize
@@ -558,7 +558,7 @@ def _check(p: Placement, numels: tuple[int, ...], config: EngineConfig, ranks: R
     if p.on_disk and not config.nvme_dir:
         raise ValueError("the placement keeps masters and AdamW moments on disk: set nvme_dir to a directory on a "
                          "fast local disk")
-    if p.boundaries_in("nvme") and not config.activation_dir:
+    if p.boundaries_in(DISK) and not config.activation_dir:
         raise ValueError("the placement keeps boundary activations on disk: set activation_dir to a directory on a "
                          "fast local disk")
 

@@ -134,7 +134,9 @@ def made_numel(module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-ACTIVATION_TIERS = ("none", "cpu", "nvme")  # where boundary activations wait: the device, host memory, files
+ACTIVATION_TIERS = TIERS  # where boundary activations wait: the device, host memory, files
+# The older words for those tiers, which a config may still give (`activation_tier` maps them, and only it)
+OLD_ACTIVATION_WORDS = {"none": GPU, "cpu": HOST, "nvme": DISK}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the one name -> dtype table
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # what a run computes in or keeps its AdamW moments in
 
@@ -145,7 +147,7 @@ class RunFacts:
     runs it. Nothing here is decided again at run time."""
 
     clip: float | None = 1.0  # the global gradient norm exact clipping keeps to; None: no clipping
-    activations: str = "cpu"  # none | cpu | nvme: where boundary activations wait for the backward (auto: the plan's)
+    activations: str = HOST  # GPU | HOST | DISK: where boundary activations wait for the backward (auto: the plan's)
     compute_bytes: int = 2  # parameters, gradients and activations on the device: 2 (bf16) or 4 (fp32)
     state_bytes: int = 4  # per AdamW moment of a host unit: 4 (fp32) or 2 (bf16)
     device: str = "cuda"  # cpu | cuda | cuda:N
@@ -157,8 +159,10 @@ class RunFacts:
 
     def __post_init__(self):
         if self.activations not in (*ACTIVATION_TIERS, "auto"):
+            old = (f" (the older word for {OLD_ACTIVATION_WORDS[self.activations]}: run_facts maps it)"
+                   if self.activations in OLD_ACTIVATION_WORDS else "")
             raise ValueError(f"activations must be auto or one of {', '.join(ACTIVATION_TIERS)}, got "
-                             f"{self.activations!r}")
+                             f"{self.activations!r}{old}")
         if self.compute_bytes not in (2, 4) or self.state_bytes not in (2, 4):
             raise ValueError("compute and state bytes are 2 (bf16) or 4 (fp32), got "
                              f"{self.compute_bytes} and {self.state_bytes}")
@@ -197,11 +201,18 @@ def resolve_device(name: str = "auto") -> str:
     return name
 
 
+def activation_tier(word: str) -> str:
+    """The boundary activations' tier a config's word names: GPU, HOST, DISK and auto name themselves, and the
+    older words none (the device), cpu (host memory) and nvme (files) their tiers."""
+    return OLD_ACTIVATION_WORDS.get(word, word)
+
+
 def run_facts(*, device: str = "auto", compute_dtype: str = "auto", states_dtype: str = "fp32",
-              max_grad_norm: float | None = 1.0, activation_offload: str = "cpu", ranks: int = 1,
+              max_grad_norm: float | None = 1.0, activation_offload: str = HOST, ranks: int = 1,
               here: bool = True) -> RunFacts:
     """A run's facts from its config's words: `auto` compute is bf16 on CUDA and fp32 on a CPU. `here`: the
-    device is this machine's (resolved, refused where absent); otherwise a name for planning elsewhere."""
+    device is this machine's (resolved, refused where absent); otherwise a name for planning elsewhere.
+    `activation_offload` is a tier (or auto), or an older word for one (`activation_tier`)."""
     device = resolve_device(device) if here else ("cuda" if device == "auto" else device)
     cuda = torch.device(device).type == "cuda"
     if compute_dtype not in ("auto", *DTYPE_BYTES):
@@ -209,7 +220,7 @@ def run_facts(*, device: str = "auto", compute_dtype: str = "auto", states_dtype
     if states_dtype not in DTYPE_BYTES:
         raise ValueError(f"states_dtype must be fp32 or bf16, got {states_dtype!r}")
     compute = 2 if compute_dtype == "bf16" or (compute_dtype == "auto" and cuda) else 4
-    return RunFacts(clip=max_grad_norm or None, activations=activation_offload, compute_bytes=compute,
+    return RunFacts(clip=max_grad_norm or None, activations=activation_tier(activation_offload), compute_bytes=compute,
                     state_bytes=DTYPE_BYTES[states_dtype], device=device, ranks=ranks)
 
 
@@ -270,7 +281,7 @@ class Placement:
     landing: int = 0
     # streamed sliding edges: their tail-only part (final norm, untied lm head) updates apart, early
     edges_early: bool = True
-    # where each block's input boundary activations wait (none | cpu | nvme), block by block; empty: all in the
+    # where each block's input boundary activations wait (GPU | HOST | DISK), block by block; empty: all in the
     # run's tier (`activations`)
     boundaries: tuple[str, ...] = ()
     # staging slots of the disk tier's states: how many updates ahead their reads run (0: DISK_STAGING_SLOTS)
@@ -321,7 +332,7 @@ class Placement:
         return self.boundaries or (self.activations,) * self.shapes.num_blocks
 
     def boundaries_in(self, tier: str) -> int:
-        """How many blocks' input boundaries wait in `tier` (none | cpu | nvme)."""
+        """How many blocks' input boundaries wait in `tier` (GPU | HOST | DISK)."""
         return self.boundary_tiers.count(tier)
 
     @property
@@ -539,7 +550,7 @@ def validate(p: Placement) -> None:
                                  "whose moments are on disk (it is read back with them)")
             if unit.grad == "held" and unit.update != "stream":
                 raise ValueError(f"{name}: only a block updated on the device holds its gradient there")
-            if unit.grad == "pool" and p.boundaries_in("cpu") != p.shapes.num_blocks:
+            if unit.grad == "pool" and p.boundaries_in(HOST) != p.shapes.num_blocks:
                 raise ValueError(f"{name}: pooled gradients share the host memory of the boundary activations: "
                                  "they need activations on the host")
 
@@ -548,7 +559,7 @@ def early_reads_wait(p: Placement) -> bool:
     """Whether a clipped step's first updates must wait for the norm to read their states from disk: they
     read under the backward only where nothing the backward waits for reads the disk then (masters for loads,
     boundary activations on disk)."""
-    return bool(p.loads_from_disk) or bool(p.boundaries_in("nvme")) or bool(p.grads_on_disk)
+    return bool(p.loads_from_disk) or bool(p.boundaries_in(DISK)) or bool(p.grads_on_disk)
 
 
 def block_range(units: Iterable[int]) -> list[int]:
@@ -615,7 +626,7 @@ def _allocations(p: Placement) -> list[Allocation]:
     # Host gradients: the ring, the sliding edges' own buffer, and the pool shared with the boundary activations
     act = t.tokens_per_micro * s.hidden * c  # one micro-batch's boundary activation
     # block inputs 0..n-1 (the last output goes straight on), each in its block's tier
-    host_acts, disk_acts, device_acts = (p.boundaries_in(tier) * t.micro_batches for tier in ("cpu", "nvme", "none"))
+    host_acts, disk_acts, device_acts = (p.boundaries_in(tier) * t.micro_batches for tier in (HOST, DISK, GPU))
     add(HOST, "gradients", p.ring * c * s.block_numel // p.ranks)
     add(HOST, "speculative parameters", c * sum(shard[u] for u in p.speculated))
     if p.units[0].grad == "own":
@@ -628,7 +639,7 @@ def _allocations(p: Placement) -> list[Allocation]:
     if disk_acts:
         add(DISK, "boundary activations", disk_acts * act)
         # (the write ring turns over every buffer; reads fill the read ring from its start each step)
-        rings = SLOTS_PER_MICRO + min(SLOTS_PER_MICRO, p.boundaries_in("nvme"))
+        rings = SLOTS_PER_MICRO + min(SLOTS_PER_MICRO, p.boundaries_in(DISK))
         add(HOST, "boundary activation rings", rings * t.micro_batches * act)
     if device_acts:
         add(dev, "boundary activations", device_acts * act)

@@ -132,7 +132,7 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
         shares = (0.0,)
     else:  # (without clipping too: a clip scale of exactly 1 runs every placement a clipped run has)
         shares = SHARES
-    poolable = run.activations == "cpu" and not o.disk_boundaries
+    poolable = run.activations == HOST and not o.disk_boundaries
     # Host gradients that wait (for the norm, or for a device update at the next load) share the boundary
     # activations' memory: up to the activations' size less host memory, at the speed of a buffer each
     # (docs/findings.md)
@@ -163,7 +163,7 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
         tiled = place(shapes, step, run, budgets, machine, dataclasses.replace(o, sequence_tile=SEQUENCE_TILE))
         if tiled.placement.bytes(GPU) < placement.bytes(GPU):  # (fitting or not: what it needs is nearer)
             return tiled
-    if best[0] and o.landing_sets is None and placement.landing_sets > 1 and run.activations != "none":
+    if best[0] and o.landing_sets is None and placement.landing_sets > 1 and run.activations != GPU:
         # still too big: one set of landing buffers, each block's activations fetched after the next one's backward
         lean = place(shapes, step, run, budgets, machine, dataclasses.replace(o, landing_sets=1))
         if lean.placement.bytes(GPU) < placement.bytes(GPU):
@@ -350,7 +350,7 @@ def _placement_atoms(s: _Setting, budgets: Budgets, plan: Plan) -> list[str]:
         atoms.append("disk")
     if run.activations != "auto":
         atoms += [f"activations={t}" for t in ACTIVATION_PREFERENCE
-                  if t != run.activations and (t != "nvme" or run.ranks == 1)]
+                  if t != run.activations and (t != DISK or run.ranks == 1)]
     if p.speculated:
         atoms.append("speculate=off")
     if budgets.gpu is not None and p.bytes(GPU) > budgets.gpu and p.window > 1 and p.sliding_blocks:
@@ -405,7 +405,7 @@ def _better(key: tuple, than: tuple) -> bool:
     return key[4] < than[4] or (key[4] == than[4] and key[3] < than[3])
 
 
-ACTIVATION_PREFERENCE = ("cpu", "none", "nvme")  # among tiers that price alike: host memory, the device, files
+ACTIVATION_PREFERENCE = (HOST, GPU, DISK)  # among tiers that price alike: host memory, the device, files
 
 
 def _activation_tier(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, machine: Machine,
@@ -415,10 +415,10 @@ def _activation_tier(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Bu
     only for a single process: data-parallel ranks keep theirs in memory); among near-equals, the first of
     ACTIVATION_PREFERENCE, the mixture just after the host's. None fitting, the host tier's plan says what does
     not fit."""
-    tiers = [t for t in ACTIVATION_PREFERENCE if t != "nvme" or run.ranks == 1]
+    tiers = [t for t in ACTIVATION_PREFERENCE if t != DISK or run.ranks == 1]
     plans = [place(shapes, step, dataclasses.replace(run, activations=t), budgets, machine, o) for t in tiers]
     mixed = _fewest_boundaries_on_disk(shapes, step, run, budgets, machine, o) \
-        if not plans[0].fits and "nvme" in tiers and o.disk_boundaries is None else None
+        if not plans[0].fits and DISK in tiers and o.disk_boundaries is None else None
     if mixed:
         plans.insert(1, mixed)
     fitting = [p for p in plans if p.fits]
@@ -432,12 +432,12 @@ def _fewest_boundaries_on_disk(shapes: Shapes, step: StepShape, run: RunFacts, b
                                machine: Machine, o: Overrides) -> Plan | None:
     """Boundary activations in host memory but the first blocks', on disk: the plan with the fewest of those
     that fits (more on disk only ever takes less host memory: a bisection), or None."""
-    host = dataclasses.replace(run, activations="cpu")
+    host = dataclasses.replace(run, activations=HOST)
 
     def at(k: int) -> Plan:
         return place(shapes, step, host, budgets, machine, dataclasses.replace(o, disk_boundaries=k))
 
-    low, high = 0, shapes.num_blocks - 1  # (all of them on disk is the nvme tier's own plan)
+    low, high = 0, shapes.num_blocks - 1  # (all of them on disk is the disk tier's own plan)
     if high < 1 or not at(high).fits:
         return None
     while high - low > 1:

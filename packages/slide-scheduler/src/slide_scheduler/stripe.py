@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .machine import Disk
-from .placement import Placement
+from .placement import DISK, Placement
 
 GIB = 2**30
 
@@ -56,7 +56,7 @@ def drive_shares(p: Placement, drives: int | None = None) -> list[Share]:
     for u in p.on_disk:
         out[p.drive_of(u)] += unit_share(p, u)
     for block, tier in enumerate(p.boundary_tiers):
-        if tier == "nvme":
+        if tier == DISK:
             out[p.boundary_drive(block)] += boundary_share(p)
     return out
 
@@ -71,7 +71,7 @@ def stripe(p: Placement, drives: Sequence[Disk]) -> Placement:
     (its bytes at that drive's rates on top of what the drive has already), among those with room for it (the
     one with the most room left where none has). One drive: every file on it."""
     items = [("unit", u, unit_share(p, u)) for u in sorted(p.on_disk)]
-    items += [("block", b, boundary_share(p)) for b, tier in enumerate(p.boundary_tiers) if tier == "nvme"]
+    items += [("block", b, boundary_share(p)) for b, tier in enumerate(p.boundary_tiers) if tier == DISK]
     if len(drives) < 2 or not items:
         return dataclasses.replace(p, drives=(), boundary_drives=()) if p.drives or p.boundary_drives else p
     busy, used = [0.0] * len(drives), [0] * len(drives)
@@ -85,4 +85,4 @@ def stripe(p: Placement, drives: Sequence[Disk]) -> Placement:
         used[best] += share.size
         (units if kind == "unit" else blocks)[index] = best
     return dataclasses.replace(p, drives=tuple(units),
-                               boundary_drives=tuple(blocks) if "nvme" in p.boundary_tiers else ())
+                               boundary_drives=tuple(blocks) if DISK in p.boundary_tiers else ())

@@ -195,13 +195,13 @@ CHOICES = {
 }
 RUNS = {
     "clip, cpu acts": RunFacts(),
-    "clip, device acts": RunFacts(activations="none"),
-    "clip, nvme acts": RunFacts(activations="nvme"),
+    "clip, device acts": RunFacts(activations="gpu"),
+    "clip, nvme acts": RunFacts(activations="disk"),
     "no clip": RunFacts(clip=None),
     "no clip, bf16 states": RunFacts(clip=None, state_bytes=2),
     "clip, bf16 states, fp32 compute": RunFacts(state_bytes=2, compute_bytes=4),
     "clip, 2 ranks": RunFacts(ranks=2),
-    "no clip, 4 ranks, device acts": RunFacts(clip=None, ranks=4, activations="none"),
+    "no clip, 4 ranks, device acts": RunFacts(clip=None, ranks=4, activations="gpu"),
     "cpu device": RunFacts(device="cpu", compute_bytes=4),
 }
 MODELS = ("llama-3.1-8b", "qwen3-30b-a3b", "gemma-2-9b", "tiny-llama", "olmoe-1b-7b")

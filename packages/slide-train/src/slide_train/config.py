@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from slide_memory import AdamWConfig
-from slide_scheduler import Overrides
+from slide_scheduler import DISK, GPU, HOST, Overrides, activation_tier
 
 from .data import FORMATS, DataConfig
 from .data.config import check_config as check_data_config
@@ -56,9 +56,10 @@ class EngineSection:
     compute_dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
     states_dtype: str = "fp32"  # fp32 | bf16 (opt-in: AdamW m and v on the host in bf16, half their memory)
     kernels: str = "auto"  # auto (slide-kernels' Triton RMSNorm/RoPE/SwiGLU on CUDA) | on | off
-    # Boundary activations (each block's input, per micro-batch) kept for backward: none (on the GPU) | cpu
-    # (pinned host memory) | nvme (files in nvme.dir, through two small rings of host buffers)
-    activation_offload: str = "cpu"
+    # Boundary activations (each block's input, per micro-batch) kept for backward: gpu | host (pinned host
+    # memory) | disk (files in nvme.dir, through two small rings of host buffers) | auto (the plan's choice); the
+    # older words none, cpu and nvme still name gpu, host and disk
+    activation_offload: str = HOST
     nvme: NvmeConfig = field(default_factory=NvmeConfig)
     # Expert overrides of the placement: window, resident, device_update_share, speculate, synchronous
     # (docs/placement.md)
@@ -132,7 +133,7 @@ CHOICES = {
     "router_aux_loss": ("trainer", "per_micro_batch"),
     "schedule.decay": ("constant", "cosine", "linear"),
     "engine.compute_dtype": ("auto", "bf16", "fp32"),
-    "engine.activation_offload": ("auto", "none", "cpu", "nvme"),
+    "engine.activation_offload": ("auto", GPU, HOST, DISK),  # (validate maps the older none, cpu, nvme)
     "engine.states_dtype": ("fp32", "bf16"),
     "engine.kernels": ("auto", "on", "off"),
     "export_dtype": ("auto", "bf16", "fp16", "fp32"),
@@ -180,8 +181,9 @@ KEY_HELP = {
     "engine.compute_dtype": "parameters and activations on the device; auto: bf16 on CUDA, fp32 on the CPU",
     "engine.states_dtype": "AdamW m and v on the host; bf16 halves their memory and is no longer exact AdamW",
     "engine.kernels": "slide-kernels' Triton kernels; auto: on CUDA",
-    "engine.activation_offload": "where boundary activations wait for the backward: GPU, pinned host memory, files; "
-                                 "auto: the fastest that fits, as the plan prices them",
+    "engine.activation_offload": "where boundary activations wait for the backward: gpu, host (pinned memory), disk "
+                                 "(files); auto: the fastest that fits, as the plan prices them (the older words "
+                                 "none, cpu, nvme still name gpu, host, disk)",
     "engine.nvme.dir": "scratch folder for what the placement puts on disk, or a list of folders (one per drive) "
                        "to stripe it over; null: the machine file's drives' folders (disks:), else <output_dir>/nvme",
     "engine.nvme.fraction": "share of the sliding blocks whose masters and AdamW moments live on disk, in [0, 1]; "
@@ -337,6 +339,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         cfg.data.path = os.path.expanduser(cfg.data.path)
     if cfg.resume not in (None, "auto"):
         cfg.resume = os.path.expanduser(cfg.resume)
+    # The activations' tier in the states' words: a config (or a checkpoint's saved one) may give the older none,
+    # cpu or nvme
+    cfg.engine.activation_offload = activation_tier(cfg.engine.activation_offload)
     for key, allowed in CHOICES.items():
         value = get_key(cfg, key)
         if value not in allowed:

@@ -8,7 +8,16 @@ import os
 import pathlib
 import warnings
 
-from slide_scheduler import EngineConfig, Machine, Placement, boundary_share, folders_of, unit_share
+from slide_scheduler import (
+    DISK,
+    EngineConfig,
+    Machine,
+    Placement,
+    activation_tier,
+    boundary_share,
+    folders_of,
+    unit_share,
+)
 
 from .config import TrainConfig
 from .space import Size
@@ -82,12 +91,12 @@ def on_drives(machine: Machine, folders: list[pathlib.Path]) -> Machine:
 
 def uses_disk(cfg: TrainConfig) -> bool:
     fraction = cfg.engine.nvme.fraction
-    return fraction == "auto" or fraction > 0 or cfg.engine.activation_offload in ("nvme", "auto")
+    return fraction == "auto" or fraction > 0 or activation_tier(cfg.engine.activation_offload) in (DISK, "auto")
 
 
 def asks_for_disk(cfg: TrainConfig) -> bool:
     """Whether the config itself puts something on disk (`auto` leaves it to the plan)."""
-    return cfg.engine.nvme.fraction not in (0, "auto") or cfg.engine.activation_offload == "nvme"
+    return cfg.engine.nvme.fraction not in (0, "auto") or activation_tier(cfg.engine.activation_offload) == DISK
 
 
 def default_disk_folders(cfg: TrainConfig) -> list[str]:
@@ -111,7 +120,7 @@ def tier_wants(p: Placement, engine_cfg: EngineConfig) -> list[tuple[str, pathli
     states_dirs, acts_dirs = (folders_of(d) if d else [] for d in (engine_cfg.nvme_dir, engine_cfg.activation_dir))
     out = []
     for drive, folder in enumerate(acts_dirs):
-        blocks = sum(1 for b, tier in enumerate(p.boundary_tiers) if tier == "nvme" and p.boundary_drive(b) == drive)
+        blocks = sum(1 for b, tier in enumerate(p.boundary_tiers) if tier == DISK and p.boundary_drive(b) == drive)
         out.append(("boundary activations (engine.nvme.dir)", pathlib.Path(folder),
                     Size(blocks * boundary_share(p).size)))
     for drive, folder in enumerate(states_dirs):

@@ -172,7 +172,7 @@ CONFIG_KEYS = {
     "seq_len": "seq_len",
     "micro_batches": "grad_accum",
 }
-ACTIVATIONS_WHERE = {"none": "on the GPU", "cpu": "in host memory", "nvme": "on disk"}
+ACTIVATIONS_WHERE = {GPU: "on the GPU", HOST: "in host memory", DISK: "on disk"}
 MORE_TOKENS = 64  # how far past the run's own grad_accum a plan looks for the GPU to bind
 STALL_SHARE = 0.05  # a stall under this share of the step binds nothing (the cost model's own uncertainty)
 

@@ -156,7 +156,7 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True, ra
                               f"{ram_gib:.1f} GiB this host has")
     if ranks > 1 and asks_for_disk(cfg):  # (`auto` keeps everything in memory for them)
         raise ConfigError("data-parallel ranks keep every state in host memory and activations on the host or the "
-                          "device: set engine.nvme.fraction=0 and engine.activation_offload to cpu or none")
+                          "device: set engine.nvme.fraction=0 and engine.activation_offload to host or gpu")
     if not running:
         cuda = machine.has_gpu and e.device != "cpu"
         device = (e.device if e.device.startswith("cuda") else "cuda") if cuda else "cpu"
@@ -209,7 +209,7 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True, ra
                    "the host's memory budget has no room for it")
             warnings.warn(f"engine.placement.speculate=true, but no block speculates: {why}", stacklevel=2)
         if e.nvme.dir and not plan.placement.bytes(DISK):  # (a folder set for the disk tier, which the plan leaves)
-            warnings.warn(f"{e.nvme.dir} is only used with engine.nvme.fraction > 0 or engine.activation_offload=nvme"
+            warnings.warn(f"{e.nvme.dir} is only used with engine.nvme.fraction > 0 or engine.activation_offload=disk"
                           ", or where `auto` puts something on disk: this run's plan puts nothing there",
                           stacklevel=2)
         if e.nvme.fraction not in (0, "auto") and not plan.placement.on_disk:  # the share rounds to no block

@@ -3,7 +3,7 @@ its attention, the kernels' launches) and the tail's loss."""
 
 from __future__ import annotations
 
-from ..placement import Placement
+from ..placement import GPU, Placement
 from .rates import Rates
 from .work import boundary_bytes, step_tokens
 
@@ -51,7 +51,7 @@ def block_compute(p: Placement, r: Rates) -> tuple[list[float], list[float]]:
     """Each block's compute seconds in the forward and in the backward, which recomputes the forward and runs
     back at twice its work. With one landing set of activation buffers the backward also waits for each block's
     boundary activations to cross (only once the block after it is done)."""
-    offloaded = p.boundaries_in("none") < p.shapes.num_blocks
+    offloaded = p.boundaries_in(GPU) < p.shapes.num_blocks
     fetch = boundary_bytes(p) / r.h2d if r.pcie and offloaded and p.landing_sets == 1 else 0.0
     launch = launches_s(p, r)
     units = range(1, p.shapes.num_blocks + 1)

@@ -5,7 +5,7 @@ goes to the drive the placement puts its files on (stripe.py); the lane is the s
 
 from __future__ import annotations
 
-from ..placement import Placement, UnitPlacement, early_reads_wait, kind_of
+from ..placement import DISK, Placement, UnitPlacement, early_reads_wait, kind_of
 from ..stripe import drive_shares
 from .rates import Rates
 from .work import PhaseWork, Work, boundary_bytes, loads_from_disk, master_on_disk
@@ -59,12 +59,12 @@ def boundary_disk(p: Placement, r: Rates) -> Work:
     drive."""
     work = Work()
     if not p.boundary_drives:  # (one drive: the tier's bytes at once, as priced before striping)
-        nbytes = p.boundaries_in("nvme") * boundary_bytes(p)
+        nbytes = p.boundaries_in(DISK) * boundary_bytes(p)
         write(work.forward, nbytes, r)
         read(work.backward, nbytes, r)
         return work
     for block, tier in enumerate(p.boundary_tiers):
-        if tier == "nvme":
+        if tier == DISK:
             write(work.forward, boundary_bytes(p), r, p.boundary_drive(block))
             read(work.backward, boundary_bytes(p), r, p.boundary_drive(block))
     return work
@@ -87,6 +87,6 @@ def disk_traffic(p: Placement, drive: int | None = None) -> tuple[int, int]:
     read += sum(2 * 4 * s.unit_numels[u] for u in p.loads_from_disk)
     grads = sum(p.compute_bytes * s.unit_numels[u] for u in p.grads_on_disk)  # written, then read back
     read, written = read + grads, written + grads
-    boundaries = p.boundaries_in("nvme") * t.tokens_per_micro * s.hidden * p.compute_bytes * t.micro_batches
+    boundaries = p.boundaries_in(DISK) * t.tokens_per_micro * s.hidden * p.compute_bytes * t.micro_batches
     read, written = read + boundaries, written + boundaries
     return read, written

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..placement import Placement, UnitPlacement
+from ..placement import GPU, Placement, UnitPlacement
 from .rates import Rates
 from .work import PhaseWork, Work, boundary_bytes, loads_compact
 
@@ -84,7 +84,7 @@ def edge_copies(p: Placement) -> Work:
 
 def boundary_copies(p: Placement) -> Work:
     """Offloaded boundary activations: out in the forward, back in the backward."""
-    work, offloaded = Work(), p.shapes.num_blocks - p.boundaries_in("none")
+    work, offloaded = Work(), p.shapes.num_blocks - p.boundaries_in(GPU)
     work.forward.d2h += offloaded * boundary_bytes(p)
     work.backward.h2d += offloaded * boundary_bytes(p)
     return work
