@@ -131,8 +131,9 @@ class DiskActivations:
         self.d2h.run(data.copy_, hidden, True, label=f"acts out {key[0]}")
         copied = self.d2h.record()
         last_read = self._read.get(key)  # (only its order matters: a failed one was raised in its own step)
-        store = self.stores[self._drive(key)]
-        written = self._when(self._writers[self._drive(key)], (copied, last_read and _settled(last_read)),
+        drive = self._drive(key)
+        store = self.stores[drive]
+        written = self._when(self._writers[drive], (copied, last_read and _settled(last_read)),
                              lambda: store.write(self._name(key), data), f"write acts {key[0]}.{key[1]}")
         buffer.busy = self._written[key] = written
         self._layout[key] = (hidden.shape, hidden.dtype)
@@ -164,8 +165,9 @@ class DiskActivations:
             self._cursor += 1
             buffer = self._free.popleft()
             data = buffer.view(*self._layout[key])
-            store = self.stores[self._drive(key)]
-            read = self._when(self._readers[self._drive(key)], (buffer.busy, self._written[key]),
+            drive = self._drive(key)
+            store = self.stores[drive]
+            read = self._when(self._readers[drive], (buffer.busy, self._written[key]),
                               lambda key=key, data=data, store=store: store.read(self._name(key), data),
                               f"read acts {key[0]}.{key[1]}")
             self._queued[key] = (buffer, data, read)

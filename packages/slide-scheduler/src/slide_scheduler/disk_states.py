@@ -94,7 +94,7 @@ class DiskStates:
                              f"given {len(folders)} folder(s): {', '.join(folders)}")
 
         def reserve(drive: int) -> int:
-            mine = [u for u in units if self.drive[u] == drive]
+            mine = {u for u in units if self.drive[u] == drive}
             return (sum(self.numels[u] * state_bytes(dtype) for u in mine)
                     + sum(4 * self.numels[u] for u in self.masters if u in mine)
                     + sum(grad_dtype.itemsize * self.numels[u] for u in self.grads if u in mine))

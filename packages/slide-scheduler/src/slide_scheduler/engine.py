@@ -178,9 +178,9 @@ class SlidingEngine:
         # Backward fetches activations into the plan's sets of device buffers, each free again once the backward
         # that read it is done
         self._act_landing = [_Landing() for _ in range(p.landing_sets)]
-        # The step's one device->host read: its loss, then each unit's squared gradient norm (reduced on the
-        # device as gradients are made).
+        # The step's one device->host read: its loss (`_loss`), then each unit's squared gradient norm (on device)
         self._readout = torch.zeros(1 + len(units), dtype=torch.float32, device=self.device)
+        self._loss = self._readout[0]
 
     def _seat(self, slot: Slot) -> Seat:
         shard = slot.grads if not self.ranks.sharded else \
@@ -432,7 +432,7 @@ class SlidingEngine:
                 h = hidden[j].detach().requires_grad_()
                 share = self.calls.loss(h, batch, normalizer, contexts[j])
                 share.backward()
-                self._readout[0].add_(share.detach().float())
+                self._loss.add_(share.detach().float())
                 grads.append(h.grad)
         return grads
 
