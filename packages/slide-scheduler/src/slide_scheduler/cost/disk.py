@@ -6,7 +6,7 @@ goes to the drive the placement puts its files on (stripe.py); the lane is the s
 from __future__ import annotations
 
 from ..placement import DISK, Placement, UnitPlacement, early_reads_wait, kind_of
-from ..stripe import drive_shares
+from ..stripe import Share, drive_shares
 from .rates import Rates
 from .work import PhaseWork, Work, boundary_bytes, loads_from_disk, master_on_disk
 
@@ -74,19 +74,8 @@ def disk_traffic(p: Placement, drive: int | None = None) -> tuple[int, int]:
     """Bytes the disk tier reads and writes per step, as `price` moves them: the states of each block there
     (its AdamW moments, and its master where that is there too) read and written back once, a master read for
     each load (forward and backward) where its parameters have no copy in host memory, and the boundary
-    activations on disk written in the forward and read in the backward. `drive`: that drive's bytes alone."""
-    if drive is not None:
-        share = drive_shares(p, drive + 1)[drive]
-        return share.read, share.written
-    s, t = p.shapes, p.step
-    read = written = 0
-    for u in p.on_disk:
-        numel = s.unit_numels[u]
-        states = (2 * p.state_bytes + (4 if u in p.masters_on_disk else 0)) * numel
-        read, written = read + states, written + states
-    read += sum(2 * 4 * s.unit_numels[u] for u in p.loads_from_disk)
-    grads = sum(p.compute_bytes * s.unit_numels[u] for u in p.grads_on_disk)  # written, then read back
-    read, written = read + grads, written + grads
-    boundaries = p.boundaries_in(DISK) * t.tokens_per_micro * s.hidden * p.compute_bytes * t.micro_batches
-    read, written = read + boundaries, written + boundaries
-    return read, written
+    activations on disk written in the forward and read in the backward (stripe.py's shares, which count each
+    drive's). `drive`: that drive's bytes alone."""
+    shares = drive_shares(p, None if drive is None else drive + 1)
+    share = shares[drive] if drive is not None else sum(shares, Share())
+    return share.read, share.written
