@@ -37,9 +37,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-# The engine the acceptance comparisons run against, unpacked by --pack-baseline into BASELINE_DIR (ignored by git,
-# so it reaches the GPU machine only when named in what the sitting copies over).
-BASELINE = "92d64f2"
+# The engine the acceptance comparisons run against (the last commit before the parts owned their state), unpacked by
+# --pack-baseline into BASELINE_DIR (ignored by git, so it reaches the GPU machine only when named in what the sitting
+# copies over).
+BASELINE = "3e635ee"
 BASELINE_DIR = "build/baseline"
 VS_BASELINE = f"--baseline {BASELINE_DIR} --baseline-name {BASELINE}"
 # What one step may take, setup included: a sitting runs at most 600 s and the sweep's own checks take some of it.
