@@ -800,7 +800,7 @@ def expect_unclipped(choices):
     host updates."""
     def check(engine):
         p = engine.placement
-        assert not p.clip and p.defer_updates == choices.get("defer", False)
+        assert not p.clips and p.defer_updates == choices.get("defer", False)
         assert len(p.streamed - {0}) == int((DEPTH - max(choices.get("resident", 0) - 1, 0))
                                              * choices.get("device_share", 0.0))
         assert bool(p.pooled) == choices.get("shared", False) and bool(p.held) == bool(choices.get("held"))

@@ -157,7 +157,7 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
     streamed = {sliding[j] for j in device_updated(len(sliding), share)} - disk
     shared = shared and bool(sliding)
     on_device = set(held_on_device(sorted(streamed), held, shared))
-    eligible = [u for u in sliding if o.clip and not shared and u not in streamed and u not in disk]
+    eligible = [u for u in sliding if o.clips and not shared and u not in streamed and u not in disk]
     speculating = set(eligible if speculate is True else eligible[:int(speculate)])
     units = []
     for u in range(n + 1):
@@ -168,7 +168,7 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
             units.append(UnitPlacement(False, "stream" if stream else "host", "slot" if stream else "own", HOST,
                                        split=waits and split and not stream))
         else:
-            grad = "held" if u in on_device else "disk" if disk_grads and o.clip and u in disk \
+            grad = "held" if u in on_device else "disk" if disk_grads and o.clips and u in disk \
                 else "pool" if shared and (waits or u in streamed) else "ring"
             host = u not in streamed
             units.append(UnitPlacement(False, "host" if host else "stream", grad, DISK if u in disk else HOST,

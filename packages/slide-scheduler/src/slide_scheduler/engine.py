@@ -371,11 +371,11 @@ class SlidingEngine:
         self.ranks.readout(self.compute, self._readout)
         loss_value, *sq = self._readout.tolist()
         grad_norm = math.sqrt(sum(sq))
-        scale = clip_scale(self.placement.run.clip, grad_norm)
-        commit = math.isfinite(scale)  # (a clipped step with a non-finite norm changes nothing)
+        grad_scale = clip_scale(self.placement.run.clip, grad_norm)
+        commit = math.isfinite(grad_scale)  # (a clipped step with a non-finite norm changes nothing)
         for kind in self.updates:
             if commit:
-                kind.norm_known(gradients, lr, scale)
+                kind.norm_known(gradients, lr, grad_scale)
             else:
                 kind.norm_not_finite()
         return self._end(clock, loss_value, grad_norm)

@@ -306,13 +306,13 @@ class Placement:
     # -- the run's facts (one rank's bytes where there are several) ------------------------------------------------
 
     @property
-    def clip(self) -> bool:
+    def clips(self) -> bool:
         return self.run.clips
 
     @property
     def deferred(self) -> bool:
         """Whether host updates wait for the step's end (with clipping, for the norm), split where placed so."""
-        return self.clip or self.defer_updates
+        return self.clips or self.defer_updates
 
     @property
     def activations(self) -> str:
@@ -532,7 +532,7 @@ def validate(p: Placement) -> None:
         if unit.split and (not p.deferred or unit.grad not in ("ring", "own")):
             raise ValueError(f"{name}: only a deferred update (clipped, or `defer_updates`) whose gradient has a "
                              "host buffer of its own splits")
-        if unit.speculate and (not p.clip or u == 0 or unit.update != "host" or unit.grad != "ring"
+        if unit.speculate and (not p.clips or u == 0 or unit.update != "host" or unit.grad != "ring"
                                or kind_of(unit.moments) != "memory"):
             raise ValueError(f"{name}: only a clipped sliding block updated on the host, its gradient in the ring "
                              "and its moments in host memory, speculates (a pooled gradient lies under the next "
@@ -544,7 +544,7 @@ def validate(p: Placement) -> None:
             if unit.grad not in ("held", "pool", "ring", "disk"):
                 raise ValueError(f"{name}: a sliding block's gradient is held on the device, pooled, in the ring or "
                                  "on disk")
-            if unit.grad == "disk" and (not p.clip or unit.update != "host" or unit.split or unit.speculate
+            if unit.grad == "disk" and (not p.clips or unit.update != "host" or unit.split or unit.speculate
                                         or kind_of(unit.moments) != "files"):
                 raise ValueError(f"{name}: a gradient waits on disk for a clipped host update, whole, of a block "
                                  "whose moments are on disk (it is read back with them)")

@@ -95,7 +95,7 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
     o = overrides or Overrides()
     if run.activations == "auto":
         return _activation_tier(shapes, step, run, budgets, machine, o)
-    if not run.clip and o.defer_updates is None and run.ranks == 1:
+    if not run.clips and o.defer_updates is None and run.ranks == 1:
         # Host updates during backward, or waiting for the step's end as clipped ones do (under the next forward, in
         # its order; they need a gradient buffer each, so the least share on disk may differ): each planned whole
         eager, deferred = (place(shapes, step, run, budgets, machine, dataclasses.replace(o, defer_updates=d))
@@ -113,7 +113,7 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
         tried = [(False, False), (True, False), (False, True), (True, True)]  # (loads read from disk, gradients)
         plan = None
         for loads, grads in tried:
-            if o.disk_loads not in (None, loads) or o.disk_grads not in (None, grads) or (grads and not run.clip):
+            if o.disk_loads not in (None, loads) or o.disk_grads not in (None, grads) or (grads and not run.clips):
                 continue
             lean = place(shapes, step, run, budgets, machine,
                          dataclasses.replace(o, disk_loads=loads, disk_grads=grads))
@@ -141,7 +141,7 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
     # its speculated parameters and a gradient buffer of its own); `auto` also weighs not speculating, and takes
     # what prices faster by more than SPECULATION_MARGIN. Not by default (docs/findings.md)
     kinds = [(pooled, False)] + ([(False, True), *((False, round(f * shapes.num_blocks)) for f in SPECULATED)]
-                                 if o.speculate in (True, "auto") and run.clip else [])
+                                 if o.speculate in (True, "auto") and run.clips else [])
     forced = o.speculate is True
     best: tuple[bool, bool, float, float, Placement, Estimate] | None = None
     for window, share, (shared, speculate) in itertools.product(windows, shares, kinds):
@@ -168,7 +168,7 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
         lean = place(shapes, step, run, budgets, machine, dataclasses.replace(o, landing_sets=1))
         if lean.placement.bytes(GPU) < placement.bytes(GPU):
             return lean
-    unclipped = price(placement, machine, clipping_acts=False) if run.clip else estimate
+    unclipped = price(placement, machine, clipping_acts=False) if run.clips else estimate
     plan = Plan(placement, estimate, unclipped, budgets)
     plan.problems = _problems(plan)
     if placement.on_disk and o.disk_staging is None and plan.fits:  # the disk tier's reads further ahead
@@ -203,7 +203,7 @@ def disk_share(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets,
         p, b = candidate.placement, candidate.budgets
         return (b.host is None or p.bytes(HOST) <= b.host) and (b.gpu is None or p.bytes(GPU) <= b.gpu)
 
-    grads = (False, True) if run.clip and o.disk_grads is None else (bool(o.disk_grads),)
+    grads = (False, True) if run.clips and o.disk_grads is None else (bool(o.disk_grads),)
     for loads, grads_away in [(loads, g) for g in grads for loads in (False, True)]:
         if not fits_in_memory(at(share(sliding), loads, grads_away)):
             continue
@@ -379,7 +379,7 @@ def _training_changes(s: _Setting) -> list[list[_Setting]]:
     out = []
     if run.state_bytes == 4 and not o.device_update_share:  # (streamed updates carry fp32 moments)
         out.append([s.but("state_bytes", 2, run={"state_bytes": 2})])
-    if run.clip:
+    if run.clips:
         out.append([s.but("clip", None, run={"clip": None})])
     seq = step.seq_len or step.tokens_per_micro
     rows = step.tokens_per_micro // seq

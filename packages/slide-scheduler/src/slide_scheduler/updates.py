@@ -8,7 +8,7 @@ each kind what happened, in this order:
   gradient_ready(unit, grad, lr)    a unit's gradient has left its slot (`grad`: where it waits, and when it is there)
   edges_tail(chunks)                between blocks: room on the lanes for a piece of the edges' early update
   loadable(unit)                    whether loading the unit now would queue at once
-  norm_known(grads, lr, scale)      the step's clip decision (scale 1.0 without clipping; exact when it does not act)
+  norm_known(grads, lr, grad_scale) the step's clip decision (1.0 without clipping; exact when it does not act)
   norm_not_finite()                 the clipped step changes nothing
   load(unit, slot, chunks)          queue the unit's newest parameters into a slot, its update first where it runs
                                     there; False where the unit's master (or copy of it) is what to load
@@ -49,7 +49,7 @@ class PendingUpdate:
     grad: torch.Tensor
     arrived: Signal  # the gradient is where `grad` says
     lr: float
-    scale: float
+    grad_scale: float
     chunks: list[int]  # optimizer chunks still to update
     split: bool  # the host steps the moments afterwards (a MomentsPart)
 
@@ -61,7 +61,7 @@ class MomentsPart:
     grad: torch.Tensor
     arrived: list[Signal]  # per optimizer chunk
     lr: float
-    scale: float
+    grad_scale: float
 
 
 @dataclass
@@ -89,7 +89,7 @@ class Moments:
     def submit(self) -> None:
         for unit in sorted(self.due, reverse=True):
             due = self.due.pop(unit)
-            self.updater.submit(unit, due.grad, due.arrived, due.lr, due.scale, part="moments")
+            self.updater.submit(unit, due.grad, due.arrived, due.lr, due.grad_scale, part="moments")
 
 
 class UpdateKind:
@@ -111,7 +111,7 @@ class UpdateKind:
     def loadable(self, unit: int) -> bool:
         return self.updater.ready(unit, params_only=True)
 
-    def norm_known(self, grads: dict[int, Gradient], lr: float, scale: float) -> None:
+    def norm_known(self, grads: dict[int, Gradient], lr: float, grad_scale: float) -> None:
         pass
 
     def norm_not_finite(self) -> None:
@@ -144,12 +144,12 @@ class Resident(UpdateKind):
     def loadable(self, unit: int) -> bool:
         return True
 
-    def norm_known(self, grads: dict[int, Gradient], lr: float, scale: float) -> None:
+    def norm_known(self, grads: dict[int, Gradient], lr: float, grad_scale: float) -> None:
         lanes = self.lanes
         with lanes.timeline.span("compute", "update resident", lanes.compute.stream):
             for u, opt in self.optimizers.items():
                 slot = self.slots[u]
-                opt.step(slot.grads, lr, scale)
+                opt.step(slot.grads, lr, grad_scale)
                 slot.params.copy_(opt.master)
 
 
@@ -170,7 +170,7 @@ class Host(UpdateKind):
         p = placement
         self.states, self.lanes, self.disk = states, lanes, disk  # (states: every unit's, by index)
         self.moments, self.waits, self.edges = moments, waits, edges
-        self.clip, self.pause = p.run.clip, p.speculation_pause
+        self.clips, self.pause = p.clips, p.speculation_pause
         self.on_disk = sorted(set(self.units) & p.on_disk)
         self.early_reads = 0 if early_reads_wait(p) else p.staging_slots  # (first updates' states read early)
         self.split = {u for u in self.units if p.units[u].split}
@@ -180,7 +180,7 @@ class Host(UpdateKind):
         self.from_speculation: set[int] = set()  # blocks whose loads take their speculated parameters
         self.speculating = True
         self.speculation = "off"  # the last step's: held, discarded, or off
-        self.deferred = p.deferred  # (without clipping the scale is 1.0: waiting is only where the updates run)
+        self.deferred = p.deferred  # (without clipping the grad_scale is 1.0: waiting is only where the updates run)
 
     def before_backward(self) -> None:
         if self.disk is None:
@@ -204,10 +204,10 @@ class Host(UpdateKind):
             self.updater.submit(unit, grad.buffer, grad.arrived, lr, 1.0, part="speculate",
                              into=self.speculative[unit])
 
-    def norm_known(self, grads: dict[int, Gradient], lr: float, scale: float) -> None:
+    def norm_known(self, grads: dict[int, Gradient], lr: float, grad_scale: float) -> None:
         # Clipping that does not act multiplies by exactly 1: the speculated parameters are the update's own
-        acted = bool(self.clip) and scale != 1.0
-        tried = bool(self.clip and self.speculative and self.speculating)
+        acted = self.clips and grad_scale != 1.0
+        tried = (self.clips and self.speculative and self.speculating)
         held = set(self.speculative) if tried and not acted else set()
         self._speculated(tried, held, acted)
         if self.deferred and self.disk:  # their moments start coming in, in the order the updates below will run
@@ -218,19 +218,19 @@ class Host(UpdateKind):
                 continue  # below, after the updates the next forward waits for
             if u == 0 or self.deferred:  # otherwise sliding blocks were submitted during backward
                 g, split = grads[u], u in self.split
-                self.updater.submit(u, g.buffer, g.arrived, lr, scale, part="params" if split else "all",
+                self.updater.submit(u, g.buffer, g.arrived, lr, grad_scale, part="params" if split else "all",
                                     into=self.states[u].params)
                 if split:
-                    self.moments.add(u, MomentsPart(g.buffer, g.arrived, lr, scale))
+                    self.moments.add(u, MomentsPart(g.buffer, g.arrived, lr, grad_scale))
         # Whole, last block first: the next backward reuses the last block's gradient buffer first
         for u in sorted(held, reverse=True):
-            self.updater.submit(u, grads[u].buffer, grads[u].arrived, lr, scale)
+            self.updater.submit(u, grads[u].buffer, grads[u].arrived, lr, grad_scale)
         self.from_speculation = held
         if 0 in self.units:
             self.edges.stale()
 
     def norm_not_finite(self) -> None:
-        self._speculated(bool(self.clip and self.speculative and self.speculating), set(), True)
+        self._speculated((self.clips and self.speculative and self.speculating), set(), True)
         self.from_speculation = set()
         if self.disk is not None:  # no update follows: the states read for them stay as they are on disk
             self.disk.call_off()
@@ -271,7 +271,7 @@ class Streamed(UpdateKind):
         super().__init__(units, updater)
         p = placement
         self.optimizer, self.lanes, self.moments, self.waits = optimizer, lanes, moments, waits
-        self.edge_slot, self.edges, self.clip = edge_slot, edges, p.run.clip
+        self.edge_slot, self.edges, self.clips = edge_slot, edges, p.clips
         self.split = {u for u in self.units if p.units[u].split}
         self.tail = list(tail_chunks)  # the edges' optimizer chunks only the tail reads
         self.buffers = [StreamedStep(p.stream_piece_numel, config, torch.device(p.run.device), p.run.compute_dtype)
@@ -283,7 +283,7 @@ class Streamed(UpdateKind):
 
     def tail_final(self, lr: float) -> None:
         """Without clipping the edges' tail-only gradient is final after the tail: it updates during backward."""
-        if not self.clip and self.tail:
+        if not self.clips and self.tail:
             self.pending[0] = PendingUpdate(self.edge_slot.grads, self.lanes.compute.record(), lr, 1.0,
                                             list(self.tail), False)
 
@@ -305,23 +305,23 @@ class Streamed(UpdateKind):
         return [k for k in self.pending[0].chunks if k not in self.tail] if 0 in self.pending else None
 
     def gradient_ready(self, unit: int, grad: Gradient, lr: float) -> None:
-        """Without clipping a block's update needs no norm: it is due once its gradient is home, at a scale of
+        """Without clipping a block's update needs no norm: it is due once its gradient is home, at a grad_scale of
         1.0, and runs at the block's next load."""
-        if not self.clip:
+        if not self.clips:
             self.pending[unit] = self._due(unit, grad, lr, 1.0)
 
-    def norm_known(self, grads: dict[int, Gradient], lr: float, scale: float) -> None:
+    def norm_known(self, grads: dict[int, Gradient], lr: float, grad_scale: float) -> None:
         for u in self.units:
-            if u == 0 or self.clip:  # (unclipped, the blocks' updates were due at their gradients)
-                self.pending[u] = self._due(u, grads[u], lr, scale)
+            if u == 0 or self.clips:  # (unclipped, the blocks' updates were due at their gradients)
+                self.pending[u] = self._due(u, grads[u], lr, grad_scale)
         if 0 in self.units:
             self.edges.stale()
 
-    def _due(self, unit: int, grad: Gradient, lr: float, scale: float) -> PendingUpdate:
+    def _due(self, unit: int, grad: Gradient, lr: float, grad_scale: float) -> PendingUpdate:
         chunks = range(len(self.optimizer.units[unit].ranges))
-        if unit == 0 and not self.clip:  # the tail-only part is done already
+        if unit == 0 and not self.clips:  # the tail-only part is done already
             chunks = [k for k in chunks if k not in self.tail]
-        return PendingUpdate(grad.buffer, grad.arrived[-1], lr, scale, list(chunks), unit in self.split)
+        return PendingUpdate(grad.buffer, grad.arrived[-1], lr, grad_scale, list(chunks), unit in self.split)
 
     def load(self, unit: int, slot: Slot, chunks: list[int] | None = None) -> bool:
         if unit not in self.pending:
@@ -334,7 +334,8 @@ class Streamed(UpdateKind):
         parameters into `slot` (if any)."""
         lanes = self.lanes
         pending = self.pending.pop(unit)
-        grad, arrived, lr, scale, split = pending.grad, pending.arrived, pending.lr, pending.scale, pending.split
+        grad, arrived, lr, split = pending.grad, pending.arrived, pending.lr, pending.split
+        grad_scale = pending.grad_scale
         chunks = pending.chunks if chunks is None else chunks
         if rest := [k for k in pending.chunks if k not in chunks]:
             self.pending[unit] = dataclasses.replace(pending, chunks=rest)
@@ -355,14 +356,14 @@ class Streamed(UpdateKind):
                 lanes.h2d.wait(self.buffer_free[n])
                 lanes.h2d.run(buf.load, opt, start, end, grad, label=f"update {name}")
                 lanes.land.wait(lanes.h2d.record())
-                lanes.land.run(step_piece, buf, start, end, grad, count, lr, scale, slot, label=f"update {name}")
+                lanes.land.run(step_piece, buf, start, end, grad, count, lr, grad_scale, slot, label=f"update {name}")
                 lanes.store.wait(lanes.land.record())
                 lanes.store.run(buf.store, opt, start, end, not split, label=f"store {name}")
                 self.buffer_free[n] = lanes.store.record()
             step += 1  # host bookkeeping of the chunk's AdamW step count (in place: the chunk's state)
         if split:  # m and v stay as they were: the host steps them once they have been read (and, so that a failed
             # device step stops the host's part too, once the steps are done)
-            self.moments.add(unit, MomentsPart(grad, [lanes.landed()] * len(opt.ranges), lr, scale))
+            self.moments.add(unit, MomentsPart(grad, [lanes.landed()] * len(opt.ranges), lr, grad_scale))
         self.written[unit] = lanes.store.record()
         if slot is not None:
             slot.unit = unit - 1 if unit else None
@@ -380,11 +381,11 @@ class Streamed(UpdateKind):
             signal.wait_host()
 
 
-def step_piece(buf: StreamedStep, start: int, end: int, grad: torch.Tensor, count: int, lr: float, scale: float,
+def step_piece(buf: StreamedStep, start: int, end: int, grad: torch.Tensor, count: int, lr: float, grad_scale: float,
                slot: Slot | None) -> None:
     """The device's part of a streamed update piece, once `buf.load` has landed it: AdamW, then the new
     parameters into the slot (if any)."""
-    buf.step(start, end, grad, count, lr, scale)
+    buf.step(start, end, grad, count, lr, grad_scale)
     if slot is not None:
         slot.params[start:end].copy_(buf.param[: end - start])
 

@@ -237,7 +237,7 @@ def main():
     presets, candidates = with_candidates(preset_plans())
     for source in (benchmark_plans(), presets, candidates, made_placements()):
         for name, p, machine in source:
-            for acts in (True, False) if p.clip else (True,):
+            for acts in (True, False) if p.clips else (True,):
                 entry = {"placement": tables.placement(p), "machine": tables.machine(machine), "clipping_acts": acts}
                 key = json.dumps(entry, sort_keys=True)
                 if key in seen:

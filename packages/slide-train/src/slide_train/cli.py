@@ -10,7 +10,7 @@ import sys
 from .config import describe_keys, load_config
 from .errors import ConfigError, SlideError, plural
 from .log import console, say
-from .preflight import check_data, check_finetune, check_writable
+from .preflight import check_data, check_finetune, check_nvme_dirs
 
 
 def _keys_help() -> str:
@@ -72,7 +72,7 @@ def cmd_data(args, overrides) -> int:
 def cmd_plan(args, overrides) -> int:
     import json
 
-    from .disk_tier import asks_for_disk, nvme_dirs, on_drives, uses_disk
+    from .disk_tier import nvme_dirs, on_drives
     from .machines import resolve_machine
     from .models.build import check_fits, load_model
     from .plan import advice, aux_loss_text, checkpoint_cost, describe, drive_figures, params_text
@@ -80,17 +80,11 @@ def cmd_plan(args, overrides) -> int:
 
     cfg = load_config(args.config, overrides)
     named = args.machine or os.environ.get("SLIDE_MACHINE")
-    # This machine's disk there is measured where the config puts something there, or once the plan of `auto` does
-    if not named and asks_for_disk(cfg) and cfg.engine.nvme.dir:
-        for folder in nvme_dirs(cfg):
-            check_writable("engine.nvme.dir", folder)
-    machine = resolve_machine(args.machine, disk_dir=list(map(str, nvme_dirs(cfg))) if asks_for_disk(cfg) else None)
+    machine = resolve_machine(args.machine)  # (this machine's disk is measured once the plan puts something there)
 
     def measure_disk():
         nonlocal machine
-        if cfg.engine.nvme.dir:
-            for folder in nvme_dirs(cfg):
-                check_writable("engine.nvme.dir", folder)
+        check_nvme_dirs(cfg)
         machine = resolve_machine(None, disk_dir=list(map(str, nvme_dirs(cfg))))
         return machine
 
@@ -103,7 +97,7 @@ def cmd_plan(args, overrides) -> int:
         cfg = longest(cfg, model, machine, args.nproc)
     check_fits(model, cfg.seq_len)
     plan, _, _ = plan_run(cfg, model, machine, running=False, ranks=args.nproc,
-                          measure_disk=None if named or not uses_disk(cfg) else measure_disk)
+                          measure_disk=None if named else measure_disk)
     machine = on_drives(machine, nvme_dirs(cfg, machine))  # (the drives the plan put the tier's folders on)
     if args.json:
         print(json.dumps({"model": cfg.model, "params": sum(plan.placement.shapes.unit_numels),

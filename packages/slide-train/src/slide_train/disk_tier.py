@@ -13,7 +13,6 @@ from slide_scheduler import (
     EngineConfig,
     Machine,
     Placement,
-    activation_tier,
     boundary_share,
     folders_of,
     unit_share,
@@ -89,20 +88,11 @@ def on_drives(machine: Machine, folders: list[pathlib.Path]) -> Machine:
     return machine.with_drives(drives)
 
 
-def uses_disk(cfg: TrainConfig) -> bool:
-    fraction = cfg.engine.nvme.fraction
-    return fraction == "auto" or fraction > 0 or activation_tier(cfg.engine.activation_offload) in (DISK, "auto")
-
-
-def asks_for_disk(cfg: TrainConfig) -> bool:
-    """Whether the config itself puts something on disk (`auto` leaves it to the plan)."""
-    return cfg.engine.nvme.fraction not in (0, "auto") or activation_tier(cfg.engine.activation_offload) == DISK
-
-
 def default_disk_folders(cfg: TrainConfig) -> list[str]:
-    """The run's own folder of the NVMe tier under output_dir, where it uses one: cleared at the start (a killed
-    run leaves files behind) and removed at the end. A folder of the user's choosing is left as it is."""
-    return [str(nvme_dir(cfg))] if uses_disk(cfg) and not cfg.engine.nvme.dir else []
+    """The run's own folder of the NVMe tier under output_dir, unless engine.nvme.dir names others: cleared at the
+    start (a killed run leaves files behind) and removed at the end. A folder of the user's choosing is left as it
+    is."""
+    return [] if cfg.engine.nvme.dir else [str(nvme_dir(cfg))]
 
 
 def leftovers(cfg: TrainConfig, machine: Machine | None = None) -> list[pathlib.Path]:

@@ -335,7 +335,7 @@ def prediction_lines(plan: Plan) -> list[str]:
     def shown(seconds: float) -> bool:  # (what would print as zero is left out)
         return round(seconds * scale, digits) > 0
 
-    clipped = f" (clipping acts; {num(u.step_s)} {unit} when it does not)" if p.clip else ""
+    clipped = f" (clipping acts; {num(u.step_s)} {unit} when it does not)" if p.clips else ""
     added = sorted(((lane, s) for lane, s in e.critical.items() if lane != compute and shown(s)),
                    key=lambda item: -item[1])
     stalls = ", ".join(f"{lane_word(lane)} {num(s)} {unit}" for lane, s in added)

@@ -7,10 +7,12 @@ import os
 import pathlib
 import tempfile
 
+from slide_scheduler import DISK, activation_tier
+
 from .data import FORMATS
 from .data.config import DataError
 from .data.sources import check_file
-from .disk_tier import asks_for_disk, nvme_dirs
+from .disk_tier import nvme_dirs
 from .errors import ConfigError
 from .models.files import no_tokenizer_files, tokenizer_files
 from .models.presets import PRESETS
@@ -69,9 +71,15 @@ def check_finetune(cfg) -> None:
     check_tokenizer_files(cfg.model, cfg.data.format)
     check_data_path(cfg.data.path)
     check_writable("output_dir", cfg.output_dir)
-    # (its default folder is under output_dir, checked above; where `auto` decides, once the plan puts something
-    # there)
-    if asks_for_disk(cfg) and cfg.engine.nvme.dir:
+    # Folders the config itself puts something in are refused now; where `auto` decides, once the plan puts
+    # something there (its default folder is under output_dir, checked above)
+    if cfg.engine.nvme.fraction not in (0, "auto") or activation_tier(cfg.engine.activation_offload) == DISK:
+        check_nvme_dirs(cfg)
+
+
+def check_nvme_dirs(cfg) -> None:
+    """The disk tier's folders the user named (engine.nvme.dir) take files."""
+    if cfg.engine.nvme.dir:
         for folder in nvme_dirs(cfg):
             check_writable("engine.nvme.dir", folder)
 

@@ -45,7 +45,6 @@ from .data import build_data
 from .disk_tier import (
     ACTIVATIONS_DIR,
     STATES_DIR,
-    asks_for_disk,
     default_disk_folders,
     folders_text,
     leftovers,
@@ -53,7 +52,6 @@ from .disk_tier import (
     nvme_dirs,
     on_drives,
     tier_wants,
-    uses_disk,
 )
 from .distributed import join, rank_device, ranks_here
 from .errors import ConfigError, DiskFullError, TrainingError, plural, size_text
@@ -75,7 +73,7 @@ from .plan import (
     params_text,
     refuse,
 )
-from .preflight import check_writable
+from .preflight import check_nvme_dirs
 from .progress import bar
 from .resume import find_checkpoint, saved_config
 from .run_folder import earlier_outputs, refuse_earlier_run
@@ -154,9 +152,6 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True, ra
         if e.host_memory_limit_gb is not None and e.host_memory_limit_gb > ram_gib:
             raise ConfigError(f"engine.host_memory_limit_gb={e.host_memory_limit_gb:g} is more than the "
                               f"{ram_gib:.1f} GiB this host has")
-    if ranks > 1 and asks_for_disk(cfg):  # (`auto` keeps everything in memory for them)
-        raise ConfigError("data-parallel ranks keep every state in host memory and activations on the host or the "
-                          "device: set engine.nvme.fraction=0 and engine.activation_offload to host or gpu")
     if not running:
         cuda = machine.has_gpu and e.device != "cpu"
         device = (e.device if e.device.startswith("cuda") else "cuda") if cuda else "cpu"
@@ -187,6 +182,9 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True, ra
         return make_plan(cfg, shapes, machine, run, budgets), budgets
 
     plan, budgets = planned(machine)
+    if ranks > 1 and plan.placement.bytes(DISK):  # (`auto` keeps everything in memory for them)
+        raise ConfigError("data-parallel ranks keep every state in host memory and activations on the host or the "
+                          "device: set engine.nvme.fraction=0 and engine.activation_offload to host or gpu")
     if measure_disk is not None and not machine.disk.free_gib and (plan.placement.bytes(DISK) or not plan.fits):
         # (`auto` found that RAM alone does not hold the run: its disk matters now)
         machine = on_drives(measure_disk(), nvme_dirs(cfg))
@@ -267,11 +265,10 @@ class Trainer:
         if not cfg.checkpoint.keep:
             warnings.warn("checkpoint.keep=0: this run writes no checkpoint; a stopped run (Ctrl-C) keeps only its "
                           "metrics" + (", and the export is written at the end" if cfg.export else ""), stacklevel=2)
-        # The disk tier's folder is measured where the config puts something on disk, or once the plan of
-        # `auto` does (most runs fit in RAM, and need no probe of a folder they never write)
-        self.machine = machine if machine is not None else resolve_machine(
-            None, disk_dir=list(map(str, nvme_dirs(cfg))) if asks_for_disk(cfg) else None)
-        measure = self._measure_disk if machine is None and uses_disk(cfg) and not asks_for_disk(cfg) else None
+        # The disk tier's folders are measured once the plan puts something there (most runs fit in RAM, and need
+        # no probe of a folder they never write)
+        self.machine = machine if machine is not None else resolve_machine(None)
+        measure = self._measure_disk if machine is None else None
         prefer_path(self.machine.disk.path, self.machine.disk.path_reason)  # (the path the probe measured faster)
         self.engine, self.memory_plan = build_engine(cfg, self.model, self.machine, progress and self.lead,
                                                      before_load=lambda plan, e: self._check_disk(plan, e, outputs),
@@ -305,10 +302,8 @@ class Trainer:
         self._finite_at: int | None = None  # the step whose weights were last checked finite
 
     def _measure_disk(self) -> Machine:
-        """This machine with the disk tier's folder measured (the plan of `auto` puts something there)."""
-        if self.cfg.engine.nvme.dir:
-            for folder in nvme_dirs(self.cfg):
-                check_writable("engine.nvme.dir", folder)
+        """This machine with the disk tier's folders measured (the plan puts something there)."""
+        check_nvme_dirs(self.cfg)
         self.machine = resolve_machine(None, disk_dir=list(map(str, nvme_dirs(self.cfg))))
         prefer_path(self.machine.disk.path, self.machine.disk.path_reason)
         return self.machine
@@ -656,7 +651,7 @@ class Trainer:
         """Finish pending updates and stop the engine's worker threads (which removes the state files it kept
         on disk); the NVMe tier's folders are removed once empty, the user's own engine.nvme.dir kept."""
         self.engine.close()
-        if uses_disk(self.cfg):
+        if self.memory_plan.placement.bytes(DISK):
             folders = nvme_dirs(self.cfg, self.machine)
             for empty in [*(f / sub for f in folders for sub in (STATES_DIR, ACTIVATIONS_DIR)),
                           *map(pathlib.Path, default_disk_folders(self.cfg))]:

@@ -39,7 +39,7 @@ def block_updates(p: Placement, r: Rates, clipping_acts: bool) -> HostUpdates:
     bwd, host = updates.work.backward, updates.work.update_phase(p.deferred)
     for u in p.sliding_blocks:
         unit, numel, b = p.units[u], p.shapes.unit_numels[u], u - 1
-        if p.clip and unit.speculate:  # reads master, m, v, gradient; writes parameters
+        if p.clips and unit.speculate:  # reads master, m, v, gradient; writes parameters
             bwd.adamw += SPECULATIVE_PASS * numel / r.adamw
             bwd.host_bytes += numel * (4 + 2 * p.state_bytes + 2 * p.compute_bytes)
         if speculation_holds(p, unit, clipping_acts):

@@ -71,7 +71,7 @@ def edge_copies(p: Placement) -> Work:
     if edges.resident:
         return work
     if edges.update == "stream":
-        streamed = work.forward if p.clip else work.backward
+        streamed = work.forward if p.clips else work.backward
         streamed.h2d += 12 * e
         streamed.d2h += 12 * e
     else:

@@ -71,7 +71,7 @@ def boundary_bytes(p: Placement) -> int:
 def speculation_holds(p: Placement, unit: UnitPlacement, clipping_acts: bool) -> bool:
     """Whether `unit`'s speculated update stands (clipping on and not acting): its loads take the speculated
     parameters, and nothing waits for its update proper, which runs whole under the next forward."""
-    return p.clip and unit.speculate and not clipping_acts
+    return p.clips and unit.speculate and not clipping_acts
 
 
 def master_on_disk(unit: UnitPlacement) -> bool:
