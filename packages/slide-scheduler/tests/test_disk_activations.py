@@ -84,7 +84,7 @@ def test_host_memory_holds_the_rings_and_the_disk_every_boundary(tmp_path):
     engine.close()
 
 
-@pytest.mark.parametrize("pool, drop, slow", [("_reader", 0, "h2d"), ("_reader", 1, "d2h"), ("_writer", 0, "d2h")])
+@pytest.mark.parametrize("pool, drop, slow", [("readers", 0, "h2d"), ("readers", 1, "d2h"), ("writers", 0, "d2h")])
 def test_each_wait_of_the_disk_tier_matters(tmp_path, monkeypatch, pool, drop, slow):
     """The equality above can fail: a read that does not wait for the copy out of its buffer (a slow h2d lane)
     or for its key's write (a slow d2h lane holds the write back), or a write that does not wait for its copy off
@@ -93,7 +93,7 @@ def test_each_wait_of_the_disk_tier_matters(tmp_path, monkeypatch, pool, drop, s
     when = DiskActivations._when
 
     def impatient(self, on, after, op, label):
-        return when(self, on, tuple(a for k, a in enumerate(after) if k != drop) if on in getattr(self, pool + "s")
+        return when(self, on, tuple(a for k, a in enumerate(after) if k != drop) if on in getattr(self.tier, pool)
                     else after, op, label)
 
     monkeypatch.setattr(DiskActivations, "_when", impatient)
@@ -218,7 +218,7 @@ def test_a_disk_error_on_read_surfaces(tmp_path, monkeypatch):
     with contextlib.suppress(RuntimeError):  # (a failed lane raises its error again; the threads stop all the same)
         engine.close()
     disk = engine.activations.disk
-    assert not any(t.is_alive() for pool in disk._writers + disk._readers for t in pool._threads)
+    assert not any(t.is_alive() for pool in disk.tier.writers + disk.tier.readers for t in pool._threads)
     assert not list(tmp_path.iterdir())
 
 

@@ -5,7 +5,7 @@ from .__about__ import __version__
 from .activations import ActivationStore
 from .choices import Budgets, Overrides, arrange
 from .cost import Estimate, disk_traffic, price
-from .disk_states import folders_of
+from .drives import folders_of
 from .engine import EngineConfig, SlidingEngine, StepStats
 from .machine import Disk, Gpu, Host, Machine, Pcie
 from .placement import (

@@ -16,7 +16,7 @@ import torch
 from slide_memory import host_empty
 
 from .disk_activations import DiskActivations
-from .disk_states import Folders
+from .drives import Folders
 from .lanes import DONE, Lane, Signal
 from .placement import DISK, GPU, HOST, TIERS
 

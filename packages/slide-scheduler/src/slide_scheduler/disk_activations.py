@@ -29,7 +29,8 @@ import torch
 from slide_io import NVMeStore
 from slide_memory import host_empty
 
-from .disk_states import Folders, done_future, folders_of
+from .disk_states import done_future
+from .drives import Drives, Folders
 from .lanes import FutureSignal, Lane, Signal
 from .sizes import SLOTS_PER_MICRO  # (the placement's count: sizes.py)
 
@@ -73,11 +74,7 @@ class DiskActivations:
     in a store per drive, `directory` a list of folders and `drives` each boundary's drive (0 where not given)."""
 
     def __init__(self, directory: Folders, d2h: Lane, h2d: Lane, drives: tuple[int, ...] = ()):
-        folders = folders_of(directory)
-        if any(d >= len(folders) for d in drives):
-            raise ValueError(f"the placement stripes boundary activations over {1 + max(drives)} drives, given "
-                             f"{len(folders)} folder(s): {', '.join(folders)}")
-        self.stores = [NVMeStore(folder) for folder in folders]
+        self.tier = Drives(directory, drives, "boundary activations", "acts")
         self.drives = tuple(drives)
         self.d2h, self.h2d = d2h, h2d
         self._out: list[_Buffer] = []  # the write ring
@@ -90,13 +87,11 @@ class DiskActivations:
         self._free: deque[_Buffer] = deque()  # read buffers with no read queued into them
         self._order: list[Key] | None = None  # this backward's fetch order, from the first fetch on
         self._cursor = 0
-        self._writers = [ThreadPoolExecutor(1, thread_name_prefix=f"slide-acts-write-{d}") for d in range(len(folders))]
-        self._readers = [ThreadPoolExecutor(1, thread_name_prefix=f"slide-acts-read-{d}") for d in range(len(folders))]
 
     @property
     def store(self) -> NVMeStore:
         """The first drive's store (the only one where the tier has one drive)."""
-        return self.stores[0]
+        return self.tier.stores[0]
 
     def _drive(self, key: Key) -> int:
         return self.drives[key[0]] if self.drives else 0
@@ -132,8 +127,8 @@ class DiskActivations:
         copied = self.d2h.record()
         last_read = self._read.get(key)  # (only its order matters: a failed one was raised in its own step)
         drive = self._drive(key)
-        store = self.stores[drive]
-        written = self._when(self._writers[drive], (copied, last_read and _settled(last_read)),
+        store = self.tier.stores[drive]
+        written = self._when(self.tier.writers[drive], (copied, last_read and _settled(last_read)),
                              lambda: store.write(self._name(key), data), f"write acts {key[0]}.{key[1]}")
         buffer.busy = self._written[key] = written
         self._layout[key] = (hidden.shape, hidden.dtype)
@@ -166,8 +161,8 @@ class DiskActivations:
             buffer = self._free.popleft()
             data = buffer.view(*self._layout[key])
             drive = self._drive(key)
-            store = self.stores[drive]
-            read = self._when(self._readers[drive], (buffer.busy, self._written[key]),
+            store = self.tier.stores[drive]
+            read = self._when(self.tier.readers[drive], (buffer.busy, self._written[key]),
                               lambda key=key, data=data, store=store: store.read(self._name(key), data),
                               f"read acts {key[0]}.{key[1]}")
             self._queued[key] = (buffer, data, read)
@@ -208,7 +203,4 @@ class DiskActivations:
 
     def close(self) -> None:
         """Finish every transfer, then remove the files."""
-        for pool in self._writers + self._readers:
-            pool.shutdown(wait=True)
-        for store in self.stores:
-            store.close()
+        self.tier.close()

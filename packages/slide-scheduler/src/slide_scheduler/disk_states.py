@@ -27,33 +27,22 @@ has a store, a lock, a reader and a writer of its own: the drives move at once, 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
 from slide_io import NVMeStore
 from slide_memory import host_zeros
 
+from .drives import Drives, Folders
 from .sizes import DISK_STAGING_SLOTS as SLOTS  # (the placement's count: sizes.py)
 
 
 def state_bytes(dtype: torch.dtype) -> int:
     """Bytes per parameter of m and v in `dtype`."""
     return 2 * dtype.itemsize
-
-
-Folders = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
-
-
-def folders_of(directory: Folders) -> list[str]:
-    """The drives' folders: one folder, or a list of them (one per drive)."""
-    if isinstance(directory, (str, os.PathLike)):
-        return [os.fspath(directory)]
-    return [os.fspath(d) for d in directory]
 
 
 def done_future() -> Future:
@@ -87,11 +76,7 @@ class DiskStates:
         # (label, start, end) host times of reads and writes, for the timeline's `disk` lane: they run past the
         # step that queued them, so the engine takes them as it does the optimizer's spans
         self.spans: list[tuple[str, float, float]] = []
-        folders = folders_of(directory)
         self.drive = {u: (drives or {}).get(u, 0) for u in units}
-        if any(d >= len(folders) for d in self.drive.values()):
-            raise ValueError(f"the placement stripes the disk tier over {1 + max(self.drive.values())} drives, "
-                             f"given {len(folders)} folder(s): {', '.join(folders)}")
 
         def reserve(drive: int) -> int:
             mine = {u for u in units if self.drive[u] == drive}
@@ -100,7 +85,7 @@ class DiskStates:
                     + sum(grad_dtype.itemsize * self.numels[u] for u in self.grads if u in mine))
 
         # Preflight: every unit's states must fit on its drive, or the run stops now with what it needs.
-        self.stores = [NVMeStore(folder, reserve=reserve(d)) for d, folder in enumerate(folders)]
+        self.tier = Drives(directory, self.drive.values(), "the disk tier", "states", reserve)
         self.slots = [(host_zeros(numel, dtype, False), host_zeros(numel, dtype, False),
                        host_zeros(numel, torch.float32, False) if self.masters else None) for _ in range(slots)]
         self._grad_slots = [host_zeros(numel, grad_dtype, False) for _ in range(slots)] if self.grads else []
@@ -114,11 +99,7 @@ class DiskStates:
         self._closed = False
         self._next = 0
         self._lock = threading.Lock()
-        self._disks = [threading.Lock() for _ in folders]  # one transfer on each drive at a time
-        self._readers = [ThreadPoolExecutor(1, thread_name_prefix=f"slide-states-read-{d}")
-                         for d in range(len(folders))]
-        self._writers = [ThreadPoolExecutor(1, thread_name_prefix=f"slide-states-write-{d}")
-                         for d in range(len(folders))]
+        self._disks = [threading.Lock() for _ in self.tier.stores]  # one transfer on each drive at a time
 
     def __contains__(self, unit: object) -> bool:
         return unit in self._written
@@ -126,11 +107,11 @@ class DiskStates:
     @property
     def store(self) -> NVMeStore:
         """The first drive's store (the only one where the tier has one drive)."""
-        return self.stores[0]
+        return self.tier.stores[0]
 
     def store_of(self, unit: int) -> NVMeStore:
         """The store on `unit`'s drive."""
-        return self.stores[self.drive[unit]]
+        return self.tier.stores[self.drive[unit]]
 
     @contextlib.contextmanager
     def _turn(self, unit: int, label: str | None = None):
@@ -163,7 +144,7 @@ class DiskStates:
             # (a gradient on disk: this step's, written during the backward, which came before this fetch)
             after = (self._slot_free[slot], self._written[unit], self._grad_written.get(unit))
             self._slot_free[slot] = self._written[unit] = written
-            read = self._readers[self.drive[unit]].submit(self._read, unit, slot, after)
+            read = self.tier.readers[self.drive[unit]].submit(self._read, unit, slot, after)
             self._fetched[unit] = (slot, read, written)
 
     def _staged(self, unit: int, slot: int) -> tuple:
@@ -222,7 +203,7 @@ class DiskStates:
 
         with self._lock:
             self._grad_written[unit] = written
-        self._writers[self.drive[unit]].submit(write)
+        self.tier.writers[self.drive[unit]].submit(write)
         return written
 
     def finish(self, unit: int, error: BaseException | None = None) -> None:
@@ -237,7 +218,7 @@ class DiskStates:
             written.set_exception(error)
             return
         m, v, master = self._staged(unit, slot)
-        self._writers[self.drive[unit]].submit(self._write, unit, m, v, master if unit in self.masters else None,
+        self.tier.writers[self.drive[unit]].submit(self._write, unit, m, v, master if unit in self.masters else None,
                                                written)
 
     def _write(self, unit: int, m: torch.Tensor, v: torch.Tensor, master: torch.Tensor | None,
@@ -310,7 +291,4 @@ class DiskStates:
             return
         self._closed = True
         self.call_off()  # (the updater has finished every update it was given)
-        for pool in self._readers + self._writers:
-            pool.shutdown(wait=True)
-        for store in self.stores:
-            store.close()
+        self.tier.close()

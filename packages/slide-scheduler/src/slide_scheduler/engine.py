@@ -449,7 +449,7 @@ class SlidingEngine:
 
     def disk_stores(self) -> list:
         """The NVMe stores this engine moves bytes through: the states' and the activations', one per drive."""
-        return [store for s in (self.disk, self.activations.disk) if s is not None for store in s.stores]
+        return [store for s in (self.disk, self.activations.disk) if s is not None for store in s.tier.stores]
 
     def disk_traffic(self) -> tuple[int, int]:
         """Bytes read from and written to the NVMe tier so far, by finished operations."""

@@ -327,6 +327,16 @@ class Placement:
         return self.run.state_bytes
 
     @property
+    def boundary_bytes(self) -> int:
+        """One block's input boundary activations over the step (every micro-batch), in the compute dtype."""
+        return self.step.tokens_per_micro * self.shapes.hidden * self.compute_bytes * self.step.micro_batches
+
+    def disk_state_bytes(self, unit: int) -> int:
+        """Per parameter of `unit`, what its states on disk take: the AdamW moments, and the fp32 master where it is
+        there too."""
+        return 2 * self.state_bytes + (4 if kind_of(self.units[unit].master) == "files" else 0)
+
+    @property
     def boundary_tiers(self) -> tuple[str, ...]:
         """Each block's input boundary activations' tier."""
         return self.boundaries or (self.activations,) * self.shapes.num_blocks

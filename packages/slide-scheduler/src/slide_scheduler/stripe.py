@@ -36,7 +36,7 @@ def unit_share(p: Placement, unit: int) -> Share:
     and written back, its master read for each load (forward and backward) where host memory has no copy, and
     its gradient written in the backward and read back where it waits on disk."""
     numel = p.shapes.unit_numels[unit]
-    states = (2 * p.state_bytes + (4 if unit in p.masters_on_disk else 0)) * numel
+    states = p.disk_state_bytes(unit) * numel
     loads = 2 * 4 * numel if unit in p.loads_from_disk else 0
     grads = p.compute_bytes * numel if unit in p.grads_on_disk else 0
     return Share(states + loads + grads, states + grads, states + grads)
@@ -45,9 +45,7 @@ def unit_share(p: Placement, unit: int) -> Share:
 def boundary_share(p: Placement) -> Share:
     """One block's input boundary activations on disk, every micro-batch: written in the forward, read in the
     backward."""
-    t = p.step
-    nbytes = t.tokens_per_micro * p.shapes.hidden * p.compute_bytes * t.micro_batches
-    return Share(nbytes, nbytes, nbytes)
+    return Share(p.boundary_bytes, p.boundary_bytes, p.boundary_bytes)
 
 
 def drive_shares(p: Placement, drives: int | None = None) -> list[Share]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..placement import GPU, Placement
 from .rates import Rates
-from .work import boundary_bytes, step_tokens
+from .work import step_tokens
 
 LAUNCH_S = 1.5e-4  # per block, micro-batch and pass: the fixed cost of launching its kernels
 
@@ -52,7 +52,7 @@ def block_compute(p: Placement, r: Rates) -> tuple[list[float], list[float]]:
     back at twice its work. With one landing set of activation buffers the backward also waits for each block's
     boundary activations to cross (only once the block after it is done)."""
     offloaded = p.boundaries_in(GPU) < p.shapes.num_blocks
-    fetch = boundary_bytes(p) / r.h2d if r.pcie and offloaded and p.landing_sets == 1 else 0.0
+    fetch = p.boundary_bytes / r.h2d if r.pcie and offloaded and p.landing_sets == 1 else 0.0
     launch = launches_s(p, r)
     units = range(1, p.shapes.num_blocks + 1)
     forward = [forward_s(p, r, u) + launch for u in units]

@@ -5,10 +5,10 @@ goes to the drive the placement puts its files on (stripe.py); the lane is the s
 
 from __future__ import annotations
 
-from ..placement import DISK, Placement, UnitPlacement, early_reads_wait, kind_of
+from ..placement import DISK, Placement, early_reads_wait, kind_of
 from ..stripe import Share, drive_shares
 from .rates import Rates
-from .work import PhaseWork, Work, boundary_bytes, loads_from_disk, master_on_disk
+from .work import PhaseWork, Work, loads_from_disk, master_on_disk
 
 
 def read(w: PhaseWork, nbytes: float, r: Rates, drive: int = 0) -> None:
@@ -19,11 +19,6 @@ def read(w: PhaseWork, nbytes: float, r: Rates, drive: int = 0) -> None:
 def write(w: PhaseWork, nbytes: float, r: Rates, drive: int = 0) -> None:
     w.on_drive(drive, nbytes / r.drives[drive][1])
     w.host_bytes += nbytes
-
-
-def state_bytes_on_disk(p: Placement, unit: UnitPlacement) -> int:
-    """Per parameter: the AdamW moments, and the fp32 master where it is there too."""
-    return 2 * p.state_bytes + (4 if master_on_disk(unit) else 0)
 
 
 def block_disk(p: Placement, r: Rates) -> Work:
@@ -43,7 +38,7 @@ def block_disk(p: Placement, r: Rates) -> Work:
         early = waits and staged_early < p.staging_slots and not early_reads_wait(p)
         staged_early += early
         reads, writes = (bwd if early or not waits else fwd), work.update_phase(waits)
-        states = state_bytes_on_disk(p, unit) * numel
+        states = p.disk_state_bytes(u) * numel
         read(reads, states, r, drive)
         write(writes, states, r, drive)
         if master_on_disk(unit) and not loads_from_disk(unit):  # the update writes the loads' copy too
@@ -59,14 +54,14 @@ def boundary_disk(p: Placement, r: Rates) -> Work:
     drive."""
     work = Work()
     if not p.boundary_drives:  # (one drive: the tier's bytes at once, as priced before striping)
-        nbytes = p.boundaries_in(DISK) * boundary_bytes(p)
+        nbytes = p.boundaries_in(DISK) * p.boundary_bytes
         write(work.forward, nbytes, r)
         read(work.backward, nbytes, r)
         return work
     for block, tier in enumerate(p.boundary_tiers):
         if tier == DISK:
-            write(work.forward, boundary_bytes(p), r, p.boundary_drive(block))
-            read(work.backward, boundary_bytes(p), r, p.boundary_drive(block))
+            write(work.forward, p.boundary_bytes, r, p.boundary_drive(block))
+            read(work.backward, p.boundary_bytes, r, p.boundary_drive(block))
     return work
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..placement import GPU, Placement, UnitPlacement
 from .rates import Rates
-from .work import PhaseWork, Work, boundary_bytes, loads_compact
+from .work import PhaseWork, Work, loads_compact
 
 
 @dataclass
@@ -85,8 +85,8 @@ def edge_copies(p: Placement) -> Work:
 def boundary_copies(p: Placement) -> Work:
     """Offloaded boundary activations: out in the forward, back in the backward."""
     work, offloaded = Work(), p.shapes.num_blocks - p.boundaries_in(GPU)
-    work.forward.d2h += offloaded * boundary_bytes(p)
-    work.backward.h2d += offloaded * boundary_bytes(p)
+    work.forward.d2h += offloaded * p.boundary_bytes
+    work.backward.h2d += offloaded * p.boundary_bytes
     return work
 
 

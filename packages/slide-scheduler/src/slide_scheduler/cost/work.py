@@ -63,11 +63,6 @@ def step_tokens(p: Placement) -> int:
     return p.step.tokens_per_micro * p.step.micro_batches
 
 
-def boundary_bytes(p: Placement) -> int:
-    """One block's input boundary activations, every micro-batch."""
-    return p.step.tokens_per_micro * p.shapes.hidden * p.compute_bytes * p.step.micro_batches
-
-
 def speculation_holds(p: Placement, unit: UnitPlacement, clipping_acts: bool) -> bool:
     """Whether `unit`'s speculated update stands (clipping on and not acting): its loads take the speculated
     parameters, and nothing waits for its update proper, which runs whole under the next forward."""
