@@ -779,16 +779,16 @@ def run_plans_suite(args, work: pathlib.Path) -> dict:
         for machine_path in PLANS["machines"]:
             machine = load_machine(common.ROOT / machine_path)
             for setting, extra in PLANS["settings"].items():
-                cfg = load_config(None, [f"--model={model_name}", f"--seq_len={PLANS['seq_len']}",
-                                         f"--micro_batch_size={PLANS['micro_batch_size']}",
-                                         f"--grad_accum={PLANS['grad_accum']}", "--engine.device=cuda",
-                                         "--engine.nvme.fraction=auto", *extra])
+                args = [f"--model={model_name}", f"--seq_len={PLANS['seq_len']}",
+                        f"--micro_batch_size={PLANS['micro_batch_size']}", f"--grad_accum={PLANS['grad_accum']}",
+                        "--engine.device=cuda", "--engine.nvme.fraction=auto", *extra]
+                cfg = load_config(None, args)
                 plan = plan_run(cfg, model, machine, running=False)[0]
                 nbytes, seconds = checkpoint_cost(plan, machine)
                 p = plan.placement
                 figures.append({"system": "plan", "status": "ok", "model": model_name, "machine": machine_path,
-                                "setting": setting, "params": sum(p.shapes.unit_numels), "fits": plan.fits,
-                                "problems": plan.problems, "predicted_step_s": plan.estimate.step_s,
+                                "setting": setting, "args": args, "params": sum(p.shapes.unit_numels),
+                                "fits": plan.fits, "problems": plan.problems, "predicted_step_s": plan.estimate.step_s,
                                 "bottleneck": plan.estimate.bottleneck, "lanes_s": plan.estimate.lanes,
                                 "host_gib": p.bytes("host") / 2**30, "disk_gib": p.bytes("disk") / 2**30,
                                 "blocks_on_disk": len(p.on_disk), "sliding_blocks": len(p.sliding_blocks),

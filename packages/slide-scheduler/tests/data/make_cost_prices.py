@@ -117,20 +117,16 @@ def preset_shapes(name: str, ranks: int = 1) -> Shapes:
 
 
 def benchmark_plans():
-    """benchmarks/run.py's plans suite, planned again from its recorded config."""
+    """benchmarks/run.py's plans suite, planned again from the arguments each of its figures records."""
     doc = json.loads((ROOT / "benchmarks" / "results" / "plans.json").read_text())
-    c = doc["config"]
-    for name in c["models"]:
-        model = load_model(name, 0, need_tokenizer=False, need_weights=False)
-        for machine_path in c["machines"]:
-            machine = load_machine(ROOT / machine_path)
-            for setting, extra in c["settings"].items():
-                cfg = load_config(None, [f"--model={name}", f"--seq_len={c['seq_len']}",
-                                         f"--micro_batch_size={c['micro_batch_size']}",
-                                         f"--grad_accum={c['grad_accum']}", "--engine.device=cuda",
-                                         "--engine.nvme.fraction=auto", *extra])
-                plan = plan_run(cfg, model, machine, running=False)[0]
-                yield f"plans.json {name} {machine_path} {setting}", plan.placement, machine
+    models = {}
+    for figure in doc["figures"]:
+        name, machine_path = figure["model"], figure["machine"]
+        if name not in models:
+            models[name] = load_model(name, 0, need_tokenizer=False, need_weights=False)
+        machine = load_machine(ROOT / machine_path)
+        plan = plan_run(load_config(None, figure["args"]), models[name], machine, running=False)[0]
+        yield f"plans.json {name} {machine_path} {figure['setting']}", plan.placement, machine
 
 
 def preset_plans():
