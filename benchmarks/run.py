@@ -64,6 +64,9 @@ TRAIN_SUITES = {
 NVME_RUNS = (("b3", "ram", (), None), ("b3", "disk", ("--engine.nvme.fraction=1",), None),
              # held gradients on disk too (clip 1.0): written in the backward, read back with the states
              ("b3", "disk-grads", ("--engine.nvme.fraction=1", "--engine.placement.disk_grads=true"), None),
+             # the tier striped over two folders (one per drive where a host has two; `{work}`: the suite's folder)
+             ("b3", "disk-two-folders", ("--engine.nvme.fraction=1", "--engine.nvme.dir=[{work}/drive-a, "
+                                         "{work}/drive-b]"), None),
              ("b8", "ram", (), None), ("b8", "disk-auto-host-64gib", ("--engine.nvme.fraction=auto",), 64.0))
 # The largest Llama-architecture shape the plan puts at LARGEST["step_limit_s"] or less with the disk tier: the
 # widths of Llama 3.1 8B and 70B at any depth, fp32 or bf16 states; B8's tokens per step under a consumer card's cap.
@@ -404,7 +407,7 @@ def run_nvme_suite(args, work: pathlib.Path, out: pathlib.Path) -> dict:
 
     mode = args.modes[0] if len(args.modes) == 1 else "1.0"
     warmup, steps = args.warmup if args.warmup is not None else 2, args.steps if args.steps is not None else 5
-    runs = [{"bench": bench, "variant": variant, "args": list(extra), "host_gib": host_gib,
+    runs = [{"bench": bench, "variant": variant, "args": [a.format(work=work) for a in extra], "host_gib": host_gib,
              **{k: v for k, v in TRAIN_SUITES[bench].items() if k not in ("peers_fit", "slide_args")}}
             for bench, variant, extra, host_gib in NVME_RUNS]
     config = {"mode": mode, "warmup": warmup, "steps": steps, "runs": runs}

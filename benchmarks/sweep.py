@@ -110,6 +110,8 @@ STEPS = [
     {"name": "nvme-b3", "estimate_s": 360, "run": ["run.py nvme --variants b3-ram,b3-disk --warmup 2 --steps 3"]},
     {"name": "nvme-b3-grads", "estimate_s": 300, "run": ["run.py nvme --variants b3-ram,b3-disk-grads --warmup 2 "
                                                         "--steps 3"]},
+    {"name": "nvme-b3-two-folders", "estimate_s": 300,
+     "run": ["run.py nvme --variants b3-disk,b3-disk-two-folders --warmup 2 --steps 3"]},
     {"name": "nvme-b8", "estimate_s": 420,
      "run": ["run.py nvme --variants b8-ram,b8-disk-auto-host-64gib --warmup 2 --steps 3"]},
     {"name": "largest", "estimate_s": 450, "run": ["run.py largest"]},
