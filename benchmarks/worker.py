@@ -93,11 +93,8 @@ def summary(records: list[dict], warmup: int, tokens: int, num_params: int, acti
             "grad_norms": [None if r["grad_norm"] is None else round(r["grad_norm"], 5) for r in records]}
 
 
-def slide_trainer(spec: dict, extra: tuple[str, ...] = ()):
-    """slide-train's Trainer, configured only with keys every version of it accepts (the baseline too)."""
-    from slide_train.config import load_config
-    from slide_train.trainer import Trainer
-
+def slide_args(spec: dict) -> list[str]:
+    """The run's slide-train overrides, only keys every version of it accepts (the baseline too)."""
     clip = clip_value(spec["mode"])
     overrides = [f"--model={spec['model']}", f"--seq_len={spec['seq_len']}",
                  f"--micro_batch_size={spec['micro_batch_size']}", f"--grad_accum={spec['grad_accum']}",
@@ -108,10 +105,18 @@ def slide_trainer(spec: dict, extra: tuple[str, ...] = ()):
                  f"--seed={spec.get('seed', 0)}"]
     if spec.get("cap_gib"):
         overrides.append(f"--engine.gpu_memory_limit_gb={spec['cap_gib']}")
-    overrides += spec.get("extra", [])  # the suite's own settings (bf16 states for a model the host cannot hold)
+    # (and the suite's own settings, such as bf16 states for a model the host cannot hold)
+    return overrides + list(spec.get("extra", []))
+
+
+def slide_trainer(spec: dict, extra: tuple[str, ...] = ()):
+    """slide-train's Trainer of `slide_args(spec)` and `extra`."""
+    from slide_train.config import load_config
+    from slide_train.trainer import Trainer
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="checkpoint.keep=0")  # a benchmark wants no checkpoint
-        return Trainer(load_config(None, [*overrides, *extra]), progress=False)
+        return Trainer(load_config(None, [*slide_args(spec), *extra]), progress=False)
 
 
 def run_slide(spec: dict) -> dict:
@@ -165,6 +170,11 @@ def run_slide(spec: dict) -> dict:
     if out["predicted_step_s"]:
         out["predicted_over_measured"] = out["predicted_step_s"] / out["step_s"]
     out["source"] = str(pathlib.Path(slide_train.__file__).resolve().parents[2])
+    # What the plan was made of, so it can be made again elsewhere: the run's arguments and the machine's figures
+    # (a probe's or a machine file's, the GPU's measured rates filled in)
+    out["args"] = slide_args(spec)
+    machine = getattr(trainer, "machine", None)
+    out["machine"] = machine.to_dict() if hasattr(machine, "to_dict") else None
     if ranks:  # data-parallel: each rank's host bytes of masters and moments, and its PSS (shared pages split)
         out["per_rank"] = ranks
         out["state_bytes_total"] = sum(r["state_bytes"] for r in ranks)
