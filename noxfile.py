@@ -52,11 +52,12 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session
 def benchmarks(session: nox.Session) -> None:
-    """benchmarks/sweep.py's planning and bookkeeping, and run.py's plans of the long runs (slide-train's planner)."""
+    """benchmarks/sweep.py's planning and bookkeeping, run.py's plans of the long runs (slide-train's planner), and
+    the committed GPU figures against their plans made again."""
     session.install(TORCH)
     session.install(*[arg for sib in [*siblings("slide-train"), "slide-train"] for arg in ("-e", f"packages/{sib}")],
                     "pytest")
-    session.run("pytest", "benchmarks/test_sweep.py", *session.posargs)
+    session.run("pytest", "benchmarks/test_sweep.py", "benchmarks/test_plans_measured.py", *session.posargs)
 
 
 @nox.session(python=False)

@@ -63,6 +63,9 @@ def save_tiny_model(directory: pathlib.Path, model_type: str, seed: int = 0,
     config = tiny_config(model_type)
     for key, value in (changes or {}).items():
         setattr(config, key, value)
+    kinds = getattr(config, "layer_types", None)  # (a new depth keeps the family's pattern of attention kinds)
+    if kinds and len(kinds) != config.num_hidden_layers and "layer_types" not in (changes or {}):
+        config.layer_types = [kinds[i % len(kinds)] for i in range(config.num_hidden_layers)]
     # (SDPA has no attention soft-capping: Gemma 2 runs HF's eager attention)
     config._attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
     model = transformers.AutoModelForCausalLM.from_config(config).float()

@@ -76,9 +76,9 @@ GEMMA = ("rms_norm", "rope", "geglu")
 PHI3 = ("rms_norm", "partial_rope", "swiglu_gate_up")
 OLMO = ("rms_norm", "rope_cast_back", "swiglu")  # (OLMo 2/3 keep their rotary tables in fp32)
 # The mixtures' experts through slide-kernels' moe_experts (True), or transformers' own grouped matmuls (False):
-# the one switch. benchmarks/results/kernels.json shows the fused kernel faster on an H100; it stays off until
-# the mixtures' bf16 GPU tests (test_gpu.py) have passed with it on.
-FUSED_EXPERTS = False
+# the one switch. benchmarks/results/kernels.json shows the fused kernel faster on an H100, and the mixtures' bf16
+# GPU tests (test_gpu.py) pass with it.
+FUSED_EXPERTS = True
 MOE = ("rms_norm", "rope", "moe_experts") if FUSED_EXPERTS else ("rms_norm", "rope")
 EXPERTS = None if FUSED_EXPERTS else "the experts (transformers' grouped matmuls)"
 
