@@ -45,7 +45,8 @@ def unit_share(p: Placement, unit: int) -> Share:
 def boundary_share(p: Placement) -> Share:
     """One block's input boundary activations on disk, every micro-batch: written in the forward, read in the
     backward."""
-    return Share(p.boundary_bytes, p.boundary_bytes, p.boundary_bytes)
+    nbytes = p.boundary_bytes
+    return Share(nbytes, nbytes, nbytes)
 
 
 def drive_shares(p: Placement, drives: int | None = None) -> list[Share]:

@@ -10,7 +10,7 @@ import sys
 from .config import describe_keys, load_config
 from .errors import ConfigError, SlideError, plural
 from .log import console, say
-from .preflight import check_data, check_finetune, check_nvme_dirs
+from .preflight import check_data, check_finetune
 
 
 def _keys_help() -> str:
@@ -76,7 +76,7 @@ def cmd_plan(args, overrides) -> int:
     from .machines import resolve_machine
     from .models.build import check_fits, load_model
     from .plan import advice, aux_loss_text, checkpoint_cost, describe, drive_figures, params_text
-    from .trainer import plan_run
+    from .trainer import measured_machine, plan_run
 
     cfg = load_config(args.config, overrides)
     named = args.machine or os.environ.get("SLIDE_MACHINE")
@@ -84,8 +84,7 @@ def cmd_plan(args, overrides) -> int:
 
     def measure_disk():
         nonlocal machine
-        check_nvme_dirs(cfg)
-        machine = resolve_machine(None, disk_dir=list(map(str, nvme_dirs(cfg))))
+        machine = measured_machine(cfg)
         return machine
 
     if cfg.engine.device.startswith("cuda") and not machine.has_gpu:  # (plan_run would plan for the CPU)

@@ -132,6 +132,13 @@ def engine_config(cfg: TrainConfig, machine: Machine | None = None) -> EngineCon
                         nvme_dir=under(STATES_DIR), activation_dir=under(ACTIVATIONS_DIR))
 
 
+def measured_machine(cfg: TrainConfig) -> Machine:
+    """This machine with the disk tier's folders measured, once a plan puts something there (folders the user
+    named must take files)."""
+    check_nvme_dirs(cfg)
+    return resolve_machine(None, disk_dir=list(map(str, nvme_dirs(cfg))))
+
+
 def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True, ranks: int = 1,
              measure_disk=None) -> tuple[Plan, EngineConfig, object]:
     """The plan of a run on `machine`, the engine config it implies and the stack to build it on.
@@ -302,9 +309,9 @@ class Trainer:
         self._finite_at: int | None = None  # the step whose weights were last checked finite
 
     def _measure_disk(self) -> Machine:
-        """This machine with the disk tier's folders measured (the plan puts something there)."""
-        check_nvme_dirs(self.cfg)
-        self.machine = resolve_machine(None, disk_dir=list(map(str, nvme_dirs(self.cfg))))
+        """This machine with the disk tier's folders measured (the plan puts something there), its I/O path
+        taken."""
+        self.machine = measured_machine(self.cfg)
         prefer_path(self.machine.disk.path, self.machine.disk.path_reason)
         return self.machine
 

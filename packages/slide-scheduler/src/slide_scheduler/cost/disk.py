@@ -58,10 +58,12 @@ def boundary_disk(p: Placement, r: Rates) -> Work:
         write(work.forward, nbytes, r)
         read(work.backward, nbytes, r)
         return work
+    nbytes = p.boundary_bytes
     for block, tier in enumerate(p.boundary_tiers):
         if tier == DISK:
-            write(work.forward, p.boundary_bytes, r, p.boundary_drive(block))
-            read(work.backward, p.boundary_bytes, r, p.boundary_drive(block))
+            drive = p.boundary_drive(block)
+            write(work.forward, nbytes, r, drive)
+            read(work.backward, nbytes, r, drive)
     return work
 
 
