@@ -179,3 +179,4 @@ def test_unsupported_model_type():
     model.config.model_type = "gpt2"
     with pytest.raises(ValueError, match="model_type"):
         sk.apply_to(model)
+    assert sk.family_patch("gpt2") is None

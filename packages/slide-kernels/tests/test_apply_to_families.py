@@ -118,6 +118,9 @@ def test_patched_model_gives_hf_loss_and_gradients(path, model_type, restore_rop
     ref_loss, ref_grads = _loss_and_grads(model, ids, labels)
 
     patched = sk.apply_to(model)
+    # What was replaced is what the family's patch declares (its MLP's op is found from the module's structure)
+    ops = {line.split("-> slide_kernels.")[1].split()[0] for line in patched}
+    assert ops == {*sk.family_patch(model_type).ops, "linear_cross_entropy"}
     model.train()
     norms = Calls(monkeypatch, rms_norm_module, "rms_norm_forward", "rms_norm_torch")
     ropes = Calls(monkeypatch, rope_module, "rope_apply", "rope_torch")

@@ -1,11 +1,11 @@
-"""engine.kernels=on in every family: each op the families table declares fused is what the blocks' modules run
-(traced to slide-kernels' op, which launches its Triton kernel on CUDA and takes its torch path here), the final
-norm's too, and two training steps end where the same run with kernels off does; for Gemma 3 also with the
-Triton kernels themselves, in Triton's interpreter."""
+"""engine.kernels=on in every family: slide-kernels' patch of the family's model type is what a tiny HF model of it
+gets, module for module; each op the family runs fused is what the blocks' modules run (traced to slide-kernels'
+op, which launches its Triton kernel on CUDA and takes its torch path here), the final norm's too; the neutral
+norm weight scales by one; and two training steps end where the same run with kernels off does; for Gemma 3 and
+OLMoE also with the Triton kernels themselves, in Triton's interpreter."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import json
 import os
@@ -16,6 +16,7 @@ import warnings
 
 import pytest
 import torch
+import transformers
 from conftest import FAMILIES as LLAMA_LIKE
 from conftest import save_tiny_model, tiny_config, write_token_rows
 from test_equivalence import MICRO, SEQ, make_rows, slide_config
@@ -72,6 +73,62 @@ def _materialized(module: torch.nn.Module, seed: int) -> torch.nn.Module:
         for p in module.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.2)
     return module
+
+
+# The module class whose forward apply_to puts on a gated MLP or experts module, by op.
+MLP_FORWARDS = {"swiglu": slide_kernels.SwiGLUMLP, "geglu": slide_kernels.GeGLUMLP,
+                "swiglu_gate_up": slide_kernels.SwiGLUGateUpMLP, "moe_experts": slide_kernels.MoEExperts}
+
+
+def _replaced_op(line: str) -> str:
+    """The slide_kernels op of one line of apply_to's report ("<what>.forward -> slide_kernels.<op>...")."""
+    return line.split("-> slide_kernels.")[1].split()[0]
+
+
+@pytest.mark.parametrize("model_type", ALL)
+def test_each_family_gets_the_patch_slide_kernels_declares(model_type, monkeypatch):
+    """apply_to on a tiny HF model of each family slide-train supports replaces exactly what slide-kernels
+    declares for the model type: every RMSNorm, each layer's MLP (or experts) with the declared op, the modeling
+    module's rotary function with the declared one, and the loss; nothing else."""
+    patch = slide_kernels.family_patch(model_type)
+    assert patch is not None and FAMILIES[model_type].patch == patch
+    config = tiny_config(model_type)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    modeling = importlib.import_module(type(model).__module__)
+    # (apply_to swaps the rotary function module-wide: HF's comes back after the test)
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
+    report = slide_kernels.apply_to(model)
+
+    replaced = [_replaced_op(line) for line in report]
+    layers = config.num_hidden_layers
+    assert sorted(replaced) == sorted(["rms_norm"] * len(norms) + [patch.mlp] * layers
+                                      + [patch.rope.__name__, "linear_cross_entropy"])
+    assert all(getattr(m, "_slide_kernels_patched", False) for m in norms)
+    mlp_cls = MLP_FORWARDS[patch.mlp]
+    for layer in model.model.layers:
+        forwards = [m for m in layer.modules() if getattr(m.forward, "__func__", None) is mlp_cls.forward]
+        assert len(forwards) == 1, type(layer).__name__
+    assert modeling.apply_rotary_pos_emb is patch.rope
+    assert getattr(model, "_slide_kernels_patched", False)
+
+
+@pytest.mark.parametrize("model_type", ALL)
+def test_the_neutral_norm_weight_scales_by_one(model_type):
+    """Random init's neutral norm weight (from slide-kernels' norm offset) makes each HF norm of the family the
+    bare normalization: Gemma's (1 + weight) norms at 0, the others at 1."""
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type)).float()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8), dtype=torch.float32)
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert norms
+    for m in norms:
+        with torch.no_grad():
+            m.weight.fill_(FAMILIES[model_type].norm_init)
+            xs = x[..., : m.weight.shape[0]]
+            eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+            want = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps)
+            torch.testing.assert_close(m(xs), want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("model_type", ALL)
@@ -212,9 +269,7 @@ def interpreted_olmoe(tmp_path: str) -> None:
     families table, whatever its switch says)."""
     from slide_train.models import families
 
-    olmoe = families.FAMILIES["olmoe"]
-    families.FAMILIES["olmoe"] = dataclasses.replace(olmoe, fused=(*dict.fromkeys((*olmoe.fused, "moe_experts")),),
-                                                     unfused=None)
+    families.FUSED_EXPERTS = True
     _print_two_steps(tmp_path, "olmoe", {"moe_experts": ["moe_experts_forward", "moe_experts_backward"]})
 
 

@@ -7,9 +7,10 @@ Dispatch: Triton on CUDA tensors, or anywhere under TRITON_INTERPRET=1; plain to
 from .__about__ import __version__
 from .modules import GeGLUMLP, LinearCrossEntropy, MoEExperts, RMSNorm, SwiGLUGateUpMLP, SwiGLUMLP
 from .ops import geglu, linear_cross_entropy, moe_experts, partial_rope, rms_norm, rope, swiglu, swiglu_gate_up
-from .patching import apply_to
+from .patching import FamilyPatch, apply_to, family_patch
 
 __all__ = [
+    "FamilyPatch",
     "GeGLUMLP",
     "LinearCrossEntropy",
     "MoEExperts",
@@ -18,6 +19,7 @@ __all__ = [
     "SwiGLUMLP",
     "__version__",
     "apply_to",
+    "family_patch",
     "geglu",
     "linear_cross_entropy",
     "moe_experts",

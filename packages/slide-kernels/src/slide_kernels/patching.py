@@ -1,4 +1,5 @@
-"""`apply_to(model)`: swaps the fused ops into a loaded HF causal LM of a supported family (see FAMILIES).
+"""`apply_to(model)`: swaps the fused ops into a loaded HF causal LM of a supported family (see FAMILIES; one
+family's entry is public as `family_patch(model_type)`).
 
 What it replaces (and nothing else):
 - every `*RMSNorm` module's forward -> `rms_norm` with the family's casting and offset (its own weight and
@@ -40,31 +41,52 @@ from .ops import linear_cross_entropy, rms_norm
 
 
 @dataclasses.dataclass(frozen=True)
-class Family:
-    """What differs between the families in the modules apply_to replaces."""
+class FamilyPatch:
+    """What apply_to does to a model of one family: the ops its layers run and what differs in each.
+
+    The one record of these facts: slide-train's family table reads them here (`family_patch`).
+    """
 
     norm_casting: str = "llama"  # ops.rms_norm's casting_mode for this family's RMSNorm
     norm_offset: float = 0.0  # Gemma scales by (1 + weight)
     rope: Callable = ops.rope  # what replaces the modeling module's apply_rotary_pos_emb
+    # The op of its gated MLPs (swiglu, geglu, swiglu_gate_up) or, in a mixture, of its experts (moe_experts).
+    # apply_to still checks each module's structure and activation before it swaps one in.
+    mlp: str = "swiglu"
     logits_divisor: str | None = None  # config attribute the logits are divided by (Granite's logits_scaling)
-    router_loss: bool = False  # a mixture of experts whose causal-LM forward may add the routers' loss
+
+    @property
+    def router_loss(self) -> bool:
+        """A mixture of experts, whose causal-LM forward may add the routers' load-balancing loss."""
+        return self.mlp == "moe_experts"
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """The slide_kernels ops each decoder layer runs once patched (the loss is the causal-LM forward's)."""
+        return ("rms_norm", self.rope.__name__, self.mlp)
 
 
-LLAMA = Family()
-GEMMA = Family(norm_casting="gemma", norm_offset=1.0)
+LLAMA = FamilyPatch()
+GEMMA = FamilyPatch(norm_casting="gemma", norm_offset=1.0, mlp="geglu")
 # OLMo 2/3 multiply the fp32 normalized row by the weight and round once: Gemma's casting, no offset.
-OLMO = Family(norm_casting="gemma", rope=ops.rope_cast_back)  # (fp32 rotary tables beside bf16 heads)
-MOE = Family(router_loss=True)
+OLMO = FamilyPatch(norm_casting="gemma", rope=ops.rope_cast_back)  # (fp32 rotary tables beside bf16 heads)
+MOE = FamilyPatch(mlp="moe_experts")
 
-FAMILIES: dict[str, Family] = {
+FAMILIES: dict[str, FamilyPatch] = {
     "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "qwen3": LLAMA,
-    "granite": Family(logits_divisor="logits_scaling"),
-    "phi3": Family(rope=ops.partial_rope),
+    "granite": FamilyPatch(logits_divisor="logits_scaling"),
+    "phi3": FamilyPatch(rope=ops.partial_rope, mlp="swiglu_gate_up"),
     "olmo2": OLMO, "olmo3": OLMO,
     "gemma": GEMMA, "gemma2": GEMMA, "gemma3_text": GEMMA,
     "qwen3_moe": MOE, "mixtral": MOE, "olmoe": MOE,
 }
 SUPPORTED = tuple(FAMILIES)
+
+
+def family_patch(model_type: str) -> FamilyPatch | None:
+    """What apply_to does to a model of this `model_type`, or None where it refuses one."""
+    return FAMILIES.get(model_type)
+
 
 # The activation modules of the gated MLPs the fused ops reproduce, by class name (transformers' SiLUActivation is
 # no nn.SiLU). Anything else keeps its MLP: a wrong activation would train silently wrong, a missed one is slower.
@@ -103,7 +125,7 @@ def _make_output(model: nn.Module, name: str, outputs, **values):
     return cls(**{k: v for k, v in values.items() if k in fields})
 
 
-def _causal_lm_forward(family: Family):
+def _causal_lm_forward(family: FamilyPatch):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
         normalizer = kwargs.pop("num_items_in_batch", None)

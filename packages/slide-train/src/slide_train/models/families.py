@@ -4,12 +4,14 @@ Every family here keeps the usual layout of an HF causal LM: `model.embed_tokens
 `model.norm`, `model.rotary_emb` and `lm_head`. The decoder layer is always the HF class itself, so what happens
 inside it (fused qkv and gate/up projections, q/k norms, post-norms, residual and attention multipliers,
 attention soft-capping, query_pre_attn_scalar) needs no entry. An entry declares what the adapter does outside
-the layers: the embedding's scale, the logits' divisor and soft-cap, the norm's neutral weight, and whether
-attention needs HF's eager path; and which of slide-kernels' fused ops run inside them with engine.kernels on
-(`slide_kernels.apply_to` swaps them into the layer's modules). Which layers slide a window, and with which rotary
-base, comes from the config's `layer_types` (or, with `window_everywhere`, from `sliding_window` alone).
+the layers: the embedding's scale, the logits' soft-cap, and whether attention needs HF's eager path. What
+slide-kernels' patch of the family declares is read from there (`slide_kernels.family_patch`), not repeated
+here: the fused ops in the layers with engine.kernels on, the logits' divisor, and the norm's offset (hence its
+neutral weight). Which layers slide a window, and with which rotary base, comes from the config's `layer_types`
+(or, with `window_everywhere`, from `sliding_window` alone).
 
-Adding a family with that layout is one entry in FAMILIES (see docs/models.md).
+Adding a family with that layout is one entry in FAMILIES and one in slide-kernels' table, the source of its fused
+ops, logits' divisor and norm offset (see docs/models.md).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import transformers
+
+import slide_kernels
 
 from ..errors import ModelError
 
@@ -35,18 +39,10 @@ class Family:
     embed_sqrt_hidden: bool = False
     # Config attributes (None: the family has none).
     embed_multiplier: str | None = None  # the embedding is multiplied by it (Granite)
-    logits_divisor: str | None = None  # the logits are divided by it (Granite's logits_scaling)
     final_softcap: str | None = None  # logits -> c * tanh(logits / c) before the loss (Gemma 2)
     attn_softcap: str | None = None  # set: attention runs HF's eager path (SDPA has no soft-capping)
     # Without `layer_types`, `sliding_window` applies to every layer (Mistral, Phi-3).
     window_everywhere: bool = False
-    # A norm weight's neutral value, for random init: Gemma's norms scale by (1 + weight).
-    norm_init: float = 1.0
-    # slide-kernels' ops that `apply_to` swaps into this family's blocks (and the final norm) with engine.kernels
-    # on; on CUDA they run as fused Triton kernels. Names of slide_kernels functions (see OP_TITLES).
-    fused: tuple[str, ...] = ()
-    # What still runs the torch path in the blocks with kernels on (None: nothing).
-    unfused: str | None = None
     # Mixture of experts: the config attribute holding the number of experts (None: a dense family). The layer's
     # router and experts are transformers' own (with "moe_experts" fused, the experts' forward is slide-kernels'
     # moe_experts over the same parameters); a block holds all of its layer's experts.
@@ -61,26 +57,48 @@ class Family:
         return f"{self.model_type} ({self.title})"
 
     @property
+    def patch(self) -> slide_kernels.FamilyPatch | None:
+        """slide-kernels' patch of this family (None: it has none, and the blocks run the torch path)."""
+        return slide_kernels.family_patch(self.model_type)
+
+    @property
+    def fused(self) -> tuple[str, ...]:
+        """slide-kernels' ops that `apply_to` swaps into this family's blocks (and the final norm) with
+        engine.kernels on; on CUDA they run as fused Triton kernels. Names of slide_kernels ops (see OP_TITLES)."""
+        ops = self.patch.ops if self.patch else ()
+        return ops if FUSED_EXPERTS else tuple(op for op in ops if op != "moe_experts")
+
+    @property
+    def unfused(self) -> str | None:
+        """What still runs the torch path in the blocks with kernels on (None: nothing)."""
+        mixture = self.patch is not None and "moe_experts" in self.patch.ops
+        return "the experts (transformers' grouped matmuls)" if mixture and not FUSED_EXPERTS else None
+
+    @property
     def kernels(self) -> bool:
         return bool(self.fused)
 
+    @property
+    def logits_divisor(self) -> str | None:
+        """The config attribute the logits are divided by (Granite's logits_scaling)."""
+        return self.patch.logits_divisor if self.patch else None
 
+    @property
+    def norm_init(self) -> float:
+        """A norm weight's neutral value, for random init: Gemma's norms scale by (1 + weight)."""
+        return 1.0 - (self.patch.norm_offset if self.patch else 0.0)
+
+
+# RMSNorm covers every norm of a layer: q/k norms and post-norms too, each with the family's casting (Gemma's
+# 1 + weight, OLMo 2/3's fp32 product).
 OP_TITLES = {"rms_norm": "RMSNorm", "rope": "RoPE", "partial_rope": "partial RoPE",
              "rope_cast_back": "RoPE (fp32 tables, cast back)", "swiglu": "SwiGLU",
              "swiglu_gate_up": "SwiGLU over the fused gate/up projection", "geglu": "GeGLU (tanh GELU)",
              "moe_experts": "MoE experts (grouped GEMMs, SwiGLU between them)"}
-# What each kind of family runs fused. RMSNorm covers every norm of a layer: q/k norms and post-norms too, each
-# with the family's casting (Gemma's 1 + weight, OLMo 2/3's fp32 product).
-DENSE = ("rms_norm", "rope", "swiglu")
-GEMMA = ("rms_norm", "rope", "geglu")
-PHI3 = ("rms_norm", "partial_rope", "swiglu_gate_up")
-OLMO = ("rms_norm", "rope_cast_back", "swiglu")  # (OLMo 2/3 keep their rotary tables in fp32)
 # The mixtures' experts through slide-kernels' moe_experts (True), or transformers' own grouped matmuls (False):
 # the one switch. benchmarks/results/kernels.json shows the fused kernel faster on an H100, and the mixtures' bf16
 # GPU tests (test_gpu.py) pass with it.
 FUSED_EXPERTS = True
-MOE = ("rms_norm", "rope", "moe_experts") if FUSED_EXPERTS else ("rms_norm", "rope")
-EXPERTS = None if FUSED_EXPERTS else "the experts (transformers' grouped matmuls)"
 
 
 # Experts as Qwen2/3-MoE and OLMoE checkpoints store them (transformers' conversion mapping fuses gate and up).
@@ -96,25 +114,22 @@ MIXTRAL_EXPERTS = (
 )
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    Family("llama", "Llama 2 / 3.x", fused=DENSE),
-    Family("mistral", "Mistral", window_everywhere=True, fused=DENSE),
-    Family("qwen2", "Qwen2 / Qwen2.5", fused=DENSE),
-    Family("qwen3", "Qwen3 (dense)", fused=DENSE),
-    Family("phi3", "Phi-3 / Phi-3.5 / Phi-4", window_everywhere=True, fused=PHI3),
-    Family("olmo2", "OLMo 2", fused=OLMO),
-    Family("olmo3", "OLMo 3", fused=OLMO),
-    Family("granite", "Granite 3.x", embed_multiplier="embedding_multiplier", logits_divisor="logits_scaling",
-           fused=DENSE),
-    Family("gemma", "Gemma", embed_sqrt_hidden=True, norm_init=0.0, fused=GEMMA),
+    Family("llama", "Llama 2 / 3.x"),
+    Family("mistral", "Mistral", window_everywhere=True),
+    Family("qwen2", "Qwen2 / Qwen2.5"),
+    Family("qwen3", "Qwen3 (dense)"),
+    Family("phi3", "Phi-3 / Phi-3.5 / Phi-4", window_everywhere=True),
+    Family("olmo2", "OLMo 2"),
+    Family("olmo3", "OLMo 3"),
+    Family("granite", "Granite 3.x", embed_multiplier="embedding_multiplier"),
+    Family("gemma", "Gemma", embed_sqrt_hidden=True),
     Family("gemma2", "Gemma 2", embed_sqrt_hidden=True, final_softcap="final_logit_softcapping",
-           attn_softcap="attn_logit_softcapping", norm_init=0.0, fused=GEMMA),
+           attn_softcap="attn_logit_softcapping"),
     Family("gemma3_text", "Gemma 3 text", embed_sqrt_hidden=True, final_softcap="final_logit_softcapping",
-           attn_softcap="attn_logit_softcapping", norm_init=0.0, fused=GEMMA),
-    Family("qwen3_moe", "Qwen3 MoE", window_everywhere=True, experts="num_experts", checkpoint=PER_EXPERT,
-           fused=MOE, unfused=EXPERTS),
-    Family("mixtral", "Mixtral", window_everywhere=True, experts="num_local_experts", checkpoint=MIXTRAL_EXPERTS,
-           fused=MOE, unfused=EXPERTS),
-    Family("olmoe", "OLMoE", experts="num_experts", checkpoint=PER_EXPERT, fused=MOE, unfused=EXPERTS),
+           attn_softcap="attn_logit_softcapping"),
+    Family("qwen3_moe", "Qwen3 MoE", window_everywhere=True, experts="num_experts", checkpoint=PER_EXPERT),
+    Family("mixtral", "Mixtral", window_everywhere=True, experts="num_local_experts", checkpoint=MIXTRAL_EXPERTS),
+    Family("olmoe", "OLMoE", experts="num_experts", checkpoint=PER_EXPERT),
 )}
 
 # Model types that are known and deliberately refused, with the reason.
