@@ -23,6 +23,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 import triton
+from attention_rows import bench_attention
 from common import git_commit  # (first: puts the packages on the path)
 from triton.testing import do_bench
 
@@ -340,6 +341,7 @@ def main() -> None:
             f"moe_experts_{t // 1024}k": (f"OLMoE-1B-7B experts, T={t} H=2048 E=64 top-8 I=1024",
                                           bench_moe_experts(t, providers))
             for t in (4096, 32768)},
+        "attention": lambda: bench_attention(providers, time_of),
     }
     for op in ops:
         try:  # one op failing must not lose the others' figures
