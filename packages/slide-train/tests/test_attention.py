@@ -8,9 +8,10 @@ import pytest
 import torch
 import transformers
 from conftest import save_tiny_model
+from torch.nn.attention.flex_attention import flex_attention
 
 from slide_memory import FlatLayout
-from slide_train.models import attention
+from slide_train.models import attention, backends
 from slide_train.models.adapter import HFStack, block_hf_name, edge_hf_name
 from slide_train.models.weights import SafetensorsWeights
 
@@ -94,7 +95,8 @@ def test_a_mask_without_documents_serves_every_row_of_the_batch(window, softcap)
     batch, heads, seq, dim = 3, 2, 24, 8
     q, k, v = (torch.randn(batch, heads, seq, dim, generator=g) for _ in range(3))
     mask = attention.block_mask(None, window, seq, "cpu")
-    out, _ = attention.attend(None, q, k, v, mask, scaling=dim ** -0.5, softcap=softcap)
+    score_mod = backends._soft_cap(softcap) if softcap is not None else None
+    out = flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, scale=dim ** -0.5).transpose(1, 2)
     scores = (q.double() @ k.double().transpose(-1, -2)) * dim ** -0.5
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)

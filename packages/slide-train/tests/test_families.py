@@ -173,7 +173,7 @@ def test_the_torch_path_warning_names_only_what_is_left(capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         stack = HFStack(tiny_config("gemma2"), None, kernels=True)
-    assert stack.kernels and stack.eager
+    assert stack.kernels and stack.attn_softcap == 5.0
     assert getattr(stack.make_block().layer.mlp, "_slide_kernels_patched", False)
     if FAMILIES["olmoe"].unfused:
         with pytest.warns(UserWarning, match=r"OLMoE \(olmoe\) runs slide-kernels' fused RMSNorm and RoPE; the "

@@ -37,7 +37,7 @@ from torch import nn
 
 import slide_kernels
 
-from . import attention
+from . import attention, backends
 from .families import FAMILIES, Family, family_of, kernel_note, layer_types, supported_text
 from .loss import causal_lm_loss
 from .tiling import tile_layer
@@ -130,7 +130,8 @@ class Edges(nn.Module):
     def __init__(self, embed_tokens: nn.Embedding, rotary: nn.Module | None, norm: nn.Module, lm_head: nn.Linear,
                  windows: dict[str, int | None] | None = None, *, embed_scale: float | None = None,
                  embed_scale_rounded: bool = False, logits_divisor: float | None = None, softcap: float | None = None,
-                 eager: bool = False, routing: tuple[float | None, int] | None = None, aux_loss_mean_of: int = 1):
+                 head_dim: int = 0, attn_softcap: float | None = None,
+                 routing: tuple[float | None, int] | None = None, aux_loss_mean_of: int = 1):
         super().__init__()
         # A mixture of experts' (router_aux_loss_coef where its load-balancing loss is on, else None; number of
         # experts): the routing is counted either way, for the metrics
@@ -142,7 +143,11 @@ class Edges(nn.Module):
         self.embed_scale, self.embed_scale_rounded = embed_scale, embed_scale_rounded
         self._scales: dict[torch.dtype, float] = {}
         self.logits_divisor, self.softcap = logits_divisor, softcap
-        self.eager = eager  # HF's eager attention adds its mask: a float mask, always given
+        # What each layer type's attention needs, and the backend running it: the plan's choice where given
+        # (`attention`), else the first that computes it exactly on the rows' device (`backends.candidates`)
+        self.head_dim, self.attn_softcap = head_dim, attn_softcap
+        self.attention: dict[str, str] = {}
+        self._chosen: dict[tuple, backends.Backend] = {}
         # Gemma 3 keeps a rotary table per layer type (local and global bases)
         self.rotary_per_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
         # Read by the tail only: the engine may update them while backward runs (a tied lm head is left out).
@@ -165,12 +170,14 @@ class Edges(nn.Module):
         masks = {}
         ctx = {}
         for kind, window in self.windows.items():
-            if window not in masks:
-                masks[window] = self.mask(documents, window, ids.shape[1], hidden.dtype, ids.device)
+            backend = self.backend(kind, ids.shape[1], documents is not None, hidden.dtype, ids.device)
+            if (window, backend) not in masks:
+                masks[window, backend] = backends.prepare(backend, documents, window, ids.shape[1], hidden.dtype,
+                                                          ids.device)
             ctx[kind] = {
                 "position_embeddings": self.rotary(hidden, positions, kind) if self.rotary_per_type else shared,
                 "position_ids": positions,
-                "attention_mask": masks[window],
+                "attention_mask": masks[window, backend],
             }
         if self.routing is not None and not torch.is_grad_enabled():  # the forward, not the head's backward
             valid = None if documents is None else (documents >= 0).reshape(-1).float()
@@ -184,14 +191,20 @@ class Edges(nn.Module):
             self._scales[dtype] = float(torch.tensor(self.embed_scale).to(dtype)) if rounded else self.embed_scale
         return self._scales[dtype]
 
-    def mask(self, documents, window, seq: int, dtype, device):
-        """One layer type's attention mask: a BlockMask on CUDA wherever plain causal attention is not exact
-        (soft-capping included: only FlexAttention fuses it), else the dense mask SDPA or eager attention takes."""
-        causal = documents is None and (window is None or seq <= window)
-        if device.type == "cuda":
-            return None if causal and not self.eager else attention.block_mask(documents, window, seq, device)
-        mask = attention.attention_mask(documents, window, seq, device)
-        return attention.additive_mask(mask, seq, dtype, device) if self.eager else mask
+    def backend(self, kind: str, seq: int, documents: bool, dtype, device) -> backends.Backend:
+        """Layer type `kind`'s attention backend for rows of `seq` tokens: the planned one, else the first exact
+        one here (once per kind, length, device and documents; a planned backend that cannot compute the rows
+        stops the step, naming why)."""
+        key = (kind, seq, documents, dtype, device.type)
+        chosen = self._chosen.get(key)
+        if chosen is None:
+            needs = backends.layer_needs(self.windows, self.head_dim, self.attn_softcap, seq, documents)[kind]
+            name = self.attention.get(kind) or backends.candidates(needs, device, dtype)[0]
+            why = backends.get(name).why_not(needs, device, dtype)
+            if why is not None:
+                raise ValueError(f"attention backend {name} cannot run the {kind} layers here: {why}")
+            chosen = self._chosen[key] = backends.get(name)
+        return chosen
 
     def tail(self, hidden, batch, normalizer: float, ctx=None):
         targets = batch["targets"]
@@ -297,9 +310,9 @@ class HFStack:
         self.kernels = kernels and family.kernels  # slide-kernels' fused ops (family.fused) in every block
         self.sequence_tile = 0  # positions per tile of each block's per-token work (0: none), the engine's word
         self.softcap = getattr(config, family.final_softcap, None) if family.final_softcap else None
-        # Soft-capped attention: FlexAttention on CUDA, HF's eager path elsewhere (which adds a float mask)
-        self.eager = bool(family.attn_softcap and getattr(config, family.attn_softcap, None) is not None)
-        config._attn_implementation = "eager" if self.eager else "sdpa"  # for the skeleton below
+        # Soft-capped attention: a fused backend on CUDA (backends.py), HF's eager path on the CPU
+        self.attn_softcap = getattr(config, family.attn_softcap, None) if family.attn_softcap else None
+        config._attn_implementation = "eager" if self.attn_softcap is not None else "sdpa"  # for the skeleton
         self.config = config
         self.weights = weights
         self.num_blocks = config.num_hidden_layers
@@ -307,6 +320,8 @@ class HFStack:
         window = getattr(config, "sliding_window", None)
         self.windows = {kind: window if kind == "sliding_attention" else None
                         for kind in dict.fromkeys(self.layer_types)}
+        heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         with torch.device("meta"):
             skeleton = transformers.AutoModelForCausalLM.from_config(config)
         self._layer_cls = type(skeleton.get_submodule(family.layers)[0])
@@ -343,10 +358,15 @@ class HFStack:
         edges = Edges(embed, rotary, norm, lm_head, self.windows, embed_scale=scale,
                       embed_scale_rounded=family.embed_sqrt_hidden,
                       logits_divisor=float(divisor) if divisor != 1.0 else None, softcap=self.softcap,
-                      eager=self.eager, routing=self.routing, aux_loss_mean_of=self.aux_loss_mean_of)
+                      head_dim=self.head_dim, attn_softcap=self.attn_softcap, routing=self.routing,
+                      aux_loss_mean_of=self.aux_loss_mean_of)
         if self.kernels:
             slide_kernels.apply_to(_Patchable(cfg, edges))
         return edges
+
+    def attention_needs(self, seq: int, documents: bool) -> dict[str, backends.Needs]:
+        """What each layer type's attention needs over rows of `seq` tokens (`documents`: packed rows)."""
+        return backends.layer_needs(self.windows, self.head_dim, self.attn_softcap, seq, documents)
 
     def block_shape(self, index: int) -> str:
         """Block `index`'s shape: "dense", "experts", or with a number where more shapes share a kind."""

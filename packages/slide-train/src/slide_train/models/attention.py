@@ -1,23 +1,21 @@
 """Which positions a query sees, and the attention the blocks run with it.
 
 Causal, within one document of a packed row (a padding position sees only itself, so no softmax row is empty),
-and within the layer's sliding window if it has one. On CUDA that is a FlexAttention `BlockMask`: the row is cut
+and within the layer's sliding window if it has one. For FlexAttention that is a `BlockMask`: the row is cut
 into tiles of `TILE` x `TILE` positions, tiles no query sees are skipped, tiles seen whole run unmasked, and only
 tiles on a document's or the window's edge evaluate the rule per position, so no [S, S] tensor exists and packed
-rows run at the speed of a fused kernel. Elsewhere it is the dense [B, 1, S, S] mask that SDPA takes (boolean) or
-HF's eager attention adds (float). `attend`, registered with transformers as `IMPLEMENTATION`, runs whichever the
-head built.
+rows run at the speed of a fused kernel. On the CPU it is the dense [B, 1, S, S] mask that SDPA takes (boolean)
+or HF's eager attention adds (float). `attend`, registered with transformers as `IMPLEMENTATION`, runs the
+backend (backends.py) the head prepared.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 
 import torch
 import transformers
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from torch.nn.attention.flex_attention import BlockMask
 
 from ..data import document_attention_mask
 
@@ -109,40 +107,12 @@ def _causal_rule(window: int | None):
     return rule
 
 
-@functools.cache
-def _soft_cap(softcap: float):
-    """Soft-capping as a score rule, one function per cap (as `_causal_rule`)."""
-    def score_mod(score, b, h, q, kv):
-        return softcap * torch.tanh(score / softcap)
-    return score_mod
-
-
-_compiled = None
-
-
-def _flex(query: torch.Tensor):
-    """FlexAttention compiled once on CUDA (its fused kernel); eager elsewhere, where it computes the same rule
-    densely."""
-    global _compiled
-    if not query.is_cuda:
-        return flex_attention
-    if _compiled is None:
-        _compiled = torch.compile(flex_attention, dynamic=False)
-    return _compiled
-
-
 def attend(module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
-    """A transformers attention function: FlexAttention for a BlockMask (soft-capping as its score rule), HF's
-    eager attention of the module's own family for a float mask, SDPA otherwise."""
-    if isinstance(attention_mask, BlockMask):
-        score_mod = _soft_cap(softcap) if softcap is not None else None
-        out = _flex(query)(query, key, value, score_mod=score_mod, block_mask=attention_mask, scale=scaling,
-                           enable_gqa=query.shape[1] != key.shape[1])
-        return out.transpose(1, 2).contiguous(), None
-    if attention_mask is not None and attention_mask.is_floating_point():
-        eager = sys.modules[type(module).__module__].eager_attention_forward
-        return eager(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap, **kwargs)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    """A transformers attention function: the backend the head prepared for this layer kind runs it (its
+    `attention_mask` is a `backends.Prepared`)."""
+    if not hasattr(attention_mask, "backend"):
+        raise TypeError(f"the {IMPLEMENTATION} attention runs what a Slide head prepared, got {type(attention_mask)}")
+    return attention_mask.backend.attend(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
 
 
 def register() -> str:

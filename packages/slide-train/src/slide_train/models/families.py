@@ -4,11 +4,11 @@ Every family here keeps the usual layout of an HF causal LM: `model.embed_tokens
 `model.norm`, `model.rotary_emb` and `lm_head`. The decoder layer is always the HF class itself, so what happens
 inside it (fused qkv and gate/up projections, q/k norms, post-norms, residual and attention multipliers,
 attention soft-capping, query_pre_attn_scalar) needs no entry. An entry declares what the adapter does outside
-the layers: the embedding's scale, the logits' soft-cap, and whether attention needs HF's eager path. What
-slide-kernels' patch of the family declares is read from there (`slide_kernels.family_patch`), not repeated
-here: the fused ops in the layers with engine.kernels on, the logits' divisor, and the norm's offset (hence its
-neutral weight). Which layers slide a window, and with which rotary base, comes from the config's `layer_types`
-(or, with `window_everywhere`, from `sliding_window` alone).
+the layers: the embedding's scale, the logits' soft-cap, and attention's soft-cap (a need the attention backends
+meet: backends.py). What slide-kernels' patch of the family declares is read from there
+(`slide_kernels.family_patch`), not repeated here: the fused ops in the layers with engine.kernels on, the logits'
+divisor, and the norm's offset (hence its neutral weight). Which layers slide a window, and with which rotary base,
+comes from the config's `layer_types` (or, with `window_everywhere`, from `sliding_window` alone).
 
 Adding a family with that layout is one entry in FAMILIES and one in slide-kernels' table, the source of its fused
 ops, logits' divisor and norm offset (see docs/models.md).
@@ -40,7 +40,7 @@ class Family:
     # Config attributes (None: the family has none).
     embed_multiplier: str | None = None  # the embedding is multiplied by it (Granite)
     final_softcap: str | None = None  # logits -> c * tanh(logits / c) before the loss (Gemma 2)
-    attn_softcap: str | None = None  # set: attention runs HF's eager path (SDPA has no soft-capping)
+    attn_softcap: str | None = None  # attention's soft-cap: a need of its layers (backends.py chooses who meets it)
     # Without `layer_types`, `sliding_window` applies to every layer (Mistral, Phi-3).
     window_everywhere: bool = False
     # Mixture of experts: the config attribute holding the number of experts (None: a dense family). The layer's

@@ -1,0 +1,202 @@
+"""The attention backends: each computes HF's eager attention (windows, soft-cap, documents, padding) in float64
+where it runs on the CPU, flash-attn-4's arguments say the same pairs as the dense mask, the choice follows what
+a layer needs, and FlexAttention's compiled uses never fall back to the kernel that materializes the scores."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from transformers.models.gemma2 import modeling_gemma2
+
+from slide_train.models import attention, backends
+
+SEQ, HEADS, KV_HEADS, DIM = 40, 4, 2, 8
+CASES = [  # (window, softcap, documents)
+    (None, None, False), (6, None, False), (None, 5.0, False), (6, 5.0, True), (None, None, True), (None, 5.0, True)]
+
+
+def documents(seq: int = SEQ) -> torch.Tensor:
+    """Two rows of documents (ids in order along the row), each ending in padding (-1)."""
+    a = ([0] * 11 + [1] * 17 + [2] * 7 + [3] * seq)[:seq - 5] + [-1] * 5
+    b = ([0] * 3 + [1] * 30 + [2] * seq)[:seq - 7] + [-1] * 7
+    return torch.tensor([a, b])
+
+
+def module():
+    """What HF's eager attention reads of its module, as a module of Gemma 2's (whose eager path the eager
+    backend looks up by the module's own family)."""
+    attn = types.new_class("Attention")()
+    attn.__class__.__module__ = modeling_gemma2.__name__
+    attn.num_key_value_groups, attn.training = HEADS // KV_HEADS, False
+    return attn
+
+
+def reference(q, k, v, window, softcap, docs, scale):
+    """Float64 attention from first principles: each query's scores over the keys its rule allows (causal, inside
+    the window, its own document; a padding position itself alone), soft-capped, softmax, times the values."""
+    seq = q.shape[2]
+    pos = torch.arange(seq)
+    allowed = (pos[:, None] >= pos[None, :]).expand(q.shape[0], seq, seq).clone()
+    if window is not None:
+        allowed &= pos[:, None] - pos[None, :] < window
+    if docs is not None:
+        same = docs[:, :, None] == docs[:, None, :]
+        alone = (docs[:, :, None] < 0) & (pos[:, None] == pos[None, :])
+        allowed &= (same & (docs[:, :, None] >= 0)) | alone
+    k, v = (t.repeat_interleave(HEADS // KV_HEADS, 1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    probs = scores.masked_fill(~allowed[:, None], float("-inf")).softmax(-1)
+    return (probs @ v).transpose(1, 2)
+
+
+def test_hf_eager_attention_is_the_reference():
+    """HF's (Gemma 2's) eager attention with the dense additive mask computes the reference's pairs (to its
+    float32 softmax), so the backends below meet HF's semantics."""
+    q, k, v = inputs()
+    for window, softcap, docs in CASES:
+        ids = documents() if docs else None
+        mask = attention.additive_mask(attention.attention_mask(ids, window, SEQ, "cpu"), SEQ, torch.float64, "cpu")
+        hf = modeling_gemma2.eager_attention_forward(module(), q, k, v, mask, scaling=DIM ** -0.5, softcap=softcap)[0]
+        torch.testing.assert_close(hf, reference(q, k, v, window, softcap, ids, DIM ** -0.5), rtol=1e-5, atol=1e-6)
+
+
+def inputs(batch: int = 2):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(batch, h, SEQ, DIM, generator=g, dtype=torch.float64) for h in (HEADS, KV_HEADS, KV_HEADS)]
+
+
+@pytest.mark.parametrize("window, softcap, docs", CASES)
+@pytest.mark.parametrize("name", ["sdpa", "eager", "flex"])
+def test_each_backend_computes_the_reference_in_float64(name, window, softcap, docs):
+    """On the CPU, through the backend's own prepare and attend (FlexAttention through its compiled wrapper with
+    torch.compile's eager backend: the same block mask and score rule, densely), against the float64 reference;
+    HF's eager path to its float32 softmax."""
+    backend = backends.get(name)
+    if name == "flex":
+        backend = backends.Flex()
+        backend.compiled = backends.CompiledFlex(backend="eager")
+    needs = backends.Needs(DIM, window, softcap, docs)
+    why = backends.get(name).why_not(needs, torch.device("cpu"), torch.float64)
+    if name == "sdpa" and softcap is not None:
+        assert why == "it has no soft-cap"
+        return
+    q, k, v = inputs()
+    ids = documents() if docs else None
+    prepared = backends.Prepared(backend, backend.prepare(ids, window, SEQ, torch.float64, q.device), window, docs)
+    out, _ = attention.attend(module(), q, k, v, prepared, scaling=DIM ** -0.5, softcap=softcap)
+    expected = reference(q, k, v, window, softcap, ids, DIM ** -0.5)
+    tol = 1e-5 if name == "eager" else 1e-10  # (HF's eager softmax is float32)
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol / 10)
+
+
+@pytest.mark.parametrize("window", [None, 6, 1])
+def test_flash_attn_4s_arguments_allow_exactly_the_dense_masks_pairs(window):
+    """flash-attn-4's variable-length sequences (`_boundaries`) with its causal left window (window - 1) allow
+    exactly the (query, key) pairs of the dense mask, padding seeing only itself."""
+    docs = documents()
+    cu, longest = backends._boundaries(docs)
+    flat = SEQ * docs.shape[0]
+    sequence = torch.zeros(flat, dtype=torch.long)
+    sequence[cu[1:-1].long()] = 1
+    sequence = sequence.cumsum(0)
+    pos = torch.arange(flat)
+    allowed = (sequence[:, None] == sequence[None, :]) & (pos[:, None] >= pos[None, :])
+    if window is not None:
+        allowed &= pos[:, None] - pos[None, :] <= window - 1
+    dense = attention.attention_mask(docs, window, SEQ, "cpu")
+    for b in range(docs.shape[0]):
+        rows = slice(b * SEQ, (b + 1) * SEQ)
+        assert torch.equal(allowed[rows, rows], dense[b, 0])
+    assert not allowed[:SEQ, SEQ:].any() and not allowed[SEQ:, :SEQ].any()
+    assert longest == 30 and cu.dtype == torch.int32 and int(cu[-1]) == flat
+
+
+def test_the_choice_follows_what_the_layer_needs():
+    """On the CPU: plain layers run SDPA, soft-capped ones HF's eager path; FlexAttention and flash-attn-4 name why
+    they cannot run there, and a planned backend that cannot compute a layer stops with that reason."""
+    cpu = torch.device("cpu")
+    assert backends.candidates(backends.Needs(64), cpu, torch.float32)[0] == "sdpa"
+    assert backends.candidates(backends.Needs(64, window=8, documents=True), cpu, torch.float32)[0] == "sdpa"
+    capped = backends.Needs(256, softcap=50.0)
+    assert backends.candidates(capped, cpu, torch.float32) == ("eager",)
+    why = backends.reasons(capped, cpu, torch.float32)
+    assert why["sdpa"] == "it has no soft-cap" and "CUDA" in why["flex"] and "CUDA" in why["fa4"]
+    needs = backends.layer_needs({"full_attention": None, "sliding_attention": 16}, 64, None, 16, False)
+    assert needs["sliding_attention"].window is None  # a window no shorter than the rows is plain causal
+    assert backends.layer_needs({"sliding_attention": 16}, 64, None, 17, False)["sliding_attention"].window == 16
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        backends.get("flash")
+
+
+def _kernel(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False):
+    """Stands in for flex_attention: reads what the real one reads (the block mask's tiles and rule, the score
+    rule)."""
+    keep = block_mask.mask_mod(*(torch.tensor(i) for i in (0, 0, 1, 0)))
+    out = query * scale * keep + block_mask.kv_num_blocks.sum() * 0
+    return score_mod(out, 0, 0, 0, 0) if score_mod is not None else out
+
+
+class Counter:
+    def __init__(self):
+        self.compiles = 0
+
+    def __call__(self, gm, example_inputs):
+        self.compiles += 1
+        return gm.forward
+
+
+def uses():
+    """window x documents x grad mode x eval x three lengths, as a run with eval and packed rows meets them."""
+    for seq in (24, 40, 56):
+        for window in (None, 6):
+            for docs in (False, True):
+                for grad in (False, True, False):  # forward, recompute, eval
+                    yield seq, window, docs, grad
+
+
+def call_all(compiled_call):
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    for seq, window, docs, grad in uses():
+        q = torch.randn(1, 2, seq, 8, generator=g, requires_grad=grad)
+        ids = documents(seq)[:1] if docs else None
+        mask = attention.block_mask(ids, window, seq, "cpu")
+        with torch.set_grad_enabled(grad):
+            compiled_call((window, docs, 5.0), q, q, q, backends._soft_cap(5.0), mask, 0.5, False)
+
+
+def test_flex_uses_never_reach_the_eager_kernel():
+    """Through the real wrapper with a counting backend: every use of the run above compiles within its own
+    limit (at most twice: static, then dynamic lengths), so none falls back to the eager kernel; the same calls
+    through one static compiled function (the wrapper this replaces) run past the limit, which the guard turns
+    into an error, so this test would catch it."""
+    counter = Counter()
+    wrapper = backends.CompiledFlex(kernel=_kernel, backend=counter)
+    call_all(wrapper)
+    assert len(wrapper.entries) == 8  # window x documents x grad mode
+    assert counter.compiles <= 2 * len(wrapper.entries)
+
+    single = torch.compile(_kernel, backend=Counter(), dynamic=False)
+
+    def one_function(use, q, k, v, score_mod, block_mask, scale, gqa):
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            return single(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        call_all(one_function)
+
+
+def test_a_use_past_its_limit_stops_with_a_clear_error(monkeypatch):
+    """Should a use recompile past the limit anyway, the step stops naming the limit, never the eager path."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
+    wrapper = backends.CompiledFlex(kernel=_kernel, backend=Counter())
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="recompiled past torch._dynamo's limit"):
+        for seq in (24, 40):
+            q = torch.randn(1, 2, seq, 8)
+            wrapper((None, False, None), q, q, q, None, attention.block_mask(None, None, seq, "cpu"), 0.5, False)
