@@ -97,8 +97,9 @@ def test_each_family_gets_the_patch_slide_kernels_declares(model_type, monkeypat
         model = transformers.AutoModelForCausalLM.from_config(config)
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     modeling = importlib.import_module(type(model).__module__)
-    # (apply_to swaps the rotary function module-wide: HF's comes back after the test)
-    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
+    # (apply_to swaps the rotary function module-wide, and an earlier test of this process may have left it
+    # swapped: a stand-in of HF's goes in first, so the swap shows; what was there comes back after the test)
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", lambda q, k, cos, sin, *args, **kwargs: (q, k))
     report = slide_kernels.apply_to(model)
 
     replaced = [_replaced_op(line) for line in report]
