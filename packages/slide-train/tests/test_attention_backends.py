@@ -284,3 +284,39 @@ def reference_on(q, k, v, window, softcap, docs, scale):
     scores = scores.masked_fill(~allowed[:, None], torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return (probs @ v).transpose(1, 2)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_gemma2_at_three_lengths_with_eval_and_documents_never_runs_eager_attention(tmp_path):
+    """In one process, after Llama and Mistral: Gemma 2 (soft-capped, local and global layers) trains a step and
+    evaluates at three lengths with packed documents; FlexAttention's uncompiled kernel (which materializes the
+    scores, and warns "without torch.compile") never runs, and each layer type ran a fused backend."""
+    import warnings
+
+    from conftest import save_tiny_model
+
+    from slide_train.config import load_config
+    from slide_train.trainer import Trainer
+
+    if not torch.cuda.is_available():
+        pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
+    ran = set()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for family, lengths in (("llama", (128,)), ("mistral", (128,)), ("gemma2", (128, 192, 256))):
+            save_tiny_model(tmp_path / family, family)
+            for seq in lengths:
+                cfg = load_config(None, [
+                    f"--model={tmp_path / family}", f"--seq_len={seq}", "--micro_batch_size=2", "--grad_accum=2",
+                    "--steps=1", "--data.pack=true", "--data.eval_fraction=0.2", "--data.eval_batches=2",
+                    "--engine.device=cuda", f"--output_dir={tmp_path / f'{family}-{seq}'}", "--export=false"])
+                trainer = Trainer(cfg, progress=False)
+                loss = trainer.step()["loss"]
+                evaluated = trainer.evaluate()["eval_loss"]
+                assert loss == loss and evaluated == evaluated  # (finite: not NaN)
+                ran |= {(family, key[0], b.name) for key, b in trainer.engine.edges._chosen.items()}
+                trainer.close()
+    eager = [str(w.message) for w in caught if "without torch.compile" in str(w.message)]
+    assert not eager, eager
+    print("backends:", sorted(ran))
+    assert all(name in ("flex", "fa4") for family, kind, name in ran if family == "gemma2")
