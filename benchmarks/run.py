@@ -49,10 +49,17 @@ TRAIN_SUITES = {
     # a mixture of experts (6.9B parameters, 1.3B active) at 32k and 256k tokens per step: every parameter crosses
     # PCIe and the host optimizer each step, and only the active ones compute
     "moe": dict(model="olmoe-1b-7b", seq_len=4096, micro_batch_size=1, grad_accum=8, cap_gib=24.0, device="cuda"),
+    # three times the tokens per step: the parameters' traffic over PCIe and the host optimizer spread over more
+    # compute (the byte floor of 32k tokens is the step's)
+    "moe-96k": dict(model="olmoe-1b-7b", seq_len=4096, micro_batch_size=1, grad_accum=24, cap_gib=24.0,
+                    device="cuda"),
     "moe-256k": dict(model="olmoe-1b-7b", seq_len=4096, micro_batch_size=1, grad_accum=64, cap_gib=24.0,
                      device="cuda"),
     # soft-capped attention (FlexAttention with the cap on CUDA); bf16 AdamW states, as the plan asks on a 125 GiB host
     "gemma2": dict(model="gemma-2-9b", seq_len=4096, micro_batch_size=1, grad_accum=8, cap_gib=24.0, device="cuda",
+                   peers_fit=False, slide_args=("--engine.states_dtype=bf16",)),
+    # Gemma 3's local layers (a window of 1,024) five to one global, head_dim 256, no soft-cap; bf16 AdamW states
+    "gemma3": dict(model="gemma-3-12b", seq_len=4096, micro_batch_size=1, grad_accum=8, cap_gib=24.0, device="cuda",
                    peers_fit=False, slide_args=("--engine.states_dtype=bf16",)),
     # the harness itself on a CPU: the smallest preset, a step or two
     "tiny": dict(model="tiny-llama", seq_len=64, micro_batch_size=2, grad_accum=2, cap_gib=None, device="cpu",

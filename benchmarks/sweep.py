@@ -91,6 +91,8 @@ STEPS = [
                                                           **MOE_PEER}]},
     # the peers are recorded as not fitting by run.py itself (no process trains them)
     {"name": "gemma2", "estimate_s": 360, "run": ["run.py gemma2 --systems slide,plain --modes none,1.0"]},
+    {"name": "gemma3", "estimate_s": 360, "run": ["run.py gemma3 --systems slide --modes none,1.0"]},
+    {"name": "moe-96k", "estimate_s": 300, "run": ["run.py moe-96k --systems slide --modes none,1.0"]},
     # Long sequences (run.py long), one clip mode and one row length a step: a process of 8B may take 2 min to set
     # up, then 3 steps of 45-90 s at 131,072 tokens. Each longest run has a sitting of its own (run.py plans its rows to
     # fit one), and the peer's ladder of lengths stops at its first run out of memory.
