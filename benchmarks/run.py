@@ -499,10 +499,10 @@ def largest_shape(work: pathlib.Path, limit_s: float, free_gib: float, disk: dic
     that the plan fits, with engine.nvme.fraction auto, at `limit_s` or less per step on this run's machine file
     with `free_gib` of disk (and the disk's rates as measured, where `disk` holds them)."""
     from slide_train.config import load_config
+    from slide_train.launch import plan_run
     from slide_train.machines import load_machine
     from slide_train.models.build import load_model
     from slide_train.models.presets import PRESETS
-    from slide_train.trainer import plan_run
 
     machine = load_machine(machine_file(work, "largest", disk_free_gib=free_gib, disk=disk))
 
@@ -569,8 +569,8 @@ def long_overrides(model: str, seq_len: int, grad_accum: int, mode: str) -> list
 def long_plan(model: str, seq_len: int, mode: str, machine):
     """(config, model, plan) of one micro-batch of `seq_len` on `machine`: slide-train's planner, no weights."""
     from slide_train.config import load_config
+    from slide_train.launch import plan_run
     from slide_train.models.build import load_model
-    from slide_train.trainer import plan_run
 
     cfg = load_config(None, long_overrides(model, seq_len, 1, mode))
     bundle = load_model(model, 0, need_tokenizer=False, need_weights=False)
@@ -778,10 +778,10 @@ def run_plans_suite(args, work: pathlib.Path) -> dict:
     """PLANS: each model, machine file and setting priced by slide-train's planner, with what a checkpoint costs."""
     from slide_scheduler import disk_traffic
     from slide_train.config import load_config
+    from slide_train.launch import plan_run
     from slide_train.machines import load_machine
     from slide_train.models.build import load_model
     from slide_train.plan import checkpoint_cost
-    from slide_train.trainer import plan_run
 
     figures = []
     for model_name in PLANS["models"]:

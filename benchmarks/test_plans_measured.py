@@ -33,8 +33,8 @@ MEASURED = figures()
 def replanned(figure: dict) -> float:
     from slide_scheduler import Machine
     from slide_train.config import load_config
+    from slide_train.launch import plan_run
     from slide_train.models.build import load_model
-    from slide_train.trainer import plan_run
 
     cfg = load_config(None, figure["args"])
     with warnings.catch_warnings():

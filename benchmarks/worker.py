@@ -217,8 +217,8 @@ def pss_gib() -> float | None:
 def active_params(model: str) -> int:
     """The parameters a token computes with, as slide-train's plan counts them (all of them but a mixture of
     experts' experts it is not routed to)."""
+    from slide_train.launch import model_shapes
     from slide_train.models.build import load_model
-    from slide_train.plan import model_shapes
 
     bundle = load_model(model, 0, need_tokenizer=False, need_weights=False)
     s = model_shapes(bundle, bundle.stack(kernels=False))

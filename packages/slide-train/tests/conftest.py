@@ -92,10 +92,10 @@ MACHINE_RAM_GIB = 64  # (its host.memory_gib)
 def fixed_machine(monkeypatch):
     """Every run plans for tests/machine.yaml, not for the host the tests happen to run on (whose RAM a run also
     counts: here the file's)."""
-    from slide_train import trainer
+    from slide_train import launch
 
     monkeypatch.setenv("SLIDE_MACHINE", str(MACHINE))
-    monkeypatch.setattr(trainer, "host_memory_bytes", lambda: MACHINE_RAM_GIB * 2**30)
+    monkeypatch.setattr(launch, "host_memory_bytes", lambda: MACHINE_RAM_GIB * 2**30)
 
 
 @pytest.fixture(params=FAMILIES)

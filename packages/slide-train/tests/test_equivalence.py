@@ -365,6 +365,7 @@ def test_activations_on_disk_match_plain_pytorch_and_leave_no_files(tmp_path, fo
     rows, labels = make_rows(seed=3, n=STEPS * MICRO * ACCUM)
     write_token_rows(tmp_path / "data.jsonl", rows, labels)
     own = tmp_path / "scratch"
+    own.mkdir()  # (a folder the user names exists: the run never makes it)
     extra = {"engine.activation_offload": "disk"} | ({"engine.nvme.dir": str(own)} if folder == "own" else {})
     results = []
     for options in ({}, extra):

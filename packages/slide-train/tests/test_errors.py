@@ -378,20 +378,21 @@ def test_a_non_finite_loss_stops_the_run_before_a_checkpoint(tmp_path):
 
 
 def test_a_disk_too_small_for_the_last_checkpoint_is_refused_before_training(tmp_path, monkeypatch):
-    import slide_train.trainer as trainer_module
+    import slide_train.launch as launch_module
+    import slide_train.outputs as outputs_module
 
-    monkeypatch.setattr(trainer_module, "free_bytes", lambda path: 1 << 20)
-    engine = trainer_module.SlidingEngine
+    monkeypatch.setattr(outputs_module, "free_bytes", lambda path: 1 << 20)
+    engine = launch_module.SlidingEngine
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the weights were loaded before the disk check")
 
-    monkeypatch.setattr(trainer_module, "SlidingEngine", no_loading)  # refused before the wait for the weights
+    monkeypatch.setattr(launch_module, "SlidingEngine", no_loading)  # refused before the wait for the weights
     with pytest.raises(DiskFullError, match=r"1.0 MB free, but this run's checkpoint need about .* MB"):
         Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'run'}"]), progress=False)
-    monkeypatch.setattr(trainer_module, "SlidingEngine", engine)
+    monkeypatch.setattr(launch_module, "SlidingEngine", engine)
     # checkpoint.keep=0 writes no checkpoint: only the export is counted, and without it the run goes ahead.
-    monkeypatch.setattr(trainer_module, "free_bytes", lambda path: 1 << 10)
+    monkeypatch.setattr(outputs_module, "free_bytes", lambda path: 1 << 10)
     with pytest.raises(DiskFullError, match=r"but this run's export need about"):
         Trainer(load_config(None, [*TINY, f"--output_dir={tmp_path / 'run'}", "--checkpoint.keep=0",
                                    "--export=true"]), progress=False)
@@ -410,29 +411,31 @@ def test_a_disk_too_small_for_the_activations_is_refused_before_the_weights_load
     front, naming what needs the room and the key that moves it; on one disk with the checkpoint, the two are
     counted together (room for either alone is not enough)."""
     import slide_train.checkpoint as ckpt
-    import slide_train.trainer as trainer_module
+    import slide_train.launch as launch_module
+    import slide_train.outputs as outputs_module
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the weights were loaded before the disk check")
 
-    monkeypatch.setattr(trainer_module, "SlidingEngine", no_loading)
+    monkeypatch.setattr(launch_module, "SlidingEngine", no_loading)
     args = [*TINY, f"--output_dir={tmp_path / 'run'}", "--engine.activation_offload=disk"]
-    monkeypatch.setattr(trainer_module, "free_bytes", lambda path: 1000)
+    monkeypatch.setattr(outputs_module, "free_bytes", lambda path: 1000)
     with pytest.raises(DiskFullError, match=r"0.0 MB free, but this run's boundary activations "
                                             r"\(engine.nvme.dir\) need about"):
         Trainer(load_config(None, [*args, "--checkpoint.keep=0"]), progress=False)
     cfg = load_config(None, args)
     machine = resolve_machine(None)
-    placement = trainer_module.plan_run(cfg, trainer_module.load_model(cfg.model, 0, need_tokenizer=False),
+    placement = launch_module.plan_run(cfg, launch_module.load_model(cfg.model, 0, need_tokenizer=False),
                                         machine)[0].placement
     checkpoint = ckpt.checkpoint_bytes(placement.shapes.unit_numels, placement.resident, "fp32")
     acts_on_disk = placement.tiers()["disk"]["boundary activations"]
     assert acts_on_disk > 0 and checkpoint > 0
-    monkeypatch.setattr(trainer_module, "free_bytes", lambda path: int(max(acts_on_disk, checkpoint)) + 1)
+    monkeypatch.setattr(outputs_module, "free_bytes", lambda path: int(max(acts_on_disk, checkpoint)) + 1)
     with pytest.raises(DiskFullError, match=r"this run's checkpoint and boundary activations"):
         Trainer(cfg, progress=False)
     # their own folder on the same disk: the message names both folders
     acts = tmp_path / "acts"
+    acts.mkdir()  # (a folder the user names exists: the run never makes it)
     both = f"the disk of {tmp_path / 'run'} and {acts / 'activations'}"
     with pytest.raises(DiskFullError, match=rf"^{re.escape(both)} has .* free, but this run's checkpoint and "
                                             r"boundary activations"):
@@ -443,14 +446,14 @@ def test_a_share_of_states_on_disk_that_rounds_to_no_block_is_warned_about(tmp_p
     """engine.nvme.fraction too small for one block would silently keep every state in RAM:
     the warning says so and names a share that moves one block, which then does; with every block resident it
     says that instead."""
-    import slide_train.trainer as trainer_module
+    import slide_train.launch as launch_module
 
     def plan(fraction, *extra):
         cfg = load_config(None, [*TINY, f"--output_dir={tmp_path / 'run'}",
                                  f"--engine.nvme.fraction={fraction}", *extra])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            made = trainer_module.plan_run(cfg, trainer_module.load_model(cfg.model, 0, need_tokenizer=False),
+            made = launch_module.plan_run(cfg, launch_module.load_model(cfg.model, 0, need_tokenizer=False),
                                            resolve_machine(None))[0].placement
         return made, [str(w.message) for w in caught if "nvme.fraction" in str(w.message)]
 
@@ -579,7 +582,7 @@ def test_a_checkpoint_reads_each_master_once_to_check_and_write_it(tmp_path):
 
 
 def test_overwrite_counts_the_space_it_frees(tmp_path, monkeypatch):
-    import slide_train.trainer as trainer_module
+    import slide_train.outputs as outputs_module
 
     run = tmp_path / "run"
     (run / "export").mkdir(parents=True)
@@ -587,7 +590,7 @@ def test_overwrite_counts_the_space_it_frees(tmp_path, monkeypatch):
         f.truncate(200 << 20)  # an earlier run's 200 MB (sparse: takes no real space here)
     (run / "export" / ".slide-export").write_text("")
     (run / "metrics.jsonl").write_text("")
-    monkeypatch.setattr(trainer_module, "free_bytes", lambda path: 1 << 20)
+    monkeypatch.setattr(outputs_module, "free_bytes", lambda path: 1 << 20)
     fresh = Trainer(load_config(None, [*TINY, f"--output_dir={run}", "--overwrite=true"]), progress=False)
     assert not (run / "export").exists()
     fresh.close()
@@ -792,6 +795,7 @@ def test_the_nvme_tier_filling_up_mid_step_stops_the_run_and_leaves_the_last_che
     base = ["--seq_len=32", "--micro_batch_size=2", "--grad_accum=1", "--export=false", "--checkpoint.every=2",
             "--checkpoint.keep=3", f"--output_dir={tmp_path / 'run'}", "--engine.nvme.fraction=1",
             f"--engine.nvme.dir={tmp_path / 'tier'}"]
+    (tmp_path / "tier").mkdir()
     root = tmp_path / "run" / "checkpoints"
     trainer = Trainer(load_config(None, [*base, "--steps=6"]), progress=False)
     assert trainer.engine.disk_stores(), "the run keeps states on disk"
@@ -838,6 +842,7 @@ def test_a_disk_slower_than_the_machine_file_says_is_warned_of_once_with_folder_
 
     monkeypatch.setattr(slide_io.posix.PosixFile, "pwrite", slow)
     tier = tmp_path / "tier"
+    tier.mkdir()
     cfg = load_config(None, ["--seq_len=32", "--micro_batch_size=2", "--grad_accum=1", "--export=false",
                              "--checkpoint.keep=0", f"--output_dir={tmp_path / 'run'}", "--engine.nvme.fraction=1",
                              f"--engine.nvme.dir={tier}", "--steps=4"])

@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 
 from slide_scheduler import Overrides
-from slide_train import config, plan
+from slide_train import config, launch
 from slide_train.config import KEY_HELP, describe_keys, load_config, placement_keys
 from slide_train.errors import ConfigError
-from slide_train.plan import overrides_of
+from slide_train.launch import overrides_of
 
 # A value of each key, as the command line gives it, and as the planner gets it (where they differ)
 VALUES = {"window": ("3", 3), "resident": ("[edges, block.1]", (0, 2)), "device_update_share": ("0.5", 0.5),
@@ -43,7 +43,7 @@ def test_a_field_added_to_overrides_is_a_key_checked_by_its_type_and_reaches_the
                       ("pin_everything", bool | None, dataclasses.field(default=None))],
         bases=(Overrides,), frozen=True)
     monkeypatch.setattr(config, "Overrides", wider)
-    monkeypatch.setattr(plan, "Overrides", wider)
+    monkeypatch.setattr(launch, "Overrides", wider)
     assert list(placement_keys())[-2:] == ["prefetch_depth", "pin_everything"]
     cfg = load_config(None, ["--engine.placement.prefetch_depth=3", "--engine.placement.pin_everything=true"])
     o = overrides_of(cfg, num_blocks=4)

@@ -16,8 +16,9 @@ import transformers
 from conftest import save_tiny_model
 from safetensors.torch import load_file, save_file
 
+import slide_train.launch as launch_module
+import slide_train.outputs as outputs_module
 import slide_train.space as space
-import slide_train.trainer as trainer_module
 from slide_train.checkpoint import list_checkpoints, verify
 from slide_train.cli import main
 from slide_train.config import load_config
@@ -132,10 +133,10 @@ def test_the_disk_check_asks_for_what_the_run_writes(tmp_path, monkeypatch):
     second = tmp_path / "run2"
     size = {"bytes": 0}
     disk = lambda directory: size["bytes"] - written(second)  # noqa: E731
-    monkeypatch.setattr(trainer_module, "free_bytes", disk)
+    monkeypatch.setattr(outputs_module, "free_bytes", disk)
     monkeypatch.setattr(space, "free_bytes", disk)
-    loads, engine = [], trainer_module.SlidingEngine
-    monkeypatch.setattr(trainer_module, "SlidingEngine", lambda *a, **k: loads.append(1) or engine(*a, **k))
+    loads, engine = [], launch_module.SlidingEngine
+    monkeypatch.setattr(launch_module, "SlidingEngine", lambda *a, **k: loads.append(1) or engine(*a, **k))
 
     size["bytes"] = need - 1
     with pytest.raises(DiskFullError, match=r"checkpoint and export need about .*set export=false and export the "

@@ -11,13 +11,15 @@ import torch
 import transformers
 
 from slide_scheduler import DISK, HOST
-from slide_train import trainer
+from slide_train import launch
+from slide_train.budgets import GIB, HOST_USABLE
 from slide_train.config import load_config
 from slide_train.errors import ConfigError
+from slide_train.launch import plan_run
 from slide_train.machines import load_machine
 from slide_train.models.build import load_model
-from slide_train.plan import GIB, HOST_USABLE, refusal
-from slide_train.trainer import Trainer, plan_run
+from slide_train.plan import refusal
+from slide_train.trainer import Trainer
 
 H100_HOST = pathlib.Path(__file__).resolve().parents[3] / "docs" / "machines" / "h100-host.yaml"
 RUN_8B = ["--model=llama-3.1-8b", "--seq_len=131072", "--micro_batch_size=1", "--grad_accum=1",
@@ -97,7 +99,7 @@ def no_engine(*args, **kwargs):
 
 
 def test_a_run_over_the_cap_is_refused_before_the_engine_allocates_anything(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer, "SlidingEngine", no_engine)
+    monkeypatch.setattr(launch, "SlidingEngine", no_engine)
     cfg = load_config(None, ["--model=tiny-llama", "--engine.device=cpu", "--steps=1",
                              "--engine.host_memory_limit_gb=0.001", f"--output_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError, match=r"this run cannot fit: host: needs ~[\d.]+ GiB, 0.0 GiB usable; "
@@ -107,13 +109,13 @@ def test_a_run_over_the_cap_is_refused_before_the_engine_allocates_anything(tmp_
 
 
 def test_a_run_on_a_host_with_less_ram_than_its_machine_file_plans_for_this_hosts(tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer, "SlidingEngine", no_engine)
-    monkeypatch.setattr(trainer, "host_memory_bytes", lambda: 2**20)  # (a host of 1 MiB: nothing fits)
+    monkeypatch.setattr(launch, "SlidingEngine", no_engine)
+    monkeypatch.setattr(launch, "host_memory_bytes", lambda: 2**20)  # (a host of 1 MiB: nothing fits)
     cfg = load_config(None, ["--model=tiny-llama", "--engine.device=cpu", "--steps=1",
                              f"--output_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError, match=r"this run cannot fit: host: needs ~[\d.]+ GiB, 0.0 GiB usable"):
         Trainer(cfg, progress=False)
-    monkeypatch.setattr(trainer, "host_memory_bytes", lambda: 16 * 2**30)
+    monkeypatch.setattr(launch, "host_memory_bytes", lambda: 16 * 2**30)
     cfg = load_config(None, ["--model=tiny-llama", "--engine.device=cpu", "--engine.host_memory_limit_gb=32",
                              f"--output_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError, match="engine.host_memory_limit_gb=32 is more than the 16.0 GiB this host has"):

@@ -14,23 +14,13 @@ import transformers
 
 import slide_scheduler
 from slide_scheduler import GPU, HOST, Machine
+from slide_train.budgets import budgets_for
 from slide_train.config import load_config
 from slide_train.errors import ConfigError
+from slide_train.launch import advise, facts_of, make_plan, model_shapes, plan_run, refuse
 from slide_train.machines import load_machine
 from slide_train.models.build import load_model
-from slide_train.plan import (
-    CONTENT_WORDS,
-    GIB,
-    LANE_WORDS,
-    TIER_WORDS,
-    advise,
-    budgets_for,
-    facts_of,
-    make_plan,
-    model_shapes,
-    refuse,
-)
-from slide_train.trainer import plan_run
+from slide_train.plan import CONTENT_WORDS, GIB, LANE_WORDS, TIER_WORDS
 
 DOCS = pathlib.Path(__file__).resolve().parents[3] / "docs" / "machines"
 TEST_MACHINE = pathlib.Path(__file__).with_name("machine.yaml")
@@ -269,15 +259,15 @@ def test_finetune_prints_the_plan_and_logs_the_prediction_beside_each_step(tmp_p
 def test_expandable_segments_unless_the_user_configured_the_allocator(monkeypatch):
     import torch
 
-    from slide_train import trainer
+    from slide_train import launch
     calls = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
     for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(k, raising=False)
-    assert trainer.use_expandable_segments() and calls == ["expandable_segments:True"]
+    assert launch.use_expandable_segments() and calls == ["expandable_segments:True"]
     for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.setenv(k, "max_split_size_mb:128")
-        assert not trainer.use_expandable_segments() and len(calls) == 1  # the user's setting stands
+        assert not launch.use_expandable_segments() and len(calls) == 1  # the user's setting stands
         monkeypatch.delenv(k)
 
 
@@ -455,21 +445,21 @@ def binding(text: str) -> dict:
             "why": why.group(1) if why else None}
 
 
-@pytest.mark.parametrize("machine, run, bound, bottleneck", [
+@pytest.mark.parametrize("machine, run, bound", [
     ("rtx4090-pc.yaml", ["--model=olmoe-1b-7b", "--grad_accum=8", "--micro_batch_size=1", "--seq_len=4096",
-                         "--max_grad_norm=1.0"], "gpu", "pcie_h2d"),
+                         "--max_grad_norm=1.0"], "pcie_h2d"),
     ("h200-host.yaml", ["--model=llama-3.1-8b", "--engine.gpu_memory_limit_gb=24", "--micro_batch_size=1",
-                        "--seq_len=32768", "--grad_accum=1"], "gpu", "host_memory"),
+                        "--seq_len=32768", "--grad_accum=1"], "host_memory"),
     ("rtx4090-pc.yaml", ["--model=llama-3.1-8b", "--engine.gpu_memory_limit_gb=16", "--micro_batch_size=1",
-                         "--seq_len=1024", "--grad_accum=1"], "pcie_h2d", "pcie_h2d"),
+                         "--seq_len=1024", "--grad_accum=1"], "pcie_h2d"),
+    ("h100-host.yaml", ["--model=llama-3.1-8b", "--micro_batch_size=1", "--seq_len=4096", "--grad_accum=16"], "gpu"),
 ])
-def test_what_a_plan_says_binds_it_is_what_its_printed_figures_show(capsys, machine, run, bound, bottleneck):
+def test_what_a_plan_says_binds_it_is_what_its_printed_figures_show(capsys, machine, run, bound):
     """Plans whose named bottleneck once contradicted their own figures (one printed "bound by host_memory" where
     the GPU computes 5.42 of the step's 5.81 s). From what is printed: the step is the GPU's compute plus what
-    each stall adds, and the sum of its phases, each the sum of its parts. Where the GPU's compute is the largest
-    share the plan says GPU-bound; otherwise the lane named adds the most, more than the compute. No lane adds
-    more than it is busy. Where the lane named is not the busiest, a line says why, naming both. --json keeps the
-    cost model's bottleneck: the lane that adds the most where that is over 5% of the step."""
+    each stall adds, and the sum of its phases, each the sum of its parts. The lane named is the cost model's
+    bottleneck, as --json has it: the stall that adds the most where that is over 5% of the step, else the GPU.
+    No lane adds more than it is busy. Where the lane named is not the busiest, a line says why, naming both."""
     code, text = plan_cli(capsys, *run, "--machine", str(DOCS / machine))
     shown = binding(text)
     assert code == 0 and shown["bound"] == bound
@@ -479,11 +469,11 @@ def test_what_a_plan_says_binds_it_is_what_its_printed_figures_show(capsys, mach
     assert shown["step"] == pytest.approx(sum(length for length, _ in shown["phases"].values()), abs=0.03)
     for length, parts in shown["phases"].values():
         assert length == pytest.approx(sum(parts.values()), abs=0.02)
-    most = max(shown["adds"], key=shown["adds"].get)
+    most = max(shown["adds"], key=shown["adds"].get, default=None)
     if bound == "gpu":
-        assert shown["gpu"] >= shown["adds"][most]
+        assert most is None or shown["adds"][most] <= 0.05 * shown["step"] + 0.01
     else:
-        assert most == bound and shown["adds"][bound] > shown["gpu"]
+        assert most == bound and shown["adds"][bound] > 0.05 * shown["step"]
     assert all(added <= shown["busy"][lane] + 0.01 for lane, added in shown["adds"].items())
     assert shown["gpu"] == pytest.approx(shown["busy"]["gpu"], abs=0.01)
     busiest = max(shown["busy"], key=shown["busy"].get)
@@ -492,8 +482,22 @@ def test_what_a_plan_says_binds_it_is_what_its_printed_figures_show(capsys, mach
         assert ("GPU's compute" if "gpu" in (bound, busiest) else LANE_WORDS[busiest]) in shown["why"]
     else:
         assert shown["why"] is None
-    assert plan_json(capsys, *run, "--machine", str(DOCS / machine))[1]["bottleneck"] == bottleneck
+    assert plan_json(capsys, *run, "--machine", str(DOCS / machine))[1]["bottleneck"] == bound
     assert not [word for word in ENGINE_WORDS if word in text]
+
+
+def test_the_text_and_the_json_of_llama_8b_on_the_h100_host_name_one_bound(capsys):
+    """Llama-3.1-8B on the H100 host at 8 micro-batches of 2 x 128 tokens: copies to the GPU add over 5% of the
+    step, which --json calls `bottleneck: pcie_h2d`; the text once said GPU-bound there. Now both read the
+    estimate's one field, with clipping acting and not."""
+    for run in (["--model=llama-3.1-8b"],
+                ["--model=llama-3.1-8b", "--seq_len=2048", "--micro_batch_size=1", "--grad_accum=8"]):
+        code, text = plan_cli(capsys, *run, "--machine", str(DOCS / "h100-host.yaml"))
+        _, plan = plan_json(capsys, *run, "--machine", str(DOCS / "h100-host.yaml"))
+        assert code == 0 and plan["bottleneck"] == "pcie_h2d" and binding(text)["bound"] == "pcie_h2d"
+        head = re.search(r"predicted step [^\n]*", text).group(0)
+        assert "GPU-bound" not in head and "bound by copies to the GPU:" in head
+        assert plan["bottleneck_unclipped"] == plan["bottleneck"] and ", then " not in head
 
 
 def test_a_plan_with_a_stall_over_5_percent_says_at_what_grad_accum_none_would_be(capsys):
@@ -549,11 +553,11 @@ def test_auto_measures_the_disk_only_where_the_plan_puts_something_there():
 def test_a_run_of_one_step_says_so_and_a_run_ram_holds_measures_no_disk(tmp_path, capsys, monkeypatch):
     """The default engine.nvme.fraction (auto) on a run that fits in RAM: this machine is resolved without its
     disk (no probe of a folder the run never writes), and nothing is left on disk."""
-    from slide_train import trainer
+    from slide_train import launch
     from slide_train.cli import main
 
     asked = []
-    monkeypatch.setattr(trainer, "resolve_machine",
+    monkeypatch.setattr(launch, "resolve_machine",
                         lambda path, disk_dir=None: asked.append(disk_dir) or load_machine(TEST_MACHINE))
     assert main(["finetune", "--steps=1", "--seq_len=32", "--micro_batch_size=2", "--grad_accum=1",
                  "--export=false", f"--output_dir={tmp_path / 'run'}", "--no-progress"]) == 0

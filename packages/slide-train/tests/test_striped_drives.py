@@ -112,6 +112,8 @@ def test_a_run_over_two_folders_gives_one_folders_weights_and_each_holds_its_sha
     on_disk = {"engine.nvme.fraction": 1.0, "engine.activation_offload": "disk"}
     runs = {}
     for name, folders in (("one", [tmp_path / "d0"]), ("two", [tmp_path / "d1", tmp_path / "d2"])):
+        for folder in folders:
+            folder.mkdir()
         cfg = slide_config(tmp_path / name, tmp_path / "model", tmp_path / "data.jsonl", **on_disk,
                            **{"engine.nvme.dir": "[" + ", ".join(map(str, folders)) + "]"})
         trainer = Trainer(cfg, progress=False)

@@ -17,11 +17,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from slide_train.config import load_config
+from slide_train.launch import plan_run
 from slide_train.machines import load_machine
 from slide_train.models.adapter import HFStack
 from slide_train.models.build import load_model
 from slide_train.models.tiling import tile_layer
-from slide_train.trainer import Trainer, plan_run
+from slide_train.trainer import Trainer
 
 # The norms each family's tiled MLP applies tile by tile (Llama's shape: the post-attention norm before it)
 MLP_NORMS = {"gemma2": ["pre_feedforward_layernorm", "post_feedforward_layernorm"],

@@ -11,11 +11,12 @@ import pathlib
 import pytest
 
 from slide_scheduler import HOST
+from slide_train.budgets import budgets_for
 from slide_train.config import load_config
+from slide_train.launch import facts_of, make_plan, model_shapes
 from slide_train.machines import load_machine
 from slide_train.models.build import load_model
 from slide_train.models.presets import PRESETS
-from slide_train.plan import budgets_for, facts_of, make_plan, model_shapes
 
 MACHINES = sorted((pathlib.Path(__file__).resolve().parents[3] / "docs" / "machines").glob("*.yaml"))
 CAPS_GIB = (16, 24)  # GPU memory caps: consumer cards' sizes

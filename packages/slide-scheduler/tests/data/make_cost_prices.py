@@ -22,12 +22,12 @@ from slide_scheduler import Machine
 from slide_scheduler.choices import arrange
 from slide_scheduler.cost import price
 from slide_scheduler.placement import Placement, RunFacts, Shapes, StepShape
+from slide_train.budgets import budgets_for
 from slide_train.config import load_config
+from slide_train.launch import facts_of, make_plan, model_shapes, plan_run
 from slide_train.machines import load_machine
 from slide_train.models.build import load_model
 from slide_train.models.presets import PRESETS
-from slide_train.plan import budgets_for, facts_of, make_plan, model_shapes
-from slide_train.trainer import plan_run
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[3]

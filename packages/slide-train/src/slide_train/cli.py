@@ -73,10 +73,10 @@ def cmd_plan(args, overrides) -> int:
     import json
 
     from .disk_tier import nvme_dirs, on_drives
+    from .launch import measured_machine, plan_run
     from .machines import resolve_machine
     from .models.build import check_fits, load_model
     from .plan import advice, aux_loss_text, checkpoint_cost, describe, drive_figures, params_text
-    from .trainer import measured_machine, plan_run
 
     cfg = load_config(args.config, overrides)
     named = args.machine or os.environ.get("SLIDE_MACHINE")
@@ -124,8 +124,7 @@ def longest(cfg, model, machine, nproc: int):
 
     from slide_scheduler import StepShape, longest_rows
 
-    from .plan import overrides_of
-    from .trainer import plan_run
+    from .launch import overrides_of, plan_run
 
     limit = getattr(model.hf_config, "max_position_embeddings", None) or 1 << 22
     plan = plan_run(cfg, model, machine, running=False, ranks=nproc)[0]  # (the stack, the run and the budgets)

@@ -23,6 +23,7 @@ from slide_scheduler import DISK, GPU, HOST, Overrides, activation_tier
 
 from .data import FORMATS, DataConfig
 from .data.config import check_config as check_data_config
+from .disk_tier import parse_folders
 from .errors import ConfigError
 
 
@@ -185,7 +186,8 @@ KEY_HELP = {
                                  "(files); auto: the fastest that fits, as the plan prices them (the older words "
                                  "none, cpu, nvme still name gpu, host, disk)",
     "engine.nvme.dir": "scratch folder for what the placement puts on disk, or a list of folders (one per drive) "
-                       "to stripe it over; null: the machine file's drives' folders (disks:), else <output_dir>/nvme",
+                       "to stripe it over, each an existing folder (a run never makes it); null: the machine file's "
+                       "drives' folders (disks:), else <output_dir>/nvme",
     "engine.nvme.fraction": "share of the sliding blocks whose masters and AdamW moments live on disk, in [0, 1]; "
                             "auto: the least share that fits the host's memory (0 where it holds the run, and with "
                             "data-parallel ranks)",
@@ -321,17 +323,6 @@ def _coerce(kind, value, key: str):
     return value
 
 
-def nvme_folders(value: str | list[str]) -> str | list[str]:
-    """engine.nvme.dir as given, `~` expanded: one folder, or a list of folders, one per drive (each named once)."""
-    folders = [value] if isinstance(value, str) else value
-    if not folders or any(not isinstance(f, str) or not f.strip() for f in folders):
-        raise ConfigError(f"engine.nvme.dir must be a folder or a list of folders (one per drive), got {value!r}")
-    folders = [os.path.expanduser(f) for f in folders]
-    if len({os.path.normpath(f) for f in folders}) < len(folders):
-        raise ConfigError(f"engine.nvme.dir names a folder twice: {', '.join(folders)} (one folder per drive)")
-    return folders[0] if isinstance(value, str) else folders
-
-
 def validate(cfg: TrainConfig) -> TrainConfig:
     # Paths: a leading ~ is the home directory, as for `model` (a shell leaves `--key=~/x` unexpanded).
     cfg.output_dir = os.path.expanduser(cfg.output_dir)
@@ -339,9 +330,20 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         cfg.data.path = os.path.expanduser(cfg.data.path)
     if cfg.resume not in (None, "auto"):
         cfg.resume = os.path.expanduser(cfg.resume)
+    if cfg.engine.nvme.dir is not None:
+        cfg.engine.nvme.dir = parse_folders(cfg.engine.nvme.dir)
     # The activations' tier in the states' words: a config (or a checkpoint's saved one) may give the older none,
     # cpu or nvme
     cfg.engine.activation_offload = activation_tier(cfg.engine.activation_offload)
+    _check_values(cfg)
+    check_placement(cfg.engine.placement, cfg.engine.states_dtype)
+    _check_combinations(cfg)
+    check_data_config(cfg.data, cfg.seq_len, cfg.micro_batch_size)  # also for `slide-train plan`, which reads no data
+    return cfg
+
+
+def _check_values(cfg: TrainConfig) -> None:
+    """Each key's value alone: one of its choices, or within its range."""
     for key, allowed in CHOICES.items():
         value = get_key(cfg, key)
         if value not in allowed:
@@ -362,9 +364,26 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"optimizer.eps must be positive, got {cfg.optimizer.eps}")
     if not 0 <= cfg.schedule.min_lr_ratio <= 1:
         raise ConfigError(f"schedule.min_lr_ratio must be in [0, 1], got {cfg.schedule.min_lr_ratio}")
-    check_placement(cfg.engine.placement, cfg.engine.states_dtype)
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", cfg.engine.device):
         raise ConfigError(f"engine.device must be auto, cpu, cuda or cuda:N; got {cfg.engine.device!r}")
+    if not all(0 <= b < 1 for b in cfg.optimizer.betas):
+        raise ConfigError(f"optimizer.betas must be in [0, 1), got {cfg.optimizer.betas}")
+    if cfg.max_grad_norm is not None and cfg.max_grad_norm <= 0:
+        raise ConfigError("max_grad_norm must be positive, or null to disable clipping")
+    if cfg.epochs is not None and cfg.epochs <= 0:
+        raise ConfigError(f"epochs must be positive, got {cfg.epochs}")
+    fraction = cfg.engine.nvme.fraction
+    if fraction != "auto" and (isinstance(fraction, str) or not 0.0 <= fraction <= 1.0):
+        raise ConfigError("engine.nvme.fraction is the share of sliding blocks whose masters and AdamW states live on "
+                          f"disk: it must be in [0, 1], or auto, got {fraction}")
+    if cfg.engine.gpu_memory_limit_gb is not None and cfg.engine.gpu_memory_limit_gb <= 0:
+        raise ConfigError("engine.gpu_memory_limit_gb must be positive, or null for no cap")
+    if cfg.engine.host_memory_limit_gb is not None and cfg.engine.host_memory_limit_gb <= 0:
+        raise ConfigError("engine.host_memory_limit_gb must be positive, or null for no cap")
+
+
+def _check_combinations(cfg: TrainConfig) -> None:
+    """Keys that contradict each other."""
     if cfg.overwrite and cfg.resume is not None:
         raise ConfigError(f"overwrite=true deletes the run that resume={cfg.resume} would continue: choose one")
     if cfg.resume is not None and cfg.resume.lower() in ("on", "off", "true", "false", "yes", "no", ""):
@@ -375,27 +394,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.checkpoint.keep == 0 and cfg.checkpoint.every:
         raise ConfigError(f"checkpoint.every={cfg.checkpoint.every} with checkpoint.keep=0 (no checkpoints): set "
                           "keep to 1 or more, or every to 0")
-    if not all(0 <= b < 1 for b in cfg.optimizer.betas):
-        raise ConfigError(f"optimizer.betas must be in [0, 1), got {cfg.optimizer.betas}")
-    if cfg.max_grad_norm is not None and cfg.max_grad_norm <= 0:
-        raise ConfigError("max_grad_norm must be positive, or null to disable clipping")
-    if cfg.epochs is not None and cfg.epochs <= 0:
-        raise ConfigError(f"epochs must be positive, got {cfg.epochs}")
-    fraction = cfg.engine.nvme.fraction
-    if fraction != "auto" and (isinstance(fraction, str) or not 0.0 <= fraction <= 1.0):
-        raise ConfigError("engine.nvme.fraction is the share of sliding blocks whose masters and AdamW states live on "
-                          "disk: it "
-                          f"must be in [0, 1], or auto, got {fraction}")
-    if cfg.engine.nvme.dir is not None:
-        cfg.engine.nvme.dir = nvme_folders(cfg.engine.nvme.dir)
-    if cfg.engine.gpu_memory_limit_gb is not None and cfg.engine.gpu_memory_limit_gb <= 0:
-        raise ConfigError("engine.gpu_memory_limit_gb must be positive, or null for no cap")
-    if cfg.engine.host_memory_limit_gb is not None and cfg.engine.host_memory_limit_gb <= 0:
-        raise ConfigError("engine.host_memory_limit_gb must be positive, or null for no cap")
     if cfg.eval_every and cfg.data.eval_fraction <= 0:
         raise ConfigError("eval_every needs a validation split: set data.eval_fraction (e.g. 0.05)")
-    check_data_config(cfg.data, cfg.seq_len, cfg.micro_batch_size)  # also for `slide-train plan`, which reads no data
-    return cfg
 
 
 def check_placement(overrides: dict, states_dtype: str, cls=None) -> None:

@@ -1,5 +1,5 @@
-"""The run's NVMe tier (engine.nvme): whether the config puts anything on disk, the folders its files go to (one
-per drive), the machine file's drive each folder is on, and the scratch a stopped run left there."""
+"""The run's NVMe tier (engine.nvme): the folders its files go to (one per drive), read and checked here once,
+the machine file's drive each folder is on, and the scratch a stopped run left there."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import dataclasses
 import os
 import pathlib
 import warnings
+from typing import TYPE_CHECKING
 
 from slide_scheduler import (
     DISK,
@@ -18,13 +19,27 @@ from slide_scheduler import (
     unit_share,
 )
 
-from .config import TrainConfig
-from .space import Size
+from .errors import ConfigError
+from .space import Size, check_writable
+
+if TYPE_CHECKING:  # (config.py reads engine.nvme.dir with `parse_folders`)
+    from .config import TrainConfig
 
 # The default home of the NVMe tier (engine.nvme.dir), under output_dir: scratch, whose contents the checkpoints
 # hold, so what a killed process left there is removed when the next run in the folder starts.
 NVME_DIR = "nvme"
 STATES_DIR, ACTIVATIONS_DIR = "states", "activations"  # its two folders
+
+
+def parse_folders(value: str | list[str]) -> str | list[str]:
+    """engine.nvme.dir as given, `~` expanded: one folder, or a list of folders, one per drive (each named once)."""
+    folders = [value] if isinstance(value, str) else value
+    if not folders or any(not isinstance(f, str) or not f.strip() for f in folders):
+        raise ConfigError(f"engine.nvme.dir must be a folder or a list of folders (one per drive), got {value!r}")
+    folders = [os.path.expanduser(f) for f in folders]
+    if len({os.path.normpath(f) for f in folders}) < len(folders):
+        raise ConfigError(f"engine.nvme.dir names a folder twice: {', '.join(folders)} (one folder per drive)")
+    return folders[0] if isinstance(value, str) else folders
 
 
 def nvme_dirs(cfg: TrainConfig, machine: Machine | None = None) -> list[pathlib.Path]:
@@ -41,6 +56,34 @@ def nvme_dirs(cfg: TrainConfig, machine: Machine | None = None) -> list[pathlib.
 def nvme_dir(cfg: TrainConfig, machine: Machine | None = None) -> pathlib.Path:
     """The tier's (first) folder."""
     return nvme_dirs(cfg, machine)[0]
+
+
+def check_folders(cfg: TrainConfig, machine: Machine | None = None) -> list[pathlib.Path]:
+    """The tier's folders, checked before anything is written to them: a folder the user named (engine.nvme.dir,
+    or the machine file's drives) must exist and take files. It is never made by the run: on a drive that is not
+    mounted it would fill the disk above. The run's own folder under output_dir is made once the run starts.
+    Returns the folders."""
+    folders = nvme_dirs(cfg, machine)
+    if not cfg.engine.nvme.dir and not (machine is not None and machine.disks):
+        check_writable("output_dir", folders[0])
+        return folders
+    key = "engine.nvme.dir" if cfg.engine.nvme.dir else "the machine file's disks"
+    for folder in folders:
+        if not folder.is_dir():
+            what = "is not a folder" if folder.exists() else "does not exist"
+            raise ConfigError(f"{key}: {folder} {what}; the disk tier's folders are not made by a run (on a drive "
+                              f"that is not mounted one would fill the disk above it): create it on the drive you "
+                              f"mean, or set engine.nvme.dir to an existing folder")
+        check_writable(key, folder)
+    return folders
+
+
+def existing_parent(folder: pathlib.Path) -> pathlib.Path:
+    """`folder`, or the nearest folder above it that exists (where a folder yet to be made is measured)."""
+    folder = folder.absolute()
+    while not folder.exists() and folder.parent != folder:
+        folder = folder.parent
+    return folder
 
 
 def folders_text(folders: list[pathlib.Path]) -> str:
@@ -117,3 +160,21 @@ def tier_wants(p: Placement, engine_cfg: EngineConfig) -> list[tuple[str, pathli
         states = sum(unit_share(p, u).size for u in p.on_disk if p.drive_of(u) == drive)
         out.append(("AdamW states on disk (engine.nvme.dir)", pathlib.Path(folder), Size(states)))
     return out
+
+
+def slow_disk_warning(record: dict, machine: Machine, cfg: TrainConfig) -> str | None:
+    """Where a step's NVMe tier moved its bytes much slower than the machine file's disk figures (the plan's
+    prediction, and every step, rest on them): what to tell the user; None otherwise."""
+    busy, read, written = (record.get(k, 0.0) for k in ("disk_busy_s", "disk_read_gb", "disk_written_gb"))
+    disk = machine.disk
+    if not busy or not (read or written) or not (disk.read_gbps and disk.write_gbps):  # (no figures: no promise)
+        return None
+    expected = read / disk.read_gbps + written / disk.write_gbps
+    if busy <= 1.5 * expected or busy - expected <= 0.5:
+        return None
+    folder = nvme_dir(cfg)
+    return (f"step {record['step']}: the NVMe tier under {folder} moved {read:.2f} GB in and {written:.2f} GB out "
+            f"in {busy:.1f} s ({(read + written) / busy:.2f} GB/s); the machine file says {disk.read_gbps:g} GB/s "
+            f"read and {disk.write_gbps:g} GB/s write ({expected:.1f} s), so steps run slower than the plan's "
+            f"{record['predicted_step_s']:.1f} s. `slide-train probe --disk {folder}` measures this disk, or set "
+            "engine.nvme.dir on a faster one")

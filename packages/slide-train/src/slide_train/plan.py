@@ -1,42 +1,19 @@
-"""A run's plan: slide-scheduler's placement and cost model for this model, step, budgets and machine, in the
-words of the config (what each tier holds, the predicted step, what would make a run that does not fit fit)."""
+"""A run's plan in words, for the run's start and `slide-train plan` (its text, and the parts of `--json` the
+scheduler's `Plan.to_dict` leaves out): what each tier holds, the predicted step and what binds it, and what would
+make a run that does not fit fit. The plan itself is made by the launch (launch.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import os
 
-from slide_scheduler import (
-    DISK,
-    GPU,
-    HOST,
-    Budgets,
-    Machine,
-    Overrides,
-    Plan,
-    RunFacts,
-    Shapes,
-    StepShape,
-    Suggestion,
-    compute_bound_step,
-    disk_traffic,
-    drive_shares,
-    place,
-    run_facts,
-    seconds_on,
-    shapes_of,
-    suggest,
-)
+from slide_scheduler import DISK, GPU, HOST, Machine, Plan, Suggestion, disk_traffic, drive_shares, seconds_on
 
-from .config import TrainConfig, expert_fields
+from .budgets import host_limit_problem
+from .config import TrainConfig
 from .disk_tier import folders_text, nvme_dirs
-from .errors import ConfigError, plural
-from .export import export_dtype, export_held_bytes
+from .errors import plural
 
 GIB = 2**30
-GPU_USABLE = 0.92  # of a card or a cap: the rest for the CUDA context and what the plan does not see
-HOST_USABLE = 0.95  # of host memory: the rest for the operating system and the data pipeline
 
 
 def params_text(count: int) -> str:
@@ -52,99 +29,6 @@ def aux_loss_text(cfg: TrainConfig, hf_config) -> str:
            "their mean over the step's micro-batches, as a loop of model(ids, labels=ids).loss / grad_accum has it")
     return (f"; load-balancing loss x {hf_config.router_aux_loss_coef:g}: {how} "
             f"(router_aux_loss={cfg.router_aux_loss})")
-
-
-def model_shapes(model, stack, ranks: int = 1) -> Shapes:
-    hf = model.hf_config
-    intermediate = getattr(hf, "moe_intermediate_size", None) or getattr(hf, "intermediate_size", 0) or 0
-    # A mixture of experts: each token's MLP activations and FLOPs are those of the experts it is routed to
-    routed = getattr(hf, "num_experts_per_tok", None) or 1
-    intermediate *= routed
-    # (a mixture's active parameters per block are the adapter's word: HFStack.active_numel)
-    shapes = shapes_of(stack, hidden=hf.hidden_size, intermediate=intermediate, vocab=hf.vocab_size, ranks=ranks)
-    # Attention's width (query heads x head dim) and each layer's window, for its FLOPs
-    heads = getattr(hf, "num_attention_heads", 0) or 0
-    head_dim = getattr(hf, "head_dim", None) or (hf.hidden_size // heads if heads else 0)
-    windows = getattr(stack, "windows", None)
-    kinds = getattr(stack, "layer_types", None)
-    return dataclasses.replace(
-        shapes, attention_width=heads * head_dim,
-        windows=tuple(int(windows.get(kind) or 0) for kind in kinds) if windows and kinds else ())
-
-
-def unit_of(name: str) -> int:
-    """'edges' -> 0, 'block.<i>' -> 1 + i."""
-    return 0 if name == "edges" else 1 + int(name.removeprefix("block."))
-
-
-def overrides_of(cfg: TrainConfig, num_blocks: int) -> Overrides:
-    """The config's expert keys as slide-scheduler's `Overrides`: engine.placement's, each to its field of that
-    name (resident's unit names as units), and engine.nvme.fraction's share."""
-    o = {key: value for key, value in cfg.engine.placement.items() if key in expert_fields()}
-    resident = o.get("resident")
-    if isinstance(resident, list):
-        resident = tuple(sorted(unit_of(name) for name in resident))
-        if resident and resident[-1] > num_blocks:
-            raise ConfigError(f"engine.placement.resident names block.{resident[-1] - 1}, but this model has blocks "
-                              f"0 to {num_blocks - 1}")
-    elif resident is not None and resident > num_blocks + 1:
-        raise ConfigError(f"engine.placement.resident={resident}, but this model has {num_blocks + 1} units (the "
-                          f"edges and {num_blocks} blocks): use at most {num_blocks + 1}")
-    fraction = cfg.engine.nvme.fraction
-    return Overrides(**{**o, "resident": resident, "nvme_fraction": None if fraction == "auto" else fraction})
-
-
-def facts_of(cfg: TrainConfig, device: str, ranks: int = 1) -> RunFacts:
-    """The run's facts from its config, for `device` (a name this machine need not have: `plan` prices another)."""
-    e = cfg.engine
-    return run_facts(device=device, compute_dtype=e.compute_dtype, states_dtype=e.states_dtype,
-                     max_grad_norm=cfg.max_grad_norm, activation_offload=e.activation_offload, ranks=ranks,
-                     here=False)
-
-
-def budgets_for(machine: Machine, cuda: bool, cap_gib: float | None, card_gib: float | None = None,
-                ranks_here: int = 1, host_cap_gib: float | None = None, ram_gib: float | None = None) -> Budgets:
-    """Each budget is the smaller of the machine's figure and the config's cap (and, running, the card or the RAM
-    here); a GPU's is one rank's, the host's shared by the `ranks_here` ranks on it."""
-    gpu = None
-    if cuda:
-        sizes = [x for x in (machine.gpu.memory_gib or None, cap_gib, card_gib) if x]
-        gpu = GPU_USABLE * min(sizes) * GIB if sizes else None
-    sizes = [x for x in (machine.host.memory_gib or None, host_cap_gib, ram_gib) if x]
-    host = HOST_USABLE * min(sizes) * GIB / ranks_here if sizes else None
-    # (0: not measured here; several drives: their space together, the placement keeps each drive's share in its own)
-    free = sum(d.free_gib for d in machine.drives) if all(d.free_gib for d in machine.drives) else 0
-    disk = free * GIB if free else None
-    return Budgets(gpu=gpu, host=host, disk=disk)
-
-
-def host_extras(cfg: TrainConfig, tensors: list[tuple[str, tuple[int, ...]]], model_dtype) -> tuple:
-    """What the run holds in host memory besides the engine's buffers and the runtime, by name, for the plan to
-    count with them: at the end, while the engine still holds everything, the export's copies of one shard in its
-    dtype (`tensors`: what it writes, (HF name, shape) in order). Loading the weights holds one tensor as read,
-    but before the engine allocates its gradients, moments and activations, so never at the peak."""
-    held = export_held_bytes(tensors, export_dtype(cfg.export_dtype, model_dtype)) if cfg.export else 0
-    return (("export shard", held),) if held else ()
-
-
-def host_limit_problem(plan: Plan, cfg: TrainConfig) -> str | None:
-    """Where host memory does not fit a budget that engine.host_memory_limit_gb set: a line that says so."""
-    cap, b = cfg.engine.host_memory_limit_gb, plan.budgets
-    if cap is None or b.host is None or plan.placement.bytes(HOST) <= b.host:
-        return None
-    return (f"engine.host_memory_limit_gb={cap:g} sets that budget ({HOST_USABLE:.0%} of it, the rest for the "
-            f"data pipeline and the operating system)")
-
-
-def make_plan(cfg: TrainConfig, shapes: Shapes, machine: Machine, run: RunFacts, budgets: Budgets,
-              nvme_fraction: float | None = None, disk_loads: bool | None = None) -> Plan:
-    """The run's plan (slide-scheduler's planner: with engine.nvme.fraction `auto`, the least share on disk that
-    fits host memory); `nvme_fraction` and `disk_loads` replace the config's choice where given."""
-    step = step_of(cfg)
-    overrides = overrides_of(cfg, shapes.num_blocks)
-    if nvme_fraction is not None:
-        overrides = dataclasses.replace(overrides, nvme_fraction=nvme_fraction)
-    return place(shapes, step, run, budgets, machine, dataclasses.replace(overrides, disk_loads=disk_loads))
 
 
 def checkpoint_cost(plan: Plan, machine: Machine) -> tuple[int, float | None]:
@@ -205,21 +89,6 @@ GRADIENT_WORDS = {"slot": "gradient stays where it is made", "held": "gradient k
                   "pool": "gradient in host memory shared with the boundary activations",
                   "ring": "gradient in a host buffer shared by the blocks",
                   "own": "gradient in a host buffer of its own", "disk": "gradient on disk"}
-
-
-def step_of(cfg: TrainConfig) -> StepShape:
-    return StepShape(cfg.micro_batch_size * cfg.seq_len, cfg.grad_accum, cfg.seq_len)
-
-
-def advise(plan: Plan, cfg: TrainConfig, shapes: Shapes, machine: Machine, run: RunFacts, budgets: Budgets) -> Plan:
-    """What the plan advises, from the planner: where it does not fit, the settings near it that do; where it
-    fits but another lane than the compute binds it, the grad_accum at which the compute would."""
-    step, overrides = step_of(cfg), overrides_of(cfg, shapes.num_blocks)
-    if not plan.fits:
-        plan.suggestions = suggest(shapes, step, run, budgets, machine, overrides)
-    elif plan.estimate.bottleneck not in ("gpu", "compute"):
-        plan.compute_bound = compute_bound_step(shapes, step, run, budgets, machine, overrides, most=MORE_TOKENS)
-    return plan
 
 
 def config_value(name: str, value):
@@ -299,31 +168,24 @@ def _advice_lines(plan: Plan, cfg: TrainConfig) -> list[str]:
     return [note + "these settings fit, with their predicted step:", *(suggestion_line(s, plan) for s in ordered)]
 
 
-def refuse(plan: Plan, cfg: TrainConfig) -> None:
-    """Raise a ConfigError naming what does not fit and the settings near it that would (`advise` found them)."""
-    if not plan.fits:
-        raise ConfigError(refusal(plan, cfg))
-
-
 def lane_word(lane: str) -> str:
     return LANE_WORDS.get(lane, lane.replace("_", " "))
 
 
-def binding_lane(plan: Plan) -> str:
-    """The lane the plan says binds the step: the device's compute where it is the largest share of the step
-    (every other lane then only stalls it), else the lane that adds the most to it."""
-    e = plan.estimate
-    compute = "compute" if plan.placement.device_is_host else "gpu"
-    worst = max((lane for lane in e.critical if lane != compute), key=e.critical.get, default=compute)
-    return compute if e.critical[compute] >= e.critical.get(worst, 0.0) else worst
+def bound_words(estimate, compute: str, device: str) -> str:
+    """What binds a step, in words, from the estimate's `bottleneck` (the field `--json` prints): the device's
+    compute where no lane adds over STALL_SHARE of the step beyond it, else the lane that adds the most."""
+    if estimate.bottleneck == compute:
+        return f"{device.removeprefix('the ')}-bound"
+    return f"bound by {lane_word(estimate.bottleneck)}"
 
 
 def prediction_lines(plan: Plan) -> list[str]:
     """The predicted step, what binds it and the figures that show it: the step is the sum of its phases; each
     phase lasts as long as its slowest lane, of which the device's compute is its own and the rest is what
-    another lane adds (a stall). Where the compute is the largest share the step is GPU-bound (CPU-bound on the
-    CPU), and each stall is named with what it adds; otherwise the lane that adds the most binds it. Where the
-    lane named is not the busiest, a line says why."""
+    another lane adds (a stall). The step is bound by the lane that adds the most where that is over
+    STALL_SHARE of it, else GPU-bound (CPU-bound on the CPU): the estimate's `bottleneck`, as `--json` says.
+    Where the lane named is not the busiest, a line says why."""
     p, e, u = plan.placement, plan.estimate, plan.estimate_unclipped
     compute = "compute" if p.device_is_host else "gpu"
     device = "the CPU" if p.device_is_host else "the GPU"
@@ -335,14 +197,13 @@ def prediction_lines(plan: Plan) -> list[str]:
     def shown(seconds: float) -> bool:  # (what would print as zero is left out)
         return round(seconds * scale, digits) > 0
 
-    clipped = f" (clipping acts; {num(u.step_s)} {unit} when it does not)" if p.clips else ""
+    unclipped = "" if u.bottleneck == e.bottleneck else f", then {bound_words(u, compute, device)}"
+    clipped = f" (clipping acts; {num(u.step_s)} {unit} when it does not{unclipped})" if p.clips else ""
     added = sorted(((lane, s) for lane, s in e.critical.items() if lane != compute and shown(s)),
                    key=lambda item: -item[1])
     stalls = ", ".join(f"{lane_word(lane)} {num(s)} {unit}" for lane, s in added)
-    bound = binding_lane(plan)
-    lines = [f"  predicted step {num(e.step_s)} {unit}{clipped}, "
-             + (f"{device.removeprefix('the ')}-bound" if bound == compute else f"bound by {lane_word(bound)}")
-             + f": {device} computes {num(e.critical[compute])} {unit} of it ({e.critical[compute] / e.step_s:.0%})"
+    lines = [f"  predicted step {num(e.step_s)} {unit}{clipped}, {bound_words(e, compute, device)}: {device} "
+             f"computes {num(e.critical[compute])} {unit} of it ({e.critical[compute] / e.step_s:.0%})"
              + (f"; stalls add {num(sum(s for _, s in added))} {unit}: {stalls}" if added else "; nothing stalls it")]
     lines.append("    " + "; ".join(
         f"{PHASE_WORDS.get(name, name)} {num(e.phases[name])} {unit} = "
@@ -350,23 +211,30 @@ def prediction_lines(plan: Plan) -> list[str]:
         for name in e.phases if shown(e.phases[name])))
     lines.append("    busy per step: " + ", ".join(f"{lane_word(lane)} {num(busy)} {unit}"
                                                   for lane, busy in e.lanes.items()))
-    busiest = max(e.lanes, key=e.lanes.get)
-    if busiest != bound:
-        rule = "the step is the sum of its phases, each as long as its slowest lane"
-        if bound == compute:
-            why = (f"{lane_word(busiest)}: busy longer than {device}'s compute ({num(e.lanes[busiest])} {unit} "
-                   f"against {num(e.lanes[compute])} {unit}), but {rule}, and most of it runs beside "
-                   f"{device}'s work: it adds {num(e.critical.get(busiest, 0.0))} {unit}")
-        else:
-            where = [PHASE_WORDS.get(name, name) for name, parts in e.setters.items() if parts.get(bound, 0) > 0]
-            than = f"{device}'s compute" if busiest == compute else lane_word(busiest)
-            why = (f"{lane_word(bound)}: busy less than {than} ({num(e.lanes[bound])} {unit} against "
-                   f"{num(e.lanes[busiest])} {unit}), but {rule}: in the {' and the '.join(where)} it outlasts "
-                   f"{device}'s work, by {num(e.critical[bound])} {unit} in all"
-                   + ("" if busiest == compute
-                      else f", while {lane_word(busiest)} adds {num(e.critical.get(busiest, 0.0))} {unit}"))
-        lines.append("    " + why)
-    return lines
+    why = why_line(plan, num, unit)
+    return lines + ([f"    {why}"] if why else [])
+
+
+def why_line(plan: Plan, num, unit: str) -> str | None:
+    """Where the lane that binds the step is not the busiest: why, in one line (`num`: seconds as printed)."""
+    p, e = plan.placement, plan.estimate
+    compute = "compute" if p.device_is_host else "gpu"
+    device = "the CPU" if p.device_is_host else "the GPU"
+    bound, busiest = e.bottleneck, max(e.lanes, key=e.lanes.get)
+    if busiest == bound:
+        return None
+    rule = "the step is the sum of its phases, each as long as its slowest lane"
+    if bound == compute:
+        return (f"{lane_word(busiest)}: busy longer than {device}'s compute ({num(e.lanes[busiest])} {unit} against "
+                f"{num(e.lanes[compute])} {unit}), but {rule}, and most of it runs beside {device}'s work: it adds "
+                f"{num(e.critical.get(busiest, 0.0))} {unit}")
+    where = [PHASE_WORDS.get(name, name) for name, parts in e.setters.items() if parts.get(bound, 0) > 0]
+    than = f"{device}'s compute" if busiest == compute else lane_word(busiest)
+    return (f"{lane_word(bound)}: busy less than {than} ({num(e.lanes[bound])} {unit} against "
+            f"{num(e.lanes[busiest])} {unit}), but {rule}: in the {' and the '.join(where)} it outlasts "
+            f"{device}'s work, by {num(e.critical[bound])} {unit} in all, over {STALL_SHARE:.0%} of the step"
+            + ("" if busiest == compute
+               else f", while {lane_word(busiest)} adds {num(e.critical.get(busiest, 0.0))} {unit}"))
 
 
 def unit_lines(p) -> list[str]:
@@ -436,23 +304,13 @@ def drive_lines(plan: Plan, machine: Machine) -> list[str]:
     return lines
 
 
-def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None = None) -> str:
-    """The plan as a user reads it: residency, each tier's contents, the prediction and what binds it, with
-    `machine` what a checkpoint costs, with `cfg` where the disk tier's folder is; where it does not fit, the
-    settings near it that do, and where it fits but the GPU does not bind it, the grad_accum at which it would."""
-    p, b = plan.placement, plan.budgets
-    sliding = len(p.sliding_blocks)
-    tiers = p.tiers()
+def counted(n: int, one: str, many: str) -> str:  # "1 block updates", "2 blocks update"
+    return f"{n} {one if n == 1 else many}"
 
-    def tier_line(tier: str, budget: float | None) -> str:
-        parts = ", ".join(f"{CONTENT_WORDS.get(kind, kind)} {nbytes / GIB:.2f}" for kind, nbytes in tiers[tier].items()
-                          if round(nbytes / GIB, 2))  # (a few bytes, the loss and norms: no 0.00)
-        cap = "" if budget is None else f" of {budget / GIB:.1f} usable"
-        return f"  {TIER_WORDS.get(tier, tier)} ~{p.bytes(tier) / GIB:.1f} GiB{cap}: {parts or 'nothing'}"
 
-    def counted(n: int, one: str, many: str) -> str:  # "1 block updates", "2 blocks update"
-        return f"{n} {one if n == 1 else many}"
-
+def residency_lines(p) -> list[str]:
+    """What is resident and what slides, how the sliding blocks update and keep their states, and one line per
+    run of units placed alike."""
     streamed, only_moments = len(p.streamed - {0}), len(p.on_disk - p.masters_on_disk)
     parts = [] if p.device_is_host else [
         counted(streamed, "sliding block updates on the GPU", "sliding blocks update on the GPU"),
@@ -468,26 +326,38 @@ def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None
     if p.speculated:
         parts.append(counted(len(p.speculated), "speculates", "speculate"))
     device = "host memory (CPU run)" if p.device_is_host else "the GPU"
-    lines = [f"plan: {len(p.resident)} of {plural(len(p.units), 'unit')} resident on {device}, {sliding} sliding "
-             f"through {plural(p.window, 'slot')}; " + ", ".join(parts)]
+    lines = [f"plan: {len(p.resident)} of {plural(len(p.units), 'unit')} resident on {device}, "
+             f"{len(p.sliding_blocks)} sliding through {plural(p.window, 'slot')}; " + ", ".join(parts)]
     groups = unit_lines(p)
     if len(groups) > 8:
         groups = [f"    ({len(groups)} runs of units placed alike: `plan --json` lists each unit)"]
-    lines += groups
-    if p.shapes.mixed:
-        lines.append(block_sizes_line(p))
+    return lines + groups
+
+
+def tier_lines(plan: Plan) -> list[str]:
+    """Where the boundary activations wait, the MLP's sequence tiles, and each tier's bytes by what they hold."""
+    p, b, tiers = plan.placement, plan.budgets, plan.placement.tiers()
+    lines = [block_sizes_line(p)] if p.shapes.mixed else []
     where = {tier: p.boundaries_in(tier) for tier in ACTIVATIONS_WHERE if p.boundaries_in(tier)}
     lines.append("  boundary activations: " + (f"{ACTIVATIONS_WHERE[p.activations]}" if len(where) == 1 else ", ".join(
         f"{counted(n, 'block', 'blocks')}' {ACTIVATIONS_WHERE[tier]}" for tier, n in where.items())))
     if p.sequence_tile:
         lines.append(f"  each block's MLP runs over tiles of {p.sequence_tile:,} positions (rows of "
                      f"{p.step.seq_len or p.step.tokens_per_micro:,}), each recomputed in the backward")
-    if not p.device_is_host:
-        lines.append(tier_line(GPU, b.gpu))
-    lines.append(tier_line(HOST, b.host))
-    if p.bytes(DISK):
-        lines.append(tier_line(DISK, b.disk))
-    lines += prediction_lines(plan)
+    for tier, budget in ((GPU, b.gpu), (HOST, b.host), (DISK, b.disk)):
+        if (tier == GPU and p.device_is_host) or (tier == DISK and not p.bytes(DISK)):
+            continue
+        parts = ", ".join(f"{CONTENT_WORDS.get(kind, kind)} {nbytes / GIB:.2f}" for kind, nbytes in tiers[tier].items()
+                          if round(nbytes / GIB, 2))  # (a few bytes, the loss and norms: no 0.00)
+        cap = "" if budget is None else f" of {budget / GIB:.1f} usable"
+        lines.append(f"  {TIER_WORDS.get(tier, tier)} ~{p.bytes(tier) / GIB:.1f} GiB{cap}: {parts or 'nothing'}")
+    return lines
+
+
+def disk_lines(plan: Plan, machine: Machine | None, cfg: TrainConfig | None) -> list[str]:
+    """The disk tier's traffic per step and its folders, each drive's share and wear, the I/O path, and what a
+    checkpoint costs on the machine's disk."""
+    p, lines = plan.placement, []
     if p.bytes(DISK):
         read, written = disk_traffic(p)
         auto = cfg is not None and cfg.engine.nvme.fraction == "auto" and p.on_disk
@@ -506,10 +376,17 @@ def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None
         lines.append(f"  disk path: {machine.disk.path} ({machine.disk.path_reason})")
     nbytes, seconds = checkpoint_cost(plan, machine) if machine is not None else (0, None)
     if seconds is not None:
+        tier = (f", reading the tier's {p.bytes(DISK) / GIB:.1f} GiB at {machine.disk.read_gbps:g} GB/s"
+                if p.bytes(DISK) else "")
         lines.append(f"  a checkpoint writes ~{nbytes / GIB:.1f} GiB: ~{seconds:.0f} s at the disk's "
-                     f"{machine.disk.write_gbps:g} GB/s" + (f", reading the tier's {p.bytes(DISK) / GIB:.1f} GiB "
-                                                            f"at {machine.disk.read_gbps:g} GB/s" if p.bytes(DISK)
-                                                            else ""))
+                     f"{machine.disk.write_gbps:g} GB/s{tier}")
+    return lines
+
+
+def advice_lines(plan: Plan, cfg: TrainConfig | None) -> list[str]:
+    """Where the plan fits but a stall binds it, the grad_accum at which none would; where it does not fit, why
+    and the settings near it that do."""
+    p, lines = plan.placement, []
     if plan.fits and plan.compute_bound is not None:
         s = plan.compute_bound
         q = s.plan.placement
@@ -525,12 +402,12 @@ def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None
     if not plan.fits and cfg is not None:
         head, *suggestions = _advice_lines(plan, cfg)
         lines += ["  " + head, *suggestions]
-    return "\n".join(lines)
+    return lines
 
 
-def host_memory() -> float | None:
-    """Bytes of RAM on this machine (None where the platform does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
+def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None = None) -> str:
+    """The plan as a user reads it: residency, each tier's contents, the prediction and what binds it, with
+    `machine` what a checkpoint costs, with `cfg` where the disk tier's folder is; where it does not fit, the
+    settings near it that do, and where it fits but the GPU does not bind it, the grad_accum at which it would."""
+    return "\n".join([*residency_lines(plan.placement), *tier_lines(plan), *prediction_lines(plan),
+                      *disk_lines(plan, machine, cfg), *advice_lines(plan, cfg)])

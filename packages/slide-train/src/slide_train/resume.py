@@ -3,6 +3,7 @@ for each given key that changes what the run trains."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -14,6 +15,7 @@ import yaml
 from . import checkpoint as ckpt
 from .config import TrainConfig, load_config, to_dict
 from .errors import ConfigError, ModelError
+from .log import say
 from .models.build import BASE_MODEL_DIR, MODEL_FILES_MARKER
 from .models.presets import PRESETS
 
@@ -150,3 +152,23 @@ def changes(was: TrainConfig, now: TrainConfig) -> list[tuple[str, str, str]]:
     old, new = _flat(saved_config(was)), _flat(saved_config(now))
     return [(k, _text(old[k]), _text(new[k])) for k in new
             if any(k == t or k.startswith(t + ".") for t in TRAINING) and old.get(k) != new[k]]
+
+
+def keep_global_batch(cfg: TrainConfig, path: pathlib.Path, ranks) -> TrainConfig:
+    """A checkpoint of a run with another rank count resumes with the rows per step it had: grad_accum
+    changes, or the resume is refused where no whole grad_accum gives them (`ranks`: this run's group)."""
+    saved = json.loads((path / "trainer.json").read_text())
+    was_ranks, was = saved.get("ranks", 1), saved.get("config", {})
+    if was_ranks == ranks.size:
+        return cfg
+    rows = was.get("micro_batch_size", cfg.micro_batch_size) * was.get("grad_accum", cfg.grad_accum) * was_ranks
+    per_accum = cfg.micro_batch_size * ranks.size
+    if rows % per_accum:
+        raise ConfigError(f"{path} is of a run with {was_ranks} rank(s) and {rows} rows per step; with "
+                          f"{ranks.size} rank(s) of micro_batch_size {cfg.micro_batch_size} no whole "
+                          f"grad_accum gives {rows} rows: resume with a rank count or micro_batch_size that "
+                          f"divides {rows}")
+    if rows // per_accum != cfg.grad_accum:
+        say(f"resuming a run of {was_ranks} rank(s) on {ranks.size}: grad_accum {rows // per_accum} keeps its "
+            f"{rows} rows per step")
+    return dataclasses.replace(cfg, grad_accum=rows // per_accum)

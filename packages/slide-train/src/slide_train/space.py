@@ -1,12 +1,14 @@
-"""Disk space for what a run writes (checkpoints, exports): counted from the files' real sizes, checked before
-writing, and nothing half-written left behind when the disk fills anyway."""
+"""Disk space for what a run writes (checkpoints, exports): folders that take files, sizes counted from the
+files' real sizes and checked before writing, and nothing half-written left behind when the disk fills anyway."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import shutil
+import tempfile
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -15,9 +17,27 @@ from safetensors import SafetensorError
 
 from slide_io import free_bytes, is_disk_full
 
-from .errors import DiskFullError
+from .errors import ConfigError, DiskFullError
 
 T = TypeVar("T")
+
+
+def check_writable(key: str, folder: str | os.PathLike) -> None:
+    """`folder` is, or can be made, a folder that takes files: a file is created and removed in it, or in the
+    nearest folder above it that exists (which is left as it was)."""
+    folder = pathlib.Path(folder).absolute()
+    existing = folder
+    try:
+        while not existing.exists() and existing.parent != existing:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise ConfigError(f"{key}: {existing} is a file, so {folder} cannot be a folder: choose another path")
+        fd, probe = tempfile.mkstemp(prefix=".slide-check-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot create files in {existing} ({e.strerror or e}): set {key} to a folder on "
+                          "a disk this user can write") from e
 
 BLOCK = 4096  # a filesystem block: a file takes whole ones
 ALLOWANCE = 64 << 10  # the margin's floor (its ceiling: the larger of this and 1% of the bytes)

@@ -1,4 +1,5 @@
-"""The trainer: a model bundle, a data pipeline and an engine, built from one `TrainConfig` and stepped.
+"""The trainer: the loop of a launched run (launch.py builds its model, data and engine from one `TrainConfig`),
+with its checkpoints, metrics and export.
 
     trainer = Trainer(load_config(overrides=["--steps=10"]))
     for _ in range(3):
@@ -9,7 +10,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -23,81 +23,21 @@ import warnings
 import torch
 import yaml
 
-from slide_io import free_bytes, prefer_path
-from slide_scheduler import (
-    DISK,
-    HOST,
-    EngineConfig,
-    Machine,
-    Plan,
-    Ranks,
-    SlidingEngine,
-    host_memory_bytes,
-    plot_timeline,
-    write_trace,
-)
-from slide_scheduler import resolve_device as slide_resolve_device
+from slide_scheduler import DISK, Machine, plot_timeline, write_trace
 
 from . import checkpoint as ckpt
 from .batches import count_targets, prepare
 from .config import TrainConfig, to_dict
-from .data import build_data
-from .disk_tier import (
-    ACTIVATIONS_DIR,
-    STATES_DIR,
-    default_disk_folders,
-    folders_text,
-    leftovers,
-    nvme_dir,
-    nvme_dirs,
-    on_drives,
-    tier_wants,
-)
-from .distributed import join, rank_device, ranks_here
-from .errors import ConfigError, DiskFullError, TrainingError, plural, size_text
-from .export import base_dir, export_dtype, export_hf, export_size, layout_tensors, save_base_files
+from .disk_tier import ACTIVATIONS_DIR, STATES_DIR, default_disk_folders, nvme_dirs, on_drives, slow_disk_warning
+from .errors import TrainingError, plural
+from .export import base_dir, export_dtype, export_hf, save_base_files
+from .launch import launch
 from .log import open_run_log, say
-from .machines import resolve_machine
 from .metrics import MetricsLog, gpu_peak_gib, host_rss_gib, plot_loss, read_metrics, step_figures
-from .models.build import BASE_MODEL_DIR, check_fits, load_model, saved_model_source
-from .plan import (
-    advise,
-    aux_loss_text,
-    budgets_for,
-    describe,
-    facts_of,
-    host_extras,
-    host_limit_problem,
-    make_plan,
-    model_shapes,
-    params_text,
-    refuse,
-)
-from .preflight import check_nvme_dirs
-from .progress import bar
-from .resume import find_checkpoint, saved_config
-from .run_folder import earlier_outputs, refuse_earlier_run
+from .models.build import BASE_MODEL_DIR, saved_model_source
+from .plan import aux_loss_text, describe, params_text
+from .resume import saved_config
 from .schedule import lr_at
-from .space import Size, files_size, filesystem_of
-
-ALLOC_CONF = "expandable_segments:True"
-ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the user's settings
-
-
-def use_expandable_segments() -> bool:
-    """Let the CUDA caching allocator grow segments in place, unless the user configured the allocator
-    (PYTORCH_CUDA_ALLOC_CONF, PYTORCH_HIP_ALLOC_CONF or PYTORCH_ALLOC_CONF). With fixed segments, clipped B3
-    under a 24 GiB cap made new segments and an allocator retry in steady steps; with expandable ones it had no
-    retry and ran 1% faster (H200, benchmarks/results/engine.md). It applies to segments made from then on.
-    Returns whether it was set."""
-    if any(k in os.environ for k in ALLOC_ENV):
-        return False
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
-        getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)
-    if setter is None:  # a torch without either entry point: the default allocator, as before
-        return False
-    setter(ALLOC_CONF)
-    return True
 
 
 def attention_flops_per_token(hf_config, seq_len: int) -> float:
@@ -108,178 +48,16 @@ def attention_flops_per_token(hf_config, seq_len: int) -> float:
     return 6 * hf_config.num_hidden_layers * heads * head_dim * seq_len
 
 
-def resolve_device(name: str) -> torch.device:
-    """`engine.device` as a device, or a ConfigError saying why it cannot be used here."""
-    try:
-        device = torch.device(slide_resolve_device(name))
-    except RuntimeError as e:
-        raise ConfigError(f"engine.device={name}, but no CUDA device is available; use engine.device=cpu") from e
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ConfigError(f"engine.device={name}, but this machine has {torch.cuda.device_count()} CUDA device(s): "
-                          f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    return device
-
-
-def engine_config(cfg: TrainConfig, machine: Machine | None = None) -> EngineConfig:
-    """The engine's mechanism: its schedule, AdamW's hyperparameters and the folders of the disk tier, one per
-    drive (what the run is and where everything lives is the plan's)."""
-    folders = nvme_dirs(cfg, machine)
-
-    def under(sub: str) -> str | list[str]:
-        return str(folders[0] / sub) if len(folders) == 1 else [str(f / sub) for f in folders]
-
-    return EngineConfig(optimizer=cfg.optimizer, pipeline=not cfg.engine.placement.get("synchronous", False),
-                        nvme_dir=under(STATES_DIR), activation_dir=under(ACTIVATIONS_DIR))
-
-
-def measured_machine(cfg: TrainConfig) -> Machine:
-    """This machine with the disk tier's folders measured, once a plan puts something there (folders the user
-    named must take files)."""
-    check_nvme_dirs(cfg)
-    return resolve_machine(None, disk_dir=list(map(str, nvme_dirs(cfg))))
-
-
-def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True, ranks: int = 1,
-             measure_disk=None) -> tuple[Plan, EngineConfig, object]:
-    """The plan of a run on `machine`, the engine config it implies and the stack to build it on.
-
-    Running, the device is this process's (`engine.device`): on CUDA the budget is the smallest of the card, the
-    machine file's GPU and `engine.gpu_memory_limit_gb` (the process is capped to that), and a run that does not
-    fit is refused, naming the settings near it that would. Not running (`slide-train plan`), the machine file's
-    GPU is planned for, wherever this runs. With data-parallel `ranks`, the plan is one rank's, and the ranks on
-    this host share its memory. `measure_disk()`, where given, returns the machine with the disk tier's folder
-    measured: a plan that puts something on a disk not measured yet is made again with it. The tier's folders
-    (engine.nvme.dir, or the machine file's drives') are planned at the rates of the drives they are on.
-    """
-    e = cfg.engine
-    machine = on_drives(machine, nvme_dirs(cfg, machine))
-    card_gib = ram_gib = None
-    if running:  # (a machine file may describe a larger host than this one)
-        ram_gib = host_memory_bytes() / 2**30
-        if e.host_memory_limit_gb is not None and e.host_memory_limit_gb > ram_gib:
-            raise ConfigError(f"engine.host_memory_limit_gb={e.host_memory_limit_gb:g} is more than the "
-                              f"{ram_gib:.1f} GiB this host has")
-    if not running:
-        cuda = machine.has_gpu and e.device != "cpu"
-        device = (e.device if e.device.startswith("cuda") else "cuda") if cuda else "cpu"
-    elif (device := resolve_device(rank_device(e.device, ranks))).type == "cuda":
-        cuda = True
-        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-        total = torch.cuda.get_device_properties(device).total_memory
-        card_gib = total / 2**30
-        if e.gpu_memory_limit_gb is not None:
-            if e.gpu_memory_limit_gb * 2**30 > total:
-                raise ConfigError(f"engine.gpu_memory_limit_gb={e.gpu_memory_limit_gb} is more than the "
-                                  f"{total / 2**30:.1f} GiB this GPU has")
-            torch.cuda.set_per_process_memory_fraction(e.gpu_memory_limit_gb * 2**30 / total, device)
-    else:
-        cuda = False
-    run = facts_of(cfg, str(device), ranks)
-    kernels = e.kernels == "on" or (e.kernels == "auto" and cuda)
-    stack = model.stack(kernels=kernels, aux_loss_mean_of=cfg.grad_accum * ranks  # (every rank's micro-batches)
-                        if cfg.router_aux_loss == "per_micro_batch" else 1)
-    shapes = model_shapes(model, stack, ranks)
-    run = dataclasses.replace(run, host_extras=host_extras(cfg, layout_tensors(ckpt.unit_layouts(stack)),
-                                                           model.dtype))
-
-    def planned(machine: Machine):
-        budgets = budgets_for(machine, cuda, e.gpu_memory_limit_gb, card_gib,
-                              ranks_here=min(ranks, ranks_here()) if running else ranks,
-                              host_cap_gib=e.host_memory_limit_gb, ram_gib=ram_gib)
-        return make_plan(cfg, shapes, machine, run, budgets), budgets
-
-    plan, budgets = planned(machine)
-    if ranks > 1 and plan.placement.bytes(DISK):  # (`auto` keeps everything in memory for them)
-        raise ConfigError("data-parallel ranks keep every state in host memory and activations on the host or the "
-                          "device: set engine.nvme.fraction=0 and engine.activation_offload to host or gpu")
-    if measure_disk is not None and not machine.disk.free_gib and (plan.placement.bytes(DISK) or not plan.fits):
-        # (`auto` found that RAM alone does not hold the run: its disk matters now)
-        machine = on_drives(measure_disk(), nvme_dirs(cfg))
-        plan, budgets = planned(machine)
-    if (limit := host_limit_problem(plan, cfg)) is not None:
-        plan.problems.append(limit)
-    if budgets.host is not None and plan.placement.bytes(HOST) > budgets.host and ranks == 1:
-        every = make_plan(cfg, shapes, machine, run, budgets, nvme_fraction=1.0)
-        if every.placement.bytes(HOST) > budgets.host:
-            plan.problems.append(
-                f"even with every sliding block's master and AdamW moments on disk (engine.nvme.fraction=1) the "
-                f"host needs ~{every.placement.bytes(HOST) / 2**30:.0f} GiB: "
-                + ", ".join(f"{kind} {nbytes / 2**30:.0f}" for kind, nbytes in every.placement.tiers()[HOST].items()
-                            if nbytes >= 2**30))
-    advise(plan, cfg, shapes, machine, run, budgets)
-    if running:
-        refuse(plan, cfg)
-        if e.placement.get("speculate") is True and not plan.placement.speculated:
-            why = ("without clipping nothing waits for the norm" if not cfg.max_grad_norm else
-                   "the host's memory budget has no room for it")
-            warnings.warn(f"engine.placement.speculate=true, but no block speculates: {why}", stacklevel=2)
-        if e.nvme.dir and not plan.placement.bytes(DISK):  # (a folder set for the disk tier, which the plan leaves)
-            warnings.warn(f"{e.nvme.dir} is only used with engine.nvme.fraction > 0 or engine.activation_offload=disk"
-                          ", or where `auto` puts something on disk: this run's plan puts nothing there",
-                          stacklevel=2)
-        if e.nvme.fraction not in (0, "auto") and not plan.placement.on_disk:  # the share rounds to no block
-            sliding = len(plan.placement.sliding_blocks)
-            warnings.warn(f"engine.nvme.fraction={e.nvme.fraction} puts no master or AdamW state on disk: " + (
-                f"it is none of the {plural(sliding, 'sliding block')} (a share of {1 / sliding:.3g} keeps one "
-                "block's states there)" if sliding else "every block is resident, its states on the device"),
-                stacklevel=2)
-    return plan, engine_config(cfg, machine), stack
-
-
-def build_engine(cfg: TrainConfig, model, machine: Machine, progress: bool = False,
-                 before_load=None, ranks: Ranks | None = None, measure_disk=None) -> tuple[SlidingEngine, Plan]:
-    """The engine of the run's placement. Loading an 8B model's weights takes minutes: with `progress`, a bar
-    counts the blocks as they are read; `before_load(plan, engine_cfg)` runs first (checks that can refuse the
-    run without that wait). `ranks`: this process's data-parallel group; `measure_disk`: as for `plan_run`."""
-    ranks = ranks or Ranks()
-    plan, engine_cfg, stack = plan_run(cfg, model, machine, ranks=ranks.size, measure_disk=measure_disk)
-    for folder in default_disk_folders(cfg):  # a killed run's files (before the checks count them)
-        shutil.rmtree(folder, ignore_errors=True)
-    if left := leftovers(cfg, machine):  # the user's own folders: said, not removed
-        folders = nvme_dirs(cfg, machine)
-        warnings.warn(f"{folders_text(folders)} {'holds' if len(folders) == 1 else 'hold'} {len(left)} scratch "
-                      f"folder(s) an earlier run left when it was stopped ({size_text(files_size(left).nbytes)}: "
-                      f"{', '.join(p.name for p in left)}); this run leaves them alone: delete them to free the space",
-                      stacklevel=2)
-    if before_load is not None:
-        before_load(plan, engine_cfg)
-    if not plan.placement.device_is_host:  # a training run's process (not `slide-train plan`), before its first
-        use_expandable_segments()           # segment
-    with bar(total=stack.num_blocks, desc="loading weights", unit="block", show=None if progress else False) \
-            as loading:
-        return SlidingEngine(stack, plan.placement, engine_cfg, ranks, loaded=lambda index: loading.update(1)), plan
-
-
 class Trainer:
     def __init__(self, cfg: TrainConfig, progress: bool = True, machine: Machine | None = None,
                  checkpoint: pathlib.Path | None = None):  # (one `resumed_config` found and verified)
-        self.cfg = cfg
         self.progress = progress
+        run = launch(cfg, progress, machine, checkpoint)
+        self.cfg = cfg = run.cfg
+        self.ranks, self.model, self.data, self.machine = run.ranks, run.model, run.data, run.machine
+        self.engine, self.memory_plan, self._resume_path = run.engine, run.plan, run.resume_path
         self.run_dir = pathlib.Path(cfg.output_dir)
         self.checkpoints = self.run_dir / "checkpoints"
-        refuse_earlier_run(cfg)  # before anything is loaded or written
-        resolve_device(cfg.engine.device)  # before minutes of loading
-        self.ranks = join(cfg.engine.device)
-        self._resume_path = checkpoint or (find_checkpoint(cfg) if cfg.resume else None)
-        if self._resume_path is not None:
-            self.cfg = cfg = self._keep_global_batch(cfg, self._resume_path)
-        torch.manual_seed(cfg.seed)
-        self.model = load_model(cfg.model, cfg.seed, need_tokenizer=cfg.data.format != "tokens")
-        check_fits(self.model, cfg.seq_len)
-        self.data = build_data(cfg.data, self.model.tokenizer, cfg.seq_len, cfg.micro_batch_size, cfg.seed,
-                               vocab_size=self.model.hf_config.vocab_size, progress=None if progress else False)
-        outputs = earlier_outputs(self.run_dir) if cfg.overwrite and not cfg.resume else []
-        if not cfg.checkpoint.keep:
-            warnings.warn("checkpoint.keep=0: this run writes no checkpoint; a stopped run (Ctrl-C) keeps only its "
-                          "metrics" + (", and the export is written at the end" if cfg.export else ""), stacklevel=2)
-        # The disk tier's folders are measured once the plan puts something there (most runs fit in RAM, and need
-        # no probe of a folder they never write)
-        self.machine = machine if machine is not None else resolve_machine(None)
-        measure = self._measure_disk if machine is None else None
-        prefer_path(self.machine.disk.path, self.machine.disk.path_reason)  # (the path the probe measured faster)
-        self.engine, self.memory_plan = build_engine(cfg, self.model, self.machine, progress and self.lead,
-                                                     before_load=lambda plan, e: self._check_disk(plan, e, outputs),
-                                                     ranks=self.ranks, measure_disk=measure)
         self.num_params = sum(u.layout.base_numel for u in self.engine.units)
         shapes = self.memory_plan.placement.shapes  # (a mixture of experts computes with its routed experts only)
         self.active_params = shapes.unit_numels[0] + sum(shapes.active(u) for u in range(1, shapes.num_blocks + 1))
@@ -291,7 +69,7 @@ class Trainer:
         self.ranks.share(0)  # (every rank has looked for an earlier run before the first clears it)
         if self.lead:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            for path in outputs:  # --overwrite: cleared only now that the new run could be built
+            for path in run.outputs:  # --overwrite: cleared only now that the new run could be built
                 shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
             open_run_log(self.run_dir)  # (the command line's: what it said so far, then the rest)
         self.resumed_from = self._resume() if cfg.resume else None
@@ -308,80 +86,12 @@ class Trainer:
         self._eval: tuple[list, int] | None = None
         self._finite_at: int | None = None  # the step whose weights were last checked finite
 
-    def _measure_disk(self) -> Machine:
-        """This machine with the disk tier's folders measured (the plan puts something there), its I/O path
-        taken."""
-        self.machine = measured_machine(self.cfg)
-        prefer_path(self.machine.disk.path, self.machine.disk.path_reason)
-        return self.machine
-
-    def _check_disk(self, plan: Plan, engine_cfg: EngineConfig, outputs: list[pathlib.Path]) -> None:
-        """Disks too small for what the run will write are refused before the weights load, not after training:
-        the last checkpoint and the export in output_dir, and the NVMe tier's files (boundary activations, AdamW
-        states), summed where they share a filesystem (`outputs`: an earlier run's, which --overwrite is about to
-        delete: their space counts). Checkpoint and export are counted from the bytes of their files."""
-        cfg = self.cfg
-        numels = plan.placement.shapes.unit_numels
-        checkpoint = export = Size(0)
-        if cfg.checkpoint.keep:
-            state = {"step": cfg.steps, "total_steps": cfg.steps, "data": self.data.train.state_dict(),
-                     "model": self.model.identity, "config": saved_config(cfg)}  # a checkpoint's trainer.json
-            checkpoint = ckpt.checkpoint_size(numels, plan.placement.resident, cfg.engine.states_dtype, state,
-                                              cfg.steps)
-        if cfg.export:
-            export = export_size(layout_tensors(ckpt.unit_layouts(self.model.stack())), self.model.hf_config,
-                                 export_dtype(cfg.export_dtype, self.model.dtype), self.model.tokenizer,
-                                 base_dir(self.model.name))
-        wants = [(what, folder, size) for what, folder, size in (
-            ("checkpoint", self.run_dir, checkpoint),
-            ("export", self.run_dir, export),
-            *tier_wants(plan.placement, engine_cfg)) if size.nbytes]
-        disks: dict[int, list] = {}
-        for want in wants:
-            disks.setdefault(filesystem_of(want[1]), []).append(want)
-        run_disk = filesystem_of(self.run_dir)
-        for disk, group in disks.items():
-            needed, folder = sum((size for *_, size in group), Size(0)).needed, group[0][1]
-            free = free_bytes(folder)
-            if needed > free and disk == run_disk:  # only then walk what --overwrite frees
-                free += files_size(outputs).nbytes
-            if needed > free:
-                folders = list(dict.fromkeys(str(f) for _, f, _ in group))
-                where = folders[0] if len(folders) == 1 else f"the disk of {' and '.join(folders)}"
-                later = ""
-                if len(group) > 1 and sum((s for w, _, s in group if w != "export"), Size(0)).needed <= free:
-                    later = (f", or set export=false and export the last checkpoint to another disk after the run "
-                             f"(`slide-train export {self.run_dir} --out DIR`)")
-                raise DiskFullError(
-                    f"{where} has {size_text(free)} free, but this run's {' and '.join(w for w, *_ in group)} "
-                    f"need about {size_text(needed)}: free some space or set output_dir (or the folder named) on "
-                    f"a larger disk{later}")
-
     # -- checkpoints ----------------------------------------------------------------------------------------------
 
     @property
     def lead(self) -> bool:
         """Whether this process writes the run's files (the first rank; every rank computes)."""
         return self.ranks.lead
-
-    def _keep_global_batch(self, cfg: TrainConfig, path: pathlib.Path) -> TrainConfig:
-        """A checkpoint of a run with another rank count resumes with the rows per step it had: grad_accum
-        changes, or the resume is refused where no whole grad_accum gives them."""
-        saved = json.loads((path / "trainer.json").read_text())
-        ranks, was = saved.get("ranks", 1), saved.get("config", {})
-        if ranks == self.ranks.size:
-            return cfg
-        rows = was.get("micro_batch_size", cfg.micro_batch_size) * was.get("grad_accum", cfg.grad_accum) * ranks
-        per_accum = cfg.micro_batch_size * self.ranks.size
-        if rows % per_accum:
-            raise ConfigError(f"{path} is of a run with {ranks} rank(s) and {rows} rows per step; with "
-                              f"{self.ranks.size} rank(s) of micro_batch_size {cfg.micro_batch_size} no whole "
-                              f"grad_accum gives {rows} rows: resume with a rank count or micro_batch_size that "
-                              f"divides {rows}")
-        if rows // per_accum != cfg.grad_accum:
-            say(f"resuming a run of {ranks} rank(s) on {self.ranks.size}: grad_accum {rows // per_accum} keeps its "
-                f"{rows} rows per step")
-        return dataclasses.replace(cfg, grad_accum=rows // per_accum)
 
     def _resume(self) -> pathlib.Path | None:
         path = self._resume_path
@@ -532,23 +242,10 @@ class Trainer:
         return record
 
     def _check_disk_rate(self, record: dict) -> None:
-        """Warn once where the NVMe tier moved its bytes much slower than the machine file's disk figures: the
-        plan's prediction, and every step, rest on them."""
-        busy, read, written = (record.get(k, 0.0) for k in ("disk_busy_s", "disk_read_gb", "disk_written_gb"))
-        if self._disk_warned or not busy or not (read or written):
-            return
-        disk = self.machine.disk
-        if not (disk.read_gbps and disk.write_gbps):  # (a machine file without disk figures promises nothing)
-            return
-        expected = read / disk.read_gbps + written / disk.write_gbps
-        if busy > 1.5 * expected and busy - expected > 0.5:
+        """Warn once where the NVMe tier moved its bytes much slower than the machine file's disk figures."""
+        if not self._disk_warned and (text := slow_disk_warning(record, self.machine, self.cfg)) is not None:
             self._disk_warned = True
-            warnings.warn(
-                f"step {record['step']}: the NVMe tier under {nvme_dir(self.cfg)} moved {read:.2f} GB in and "
-                f"{written:.2f} GB out in {busy:.1f} s ({(read + written) / busy:.2f} GB/s); the machine file says "
-                f"{disk.read_gbps:g} GB/s read and {disk.write_gbps:g} GB/s write ({expected:.1f} s), so steps run "
-                f"slower than the plan's {record['predicted_step_s']:.1f} s. `slide-train probe --disk "
-                f"{nvme_dir(self.cfg)}` measures this disk, or set engine.nvme.dir on a faster one", stacklevel=2)
+            warnings.warn(text, stacklevel=3)
 
     def write_profile(self, stats) -> None:
         """timeline.png and trace.json of one engine step (`stats`: what `engine.step` returned) in the run dir."""

@@ -13,7 +13,7 @@ import transformers
 from ..data import builtin_tokenizer
 from ..errors import ConfigError, ModelError
 from .adapter import HFStack, check_supported
-from .families import FAMILIES, supported_text
+from .families import FAMILIES, REFUSED, supported_text
 from .files import no_tokenizer_files, tokenizer_files
 from .presets import PRESETS, preset_config
 from .random_init import RandomWeights
@@ -81,18 +81,33 @@ def load_model(name: str, seed: int = 0, need_tokenizer: bool = True, need_weigh
 
 
 def refuse_remote_code(config_json: pathlib.Path) -> None:
-    """A config whose `auto_map` points at Python code shipped with the checkpoint, for a model_type without a
-    family here, is refused: no code from a model directory is run. A supported model_type that also carries an
-    `auto_map` (early Phi-3 uploads) loads with transformers' own classes, as `from_pretrained` does by default."""
+    """A config.json is read here before transformers reads it, so that a model this project cannot train is
+    refused in its words. One whose `auto_map` points at Python code shipped with the checkpoint, for a model_type
+    without a family here, is refused: no code from a model directory is run. A supported model_type that also
+    carries an `auto_map` (early Phi-3 uploads) loads with transformers' own classes, as `from_pretrained` does by
+    default. A model_type without a family is refused with the list of those supported, whether or not
+    transformers knows it."""
     try:
         raw = json.loads(config_json.read_text())
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot read {config_json}: {e}") from e
-    if not isinstance(raw, dict) or not raw.get("auto_map") or raw.get("model_type") in FAMILIES:
+    if not isinstance(raw, dict):
+        raise ModelError(f"{config_json} is not a JSON object of a model's settings: is it a Hugging Face config?")
+    model_type = raw.get("model_type")
+    if model_type in FAMILIES or model_type in REFUSED or model_type is None:  # (None: transformers' message)
         return
-    raise ModelError(f"{config_json} names its own modeling code (auto_map, model_type "
-                     f"{raw.get('model_type')!r}): models that need remote code are not supported, and no code "
-                     f"from a model directory is run. Supported families: {supported_text()}")
+    if raw.get("auto_map"):
+        raise ModelError(f"{config_json} names its own modeling code (auto_map, model_type {model_type!r}): models "
+                         "that need remote code are not supported, and no code from a model directory is run. "
+                         f"Supported families: {supported_text()}")
+    raise ModelError(unsupported_type(config_json, model_type))
+
+
+def unsupported_type(config_json: pathlib.Path, model_type) -> str:
+    """The message for a model_type without a family: what is supported, and how a family is asked for."""
+    return (f"{config_json}: model_type {model_type!r} has no adapter yet; supported: {supported_text()}. To ask "
+            "for this family, open an issue with the model's config.json; docs/models.md (Adding a family) says "
+            "what an adapter needs")
 
 
 def check_fits(bundle: ModelBundle, seq_len: int) -> None:
