@@ -190,13 +190,12 @@ def test_flex_uses_never_reach_the_eager_kernel():
         call_all(one_function)
 
 
-def test_a_use_past_its_limit_stops_with_a_clear_error(monkeypatch):
+def test_a_use_past_its_limit_stops_with_a_clear_error():
     """Should a use recompile past the limit anyway, the step stops naming the limit, never the eager path."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
     wrapper = backends.CompiledFlex(kernel=_kernel, backend=Counter())
     torch._dynamo.reset()
-    with pytest.raises(RuntimeError, match="recompiled past torch._dynamo's limit"):
+    limits = torch._dynamo.config.patch(recompile_limit=1, automatic_dynamic_shapes=False)
+    with limits, pytest.raises(RuntimeError, match="recompiled past torch._dynamo's limit"):
         for seq in (24, 40):
             q = torch.randn(1, 2, seq, 8)
             wrapper((None, False, None), q, q, q, None, attention.block_mask(None, None, seq, "cpu"), 0.5, False)
