@@ -316,7 +316,8 @@ def targets(res) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=pathlib.Path, help="write the figures to this file")
-    p.add_argument("--ops", default="linear_cross_entropy,rms_norm,rope,swiglu,moe_experts")
+    p.add_argument("--ops", default="linear_cross_entropy,rms_norm,rope,swiglu,moe_experts",
+                   help="comma-separated; also `attention` (the attention suite's rows)")
     p.add_argument("--providers", default="eager,compile,liger,slide")
     p.add_argument("--rounds", type=int, default=1, help="time the providers in turn N times; report the median")
     args = p.parse_args()
@@ -352,6 +353,12 @@ def main() -> None:
         torch.cuda.empty_cache()
     now = datetime.datetime.now(datetime.timezone.utc)
     versions = {"torch": torch.__version__, "triton": triton.__version__}
+    try:
+        import importlib.metadata
+
+        versions["flash_attn_4"] = importlib.metadata.version("flash-attn-4")
+    except Exception:
+        versions["flash_attn_4"] = None
     try:
         import liger_kernel
         versions["liger_kernel"] = getattr(liger_kernel, "__version__", "installed")

@@ -106,7 +106,7 @@ LONG = dict(cap_gib=24.0, device="cuda", warmup=1, steps=2, modes=("1.0", "none"
 DP = dict(bench="b8", ranks=(1, 2))
 # The machine file given as $SLIDE_MACHINE when this process started (main may point it at a filled-in copy)
 MACHINE_SOURCE: str | None = None
-OTHER_SUITES = ("kernels", "io", "probe", "gpu-rates", "nvme", "largest", "plans", "dp2", "long")
+OTHER_SUITES = ("kernels", "attention", "io", "probe", "gpu-rates", "nvme", "largest", "plans", "dp2", "long")
 # The GPU rates a machine file may lack (0: not measured), which gpu-rates.json of the same GPU fills in for planning
 MEASURED_LATER = ("attention_tflops", "experts_tflops")
 MODES = ("1.0", "1e6", "none")  # max_grad_norm: acting, on but never acting, off
@@ -814,15 +814,22 @@ def run_plans_suite(args, work: pathlib.Path) -> dict:
     return suite_doc("plans", config, figures, None)
 
 
-def run_kernels_suite(args, work: pathlib.Path) -> dict:
-    result = work / "kernels.json"
-    cmd = [sys.executable, str(HERE / "kernel_bench.py"), "--json", str(result), "--rounds", str(args.rounds)]
+def run_kernels_suite(args, work: pathlib.Path, suite: str = "kernels", ops: tuple[str, ...] = ()) -> dict:
+    """kernel_bench.py's ops (`ops`; all but attention when empty), as the suite `suite`."""
+    result = work / f"{suite}.json"
+    cmd = [sys.executable, str(HERE / "kernel_bench.py"), "--json", str(result), "--rounds", str(args.rounds),
+           *(("--ops", ",".join(ops)) if ops else ())]
     rc = subprocess.call(cmd, cwd=common.ROOT)
     if rc != 0 or not result.is_file():
         raise RuntimeError(f"benchmarks/kernel_bench.py exited with status {rc}")
     doc = json.loads(result.read_text())
-    return suite_doc("kernels", doc["config"], [{"system": "kernels", "status": "ok", "results": doc["results"],
-                                                 "targets": doc["targets"]}], doc["gpu"])
+    return suite_doc(suite, doc["config"], [{"system": suite, "status": "ok", "results": doc["results"],
+                                             "targets": doc["targets"], "versions": doc["versions"]}], doc["gpu"])
+
+
+def run_attention_suite(args, work: pathlib.Path) -> dict:
+    """The attention backends at Gemma-2-9B's shape (kernel_bench.py's attention rows)."""
+    return run_kernels_suite(args, work, "attention", ("attention",))
 
 
 def run_io_suite(args, work: pathlib.Path) -> dict:
@@ -968,8 +975,8 @@ def main() -> None:
                 elif suite == "long":
                     doc = run_long_suite(args, work, out)
                 else:
-                    doc = {"kernels": run_kernels_suite, "io": run_io_suite, "probe": run_probe_suite,
-                           "gpu-rates": run_gpu_rates_suite, "largest": run_largest_suite,
+                    doc = {"kernels": run_kernels_suite, "attention": run_attention_suite, "io": run_io_suite,
+                           "probe": run_probe_suite, "gpu-rates": run_gpu_rates_suite, "largest": run_largest_suite,
                            "plans": run_plans_suite}[suite](args, work)
             except Exception as e:  # one suite failing leaves the others' results
                 print(f"{suite} failed: {e}", file=sys.stderr, flush=True)

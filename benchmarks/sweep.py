@@ -91,6 +91,8 @@ STEPS = [
                                                           **MOE_PEER}]},
     # the peers are recorded as not fitting by run.py itself (no process trains them)
     {"name": "gemma2", "estimate_s": 360, "run": ["run.py gemma2 --systems slide,plain --modes none,1.0"]},
+    # the attention backends at Gemma-2-9B's shape (flash-attn-4 where its wheels are installed)
+    {"name": "attention", "estimate_s": 180, "run": ["run.py attention"]},
     {"name": "gemma3", "estimate_s": 360, "run": ["run.py gemma3 --systems slide --modes none,1.0"]},
     {"name": "moe-96k", "estimate_s": 300, "run": ["run.py moe-96k --systems slide --modes none,1.0"]},
     # Long sequences (run.py long), one clip mode and one row length a step: a process of 8B may take 2 min to set

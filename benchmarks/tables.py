@@ -15,8 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 DISK_START, DISK_END = "<!-- disk:start -->", "<!-- disk:end -->"  # the disk tier: planned, then measured
 TRAIN = ("b1", "b3", "b8", "b1-documents", "b3-documents", "b8-documents", "moe", "moe-256k", "gemma2")
-ORDER = (*TRAIN, "long", "tiny", "tiny-documents", "nvme", "largest", "plans", "dp2", "kernels", "io", "probe",
-         "gpu-rates")
+ORDER = (*TRAIN, "long", "tiny", "tiny-documents", "nvme", "largest", "plans", "dp2", "kernels", "attention", "io",
+         "probe", "gpu-rates")
 BENCH_NAMES = {"b1": "B1", "b3": "B3", "b8": "B8", "tiny": "tiny (CPU check)", "b1-documents": "B1 packed documents",
                "b3-documents": "B3 packed documents", "b8-documents": "B8 packed documents",
                "tiny-documents": "tiny packed documents (CPU check)", "moe": "MoE", "moe-256k": "MoE 256k tokens",
@@ -243,6 +243,26 @@ def kernels_table(doc: dict) -> list[str]:
     return lines
 
 
+def attention_table(doc: dict) -> list[str]:
+    lines = ["Forward + backward (and forward alone), bf16: median ms (triton.testing.do_bench), TFLOP/s in "
+             "`causal_attention_flops`' count, and the largest of out, dq, dk, dv's errors against fp32 beside HF "
+             "eager bf16's.", "",
+             "| case | backend | ms | TFLOP/s | fwd TFLOP/s | error | eager bf16 error |",
+             "|---|---|---|---|---|---|---|"]
+    for e in doc["figures"]:
+        for case, r in e.get("results", {}).items():
+            eager = max(r["providers"].get("_eager_bf16_error", {}).values(), default=None)
+            for provider, f in r["providers"].items():
+                if provider.startswith("_"):
+                    continue
+                if "error" in f:
+                    lines.append(f"| {case} | {provider} | error: {f['error'][:80]} | | | | |")
+                else:
+                    lines.append(f"| {case} | {provider} | {f['ms']:.3f} | {f['tflops']:.0f} | {f['fwd_tflops']:.0f} "
+                                 f"| {max(f['rel_error'].values()):.2e} | {num(eager, '.2e')} |")
+    return lines
+
+
 def io_table(doc: dict) -> list[str]:
     lines = ["slide-io's disk store (NVMeStore), one tensor per write or read, median of rounds.", "",
              "| path | why | O_DIRECT | MiB | write GB/s | read GB/s | bytes equal |", "|---|---|---|---|---|---|---|"]
@@ -286,7 +306,8 @@ def probe_table(doc: dict) -> list[str]:
 
 def suite_table(doc: dict) -> str:
     suite = doc["suite"]
-    body = {"kernels": kernels_table, "io": io_table, "probe": probe_table, "gpu-rates": probe_table,
+    body = {"kernels": kernels_table, "attention": attention_table, "io": io_table, "probe": probe_table,
+            "gpu-rates": probe_table,
             "nvme": nvme_table, "largest": largest_table, "plans": plans_table, "dp2": dp_table,
             "long": long_table}.get(suite, train_table)(doc)
     return "\n".join([f"## {BENCH_NAMES.get(suite, suite)}", "", header(doc), "", *body, ""])
