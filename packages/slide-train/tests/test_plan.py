@@ -683,3 +683,27 @@ def test_the_plan_says_each_allocation_and_unit_placement_in_plain_words(capsys,
     for line in (line for line in text.splitlines() if re.match(r"    (edges|blocks? \d)", line)):
         assert re.search(r": (resident on the GPU|sliding); AdamW on the (GPU|CPU)[^;]*; gradient [^;]*; master", line)
     assert not [word for word in ENGINE_WORDS if word in text]
+
+
+def test_plan_longest_with_auto_activations_searches_every_tier_and_names_what_binds_next(capsys):
+    """`plan --longest` with engine.activation_offload=auto plans each length with the tier choice open (the plan
+    of the configured seq_len chose the device for short rows, which froze a short answer), so it answers what the
+    best fixed tier answers; and it names the tier that binds at 128 tokens more, with what would lift it."""
+    from slide_train.cli import main
+
+    machine = pathlib.Path(__file__).parents[3] / "docs" / "machines" / "h100-host.yaml"
+    base = ["--model=llama-3.2-1b", "--micro_batch_size=1", "--grad_accum=1", "--engine.gpu_memory_limit_gb=8",
+            "--seq_len=1024"]
+
+    def longest(tier: str) -> tuple[int, str]:
+        assert main(["plan", "--longest", f"--machine={machine}", *base,
+                     f"--engine.activation_offload={tier}"]) == 0
+        out = capsys.readouterr().out
+        return int(re.search(r"longest: rows of ([\d,]+) tokens fit", out).group(1).replace(",", "")), out
+
+    auto, out = longest("auto")
+    fixed = {tier: longest(tier)[0] for tier in ("gpu", "host")}
+    assert auto == max(fixed.values()) and auto > fixed["gpu"]
+    binds = re.findall(rf"at {auto + 128:,} tokens, what binds: (\w+): needs ~[\d.]+ GiB, [\d.]+ GiB usable[^\n]*"
+                       r"would lift it", out)
+    assert binds and set(binds) <= {"gpu", "host", "disk"}

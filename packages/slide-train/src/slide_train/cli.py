@@ -117,26 +117,46 @@ def cmd_plan(args, overrides) -> int:
     return 0 if plan.fits else 2
 
 
+# What lifts each tier's limit, for the line that says which one binds the next length
+LIFTS = {"gpu": "a larger engine.gpu_memory_limit_gb (or GPU)",
+         "host": "engine.nvme.fraction=auto with a drive for engine.nvme.dir, engine.activation_offload=disk, or more "
+                 "host memory",
+         "disk": "more free space under engine.nvme.dir (or another drive beside it)"}
+
+
 def longest(cfg, model, machine, nproc: int):
-    """The config with the longest seq_len (a multiple of 128) whose plan fits on
-    `machine`, the other settings as they are (the planner's search over one stack); it says so in one line."""
+    """The config with the longest seq_len (a multiple of 128) whose plan fits on `machine`, the other settings as
+    they are (the planner's search over one stack, every tier choice included where the config leaves it to the
+    plan); it says so in one line, and what binds the next length."""
     import dataclasses
 
-    from slide_scheduler import StepShape, longest_rows
+    from slide_scheduler import StepShape, longest_rows, place
 
     from .launch import overrides_of, plan_run
 
     limit = getattr(model.hf_config, "max_position_embeddings", None) or 1 << 22
     plan = plan_run(cfg, model, machine, running=False, ranks=nproc)[0]  # (the stack, the run and the budgets)
     p = plan.placement
+    # (`auto` stays the planner's choice at each length: the plan above froze the tier of the configured one)
+    run = dataclasses.replace(p.run, activations="auto") if cfg.engine.activation_offload == "auto" else p.run
+    overrides = overrides_of(cfg, p.shapes.num_blocks)
     step = StepShape(cfg.micro_batch_size * cfg.seq_len, cfg.grad_accum, cfg.seq_len)
-    found = longest_rows(p.shapes, step, p.run, plan.budgets, machine, overrides_of(cfg, p.shapes.num_blocks),
-                         limit=limit)
+    found = longest_rows(p.shapes, step, run, plan.budgets, machine, overrides, limit=limit)
     if found is None:
         raise ConfigError(f"not even rows of 128 tokens fit this machine with micro_batch_size="
                           f"{cfg.micro_batch_size}: see `slide-train plan` for what would")
     print(f"longest: rows of {found:,} tokens fit (micro_batch_size {cfg.micro_batch_size}, the model's limit "
           f"{limit:,}); its plan:")
+    if found + 128 <= limit:
+        longer = found + 128
+        beyond = place(p.shapes, StepShape(cfg.micro_batch_size * longer, cfg.grad_accum, longer), run, plan.budgets,
+                       machine, overrides)
+        for problem in beyond.problems:
+            tier = problem.split(":")[0]
+            print(f"  at {longer:,} tokens, what binds: {problem}" + (f"; {LIFTS[tier]} would lift it"
+                                                                       if tier in LIFTS else ""))
+    else:
+        print("  the model's position limit binds (max_position_embeddings)")
     return dataclasses.replace(cfg, seq_len=found)
 
 
