@@ -12,8 +12,8 @@ from test_placement import STEP, facts_for, measure, toy_shapes
 
 from slide_memory import AdamWConfig
 from slide_scheduler import HOST, Budgets, EngineConfig, Plan, SlidingEngine, arrange, budget_problems, price
-from slide_scheduler import placement as placement_module
-from slide_scheduler.machine import Machine
+from slide_scheduler.plan import placement as placement_module
+from slide_scheduler.plan.machine import Machine
 
 SECOND = "host2"
 

@@ -19,9 +19,9 @@ import pathlib
 import types
 
 from slide_scheduler import Machine
-from slide_scheduler.choices import arrange
-from slide_scheduler.cost import price
-from slide_scheduler.placement import Placement, RunFacts, Shapes, StepShape
+from slide_scheduler.plan.choices import arrange
+from slide_scheduler.plan.cost import price
+from slide_scheduler.plan.placement import Placement, RunFacts, Shapes, StepShape
 from slide_train.config import load_config
 from slide_train.machines import load_machine
 from slide_train.models.build import load_model

@@ -36,8 +36,8 @@ import torch
 from slide_io import NVMeStore
 from slide_memory import host_zeros
 
-from .drives import Drives, Folders
-from .sizes import DISK_STAGING_SLOTS as SLOTS  # (the placement's count: sizes.py)
+from ..drives import Drives, Folders
+from ..plan.sizes import DISK_STAGING_SLOTS as SLOTS  # (the placement's count: sizes.py)
 
 
 def state_bytes(dtype: torch.dtype) -> int:

@@ -15,10 +15,10 @@ import torch
 
 from slide_memory import host_empty
 
+from ..drives import Folders
+from ..plan.placement import DISK, GPU, HOST, TIERS
 from .disk_activations import DiskActivations
-from .drives import Folders
 from .lanes import DONE, Lane, Signal
-from .placement import DISK, GPU, HOST, TIERS
 
 
 class ActivationStore:

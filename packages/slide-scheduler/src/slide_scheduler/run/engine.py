@@ -42,12 +42,12 @@ import torch
 
 from slide_memory import AdamWConfig, FlatLayout, Slot, SlotQueue
 
+from ..plan.placement import DISK, Placement, block_shapes, make_block
 from .activations import ActivationStore
 from .disk_states import DiskStates
 from .homes import GradientHomes
 from .lanes import DONE, Lanes, Signal
 from .loads import Loads
-from .placement import DISK, Placement, block_shapes, make_block
 from .ranks import Ranks
 from .stack import Batch, Stack, StackCalls
 from .timeline import Span, summarize

@@ -28,9 +28,9 @@ import torch
 
 from slide_memory import AdamWConfig, FlatAdamW, HostAdamW, Slot, StreamedStep, host_zeros
 
+from ..plan.placement import Placement, early_reads_wait
+from ..plan.sizes import CHUNK
 from .lanes import DONE, Lanes, Signal
-from .placement import Placement, early_reads_wait
-from .sizes import CHUNK
 from .updater import HostUpdater, UpdateWaits
 
 
