@@ -1,8 +1,9 @@
 """slide-scheduler: the layer-sliding engine (head, blocks, tail; slots, boundary activations, host updates), the
 placement it executes and the cost model that prices it on a machine."""
 
+from slide_io import folders_of
+
 from .__about__ import __version__
-from .drives import folders_of
 from .measure.probe import host_cores, host_memory_bytes, probe_disk, probe_gpu
 from .measure.probe import probe as probe_machine
 from .plan.choices import Budgets, Overrides, arrange, expert

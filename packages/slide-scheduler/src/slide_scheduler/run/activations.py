@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
+from slide_io import Folders
 from slide_memory import host_empty
 
-from ..drives import Folders
 from ..plan.placement import DISK, GPU, HOST, TIERS
 from .disk_activations import DiskActivations
 from .lanes import DONE, Lane, Signal

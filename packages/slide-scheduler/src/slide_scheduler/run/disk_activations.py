@@ -26,10 +26,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from slide_io import NVMeStore
+from slide_io import Drives, Folders, NVMeStore
 from slide_memory import host_empty
 
-from ..drives import Drives, Folders
 from ..plan.sizes import SLOTS_PER_MICRO  # (the placement's count: sizes.py)
 from .disk_states import done_future
 from .lanes import FutureSignal, Lane, Signal

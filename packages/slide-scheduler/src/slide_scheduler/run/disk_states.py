@@ -33,10 +33,9 @@ from concurrent.futures import Future
 
 import torch
 
-from slide_io import NVMeStore
+from slide_io import Drives, Folders, NVMeStore
 from slide_memory import host_zeros
 
-from ..drives import Drives, Folders
 from ..plan.sizes import DISK_STAGING_SLOTS as SLOTS  # (the placement's count: sizes.py)
 
 
