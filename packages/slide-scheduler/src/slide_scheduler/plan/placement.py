@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slide_memory import FlatLayout
+from slide_memory import FlatLayout, device_scratch_bytes, host_scratch_bytes, streamed_step_bytes
 
-from .sizes import BLOCK_PER_THREAD, CHUNK, DISK_STAGING_SLOTS, GRADS_TO_DISK, PIECE_ALIGN, SLOTS_PER_MICRO, pool_bytes
+from .sizes import DISK_STAGING_SLOTS, GRADS_TO_DISK, PIECE_ALIGN, SLOTS_PER_MICRO, pool_bytes
 from .sizes import LOAD_SLOTS as DISK_LOAD_SLOTS
 
 GPU, HOST, DISK = "gpu", "host", "disk"
@@ -605,8 +605,7 @@ def _allocations(p: Placement) -> list[Allocation]:
     for tier in dict.fromkeys([HOST, *(p.units[u].moments for u in in_memory)]):
         add(tier, "moments", 2 * p.state_bytes * sum(shard[u] for u in in_memory if p.units[u].moments == tier))
     if host_units:  # the host optimizer's scratch and its three fp32 rows, shared by every unit
-        size = min(BLOCK_PER_THREAD * p.threads, CHUNK, max(shard[u] for u in host_units))
-        add(HOST, "optimizer scratch", 4 * 4 * size)
+        add(HOST, "optimizer scratch", host_scratch_bytes(max(shard[u] for u in host_units), p.threads))
     if p.on_disk:
         add(DISK, "moments", 2 * p.state_bytes * sum(numel[u] for u in p.on_disk))
         add(DISK, "masters", 4 * sum(numel[u] for u in away))
@@ -622,13 +621,9 @@ def _allocations(p: Placement) -> list[Allocation]:
     add(dev, "resident blocks", 2 * c * sum(numel[u] for u in resident if u))
     add(dev, "resident states", 12 * sum(numel[u] for u in resident))
     if resident:  # their optimizers' scratch (and, on a CPU device, three fp32 rows each)
-        largest = max(numel[u] for u in resident)
-        scratch = min(CHUNK, largest)
-        rows = sum(3 * min(BLOCK_PER_THREAD * p.threads, CHUNK, numel[u]) for u in resident) if p.device_is_host \
-            else 0
-        add(dev, "optimizer scratch", 4 * (scratch + rows))
+        add(dev, "optimizer scratch", device_scratch_bytes([numel[u] for u in resident], p.device_is_host, p.threads))
     if p.streamed:  # device-update buffers: fp32 master, m, v, gradient, and the gradient as it lands
-        add(dev, "device-update buffers", p.stream_buffers * p.stream_piece_numel * (16 + c))
+        add(dev, "device-update buffers", p.stream_buffers * streamed_step_bytes(p.stream_piece_numel, c))
     add(dev, "held gradients", c * sum(numel[u] for u in p.held))
     if p.ranks > 1:  # each slot's (and the edges') gradient shard, reduce-scattered before it leaves
         add(dev, "gradient shards", c * ((p.window if sliding else 0) * s.block_numel // p.ranks + shard[0]))
