@@ -4,31 +4,25 @@ placement it executes and the cost model that prices it on a machine."""
 from slide_io import folders_of
 
 from .__about__ import __version__
-from .measure.probe import host_cores, host_memory_bytes, probe_disk, probe_gpu
+from .measure.host import host_cores, host_memory_bytes
 from .measure.probe import probe as probe_machine
+from .measure.probe import probe_disk, probe_gpu
 from .plan.choices import Budgets, Overrides, arrange, expert
 from .plan.cost import Estimate, disk_traffic, price
-from .plan.machine import Disk, Gpu, Host, Machine, Pcie
-from .plan.placement import (
+from .plan.facts import (
     DISK,
     DTYPES,
     GPU,
     HOST,
     TIERS,
-    Allocation,
-    Placement,
     RunFacts,
-    Shapes,
-    StepShape,
-    UnitPlacement,
     activation_tier,
-    block_shapes,
-    make_block,
     register_tier,
     resolve_device,
     run_facts,
-    shapes_of,
 )
+from .plan.machine import Disk, Gpu, Host, Machine, Pcie
+from .plan.placement import Allocation, Placement, UnitPlacement
 from .plan.planner import (
     Plan,
     Suggestion,
@@ -39,6 +33,7 @@ from .plan.planner import (
     place,
     suggest,
 )
+from .plan.shapes import Shapes, StepShape, block_shapes, make_block, shapes_of
 from .plan.stripe import Share, boundary_share, drive_shares, seconds_on, stripe, unit_share
 from .run.activations import ActivationStore
 from .run.engine import EngineConfig, SlidingEngine, StepStats

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import glob
 import math
 import os
 import shutil
@@ -25,6 +24,7 @@ from slide_io import NVMeStore, PathRates, choose_path, free_bytes, kvikio_choic
 from slide_memory import AdamWConfig, HostAdamW, host_empty
 
 from ..plan.machine import Disk, Gpu, Host, Machine, Pcie, causal_attention_flops, routed_expert_flops
+from .host import host_cores, host_memory_bytes, last_level_cache_bytes
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -266,53 +266,12 @@ def probe_disk(disk_dir: str | os.PathLike[str] | None = None, quick: bool = Fal
                 kvikio_write_gbps=_figure(other.rates.write_gbps) if other else 0.0)
 
 
-def host_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def host_cores() -> int:
-    """Cores this process may run on (a container or taskset may allow fewer than the machine has)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not every platform has affinity masks
-        return os.cpu_count() or 1
-
-
-def last_level_cache_bytes(root: str = "/sys/devices/system/cpu") -> int:
-    """The bytes of this machine's last-level caches together (each shared cache counted once), as Linux's sysfs
-    under `root` lists them; 0 where it says nothing."""
-    caches: dict[tuple[int, str], int] = {}
-    for index in glob.glob(os.path.join(root, "cpu[0-9]*", "cache", "index[0-9]*")):
-        try:
-            with open(os.path.join(index, "type")) as file:
-                if file.read().strip() == "Instruction":
-                    continue
-            with open(os.path.join(index, "level")) as file:
-                level = int(file.read())
-            with open(os.path.join(index, "shared_cpu_list")) as file:
-                shared = file.read().strip()
-            with open(os.path.join(index, "size")) as file:
-                size = _cache_size(file.read().strip())
-        except (OSError, ValueError):  # (a cache entry this kernel describes differently)
-            continue
-        caches[level, shared] = size
-    top = max((level for level, _ in caches), default=0)
-    return sum(size for (level, _), size in caches.items() if level == top)
-
-
 def past_cache(sizes: Sizes, cache_bytes: int | None = None) -> Sizes:
     """`sizes` with the AdamW's buffers spanning at least PAST_CACHE times the last-level caches (`cache_bytes`,
     by default this machine's), so that the host figures are of memory, not of a cache."""
     cache_bytes = last_level_cache_bytes() if cache_bytes is None else cache_bytes
     needed = math.ceil(PAST_CACHE * cache_bytes / ADAMW_FOOTPRINT / MIB) * MIB  # (whole Mi of parameters)
     return dataclasses.replace(sizes, adamw_params=max(sizes.adamw_params, needed))
-
-
-def _cache_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    if text[-1:].upper() in units:
-        return int(text[:-1]) * units[text[-1].upper()]
-    return int(text)
 
 
 # -- measurements ---------------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ one from the model's shapes, the step, the budgets and the cost model, and a han
 
 Units are numbered as the engine numbers them: 0 is the edges (embedding, final norm, lm head), 1 + i is block i.
 
-How a placement is chosen (`arrange`, `size_for_budget`, `Overrides`, `Budgets`) lives in choices.py; its names
-are found here too.
+The run's facts and the tiers are facts.py's, the model's and the step's shapes shapes.py's; how a placement is
+chosen (`arrange`, `size_for_budget`, `Overrides`, `Budgets`) lives in choices.py.
 """
 
 from __future__ import annotations
@@ -17,28 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from slide_memory import FlatLayout, device_scratch_bytes, host_scratch_bytes, streamed_step_bytes
+from slide_memory import device_scratch_bytes, host_scratch_bytes, streamed_step_bytes
 
+from .facts import ACTIVATION_TIERS, DISK, GPU, HOST, TIER_KINDS, TIERS, RunFacts, kind_of
+from .shapes import Shapes, StepShape
 from .sizes import DISK_STAGING_SLOTS, GRADS_TO_DISK, PIECE_ALIGN, SLOTS_PER_MICRO, pool_bytes
 from .sizes import LOAD_SLOTS as DISK_LOAD_SLOTS
 
-GPU, HOST, DISK = "gpu", "host", "disk"
-TIERS = (GPU, HOST, DISK)  # the tiers every machine has
-# Each tier by name and the kind of memory it is, which says how the engine reaches what it holds: "device" (the
-# GPU's), "memory" (host memory: the optimizer steps states there in place) or "files" (read in ahead of each
-# update and written back). A tier of another name (a second pool of host memory with a budget of its own, say)
-# is one `register_tier` call: the placement counts and budgets it by its name, the engine reaches it as its kind.
-TIER_KINDS: dict[str, str] = {GPU: "device", HOST: "memory", DISK: "files"}
-
-
-def register_tier(name: str, kind: str) -> None:
-    if kind not in ("device", "memory", "files"):
-        raise ValueError(f"a tier is device, memory or files, got {kind!r}")
-    TIER_KINDS[name] = kind
-
-
-def kind_of(tier: str) -> str:
-    return TIER_KINDS[tier]
 GIB = 2**30
 STREAM_PIECE = 1 << 23  # elements per device-update piece: each buffer ~150 MB on the device
 STREAM_BUFFERS = 2  # a piece's copy in waits for the store of the piece that used its buffer last
@@ -52,183 +37,6 @@ HELD_HEADROOM = 0.05  # of the GPU budget (at least 0.5 GiB), left free when spa
 
 UPDATES = ("device", "stream", "host")  # on the device for good / streamed through it as it loads / CPU AdamW
 GRADS = ("slot", "held", "pool", "ring", "own", "disk")  # where a gradient waits for its update
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """What the placement needs of a model: parameters per unit and the widths of a block's activations."""
-
-    unit_numels: tuple[int, ...]  # the edges, then each block
-    hidden: int
-    intermediate: int = 0
-    vocab: int = 0  # rows of the output projection (0: half the edges, for the cost model's tail)
-    # each block's parameters one token computes with (a mixture of experts' routed experts; empty: all of them)
-    active_numels: tuple[int, ...] = ()
-    active_block_numel: int = 0  # the same for every block alike (a mixture of experts' routed
-    #                              experts; 0: all of them)
-    # of those, each block's that run as a mixture's routed experts (grouped GEMMs; empty: none)
-    routed_numels: tuple[int, ...] = ()
-    attention_width: int = 0  # query heads x head dim (0: hidden)
-    windows: tuple[int, ...] = ()  # each block's attention window in tokens (0: the whole causal row; empty: all)
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.unit_numels) - 1
-
-    @property
-    def block_numel(self) -> int:
-        """The largest block's parameters: what a slot holds."""
-        return max(self.unit_numels[1:], default=0)
-
-    def active(self, unit: int) -> int:
-        """The parameters of unit `unit` (1 + block) one token computes with."""
-        if self.active_numels:
-            return self.active_numels[unit - 1]
-        return self.active_block_numel or self.unit_numels[unit]
-
-    def routed(self, unit: int) -> int:
-        """Of unit `unit`'s (1 + block) active parameters, those of the routed experts a token runs."""
-        return self.routed_numels[unit - 1] if self.routed_numels else 0
-
-    def window(self, unit: int) -> int:
-        """The attention window of unit `unit` (1 + block), in tokens; 0 for the whole causal row."""
-        return self.windows[unit - 1] if self.windows else 0
-
-    @property
-    def mixed(self) -> bool:
-        """Whether the blocks come in more than one size."""
-        return len(set(self.unit_numels[1:])) > 1
-
-
-def shapes_of(stack, hidden: int = 0, intermediate: int = 0, vocab: int = 0, ranks: int = 1) -> Shapes:
-    """A stack's shapes (its edges' and each block's parameter counts, padded to split into `ranks` shards;
-    widths as given). A stack whose blocks come in several shapes says which block has which with
-    `block_shape(index)` and makes each with `make_block(shape)`; one whose tokens compute with only part of a
-    block (a mixture of experts) says how much with `active_numel(block)`, given a block module, and how much of
-    that its routed experts are with `routed_numel(block)`."""
-    edges = FlatLayout(stack.make_edges(), shards=ranks).numel
-    shapes = block_shapes(stack)
-    made = {k: make_block(stack, k) for k in dict.fromkeys(shapes)}
-    numel = {k: FlatLayout(m, shards=ranks).numel for k, m in made.items()}
-    active = getattr(stack, "active_numel", None)
-    actives = tuple(numel[k] - made_numel(made[k]) + active(made[k]) for k in shapes) if active else ()
-    routed = getattr(stack, "routed_numel", None)
-    routes = tuple(routed(made[k]) for k in shapes) if routed else ()
-    return Shapes((edges,) + tuple(numel[k] for k in shapes), hidden, intermediate, vocab, active_numels=actives,
-                  routed_numels=routes if any(routes) else ())
-
-
-def block_shapes(stack) -> list:
-    """Each block's shape, as the stack names it (None for all where its blocks have one shape)."""
-    shape_of = getattr(stack, "block_shape", None)
-    return [shape_of(i) if shape_of else None for i in range(stack.num_blocks)]
-
-
-def make_block(stack, shape=None):
-    """A block module of `shape` (a stack of one shape makes its only one)."""
-    return stack.make_block(shape) if getattr(stack, "block_shape", None) else stack.make_block()
-
-
-def made_numel(module) -> int:
-    """A module's parameters, each tensor once (tied ones too)."""
-    return sum(p.numel() for p in module.parameters())
-
-
-ACTIVATION_TIERS = TIERS  # where boundary activations wait: the device, host memory, files
-# The older words for those tiers, which a config may still give (`activation_tier` maps them, and only it)
-OLD_ACTIVATION_WORDS = {"none": GPU, "cpu": HOST, "nvme": DISK}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the one name -> dtype table
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # what a run computes in or keeps its AdamW moments in
-
-
-@dataclass(frozen=True)
-class RunFacts:
-    """What the run is, decided once from its config: the plan carries it, the cost model prices it and the engine
-    runs it. Nothing here is decided again at run time."""
-
-    clip: float | None = 1.0  # the global gradient norm exact clipping keeps to; None: no clipping
-    activations: str = HOST  # GPU | HOST | DISK: where boundary activations wait for the backward (auto: the plan's)
-    compute_bytes: int = 2  # parameters, gradients and activations on the device: 2 (bf16) or 4 (fp32)
-    state_bytes: int = 4  # per AdamW moment of a host unit: 4 (fp32) or 2 (bf16)
-    device: str = "cuda"  # cpu | cuda | cuda:N
-    ranks: int = 1  # data-parallel ranks (ranks.py): each keeps 1/ranks of every unit's host state
-    # What the process holds in host memory besides the engine's buffers and the runtime, (name, bytes) each, as
-    # the caller knows it (slide-train: the export's largest shard, converted while the engine still holds
-    # everything): counted in the host tier with them, so that a plan fits its budget with it
-    host_extras: tuple[tuple[str, int], ...] = ()
-
-    def __post_init__(self):
-        if self.activations not in (*ACTIVATION_TIERS, "auto"):
-            old = (f" (the older word for {OLD_ACTIVATION_WORDS[self.activations]}: run_facts maps it)"
-                   if self.activations in OLD_ACTIVATION_WORDS else "")
-            raise ValueError(f"activations must be auto or one of {', '.join(ACTIVATION_TIERS)}, got "
-                             f"{self.activations!r}{old}")
-        if self.compute_bytes not in (2, 4) or self.state_bytes not in (2, 4):
-            raise ValueError("compute and state bytes are 2 (bf16) or 4 (fp32), got "
-                             f"{self.compute_bytes} and {self.state_bytes}")
-        if self.clip is not None and not self.clip >= 0:
-            raise ValueError(f"the clipping norm must be positive (or None for no clipping), got {self.clip}")
-        if self.ranks < 1:
-            raise ValueError(f"a run has at least one rank, got {self.ranks}")
-        if any(not isinstance(name, str) or nbytes < 0 for name, nbytes in self.host_extras):
-            raise ValueError(f"host extras are (name, bytes) pairs, got {self.host_extras!r}")
-        torch.device(self.device)  # (a name torch does not know is refused here)
-
-    @property
-    def clips(self) -> bool:
-        return bool(self.clip)
-
-    @property
-    def cuda(self) -> bool:
-        return torch.device(self.device).type == "cuda"
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return torch.float32 if self.compute_bytes == 4 else torch.bfloat16
-
-    @property
-    def states_dtype(self) -> torch.dtype:
-        return torch.float32 if self.state_bytes == 4 else torch.bfloat16
-
-
-def resolve_device(name: str = "auto") -> str:
-    """A device name as the run uses it: `auto` is CUDA where there is a device, else the CPU. CUDA asked for
-    where there is none is refused."""
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if torch.device(name).type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"the device is {name!r} but no CUDA device is available here; use cpu")
-    return name
-
-
-def activation_tier(word: str) -> str:
-    """The boundary activations' tier a config's word names: GPU, HOST, DISK and auto name themselves, and the
-    older words none (the device), cpu (host memory) and nvme (files) their tiers."""
-    return OLD_ACTIVATION_WORDS.get(word, word)
-
-
-def run_facts(*, device: str = "auto", compute_dtype: str = "auto", states_dtype: str = "fp32",
-              max_grad_norm: float | None = 1.0, activation_offload: str = HOST, ranks: int = 1,
-              here: bool = True) -> RunFacts:
-    """A run's facts from its config's words: `auto` compute is bf16 on CUDA and fp32 on a CPU. `here`: the
-    device is this machine's (resolved, refused where absent); otherwise a name for planning elsewhere.
-    `activation_offload` is a tier (or auto), or an older word for one (`activation_tier`)."""
-    device = resolve_device(device) if here else ("cuda" if device == "auto" else device)
-    cuda = torch.device(device).type == "cuda"
-    if compute_dtype not in ("auto", *DTYPE_BYTES):
-        raise ValueError(f"compute_dtype must be auto, fp32 or bf16, got {compute_dtype!r}")
-    if states_dtype not in DTYPE_BYTES:
-        raise ValueError(f"states_dtype must be fp32 or bf16, got {states_dtype!r}")
-    compute = 2 if compute_dtype == "bf16" or (compute_dtype == "auto" and cuda) else 4
-    return RunFacts(clip=max_grad_norm or None, activations=activation_tier(activation_offload), compute_bytes=compute,
-                    state_bytes=DTYPE_BYTES[states_dtype], device=device, ranks=ranks)
-
-
-@dataclass(frozen=True)
-class StepShape:
-    tokens_per_micro: int  # micro-batch size x sequence length
-    micro_batches: int
-    seq_len: int = 0  # for attention's FLOPs (0: tokens_per_micro)
 
 
 @dataclass(frozen=True)
@@ -488,81 +296,141 @@ def _names(units: list[int]) -> str:
 
 
 def validate(p: Placement) -> None:
-    """Refuse a placement the engine cannot run, saying which unit and why."""
+    """Refuse a placement the engine cannot run, saying which unit and why: the placement's checks, then each
+    unit's, in order; the first that fails names the problem."""
+    for check in PLACEMENT_CHECKS:
+        if problem := check(p):
+            raise ValueError(problem)
+    for u, unit in enumerate(p.units):
+        for check in UNIT_CHECKS:
+            if problem := check(p, u, unit):
+                raise ValueError(f"{_names([u])}: {problem}")
+
+
+# -- the placement's checks: each the problem it finds, or None ----------------------------------------------------
+
+
+def _activation_tiers(p: Placement) -> str | None:
     if p.activations not in ACTIVATION_TIERS:
-        raise ValueError(f"a placement puts the boundary activations in one of {', '.join(ACTIVATION_TIERS)}, got "
-                         f"{p.activations!r} (the planner chooses for `auto`)")
+        return (f"a placement puts the boundary activations in one of {', '.join(ACTIVATION_TIERS)}, got "
+                f"{p.activations!r} (the planner chooses for `auto`)")
     if p.boundaries and (len(p.boundaries) != p.shapes.num_blocks
                          or any(t not in ACTIVATION_TIERS for t in p.boundaries)):
-        raise ValueError(f"a placement names one tier of {', '.join(ACTIVATION_TIERS)} per block's boundary "
-                         f"activations ({p.shapes.num_blocks}), got {p.boundaries!r}")
+        return (f"a placement names one tier of {', '.join(ACTIVATION_TIERS)} per block's boundary activations "
+                f"({p.shapes.num_blocks}), got {p.boundaries!r}")
+    return None
+
+
+def _counts(p: Placement) -> str | None:
     if len(p.units) != len(p.shapes.unit_numels):
-        raise ValueError(f"a placement needs one entry per unit ({len(p.shapes.unit_numels)}), got {len(p.units)}")
+        return f"a placement needs one entry per unit ({len(p.shapes.unit_numels)}), got {len(p.units)}"
     if p.window < 1:
-        raise ValueError(f"the window needs at least one slot, got {p.window}")
+        return f"the window needs at least one slot, got {p.window}"
     if p.staging < 0:
-        raise ValueError(f"the disk tier's staging slots are a count (0: the default), got {p.staging}")
+        return f"the disk tier's staging slots are a count (0: the default), got {p.staging}"
     if p.landing < 0:
-        raise ValueError(f"activation landing sets are a count (0: the rule), got {p.landing}")
+        return f"activation landing sets are a count (0: the rule), got {p.landing}"
+    return None
+
+
+def _drives(p: Placement) -> str | None:
     for name, drives, count in (("unit", p.drives, len(p.units)), ("block", p.boundary_drives, p.shapes.num_blocks)):
         if drives and (len(drives) != count or any(not isinstance(d, int) or d < 0 for d in drives)):
-            raise ValueError(f"a striped placement names a drive (0, 1, ...) per {name} ({count}), got {drives!r}")
+            return f"a striped placement names a drive (0, 1, ...) per {name} ({count}), got {drives!r}"
+    return None
+
+
+def _ranks(p: Placement) -> str | None:
     if any(n % p.ranks for n in p.shapes.unit_numels):
-        raise ValueError(f"units of {p.shapes.unit_numels[:2]}... elements do not split into {p.ranks} shards")
+        return f"units of {p.shapes.unit_numels[:2]}... elements do not split into {p.ranks} shards"
     if p.ranks > 1 and p.shapes.mixed:
-        raise ValueError(f"with {p.ranks} data-parallel ranks every block has one shape (not yet: blocks of "
-                         f"{sorted(set(p.shapes.unit_numels[1:]))} parameters)")
-    if p.ranks > 1:
-        other = [_names([u]) for u, unit in enumerate(p.units)
-                 if unit.update != "host" or kind_of(unit.moments) != "memory" or unit.grad == "pool"]
-        if other:
-            raise ValueError(f"with {p.ranks} data-parallel ranks every unit slides and updates on the host, its "
-                             f"moments in host memory (not yet: {', '.join(other)})")
-    for u, unit in enumerate(p.units):
-        name = "edges" if u == 0 else f"block {u - 1}"
-        if unit.update not in UPDATES or unit.grad not in GRADS or unit.moments not in TIER_KINDS:
-            raise ValueError(f"{name}: update must be one of {UPDATES}, grad one of {GRADS}, moments one of "
-                             f"{tuple(TIER_KINDS)}")
-        if unit.resident != (unit.update == "device") or unit.resident != (kind_of(unit.moments) == "device"):
-            raise ValueError(f"{name}: a resident unit updates on the device with its moments there, and only it")
-        if unit.resident and unit.grad != "slot":
-            raise ValueError(f"{name}: a resident unit's gradient stays in its slot")
-        if kind_of(unit.moments) == "files" and (u == 0 or unit.update != "host" or unit.split):
-            raise ValueError(f"{name}: moments on disk are for sliding blocks updated on the host, whole")
-        if unit.master not in TIER_KINDS or unit.loads not in TIER_KINDS:
-            raise ValueError(f"{name}: master and loads name tiers, one of {tuple(TIER_KINDS)}")
-        if unit.resident != (kind_of(unit.master) == "device") or unit.resident != (kind_of(unit.loads) == "device"):
-            raise ValueError(f"{name}: a resident unit's master is on the device, and only its")
-        if kind_of(unit.master) == "files" and unit.master != unit.moments:
-            raise ValueError(f"{name}: a master on disk has its moments there too")
-        if unit.loads not in (unit.master, HOST):
-            raise ValueError(f"{name}: loads read the master where it is, or a copy of it in host memory")
-        if unit.update == "stream" and p.state_bytes != 4:
-            raise ValueError(f"{name}: updates streamed through the device need fp32 AdamW states")
-        if unit.split and (not p.deferred or unit.grad not in ("ring", "own")):
-            raise ValueError(f"{name}: only a deferred update (clipped, or `defer_updates`) whose gradient has a "
-                             "host buffer of its own splits")
-        if unit.speculate and (not p.clips or u == 0 or unit.update != "host" or unit.grad != "ring"
-                               or kind_of(unit.moments) != "memory"):
-            raise ValueError(f"{name}: only a clipped sliding block updated on the host, its gradient in the ring "
-                             "and its moments in host memory, speculates (a pooled gradient lies under the next "
-                             "forward's activations, which cannot wait for a late update)")
-        if u == 0 and not unit.resident and unit.grad != ("slot" if unit.update == "stream" else "own"):
-            raise ValueError("edges: sliding edges keep their gradient in their slot when streamed, else in a "
-                             "host buffer of their own")
-        if u > 0 and not unit.resident:
-            if unit.grad not in ("held", "pool", "ring", "disk"):
-                raise ValueError(f"{name}: a sliding block's gradient is held on the device, pooled, in the ring or "
-                                 "on disk")
-            if unit.grad == "disk" and (not p.clips or unit.update != "host" or unit.split or unit.speculate
-                                        or kind_of(unit.moments) != "files"):
-                raise ValueError(f"{name}: a gradient waits on disk for a clipped host update, whole, of a block "
-                                 "whose moments are on disk (it is read back with them)")
-            if unit.grad == "held" and unit.update != "stream":
-                raise ValueError(f"{name}: only a block updated on the device holds its gradient there")
-            if unit.grad == "pool" and p.boundaries_in(HOST) != p.shapes.num_blocks:
-                raise ValueError(f"{name}: pooled gradients share the host memory of the boundary activations: "
-                                 "they need activations on the host")
+        return (f"with {p.ranks} data-parallel ranks every block has one shape (not yet: blocks of "
+                f"{sorted(set(p.shapes.unit_numels[1:]))} parameters)")
+    if p.ranks == 1:
+        return None
+    other = [_names([u]) for u, unit in enumerate(p.units)
+             if unit.update != "host" or kind_of(unit.moments) != "memory" or unit.grad == "pool"]
+    if other:
+        return (f"with {p.ranks} data-parallel ranks every unit slides and updates on the host, its moments in host "
+                f"memory (not yet: {', '.join(other)})")
+    return None
+
+
+PLACEMENT_CHECKS = (_activation_tiers, _counts, _drives, _ranks)
+
+
+# -- each unit's checks (p, u, unit): the problem, which the unit's name will lead, or None ----------------------
+
+
+def _kinds(p: Placement, u: int, unit: UnitPlacement) -> str | None:
+    if unit.update not in UPDATES or unit.grad not in GRADS or unit.moments not in TIER_KINDS:
+        return f"update must be one of {UPDATES}, grad one of {GRADS}, moments one of {tuple(TIER_KINDS)}"
+    return None
+
+
+def _resident(p: Placement, u: int, unit: UnitPlacement) -> str | None:
+    if unit.resident != (unit.update == "device") or unit.resident != (kind_of(unit.moments) == "device"):
+        return "a resident unit updates on the device with its moments there, and only it"
+    if unit.resident and unit.grad != "slot":
+        return "a resident unit's gradient stays in its slot"
+    return None
+
+
+def _moments_on_disk(p: Placement, u: int, unit: UnitPlacement) -> str | None:
+    if kind_of(unit.moments) == "files" and (u == 0 or unit.update != "host" or unit.split):
+        return "moments on disk are for sliding blocks updated on the host, whole"
+    return None
+
+
+def _master(p: Placement, u: int, unit: UnitPlacement) -> str | None:
+    if unit.master not in TIER_KINDS or unit.loads not in TIER_KINDS:
+        return f"master and loads name tiers, one of {tuple(TIER_KINDS)}"
+    if unit.resident != (kind_of(unit.master) == "device") or unit.resident != (kind_of(unit.loads) == "device"):
+        return "a resident unit's master is on the device, and only its"
+    if kind_of(unit.master) == "files" and unit.master != unit.moments:
+        return "a master on disk has its moments there too"
+    if unit.loads not in (unit.master, HOST):
+        return "loads read the master where it is, or a copy of it in host memory"
+    return None
+
+
+def _update(p: Placement, u: int, unit: UnitPlacement) -> str | None:
+    if unit.update == "stream" and p.state_bytes != 4:
+        return "updates streamed through the device need fp32 AdamW states"
+    if unit.split and (not p.deferred or unit.grad not in ("ring", "own")):
+        return "only a deferred update (clipped, or `defer_updates`) whose gradient has a host buffer of its own splits"
+    if unit.speculate and (not p.clips or u == 0 or unit.update != "host" or unit.grad != "ring"
+                           or kind_of(unit.moments) != "memory"):
+        return ("only a clipped sliding block updated on the host, its gradient in the ring and its moments in host "
+                "memory, speculates (a pooled gradient lies under the next forward's activations, which cannot wait "
+                "for a late update)")
+    return None
+
+
+def _edges_gradient(p: Placement, u: int, unit: UnitPlacement) -> str | None:
+    if u == 0 and not unit.resident and unit.grad != ("slot" if unit.update == "stream" else "own"):
+        return "sliding edges keep their gradient in their slot when streamed, else in a host buffer of their own"
+    return None
+
+
+def _block_gradient(p: Placement, u: int, unit: UnitPlacement) -> str | None:
+    if u == 0 or unit.resident:
+        return None
+    if unit.grad not in ("held", "pool", "ring", "disk"):
+        return "a sliding block's gradient is held on the device, pooled, in the ring or on disk"
+    if unit.grad == "disk" and (not p.clips or unit.update != "host" or unit.split or unit.speculate
+                                or kind_of(unit.moments) != "files"):
+        return ("a gradient waits on disk for a clipped host update, whole, of a block whose moments are on disk (it "
+                "is read back with them)")
+    if unit.grad == "held" and unit.update != "stream":
+        return "only a block updated on the device holds its gradient there"
+    if unit.grad == "pool" and p.boundaries_in(HOST) != p.shapes.num_blocks:
+        return ("pooled gradients share the host memory of the boundary activations: they need activations on the "
+                "host")
+    return None
+
+
+UNIT_CHECKS = (_kinds, _resident, _moments_on_disk, _master, _update, _edges_gradient, _block_gradient)
 
 
 def early_reads_wait(p: Placement) -> bool:
@@ -582,83 +450,122 @@ def block_range(units: Iterable[int]) -> list[int]:
 def _allocations(p: Placement) -> list[Allocation]:
     """Every buffer the engine holds under `p` (as slide-memory and the engine allocate them), plus the working
     estimates of a step on the device."""
-    s, t = p.shapes, p.step
-    c, dev = p.compute_bytes, (HOST if p.device_is_host else GPU)
-    numel = s.unit_numels
-    shard = [n // p.ranks for n in numel]  # what one rank keeps of each unit's host state
-    out: list[Allocation] = []
+    out = _Counted()
+    for part in (_host_states, _disk_files, _device_buffers, _waiting, _working_sets):
+        part(p, out)
+    return out
 
-    def add(tier: str, kind: str, nbytes: float, transient: bool = False) -> None:
+
+class _Counted(list):
+    def add(self, tier: str, kind: str, nbytes: float, transient: bool = False) -> None:
         if nbytes:
-            out.append(Allocation(tier, kind, int(nbytes), transient))
+            self.append(Allocation(tier, kind, int(nbytes), transient))
 
-    resident, sliding = sorted(p.resident), p.sliding_blocks
+
+def _shards(p: Placement) -> list[int]:
+    """What one rank keeps of each unit's host state."""
+    return [n // p.ranks for n in p.shapes.unit_numels]
+
+
+def _device_of(p: Placement) -> str:
+    return HOST if p.device_is_host else GPU
+
+
+def _host_states(p: Placement, out: _Counted) -> None:
+    """An fp32 master per unit (resident ones keep theirs for checkpoints) but those on disk, which keep a copy of
+    their parameters in the compute dtype instead; moments of host units; the host optimizer's scratch."""
+    numel, shard, c = p.shapes.unit_numels, _shards(p), p.compute_bytes
+    resident = p.resident
     host_units = [u for u in range(len(numel)) if u not in resident]
-    # Host: an fp32 master per unit (resident ones keep theirs for checkpoints) but those on disk, which keep a
-    # copy of their parameters in the compute dtype instead; moments of host units
     away, read = p.masters_on_disk, p.loads_from_disk
-    add(HOST, "masters", 4 * sum(shard[u] for u in range(len(numel)) if u not in away))
-    add(HOST, "parameters of masters on disk", c * sum(numel[u] for u in away - read))
-    add(HOST, "masters read for loads", DISK_LOAD_SLOTS * 4 * s.block_numel if read else 0)
+    out.add(HOST, "masters", 4 * sum(shard[u] for u in range(len(numel)) if u not in away))
+    out.add(HOST, "parameters of masters on disk", c * sum(numel[u] for u in away - read))
+    out.add(HOST, "masters read for loads", DISK_LOAD_SLOTS * 4 * p.shapes.block_numel if read else 0)
     on_disk = p.on_disk
     in_memory = [u for u in host_units if u not in on_disk]  # (in host memory, or another tier of that kind)
     for tier in dict.fromkeys([HOST, *(p.units[u].moments for u in in_memory)]):
-        add(tier, "moments", 2 * p.state_bytes * sum(shard[u] for u in in_memory if p.units[u].moments == tier))
+        out.add(tier, "moments", 2 * p.state_bytes * sum(shard[u] for u in in_memory if p.units[u].moments == tier))
     if host_units:  # the host optimizer's scratch and its three fp32 rows, shared by every unit
-        add(HOST, "optimizer scratch", host_scratch_bytes(max(shard[u] for u in host_units), p.threads))
+        out.add(HOST, "optimizer scratch", host_scratch_bytes(max(shard[u] for u in host_units), p.threads))
+
+
+def _disk_files(p: Placement, out: _Counted) -> None:
+    """The disk tier's files and the host buffers they pass through."""
+    numel, block, c = p.shapes.unit_numels, p.shapes.block_numel, p.compute_bytes
     if p.on_disk:
-        add(DISK, "moments", 2 * p.state_bytes * sum(numel[u] for u in p.on_disk))
-        add(DISK, "masters", 4 * sum(numel[u] for u in away))
-        add(HOST, "moments staging", p.staging_slots * 2 * p.state_bytes * s.block_numel)
-        add(HOST, "masters staging", p.staging_slots * 4 * s.block_numel if away else 0)
+        out.add(DISK, "moments", 2 * p.state_bytes * sum(numel[u] for u in p.on_disk))
+        out.add(DISK, "masters", 4 * sum(numel[u] for u in p.masters_on_disk))
+        out.add(HOST, "moments staging", p.staging_slots * 2 * p.state_bytes * block)
+        out.add(HOST, "masters staging", p.staging_slots * 4 * block if p.masters_on_disk else 0)
     if p.grads_on_disk:  # written from a ring of host buffers, read back into the states' staging slots
-        add(DISK, "gradients", c * sum(numel[u] for u in p.grads_on_disk))
-        add(HOST, "gradients to disk", (GRADS_TO_DISK + p.staging_slots) * c * s.block_numel)
-    # Device: the edges' slot, the window, resident blocks' slots, resident units' fp32 master and moments
-    add(dev, "edges", 2 * c * numel[0])
+        out.add(DISK, "gradients", c * sum(numel[u] for u in p.grads_on_disk))
+        out.add(HOST, "gradients to disk", (GRADS_TO_DISK + p.staging_slots) * c * block)
+
+
+def _device_buffers(p: Placement, out: _Counted) -> None:
+    """The edges' slot, the window, resident blocks' slots, resident units' fp32 master, moments and optimizer
+    scratch, device-update buffers, held gradients, gradient shards and the step's readout."""
+    numel, block, c, dev = p.shapes.unit_numels, p.shapes.block_numel, p.compute_bytes, _device_of(p)
+    resident, sliding = sorted(p.resident), p.sliding_blocks
+    out.add(dev, "edges", 2 * c * numel[0])
     if sliding:
-        add(dev, "slots", p.window * 2 * c * s.block_numel)
-    add(dev, "resident blocks", 2 * c * sum(numel[u] for u in resident if u))
-    add(dev, "resident states", 12 * sum(numel[u] for u in resident))
+        out.add(dev, "slots", p.window * 2 * c * block)
+    out.add(dev, "resident blocks", 2 * c * sum(numel[u] for u in resident if u))
+    out.add(dev, "resident states", 12 * sum(numel[u] for u in resident))
     if resident:  # their optimizers' scratch (and, on a CPU device, three fp32 rows each)
-        add(dev, "optimizer scratch", device_scratch_bytes([numel[u] for u in resident], p.device_is_host, p.threads))
+        out.add(dev, "optimizer scratch", device_scratch_bytes([numel[u] for u in resident], p.device_is_host,
+                                                               p.threads))
     if p.streamed:  # device-update buffers: fp32 master, m, v, gradient, and the gradient as it lands
-        add(dev, "device-update buffers", p.stream_buffers * streamed_step_bytes(p.stream_piece_numel, c))
-    add(dev, "held gradients", c * sum(numel[u] for u in p.held))
+        out.add(dev, "device-update buffers", p.stream_buffers * streamed_step_bytes(p.stream_piece_numel, c))
+    out.add(dev, "held gradients", c * sum(numel[u] for u in p.held))
     if p.ranks > 1:  # each slot's (and the edges') gradient shard, reduce-scattered before it leaves
-        add(dev, "gradient shards", c * ((p.window if sliding else 0) * s.block_numel // p.ranks + shard[0]))
-    add(dev, "step readout", 4 * (1 + len(numel)))  # the loss, then each unit's squared gradient norm
-    # Host gradients: the ring, the sliding edges' own buffer, and the pool shared with the boundary activations
-    act = t.tokens_per_micro * s.hidden * c  # one micro-batch's boundary activation
+        out.add(dev, "gradient shards", c * ((p.window if sliding else 0) * block // p.ranks + _shards(p)[0]))
+    out.add(dev, "step readout", 4 * (1 + len(numel)))  # the loss, then each unit's squared gradient norm
+
+
+def _activation_bytes(p: Placement) -> int:
+    """One micro-batch's boundary activation."""
+    return p.step.tokens_per_micro * p.shapes.hidden * p.compute_bytes
+
+
+def _waiting(p: Placement, out: _Counted) -> None:
+    """Host gradients (the ring, the sliding edges' own buffer, the pool shared with the boundary activations)
+    and the boundary activations in each tier, with the rings and landing buffers they pass through."""
+    s, t, c, dev = p.shapes, p.step, p.compute_bytes, _device_of(p)
+    act, shard = _activation_bytes(p), _shards(p)
     # block inputs 0..n-1 (the last output goes straight on), each in its block's tier
     host_acts, disk_acts, device_acts = (p.boundaries_in(tier) * t.micro_batches for tier in (HOST, DISK, GPU))
-    add(HOST, "gradients", p.ring * c * s.block_numel // p.ranks)
-    add(HOST, "speculative parameters", c * sum(shard[u] for u in p.speculated))
+    out.add(HOST, "gradients", p.ring * c * s.block_numel // p.ranks)
+    out.add(HOST, "speculative parameters", c * sum(shard[u] for u in p.speculated))
     if p.units[0].grad == "own":
-        add(HOST, "gradients", c * shard[0])
+        out.add(HOST, "gradients", c * shard[0])
     if p.pooled:
-        add(HOST, "gradients + boundary activations",
-            pool_bytes(p.pooled, c * s.block_numel, [act] * t.micro_batches, s.num_blocks))
+        out.add(HOST, "gradients + boundary activations",
+                pool_bytes(p.pooled, c * s.block_numel, [act] * t.micro_batches, s.num_blocks))
     elif host_acts:
-        add(HOST, "boundary activations", host_acts * act)
+        out.add(HOST, "boundary activations", host_acts * act)
     if disk_acts:
-        add(DISK, "boundary activations", disk_acts * act)
+        out.add(DISK, "boundary activations", disk_acts * act)
         # (the write ring turns over every buffer; reads fill the read ring from its start each step)
         rings = SLOTS_PER_MICRO + min(SLOTS_PER_MICRO, p.boundaries_in(DISK))
-        add(HOST, "boundary activation rings", rings * t.micro_batches * act)
+        out.add(HOST, "boundary activation rings", rings * t.micro_batches * act)
     if device_acts:
-        add(dev, "boundary activations", device_acts * act)
+        out.add(dev, "boundary activations", device_acts * act)
     if host_acts or disk_acts:  # backward's landing buffers: the plan's sets, reused every step
-        add(dev, "activation landing", p.landing_sets * t.micro_batches * act)
-    # The working set of one block's recompute and backward, the tail's loss chunk, the allocator's margin
+        out.add(dev, "activation landing", p.landing_sets * t.micro_batches * act)
+
+
+def _working_sets(p: Placement, out: _Counted) -> None:
+    """The working set of one block's recompute and backward, the tail's loss chunk, the allocator's margin, the
+    process's runtime and the caller's extras: estimates, not buffers the engine holds."""
+    s, t, c = p.shapes, p.step, p.compute_bytes
     seq = t.seq_len or t.tokens_per_micro
     mlp_tokens = t.tokens_per_micro // seq * min(seq, p.sequence_tile or seq)  # (one tile's, where tiled)
-    work = 3 * t.micro_batches * act + (t.tokens_per_micro * 10 * s.hidden + mlp_tokens * 4 * s.intermediate) * c
-    add(dev, "workspace", work, transient=True)
+    work = 3 * t.micro_batches * _activation_bytes(p) + (t.tokens_per_micro * 10 * s.hidden
+                                                         + mlp_tokens * 4 * s.intermediate) * c
+    out.add(_device_of(p), "workspace", work, transient=True)
     if not p.device_is_host:
-        add(GPU, "loss chunk + margin", LOSS_CHUNK + MARGIN, transient=True)
-    add(HOST, "runtime", HOST_RUNTIME_CPU if p.device_is_host else HOST_RUNTIME_CUDA, transient=True)
+        out.add(GPU, "loss chunk + margin", LOSS_CHUNK + MARGIN, transient=True)
+    out.add(HOST, "runtime", HOST_RUNTIME_CPU if p.device_is_host else HOST_RUNTIME_CUDA, transient=True)
     for kind, nbytes in p.run.host_extras:  # (the caller's, beside the engine's buffers)
-        add(HOST, kind, nbytes, transient=True)
-    return out
-
+        out.add(HOST, kind, nbytes, transient=True)

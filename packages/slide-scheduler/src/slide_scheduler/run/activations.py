@@ -16,7 +16,7 @@ import torch
 from slide_io import Folders
 from slide_memory import host_empty
 
-from ..plan.placement import DISK, GPU, HOST, TIERS
+from ..plan.facts import DISK, GPU, HOST, TIERS
 from .disk_activations import DiskActivations
 from .lanes import DONE, Lane, Signal
 
