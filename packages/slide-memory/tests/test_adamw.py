@@ -4,7 +4,17 @@ import pytest
 import torch
 from torch import nn
 
-from slide_memory import AdamWConfig, FlatAdamW, FlatLayout, HostAdamW, StreamedStep
+from slide_memory import (
+    AdamWConfig,
+    FlatAdamW,
+    FlatLayout,
+    HostAdamW,
+    StreamedStep,
+    device_scratch,
+    device_scratch_bytes,
+    host_scratch_bytes,
+    streamed_step_bytes,
+)
 
 
 def test_flat_host_adamw_matches_torch_adamw_on_the_unflattened_model():
@@ -294,3 +304,29 @@ def test_a_master_brought_for_each_step_steps_as_one_kept_here_and_writes_its_pa
         assert stored["m"].equal(kept.exp_avg) and stored["v"].equal(kept.exp_avg_sq)
     with pytest.raises(ValueError, match="bound master"):
         away.bind_states(m, v, torch.zeros(3000, dtype=torch.bfloat16))
+
+
+def _bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("chunk", [128, 1 << 25])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_exported_byte_counts_are_what_the_optimizers_allocate(monkeypatch, chunk, threads):
+    """The placement counts these optimizers' buffers through the same functions that size them."""
+    import slide_memory.adamw
+
+    monkeypatch.setattr(slide_memory.adamw, "CHUNK", chunk)
+    monkeypatch.setattr(slide_memory.adamw, "BLOCK_PER_THREAD", 64)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    numels = [1000, 300, 7]
+    host = HostAdamW([torch.zeros(n) for n in numels], AdamWConfig())
+    unit = host.units[0]
+    assert _bytes(unit.scratch, unit._wide) == host_scratch_bytes(max(numels), threads)
+    scratch = device_scratch(numels, torch.device("cpu"))  # a CPU device's resident units, sharing one scratch
+    units = [FlatAdamW(torch.zeros(n), AdamWConfig(), scratch) for n in numels]
+    assert _bytes(scratch, *(u._wide for u in units)) == device_scratch_bytes(numels, True, threads)
+    assert scratch.numel() * 4 == device_scratch_bytes(numels, False)  # (fp32 states on a GPU widen nothing)
+    step = StreamedStep(640, AdamWConfig(), torch.device("cpu"), torch.bfloat16)
+    assert _bytes(step.grad_in, step.param, step.exp_avg, step.exp_avg_sq, step.grad) == \
+        streamed_step_bytes(640, 2)

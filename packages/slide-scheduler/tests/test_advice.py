@@ -25,7 +25,7 @@ from slide_scheduler import (
     price,
     suggest,
 )
-from slide_scheduler.cost import BOUND_SHARE
+from slide_scheduler.plan.cost import BOUND_SHARE
 
 GIB = 2**30
 PC = Machine(gpu=Gpu(memory_gib=24, bf16_tflops=165), host=Host(memory_gib=64, cores=16, memory_gbps=80,

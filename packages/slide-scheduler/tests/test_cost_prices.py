@@ -13,8 +13,9 @@ import math
 import pathlib
 
 from slide_scheduler import Machine
-from slide_scheduler.cost import price
-from slide_scheduler.placement import Placement, RunFacts, Shapes, StepShape, UnitPlacement, activation_tier
+from slide_scheduler.plan.cost import price
+from slide_scheduler.plan.facts import activation_tier
+from slide_scheduler.plan.placement import Placement, RunFacts, Shapes, StepShape, UnitPlacement
 
 PRICES = pathlib.Path(__file__).with_name("data") / "cost_prices.json.gz"
 REL = 1e-9

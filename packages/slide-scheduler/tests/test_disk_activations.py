@@ -11,7 +11,7 @@ import torch
 from test_engine import DEPTH, Model, ToyStack, batches, make_engine, random_steps, run_engine
 
 from slide_io import NVMeStore, StoreFullError
-from slide_scheduler.disk_activations import SLOTS_PER_MICRO, DiskActivations
+from slide_scheduler.run.disk_activations import SLOTS_PER_MICRO, DiskActivations
 
 
 def causes(error: BaseException) -> list[BaseException]:
@@ -112,8 +112,8 @@ def test_an_activation_leaves_only_once_it_is_made(tmp_path, tier):
     contents. (The engine's CPU compute lane is its own thread, so only this test can see that wait missing.)"""
     from concurrent.futures import Future
 
-    from slide_scheduler.activations import ActivationStore
-    from slide_scheduler.lanes import FutureSignal, Lane
+    from slide_scheduler.run.activations import ActivationStore
+    from slide_scheduler.run.lanes import FutureSignal, Lane
 
     cpu = torch.device("cpu")
     d2h, h2d, compute = Lane("d2h", cpu), Lane("h2d", cpu), Lane("compute", cpu, inline=True)

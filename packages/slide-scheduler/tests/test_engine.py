@@ -16,10 +16,11 @@ from torch import nn
 
 import slide_memory.adamw
 from slide_memory import AdamWConfig, StagingRing
-from slide_scheduler import DTYPES, EngineConfig, SlidingEngine, arrange, choices, run_facts, shapes_of
-from slide_scheduler import placement as placement_module
-from slide_scheduler import updates as updates_module
-from slide_scheduler.lanes import DONE
+from slide_scheduler import DTYPES, EngineConfig, SlidingEngine, arrange, run_facts, shapes_of
+from slide_scheduler.plan import choices
+from slide_scheduler.plan import placement as placement_module
+from slide_scheduler.run import updates as updates_module
+from slide_scheduler.run.lanes import DONE
 
 VOCAB, DIM, DEPTH = 17, 12, 4
 
@@ -1242,7 +1243,7 @@ def test_a_script_that_never_closes_its_engine_finishes_its_updates_and_exits_cl
 
 def slow_disk(monkeypatch, seconds: float = 0.004) -> None:
     """Every read and write-back of the disk tier's states takes a while longer."""
-    from slide_scheduler import disk_states
+    from slide_scheduler.run import disk_states
 
     for name in ("_read", "_write"):
         original = getattr(disk_states.DiskStates, name)
@@ -1378,7 +1379,7 @@ def test_bf16_moments_on_disk_give_the_bf16_in_memory_result(tmp_path, clip, slo
 def test_a_read_that_does_not_wait_for_the_last_write_back_is_caught(tmp_path, monkeypatch):
     """The check above can fail: let a block's moments be read without waiting for the write-back of its last
     update, slow the writes down, and an update steps from stale moments."""
-    from slide_scheduler import disk_states
+    from slide_scheduler.run import disk_states
 
     _, ref = run_engine(pipeline=False, window=2, clip=None)
     write = disk_states.DiskStates._write
@@ -1542,7 +1543,7 @@ def test_clipped_steps_read_the_first_updates_states_under_the_backward(tmp_path
     """The states of the first clipped updates do not depend on the norm: their reads are queued as the backward
     starts, as many as the staging slots hold (and only where the backward reads nothing from disk itself, so
     they never hold it up); the others once the step knows its norm."""
-    from slide_scheduler.disk_states import SLOTS
+    from slide_scheduler.run.disk_states import SLOTS
 
     acts = {"activation_offload": "disk", "activation_dir": str(tmp_path / "acts")} \
         if backward_reads == "activations" else {}

@@ -30,14 +30,14 @@ from slide_scheduler import (
     StepShape,
     UnitPlacement,
     arrange,
-    choices,
     place,
     price,
     run_facts,
     shapes_of,
 )
-from slide_scheduler import activations as activations_module
-from slide_scheduler.machine import Disk, Gpu, Host, Pcie
+from slide_scheduler.plan import choices
+from slide_scheduler.plan.machine import Disk, Gpu, Host, Pcie
+from slide_scheduler.run import activations as activations_module
 
 MICRO, ROWS, LENGTH = 3, 3, 10  # test_engine.batches: 3 rows of 10 tokens per micro-batch
 
@@ -343,7 +343,7 @@ def test_the_planner_takes_the_cheapest_candidate_that_fits():
     budgets = Budgets(gpu=0.92 * 24 * 2**30, host=None)
     plan = place(LLAMA_3B, step, options, budgets, FAST)
     assert plan.fits and plan.placement.bytes(GPU) <= budgets.gpu
-    from slide_scheduler.planner import SHARES, TIE, WINDOWS
+    from slide_scheduler.plan.planner import SHARES, TIE, WINDOWS
 
     for window in WINDOWS:
         for share in SHARES:
@@ -399,7 +399,8 @@ def test_asked_to_speculate_the_planner_speculates_where_it_pays_and_the_host_ha
     price's error on measured speculating steps): not here, unless the margin is smaller. On a host fast enough
     that the GPU binds anyway it does not speculate, `true` does all the same, and where the host's budget cannot
     hold what speculation needs it speculates less (and still fits)."""
-    from slide_scheduler import Overrides, planner
+    from slide_scheduler import Overrides
+    from slide_scheduler.plan import planner
 
     step, gib = StepShape(8192, 4, 4096), 2**30
     h200 = with_rates(FAST, host={"memory_gbps": 132, "adamw_gparams": 3.68, "cores": 16})
@@ -447,8 +448,8 @@ def test_attention_is_priced_at_the_machines_attention_rate_with_its_window():
     """Each block's attention FLOPs (the probe's count: causal_attention_flops, a window cutting each query's
     keys) run at gpu.attention_tflops where the machine file has it: the GPU's compute moves by exactly those
     FLOPs over the two rates (a forward, and a backward that recomputes it and runs back at twice its work)."""
-    from slide_scheduler.cost import attention_pairs
-    from slide_scheduler.machine import causal_attention_flops
+    from slide_scheduler.plan.cost import attention_pairs
+    from slide_scheduler.plan.machine import causal_attention_flops
 
     seq, heads, head_dim = 32768, 24, 128
     assert 4 * attention_pairs(seq) * heads * head_dim == causal_attention_flops(seq, heads, head_dim, backward=False)
@@ -471,7 +472,7 @@ def test_a_mixtures_routed_experts_are_priced_at_the_machines_experts_rate():
     """Each block's routed experts (Shapes.routed_numels; the probe's count: routed_expert_flops) run at
     gpu.experts_tflops where the machine file has it: the GPU's compute moves by exactly those FLOPs over the two
     rates. Without it, or for a dense model, the price is the dense GEMMs' as before."""
-    from slide_scheduler.machine import routed_expert_flops
+    from slide_scheduler.plan.machine import routed_expert_flops
 
     step = StepShape(8192, 2, 4096)
     routed = tuple(4_000_000 * (b % 3) for b in range(28))  # (some blocks dense)
@@ -492,7 +493,7 @@ def test_the_planner_reads_the_disk_tier_further_ahead_where_that_prices_faster(
     backward) where the cost model prices that faster by more than the planner's tie, and their host memory
     counted; on a slow disk, busy the whole step either way, two."""
     from slide_scheduler import Overrides
-    from slide_scheduler.planner import DEEP_STAGING, TIE
+    from slide_scheduler.plan.planner import DEEP_STAGING, TIE
 
     step, gib = StepShape(8192, 4, 4096), 2**30
     picked = {}

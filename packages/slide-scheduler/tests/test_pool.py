@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from slide_scheduler.choices import device_updated, held_on_device
-from slide_scheduler.pool import SharedPool, pool_bytes, pool_layout
+from slide_scheduler.plan.choices import device_updated, held_on_device
+from slide_scheduler.run.pool import SharedPool, pool_bytes, pool_layout
 
 
 def test_each_gradient_stays_clear_of_its_own_boundary_and_those_below():

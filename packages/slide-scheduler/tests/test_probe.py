@@ -14,10 +14,9 @@ import pytest
 import torch
 
 import slide_io.kvikio_path as kvikio_path
-import slide_scheduler.probe as probe_module
+import slide_scheduler.measure.probe as probe_module
 from slide_io import PathChoice, PathRates, kvikio_choice
-from slide_scheduler.machine import Gpu, Machine, Pcie, causal_attention_flops, routed_expert_flops
-from slide_scheduler.probe import (
+from slide_scheduler.measure.probe import (
     QUICK,
     Lane,
     LaneRun,
@@ -32,6 +31,7 @@ from slide_scheduler.probe import (
     routed_mlp,
     run_mix,
 )
+from slide_scheduler.plan.machine import Gpu, Machine, Pcie, causal_attention_flops, routed_expert_flops
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -14,7 +14,7 @@ from test_engine import DEPTH, Model, ToyStack, batches, make_engine
 
 from slide_memory import AdamWConfig
 from slide_scheduler import HOST, RunFacts, UnitPlacement, arrange, shapes_of
-from slide_scheduler import placement as placement_module
+from slide_scheduler.plan import placement as placement_module
 
 STEPS = 5
 

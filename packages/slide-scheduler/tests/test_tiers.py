@@ -11,16 +11,26 @@ from test_engine import DEPTH, Model, ToyStack, batches
 from test_placement import STEP, facts_for, measure, toy_shapes
 
 from slide_memory import AdamWConfig
-from slide_scheduler import HOST, Budgets, EngineConfig, Plan, SlidingEngine, arrange, budget_problems, price
-from slide_scheduler import placement as placement_module
-from slide_scheduler.machine import Machine
+from slide_scheduler import (
+    HOST,
+    Budgets,
+    EngineConfig,
+    Plan,
+    SlidingEngine,
+    arrange,
+    budget_problems,
+    price,
+    register_tier,
+)
+from slide_scheduler.plan import placement as placement_module
+from slide_scheduler.plan.machine import Machine
 
 SECOND = "host2"
 
 
 @pytest.fixture
 def second_tier():
-    placement_module.register_tier(SECOND, "memory")
+    register_tier(SECOND, "memory")
     yield SECOND
     del placement_module.TIER_KINDS[SECOND]
 

@@ -9,7 +9,7 @@ import torch
 from test_engine import Model, ToyStack, batches, make_engine
 
 from slide_memory import AdamWConfig
-from slide_scheduler.timeline import Span, summarize
+from slide_scheduler.run.timeline import Span, summarize
 
 
 def cells(spans: list[Span], lane: str) -> set[int]:

@@ -5,7 +5,19 @@ fp32 master weights on the host.
 """
 
 from .__about__ import __version__
-from .adamw import BLOCK_PER_THREAD, CHUNK, PIECE_ALIGN, AdamWConfig, FlatAdamW, HostAdamW, StreamedStep
+from .adamw import (
+    BLOCK_PER_THREAD,
+    CHUNK,
+    PIECE_ALIGN,
+    AdamWConfig,
+    FlatAdamW,
+    HostAdamW,
+    StreamedStep,
+    device_scratch,
+    device_scratch_bytes,
+    host_scratch_bytes,
+    streamed_step_bytes,
+)
 from .host import HostArena, StagingRing, can_pin, host_empty, host_zeros
 from .layout import ALIGN, Entry, FlatLayout
 from .slots import Slot, SlotQueue
@@ -27,6 +39,10 @@ __all__ = [
     "StreamedStep",
     "__version__",
     "can_pin",
+    "device_scratch",
+    "device_scratch_bytes",
     "host_empty",
+    "host_scratch_bytes",
     "host_zeros",
+    "streamed_step_bytes",
 ]

@@ -38,13 +38,47 @@ CHUNK = 1 << 25  # elements per update chunk: the granule of "this part of the g
 BLOCK_PER_THREAD = 1 << 18
 
 
-def host_block(chunk: int) -> int:
-    """Elements per host kernel call: every thread's share of the scratch stays in its core's cache."""
-    return min(chunk, BLOCK_PER_THREAD * torch.get_num_threads())
+def host_block(chunk: int, threads: int | None = None) -> int:
+    """Elements per host kernel call: every thread's share of the scratch stays in its core's cache (`threads`:
+    torch's now)."""
+    return min(chunk, BLOCK_PER_THREAD * (threads or torch.get_num_threads()))
+
+
+def scratch_numel(largest: int, host_blocks: bool, threads: int | None = None, chunk: int | None = None) -> int:
+    """Elements of the fp32 scratch an AdamW over masters of up to `largest` elements steps through: a chunk, or
+    where the host steps in cache-sized blocks (`host_blocks`), a block for `threads` threads."""
+    chunk = chunk or CHUNK  # read at call time: tests shrink CHUNK
+    return min(host_block(chunk, threads) if host_blocks else chunk, largest)
+
+
+def host_scratch_bytes(largest: int, threads: int | None = None) -> int:
+    """Host bytes of `HostAdamW`'s scratch over masters of up to `largest` elements, shared by every unit: the
+    widened gradient and three fp32 rows (m, v and a master not written back)."""
+    return 4 * (1 + HOST_ROWS) * scratch_numel(largest, True, threads)
+
+
+def device_scratch_bytes(numels: list[int], on_cpu: bool, threads: int | None = None) -> int:
+    """Bytes of `FlatAdamW`s with fp32 states over device masters of `numels` elements sharing one scratch of a
+    chunk (`device_scratch`); on a CPU device each also widens into three fp32 rows of its own."""
+    rows = sum(HOST_ROWS * max(1, scratch_numel(n, True, threads)) for n in numels) if on_cpu else 0
+    return 4 * (scratch_numel(max(numels), False) + rows)
+
+
+def device_scratch(numels: list[int], device: torch.device) -> torch.Tensor:
+    """The scratch `FlatAdamW`s over device masters of `numels` elements share (one steps at a time)."""
+    return torch.empty(scratch_numel(max(numels), False), dtype=torch.float32, device=device)
+
+
+def streamed_step_bytes(numel: int, grad_bytes: int) -> int:
+    """Device bytes of a `StreamedStep`'s buffers of `numel` elements: fp32 master, m, v and widened gradient,
+    and the gradient as it lands (`grad_bytes` an element); its step counter besides."""
+    return numel * (4 * STREAMED_FP32 + grad_bytes)
 # Pieces of a chunk start at multiples of this, where the CPU kernel's vector loops would split it anyway: a
 # piece cut elsewhere sends a few elements through scalar code, which can round differently (FMA).
 PIECE_ALIGN = 64
 PARTS = ("all", "params", "moments", "speculate")
+HOST_ROWS = 3  # fp32 rows a host step widens into: m, v and a master that is not written back
+STREAMED_FP32 = 4  # fp32 buffers of a streamed step: master, m, v and the widened gradient
 
 
 @dataclass
@@ -90,7 +124,7 @@ class FlatAdamW:
         # (the edges' tail-only parameters) never share a chunk.
         cuts = sorted({0, master.numel(), *(b for b in bounds if 0 < b < master.numel())})
         self.ranges = [(i, min(i + chunk, b)) for a, b in zip(cuts, cuts[1:]) for i in range(a, b, chunk)] or [(0, 0)]
-        size = max(1, min(host_block(chunk) if master.device.type == "cpu" else chunk, master.numel()))
+        size = max(1, scratch_numel(master.numel(), master.device.type == "cpu", chunk=chunk))
         self.scratch = scratch if scratch is not None else torch.empty(size, device=master.device)
         self.states_dtype = states_dtype
         self.narrow = states_dtype != torch.float32
@@ -101,7 +135,7 @@ class FlatAdamW:
                                                               pinned_states)
         # fp32 room for m, v and the master of one block whose step is not written back (or is narrowed after):
         # bf16 states need the first two rows, split steps (host only) all three.
-        rows = 3 if master.device.type == "cpu" else 2 if self.narrow else 0
+        rows = HOST_ROWS if master.device.type == "cpu" else 2 if self.narrow else 0
         self._wide = wide if wide is not None else torch.zeros(rows, size, device=master.device)
         self.steps = [torch.zeros((), dtype=torch.float32, device=master.device) for _ in self.ranges]
 
@@ -211,6 +245,7 @@ class StreamedStep:
             raise ValueError(f"a streamed piece must be a multiple of {PIECE_ALIGN} elements, got {numel}")
         self.numel = numel
         self.grad_in = torch.zeros(numel, dtype=grad_dtype, device=device)  # lands as it left the slot
+        # STREAMED_FP32 fp32 buffers (streamed_step_bytes counts them)
         self.param = torch.zeros(numel, device=device)
         self.exp_avg = torch.zeros(numel, device=device)
         self.exp_avg_sq = torch.zeros(numel, device=device)
@@ -265,9 +300,9 @@ class HostAdamW:
         for m in present:
             if m.dtype != torch.float32 or m.device.type != "cpu" or m.dim() != 1:
                 raise ValueError("master weights must be flat fp32 tensors on the host")
-        size = min(host_block(CHUNK), max((m.numel() for m in present), default=1))
+        size = scratch_numel(max((m.numel() for m in present), default=1), True)
         scratch = torch.empty(size)  # one thread updates one unit at a time: every unit shares the scratch
-        wide = torch.zeros(3, size)
+        wide = torch.zeros(HOST_ROWS, size)
         self.masters = masters
         self.config = config
         pinned = pinned or [None] * len(masters)

@@ -1,34 +1,29 @@
 """slide-scheduler: the layer-sliding engine (head, blocks, tail; slots, boundary activations, host updates), the
 placement it executes and the cost model that prices it on a machine."""
 
+from slide_io import folders_of
+
 from .__about__ import __version__
-from .activations import ActivationStore
-from .choices import Budgets, Overrides, arrange
-from .cost import Estimate, disk_traffic, price
-from .drives import folders_of
-from .engine import EngineConfig, SlidingEngine, StepStats
-from .machine import Disk, Gpu, Host, Machine, Pcie
-from .placement import (
+from .measure.host import host_cores, host_memory_bytes
+from .measure.probe import probe as probe_machine
+from .measure.probe import probe_disk, probe_gpu
+from .plan.choices import Budgets, Overrides, arrange, expert
+from .plan.cost import Estimate, disk_traffic, price
+from .plan.facts import (
     DISK,
     DTYPES,
     GPU,
     HOST,
     TIERS,
-    Allocation,
-    Placement,
     RunFacts,
-    Shapes,
-    StepShape,
-    UnitPlacement,
     activation_tier,
-    block_shapes,
-    make_block,
     register_tier,
     resolve_device,
     run_facts,
-    shapes_of,
 )
-from .planner import (
+from .plan.machine import Disk, Gpu, Host, Machine, Pcie
+from .plan.placement import Allocation, Placement, UnitPlacement
+from .plan.planner import (
     Plan,
     Suggestion,
     budget_problems,
@@ -38,13 +33,14 @@ from .planner import (
     place,
     suggest,
 )
-from .probe import host_cores, host_memory_bytes, probe_disk
-from .probe import probe as probe_machine
-from .ranks import Ranks
-from .stack import Batch, Context, Edges, Stack
-from .stripe import Share, boundary_share, drive_shares, seconds_on, stripe, unit_share
-from .timeline import plot as plot_timeline
-from .timeline import write_trace
+from .plan.shapes import Shapes, StepShape, block_shapes, make_block, shapes_of
+from .plan.stripe import Share, boundary_share, drive_shares, seconds_on, stripe, unit_share
+from .run.activations import ActivationStore
+from .run.engine import EngineConfig, SlidingEngine, StepStats
+from .run.ranks import Ranks
+from .run.stack import Batch, Context, Edges, Stack
+from .run.timeline import plot as plot_timeline
+from .run.timeline import write_trace
 
 __all__ = [
     "DISK",
@@ -88,6 +84,7 @@ __all__ = [
     "disk_share",
     "disk_traffic",
     "drive_shares",
+    "expert",
     "folders_of",
     "host_cores",
     "host_memory_bytes",
@@ -97,6 +94,7 @@ __all__ = [
     "plot_timeline",
     "price",
     "probe_disk",
+    "probe_gpu",
     "probe_machine",
     "register_tier",
     "resolve_device",

@@ -19,9 +19,9 @@ import pathlib
 import types
 
 from slide_scheduler import Machine
-from slide_scheduler.choices import arrange
-from slide_scheduler.cost import price
-from slide_scheduler.placement import Placement, RunFacts, Shapes, StepShape
+from slide_scheduler.plan.choices import arrange
+from slide_scheduler.plan.cost import price
+from slide_scheduler.plan.placement import Placement, RunFacts, Shapes, StepShape
 from slide_train.budgets import budgets_for
 from slide_train.config import load_config
 from slide_train.launch import facts_of, make_plan, model_shapes, plan_run

@@ -12,11 +12,11 @@ import torch
 
 from slide_memory import HostAdamW, StagingRing, host_zeros
 
+from ..plan.placement import Placement
+from ..plan.sizes import GRADS_TO_DISK
 from .disk_states import done_future
 from .lanes import FutureSignal, Lanes, Signal
-from .placement import Placement
 from .pool import SharedPool
-from .sizes import GRADS_TO_DISK
 from .updater import UpdateWaits
 from .updates import Gradient
 

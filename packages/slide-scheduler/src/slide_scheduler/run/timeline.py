@@ -172,3 +172,41 @@ def plot(spans: list[Span], path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+class PhaseClock:
+    """Host time between a step's phase boundaries (`lap`); `sync`: each lap waits for the device first (the
+    synchronous schedule)."""
+
+    def __init__(self, device: torch.device, sync: bool):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" and sync else (lambda: None)
+        self.start = self.last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+        self.memory: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        self.sync()
+        now = time.perf_counter()
+        self.laps[name] = now - self.last
+        self.last = now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
+
+
+def memory_counters(device: torch.device) -> dict[str, float]:
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"allocated_bytes_at_start": float(stats.get("allocated_bytes.all.current", 0)),
+            "alloc_retries": float(stats.get("num_alloc_retries", 0)),
+            "cuda_mallocs": float(stats.get("segment.all.allocated", 0))}
+
+
+def drain_spans(spans: list[tuple[str, float, float]], origin: float) -> list[tuple[str, float, float]]:
+    """Take the (label, start, end) host spans a worker thread has appended so far, as times from `origin`,
+    dropping those that ended before it. The worker may append meanwhile: only what was read is removed."""
+    seen = list(spans)
+    del spans[: len(seen)]
+    return [(label, start - origin, end - origin) for label, start, end in seen if end >= origin]

@@ -1,6 +1,6 @@
-"""The disk tier's drives as a part that keeps files there sees them: a store per folder (one folder per drive),
-each with a reader and a writer thread of its own, so the drives move at once, each in the order it was given.
-The disk states and the disk activations each hold one."""
+"""A store striped over drives: an NVMe store per folder (one folder per drive), each with a reader and a writer
+thread of its own, so the drives move at once, each in the order it was given. The scheduler's disk states and
+disk activations each hold one."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from slide_io import NVMeStore
+from slide_io.nvme import NVMeStore
 
 Folders = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 

@@ -2,14 +2,15 @@
 the page layout of the host memory boundary activations share with gradients (pool.py). The plan owns them; the
 executors (disk_states.py, disk_activations.py, pool.py, the engine) read them from here or from the placement.
 
-slide-memory's optimizer works in sizes of its own (the granule of an update chunk, a host thread's block, a
-device-update piece's alignment); this is the one place the scheduler reads them."""
+slide-memory's optimizer counts the bytes of its own buffers (`host_scratch_bytes`, `device_scratch_bytes`,
+`streamed_step_bytes`: the placement calls them); a device-update piece's alignment is the one size of its that
+the scheduler reads, here."""
 
 from __future__ import annotations
 
-from slide_memory import BLOCK_PER_THREAD, CHUNK, PIECE_ALIGN
+from slide_memory import PIECE_ALIGN
 
-__all__ = ["ALIGN", "BLOCK_PER_THREAD", "CHUNK", "DISK_STAGING_SLOTS", "GRADS_TO_DISK", "LOAD_SLOTS", "PIECE_ALIGN",
+__all__ = ["ALIGN", "DISK_STAGING_SLOTS", "GRADS_TO_DISK", "LOAD_SLOTS", "PIECE_ALIGN",
            "SLOTS_PER_MICRO", "pool_bytes", "pool_layout"]
 
 DISK_STAGING_SLOTS = 2  # staging slots of the disk tier's states, one block's m and v each, unless the placement says

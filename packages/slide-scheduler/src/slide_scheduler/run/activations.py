@@ -13,12 +13,12 @@ from collections.abc import Sequence
 
 import torch
 
+from slide_io import Folders
 from slide_memory import host_empty
 
+from ..plan.facts import DISK, GPU, HOST, TIERS
 from .disk_activations import DiskActivations
-from .drives import Folders
 from .lanes import DONE, Lane, Signal
-from .placement import DISK, GPU, HOST, TIERS
 
 
 class ActivationStore:

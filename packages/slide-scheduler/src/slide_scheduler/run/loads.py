@@ -7,9 +7,9 @@ import torch
 
 from slide_memory import Slot, host_zeros
 
+from ..plan.sizes import LOAD_SLOTS
 from .lanes import DONE, Lanes, Signal
 from .ranks import Ranks
-from .sizes import LOAD_SLOTS
 from .updater import UpdateWaits
 
 

@@ -17,7 +17,7 @@ import torch
 
 from slide_memory import host_empty
 
-from .sizes import boundary_layout, page_round, pool_bytes, pool_layout
+from ..plan.sizes import boundary_layout, page_round, pool_bytes, pool_layout
 
 __all__ = ["SharedPool", "pool_bytes", "pool_layout"]  # (the layout is the plan's: sizes.py)
 

@@ -26,11 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from slide_memory import AdamWConfig, FlatAdamW, HostAdamW, Slot, StreamedStep, host_zeros
+from slide_memory import AdamWConfig, FlatAdamW, HostAdamW, Slot, StreamedStep, device_scratch, host_zeros
 
+from ..plan.placement import Placement, early_reads_wait
 from .lanes import DONE, Lanes, Signal
-from .placement import Placement, early_reads_wait
-from .sizes import CHUNK
 from .updater import HostUpdater, UpdateWaits
 
 
@@ -135,8 +134,7 @@ class Resident(UpdateKind):
         self.lanes = lanes
         self.optimizers: dict[int, FlatAdamW] = {}
         if self.units:
-            largest = max(states[u].layout.numel for u in self.units)
-            scratch = torch.empty(min(CHUNK, largest), dtype=torch.float32, device=device)
+            scratch = device_scratch([states[u].layout.numel for u in self.units], device)
             for u in self.units:
                 master = states[u].master.to(device, copy=True)
                 self.optimizers[u] = FlatAdamW(master, config, scratch)

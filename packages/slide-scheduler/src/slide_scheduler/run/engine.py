@@ -34,24 +34,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from slide_memory import AdamWConfig, FlatLayout, Slot, SlotQueue
 
+from ..plan.facts import DISK
+from ..plan.placement import Placement
+from ..plan.shapes import block_shapes, make_block
 from .activations import ActivationStore
 from .disk_states import DiskStates
 from .homes import GradientHomes
 from .lanes import DONE, Lanes, Signal
 from .loads import Loads
-from .placement import DISK, Placement, block_shapes, make_block
 from .ranks import Ranks
 from .stack import Batch, Stack, StackCalls
-from .timeline import Span, summarize
-from .units import Unit, UnitStates, host_optimizer, load_weights
+from .timeline import PhaseClock, Span, drain_spans, memory_counters, summarize
+from .units import Unit, UnitStates, buffers_to, host_optimizer, load_weights, tail_only_from
 from .updater import HostUpdater, UpdateWaits
 from .updates import EdgesLoad, Gradient, Host, Moments, Resident, Streamed, clip_scale
 
@@ -124,7 +125,7 @@ class SlidingEngine:
         shape_of, n = self.block_shapes, self.num_blocks
         # Edges: head + tail parameters, on the device in a slot of their own for the whole run.
         self.edge_slot = Slot(edge_layout, self.edges, self.device, self.dtype)
-        _buffers_to(self.edges, self.device)
+        buffers_to(self.edges, self.device)
         # Every unit's fp32 master on the host, or on disk with a compute-dtype copy of its parameters on the host
         # (none where its loads read the master from disk); a window of device slots for the sliding blocks.
         away, read = p.masters_on_disk, p.loads_from_disk
@@ -137,35 +138,20 @@ class SlidingEngine:
             Unit(layouts[shape_of[u - 1]], u in away, None if u in read else self.dtype, self.ranks)
             for u in range(1, n + 1)]
         load_weights(stack, units, edge_layout, self.disk, loaded)
-        resident = p.resident
         first, *others = layouts
         self.slots = SlotQueue(layouts[first], lambda: make_block(stack, first), p.window, self.device, self.dtype,
                                first, {k: (layouts[k], lambda k=k: make_block(stack, k)) for k in others}) \
             if p.sliding_blocks else None
-        tail_from = _tail_only_from(self.edges, edge_layout)
+        tail_from = tail_only_from(self.edges, edge_layout)
         optimizer = host_optimizer(units, p, config.optimizer, self.disk, tail_from)
         # Resident blocks get a slot of their own. Every slot has a seat: the engine's scheduling state of it.
+        # Then each unit's update kind, and where each gradient waits for it (homes.py).
         self.resident_slots: dict[int, Slot] = {
             u - 1: Slot(layouts[shape_of[u - 1]], make_block(stack, shape_of[u - 1]), self.device, self.dtype,
-                        shape_of[u - 1]) for u in sorted(resident) if u}
+                        shape_of[u - 1]) for u in sorted(p.resident) if u}
         self.seats: dict[int, Seat] = {id(slot): self._seat(slot) for slot in [
             self.edge_slot, *self.resident_slots.values(), *(self.slots.slots if self.slots else [])]}
-        self.updater = updater = HostUpdater(optimizer, inline=p.synchronous, disk=self.disk)
-        self.moments = Moments(updater)
-        self.waits = UpdateWaits(updater, lanes.timeline, p.synchronous)  # (where the engine blocks for updates)
-        self.edges_load = EdgesLoad()  # set once the edges' latest parameters are queued to the device
-        # Each unit's update kind (updates.py), and where each gradient waits for it (homes.py)
-        slots = {u: self.edge_slot if u == 0 else self.resident_slots[u - 1] for u in resident}
-        edge_ranges = optimizer.units[0].ranges if 0 in p.streamed else []
-        early = [k for k, (a, _) in enumerate(edge_ranges) if a >= tail_from] if p.edges_early else []
-        parts = dict(lanes=lanes, moments=self.moments, waits=self.waits, edges=self.edges_load)
-        self.updates = (  # (the order their work is queued)
-            Resident(resident, updater, states=units, slots=slots, lanes=lanes, config=config.optimizer,
-                     device=self.device),
-            Host(p.where("update", "host"), updater, placement=p, states=units, disk=self.disk, **parts),
-            Streamed(p.streamed, updater, early, placement=p, optimizer=optimizer, config=config.optimizer,
-                     edge_slot=self.edge_slot, **parts))
-        self.update_of = {u: kind for kind in self.updates for u in kind.units}
+        self._update_kinds(p, units, optimizer, tail_from)
         self.states = UnitStates(units, optimizer, self.disk, p.on_disk, self.resident_updates.optimizers)
         self.homes = GradientHomes(p, lanes=lanes, optimizer=optimizer, disk=self.disk, waits=self.waits,
                                    edges_numel=edge_layout.numel, ranks=self.ranks.size)
@@ -181,6 +167,25 @@ class SlidingEngine:
         # The step's one device->host read: its loss (`_loss`), then each unit's squared gradient norm (on device)
         self._readout = torch.zeros(1 + len(units), dtype=torch.float32, device=self.device)
         self._loss = self._readout[0]
+
+    def _update_kinds(self, p: Placement, units: list[Unit], optimizer, tail_from: int) -> None:
+        """The host updater, and each unit's update kind (updates.py) over it."""
+        self.updater = updater = HostUpdater(optimizer, inline=p.synchronous, disk=self.disk)
+        self.moments = Moments(updater)
+        self.waits = UpdateWaits(updater, self.lanes.timeline, p.synchronous)  # (where the engine blocks for them)
+        self.edges_load = EdgesLoad()  # set once the edges' latest parameters are queued to the device
+        resident = p.resident
+        slots = {u: self.edge_slot if u == 0 else self.resident_slots[u - 1] for u in resident}
+        edge_ranges = optimizer.units[0].ranges if 0 in p.streamed else []
+        early = [k for k, (a, _) in enumerate(edge_ranges) if a >= tail_from] if p.edges_early else []
+        parts = dict(lanes=self.lanes, moments=self.moments, waits=self.waits, edges=self.edges_load)
+        self.updates = (  # (the order their work is queued)
+            Resident(resident, updater, states=units, slots=slots, lanes=self.lanes, config=self.config.optimizer,
+                     device=self.device),
+            Host(p.where("update", "host"), updater, placement=p, states=units, disk=self.disk, **parts),
+            Streamed(p.streamed, updater, early, placement=p, optimizer=optimizer, config=self.config.optimizer,
+                     edge_slot=self.edge_slot, **parts))
+        self.update_of = {u: kind for kind in self.updates for u in kind.units}
 
     def _seat(self, slot: Slot) -> Seat:
         shard = slot.grads if not self.ranks.sharded else \
@@ -321,53 +326,69 @@ class SlidingEngine:
         hidden, contexts = self._forward(batches)
         self.moments.submit()
         clock.lap("forward")
-
         grads = self._tail(hidden, batches, contexts, normalizer)
         del hidden
         self.stream.tail_final(lr)
         clock.lap("tail")
+        gradients = self._backward(batches, contexts, grads, lr)
+        clock.lap("backward")
+        loss, grad_norm = self._readout_and_commit(gradients, lr)
+        return self._end(clock, loss, grad_norm)
 
+    def _backward(self, batches: list[Batch], contexts: list, grads: list, lr: float) -> dict[int, Gradient]:
+        """Blocks in reverse, then the head; each unit's gradient sent home and handed to its update."""
         for kind in self.updates:
             kind.before_backward()
         gradients: dict[int, Gradient] = {}
-        n, m, stream = self.num_blocks, len(batches), self.compute.stream
+        n, m = self.num_blocks, len(batches)
         # Parameters are staged a window ahead; boundary activations as far ahead as the landing sets allow (a set
         # is free once the backward of the block that used it last is queued, so sets - 1 blocks ahead)
         ahead = len(self._act_landing) - 1
-        staged, fetched = {n - 1: self.stage(n - 1)}, {n - 1: self.fetch_boundary(n - 1, m)}
+        staged: dict[int, Seat] = {}
+        fetched: dict[int, tuple[list, Signal]] = {}
+        self._prefetch(staged, [n - 1], fetched, 1, m)
         for i in reversed(range(n)):
             self._edges_tail()  # a piece of the edges' early update: backward's loads leave room for it
-            seat, (acts, landed) = staged.pop(i), fetched.pop(i) if i in fetched else self.fetch_boundary(i, m)
-            self.compute.wait(seat.ready)
-            self.compute.wait(landed)
-            self.compute.wait(seat.drained)  # the slot's last gradient has left before it is zeroed
-            with self.timeline.span("compute", f"backward {i}", stream):
-                seat.slot.grads.zero_()
-                for j, ctx in enumerate(contexts):
-                    h = acts[j].detach().requires_grad_()
-                    seat.slot.module_of(self.block_shapes[i])(h, self.calls.context(i, ctx)).backward(grads[j])
-                    grads[j] = h.grad
-                self._gradient_made(i + 1, seat)
-            seat.free = self._act_landing[i % len(self._act_landing)].free = self.compute.record()
-            gradients[i + 1] = self.homes.send(i + 1, seat, seat.free)
-            seat.drained = gradients[i + 1].arrived[-1]
-            self.update_of[i + 1].gradient_ready(i + 1, gradients[i + 1], lr)
-            for k in range(i - 1, max(i - self.window - 1, -1), -1):  # prefetch: every slot not in use
-                if k not in staged:
-                    staged[k] = self.stage(k)
-                if k >= i - ahead and k not in fetched:
-                    fetched[k] = self.fetch_boundary(k, m)
+            seat = staged.pop(i) if i in staged else self.stage(i)
+            acts, landed = fetched.pop(i) if i in fetched else self.fetch_boundary(i, m)
+            self._block_backward(i, seat, acts, landed, contexts, grads)
+            gradients[i + 1] = self._hand_over(i + 1, seat, lr)
+            self._prefetch(staged, range(i - 1, max(i - self.window - 1, -1), -1), fetched, ahead, m)
         self._edges_tail(None)
-        with self.timeline.span("compute", "head backward", stream):
+        with self.timeline.span("compute", "head backward", self.compute.stream):
             for j, batch in enumerate(batches):
                 self.calls.head_activation(batch).backward(grads[j])
             self._gradient_made(0, self.seat(self.edge_slot))
         gradients[0] = self.homes.send(0, self.seat(self.edge_slot), self.compute.record())
-        clock.lap("backward")
+        return gradients
 
-        # The one read of the step: loss and the per-unit squared norms (the clip needs the global norm), summed
-        # over ranks. A clipped step has changed no weight yet: with a non-finite norm it leaves every weight and
-        # AdamW state as it was (without clipping, sliding blocks were updated during backward already).
+    def _block_backward(self, i: int, seat: Seat, acts: list, landed: Signal, contexts: list, grads: list) -> None:
+        """Recompute and backward of block `i` for every micro-batch once its parameters and input activations
+        have landed; `grads` becomes the gradient w.r.t. its inputs."""
+        self.compute.wait(seat.ready)
+        self.compute.wait(landed)
+        self.compute.wait(seat.drained)  # the slot's last gradient has left before it is zeroed
+        with self.timeline.span("compute", f"backward {i}", self.compute.stream):
+            seat.slot.grads.zero_()
+            for j, ctx in enumerate(contexts):
+                h = acts[j].detach().requires_grad_()
+                seat.slot.module_of(self.block_shapes[i])(h, self.calls.context(i, ctx)).backward(grads[j])
+                grads[j] = h.grad
+            self._gradient_made(i + 1, seat)
+        seat.free = self._act_landing[i % len(self._act_landing)].free = self.compute.record()
+
+    def _hand_over(self, unit: int, seat: Seat, lr: float) -> Gradient:
+        """Send a block's gradient home once made, and hand it to the unit's update."""
+        gradient = self.homes.send(unit, seat, seat.free)
+        seat.drained = gradient.arrived[-1]
+        self.update_of[unit].gradient_ready(unit, gradient, lr)
+        return gradient
+
+    def _readout_and_commit(self, gradients: dict[int, Gradient], lr: float) -> tuple[float, float]:
+        """The one read of the step: loss and the per-unit squared norms (the clip needs the global norm), summed
+        over ranks; then the clip decision, told to every update kind. A clipped step has changed no weight yet:
+        with a non-finite norm it leaves every weight and AdamW state as it was (without clipping, sliding blocks
+        were updated during backward already)."""
         self.ranks.readout(self.compute, self._readout)
         loss_value, *sq = self._readout.tolist()
         grad_norm = math.sqrt(sum(sq))
@@ -378,7 +399,7 @@ class SlidingEngine:
                 kind.norm_known(gradients, lr, grad_scale)
             else:
                 kind.norm_not_finite()
-        return self._end(clock, loss_value, grad_norm)
+        return loss_value, grad_norm
 
     def _edges_tail(self, chunks: int | None = 1) -> bool:
         """Queue `chunks` more of the edges' early update (None: what is left); whether any was pending."""
@@ -390,18 +411,18 @@ class SlidingEngine:
         self.ranks.reduce_gradient(seat.shard, seat.slot.grads)
         self._readout[1 + unit] = torch.linalg.vector_norm(seat.shard, dtype=torch.float32).square()
 
-    def _begin(self) -> _Clock:
-        memory = _memory_counters(self.device)
+    def _begin(self) -> PhaseClock:
+        memory = memory_counters(self.device)
         if self._disk_counted is None:  # (not the tier's first fill, when the weights were loaded)
             self._disk_counted = self.disk_traffic()
         # Phase laps synchronize the device only in the synchronous schedule; pipelined, the timeline says more.
-        clock = _Clock(self.device, sync=self.placement.synchronous)
+        clock = PhaseClock(self.device, sync=self.placement.synchronous)
         clock.memory = memory
         self.timeline.begin()
         self.waits.seconds = 0.0
         return clock
 
-    def _end(self, clock: _Clock, loss: float, grad_norm: float) -> StepStats:
+    def _end(self, clock: PhaseClock, loss: float, grad_norm: float) -> StepStats:
         """The step's work is queued: wait for every lane (in the synchronous schedule, every update), and count
         what it took."""
         if self.placement.synchronous:
@@ -439,12 +460,12 @@ class SlidingEngine:
     def _spans(self, origin: float):
         """This step's spans, plus the optimizer thread's updates that ran during it (host times)."""
         spans = self.timeline.spans()
-        for label, start, end in _drain(self.updater.spans, origin):
+        for label, start, end in drain_spans(self.updater.spans, origin):
             spans.append(Span("optimizer", label, start, end))
             if self.placement.synchronous:  # inline updates: the engine's thread itself was busy with them
                 spans.append(Span("waits", label, start, end))
         if self.disk is not None:  # the moments' reads and write-backs, likewise
-            spans += [Span("disk", *span) for span in _drain(self.disk.spans, origin)]
+            spans += [Span("disk", *span) for span in drain_spans(self.disk.spans, origin)]
         return spans
 
     def disk_stores(self) -> list:
@@ -491,7 +512,7 @@ class SlidingEngine:
             for j, h in enumerate(hidden):
                 acts.put(0, j, h, made)
         staged: dict[int, Seat] = {}
-        self._prefetch(staged, 0)
+        self._prefetch(staged, range(n))
         tail_ready = None  # the edges' tail-only part, deferred by clipping, is queued a chunk per block
         for i in range(n):
             # Not staged yet when its host update was still running: nothing else can be queued before it now,
@@ -508,22 +529,25 @@ class SlidingEngine:
             if keep and i + 1 < n:  # the last output goes straight to the tail; backward never reads it
                 for j, h in enumerate(hidden):
                     acts.put(i + 1, j, h, seat.free)
-            self._prefetch(staged, i + 1)
+            self._prefetch(staged, range(i + 1, n))
         if self._edges_tail(None):
             tail_ready = self.lanes.landed()
         if tail_ready is not None:  # the tail reads it
             self.compute.wait(tail_ready)
         return hidden, contexts
 
-    def _prefetch(self, staged: dict[int, Seat], first: int) -> None:
-        """Stage forward blocks from `first` on until every slot holds one not yet run. Resident blocks need no
-        slot and are staged on the way, so the first sliding blocks load while the resident ones compute.
+    def _prefetch(self, staged: dict[int, Seat], blocks: Iterable[int], fetched: dict | None = None,
+                  fetches: int = 0, micro: int = 0) -> None:
+        """Stage `blocks` (the pass's next ones, in its order) until every slot holds one not yet run. Resident
+        blocks need no slot and are staged on the way, so the first sliding blocks load while the resident ones
+        compute. In the backward the first `fetches` of them also have their boundary activations (`micro` of
+        them) queued into `fetched`, each right after its parameters.
 
         Staging stops at a block whose host update is still running: queuing its load would block this thread
-        until the update is done, and with it the forward of blocks that are ready to run (resident ones, or
-        the one loaded a slot ahead). Such a block is staged at its own turn, or by a later call."""
+        until the update is done, and with it the work of blocks that are ready to run (resident ones, or the one
+        loaded a slot ahead). Such a block is staged at its own turn, or by a later call."""
         ahead = sum(k not in self.resident_slots for k in staged)
-        for k in range(first, self.num_blocks):
+        for position, k in enumerate(blocks):
             if ahead >= self.window:
                 return
             if k not in staged:
@@ -531,6 +555,8 @@ class SlidingEngine:
                     return
                 staged[k] = self.stage(k)
                 ahead += k not in self.resident_slots
+            if position < fetches and k not in fetched:
+                fetched[k] = self.fetch_boundary(k, micro)
 
     def close(self) -> None:
         """Finish pending updates and stop the worker threads (they stop even when an update failed)."""
@@ -563,64 +589,5 @@ def _check(p: Placement, numels: tuple[int, ...], config: EngineConfig, ranks: R
                          "fast local disk")
 
 
-def _memory_counters(device: torch.device) -> dict[str, float]:
-    if device.type != "cuda":
-        return {}
-    stats = torch.cuda.memory_stats(device)
-    return {"allocated_bytes_at_start": float(stats.get("allocated_bytes.all.current", 0)),
-            "alloc_retries": float(stats.get("num_alloc_retries", 0)),
-            "cuda_mallocs": float(stats.get("segment.all.allocated", 0))}
-
-
-def _buffers_to(edges, device: torch.device) -> None:
-    """The edges' buffers (rotary tables, say) to the device, where they stay."""
-    for module in edges.modules():
-        for name, buf in module._buffers.items():
-            if buf is not None:
-                module._buffers[name] = buf.to(device)
-
-
-def _drain(spans: list[tuple[str, float, float]], origin: float) -> list[tuple[str, float, float]]:
-    """Take the (label, start, end) host spans a worker thread has appended so far, as times from `origin`,
-    dropping those that ended before it. The worker may append meanwhile: only what was read is removed."""
-    seen = list(spans)
-    del spans[: len(seen)]
-    return [(label, start - origin, end - origin) for label, start, end in seen if end >= origin]
-
-
-def _tail_only_from(edges, layout: FlatLayout) -> int:
-    """Flat offset from which every edge parameter is one only the tail reads (`edges.tail_only`, a tuple of
-    parameter names; a parameter tied to one the head reads does not count), or the layout's end."""
-    names: dict[int, list[str]] = {}
-    for name, p in edges.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    declared = set(getattr(edges, "tail_only", ()))
-    tail = {n for group in names.values() if set(group) <= declared for n in group}
-    start = layout.numel
-    for entry in reversed(layout.entries):
-        if entry.name not in tail:
-            break
-        start = entry.offset
-    return start
-
-
 class _Landing:
     free: Signal = DONE  # compute is done with the activations last fetched into it
-
-
-class _Clock:
-    def __init__(self, device: torch.device, sync: bool):
-        self.sync = torch.cuda.synchronize if device.type == "cuda" and sync else (lambda: None)
-        self.start = self.last = time.perf_counter()
-        self.laps: dict[str, float] = {}
-        self.memory: dict[str, float] = {}
-
-    def lap(self, name: str) -> None:
-        self.sync()
-        now = time.perf_counter()
-        self.laps[name] = now - self.last
-        self.last = now
-
-    @property
-    def total(self) -> float:
-        return self.last - self.start

@@ -92,90 +92,143 @@ def place(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, mach
     `overrides.nvme_fraction` says (data-parallel ranks and CPU runs keep everything in memory); blocks whose
     master is on disk keep a copy of their parameters in host memory for their loads where that fits, and
     otherwise read the master from disk for each load (`overrides.disk_loads` decides where given)."""
-    o = overrides or Overrides()
-    if run.activations == "auto":
-        return _activation_tier(shapes, step, run, budgets, machine, o)
-    if not run.clips and o.defer_updates is None and run.ranks == 1:
-        # Host updates during backward, or waiting for the step's end as clipped ones do (under the next forward, in
-        # its order; they need a gradient buffer each, so the least share on disk may differ): each planned whole
-        eager, deferred = (place(shapes, step, run, budgets, machine, dataclasses.replace(o, defer_updates=d))
-                           for d in (False, True))
+    return _Planning(shapes, step, run, budgets, machine).plan(overrides or Overrides())
+
+
+@dataclass(frozen=True)
+class _Planning:
+    """One run's planning. The overrides the caller left open are resolved in one pass, in the order of
+    `RESOLVES`: the first whose override is open weighs its values, each planned with the resolves after it;
+    with none open, the search over windows, shares and speculation, refined where the result does not fit."""
+
+    shapes: Shapes
+    step: StepShape
+    run: RunFacts
+    budgets: Budgets
+    machine: Machine
+
+    def plan(self, o: Overrides, first: int = 0) -> Plan:
+        for k, (is_open, resolve) in enumerate(RESOLVES[first:], first + 1):
+            if is_open(self, o):
+                return resolve(self, o, k)
+        return self.search(o)
+
+    def activations(self, o: Overrides, rest: int) -> Plan:
+        """`auto` activations: the tier that prices best (each a run of its own)."""
+        return _activation_tier(self.shapes, self.step, self.run, self.budgets, self.machine, o)
+
+    def update_timing(self, o: Overrides, rest: int) -> Plan:
+        """Host updates during backward, or waiting for the step's end as clipped ones do (under the next forward,
+        in its order; they need a gradient buffer each, so the least share on disk may differ): each planned
+        whole."""
+        eager, deferred = (self.plan(dataclasses.replace(o, defer_updates=d), rest) for d in (False, True))
         return deferred if _better(_rank(deferred), _rank(eager)) else eager
-    if o.nvme_fraction is None:
-        plan = place(shapes, step, run, budgets, machine, dataclasses.replace(o, nvme_fraction=0.0, disk_loads=False))
-        if budgets.host is None or plan.placement.bytes(HOST) <= budgets.host or run.ranks > 1:
+
+    def disk_fraction(self, o: Overrides, rest: int) -> Plan:
+        """Nothing on disk where host memory holds it all, else the least share that fits."""
+        plan = self.plan(dataclasses.replace(o, nvme_fraction=0.0, disk_loads=False), rest)
+        if self.budgets.host is None or plan.placement.bytes(HOST) <= self.budgets.host or self.run.ranks > 1:
             return plan
-        found = disk_share(shapes, step, run, budgets, machine, o)
-        return place(shapes, step, run, budgets, machine,
-                     dataclasses.replace(o, nvme_fraction=found[0], disk_loads=found[2],
-                                         disk_grads=found[3])) if found else plan
-    if o.disk_loads is None or o.disk_grads is None:  # the least taken to disk that fits host memory
+        found = disk_share(self.shapes, self.step, self.run, self.budgets, self.machine, o)
+        return self.plan(dataclasses.replace(o, nvme_fraction=found[0], disk_loads=found[2], disk_grads=found[3]),
+                         rest) if found else plan
+
+    def disk_reads(self, o: Overrides, rest: int) -> Plan | None:
+        """Whether loads read masters from disk and gradients wait there: the least taken to disk that fits host
+        memory."""
         tried = [(False, False), (True, False), (False, True), (True, True)]  # (loads read from disk, gradients)
         plan = None
         for loads, grads in tried:
-            if o.disk_loads not in (None, loads) or o.disk_grads not in (None, grads) or (grads and not run.clips):
+            if o.disk_loads not in (None, loads) or o.disk_grads not in (None, grads) or (grads and not self.run.clips):
                 continue
-            lean = place(shapes, step, run, budgets, machine,
-                         dataclasses.replace(o, disk_loads=loads, disk_grads=grads))
+            lean = self.plan(dataclasses.replace(o, disk_loads=loads, disk_grads=grads), rest)
             p = lean.placement
             if plan is None or lean.placement.bytes(HOST) < plan.placement.bytes(HOST):
                 plan = lean
-            if not p.masters_on_disk or budgets.host is None or p.bytes(HOST) <= budgets.host:
+            if not p.masters_on_disk or self.budgets.host is None or p.bytes(HOST) <= self.budgets.host:
                 break
         return plan
-    cuda = run.cuda
-    windows = (o.window,) if o.window else WINDOWS if cuda else (2,)
-    streamable = run.state_bytes == 4
-    if o.device_update_share is not None:
-        shares = (o.device_update_share,)
-    elif not cuda or not streamable:
-        shares = (0.0,)
-    else:  # (without clipping too: a clip scale of exactly 1 runs every placement a clipped run has)
-        shares = SHARES
-    poolable = run.activations == HOST and not o.disk_boundaries
-    # Host gradients that wait (for the norm, or for a device update at the next load) share the boundary
-    # activations' memory: up to the activations' size less host memory, at the speed of a buffer each
-    # (docs/findings.md)
-    pooled = poolable if o.share_grads is None else bool(o.share_grads) and poolable
-    # Speculating: every block, or the first ones where the host cannot afford all (each speculating block needs
-    # its speculated parameters and a gradient buffer of its own); `auto` also weighs not speculating, and takes
-    # what prices faster by more than SPECULATION_MARGIN. Not by default (docs/findings.md)
-    kinds = [(pooled, False)] + ([(False, True), *((False, round(f * shapes.num_blocks)) for f in SPECULATED)]
-                                 if o.speculate in (True, "auto") and run.clips else [])
-    forced = o.speculate is True
-    best: tuple[bool, bool, float, float, Placement, Estimate] | None = None
-    for window, share, (shared, speculate) in itertools.product(windows, shares, kinds):
-        p = stripe(size_for_budget(shapes, step, run, budgets.gpu, window=window, share=share, shared=shared,
-                                   overrides=o, speculate=speculate), machine.drives)
-        gpu_fits = budgets.gpu is None or p.bytes(GPU) <= budgets.gpu
-        host_fits = budgets.host is None or p.bytes(HOST) <= budgets.host
-        est = price(p, machine)
-        # Speculating, the step that matters is the usual one of a fine-tune: clipping does not act; and it must
-        # win by more than its price's error against the speculating steps measured
-        ranked = price(p, machine, clipping_acts=False).step_s * (1 + SPECULATION_MARGIN) if p.speculated \
-            else est.step_s
-        key = (not gpu_fits, not host_fits, forced and not p.speculated, ranked, p.bytes(HOST))
-        if best is None or _better(key, best[:5]):
-            best = (*key, p, est)
-    placement, estimate = best[5:]
-    seq = step.seq_len or step.tokens_per_micro
-    if best[0] and o.sequence_tile is None and seq > SEQUENCE_TILE:  # whole rows do not fit the GPU: tiles may
-        tiled = place(shapes, step, run, budgets, machine, dataclasses.replace(o, sequence_tile=SEQUENCE_TILE))
-        if tiled.placement.bytes(GPU) < placement.bytes(GPU):  # (fitting or not: what it needs is nearer)
-            return tiled
-    if best[0] and o.landing_sets is None and placement.landing_sets > 1 and run.activations != GPU:
-        # still too big: one set of landing buffers, each block's activations fetched after the next one's backward
-        lean = place(shapes, step, run, budgets, machine, dataclasses.replace(o, landing_sets=1))
-        if lean.placement.bytes(GPU) < placement.bytes(GPU):
-            return lean
-    unclipped = price(placement, machine, clipping_acts=False) if run.clips else estimate
-    plan = Plan(placement, estimate, unclipped, budgets)
-    plan.problems = _problems(plan)
-    if placement.on_disk and o.disk_staging is None and plan.fits:  # the disk tier's reads further ahead
-        deeper = place(shapes, step, run, budgets, machine, dataclasses.replace(o, disk_staging=DEEP_STAGING))
-        if deeper.fits and deeper.estimate.step_s < plan.estimate.step_s * (1 - TIE):
-            return deeper
-    return plan
+
+    def search(self, o: Overrides) -> Plan:
+        """The best of the candidates; where it does not fit the GPU, tiles or one landing set where they need
+        less; where its disk tier's reads may run further ahead, deeper staging where that is faster."""
+        misses_gpu, placement, estimate = self.best(o)
+        smaller = self.smaller(o, placement) if misses_gpu else None
+        if smaller is not None:
+            return smaller
+        unclipped = price(placement, self.machine, clipping_acts=False) if self.run.clips else estimate
+        plan = Plan(placement, estimate, unclipped, self.budgets)
+        plan.problems = _problems(plan)
+        if placement.on_disk and o.disk_staging is None and plan.fits:  # the disk tier's reads further ahead
+            deeper = self.search(dataclasses.replace(o, disk_staging=DEEP_STAGING))
+            if deeper.fits and deeper.estimate.step_s < plan.estimate.step_s * (1 - TIE):
+                return deeper
+        return plan
+
+    def smaller(self, o: Overrides, placement: Placement) -> Plan | None:
+        """Where whole rows do not fit the GPU: tiles of the sequence; still too big, one set of landing buffers
+        (each block's activations fetched after the next one's backward). Either, fitting or not, where it needs
+        less of the GPU."""
+        seq = self.step.seq_len or self.step.tokens_per_micro
+        if o.sequence_tile is None and seq > SEQUENCE_TILE:
+            tiled = self.search(dataclasses.replace(o, sequence_tile=SEQUENCE_TILE))
+            if tiled.placement.bytes(GPU) < placement.bytes(GPU):
+                return tiled
+        if o.landing_sets is None and placement.landing_sets > 1 and self.run.activations != GPU:
+            lean = self.search(dataclasses.replace(o, landing_sets=1))
+            if lean.placement.bytes(GPU) < placement.bytes(GPU):
+                return lean
+        return None
+
+    def best(self, o: Overrides) -> tuple[bool, Placement, Estimate]:
+        """Over windows, shares of device updates and kinds of gradient home: the candidate that fits and prices
+        fastest (whether it misses the GPU budget, the placement, its price)."""
+        run, budgets, machine = self.run, self.budgets, self.machine
+        windows = (o.window,) if o.window else WINDOWS if run.cuda else (2,)
+        if o.device_update_share is not None:
+            shares = (o.device_update_share,)
+        elif not run.cuda or run.state_bytes != 4:  # (streamed updates need fp32 states)
+            shares = (0.0,)
+        else:  # (without clipping too: a clip scale of exactly 1 runs every placement a clipped run has)
+            shares = SHARES
+        forced = o.speculate is True
+        best: tuple[bool, bool, float, float, Placement, Estimate] | None = None
+        for window, share, (shared, speculate) in itertools.product(windows, shares, self.kinds(o)):
+            p = stripe(size_for_budget(self.shapes, self.step, run, budgets.gpu, window=window, share=share,
+                                       shared=shared, overrides=o, speculate=speculate), machine.drives)
+            gpu_fits = budgets.gpu is None or p.bytes(GPU) <= budgets.gpu
+            host_fits = budgets.host is None or p.bytes(HOST) <= budgets.host
+            est = price(p, machine)
+            # Speculating, the step that matters is the usual one of a fine-tune: clipping does not act; and it
+            # must win by more than its price's error against the speculating steps measured
+            ranked = price(p, machine, clipping_acts=False).step_s * (1 + SPECULATION_MARGIN) if p.speculated \
+                else est.step_s
+            key = (not gpu_fits, not host_fits, forced and not p.speculated, ranked, p.bytes(HOST))
+            if best is None or _better(key, best[:5]):
+                best = (*key, p, est)
+        return best[0], best[5], best[6]
+
+    def kinds(self, o: Overrides) -> list[tuple[bool, bool | int]]:
+        """(gradients pooled, speculating) pairs tried. Host gradients that wait (for the norm, or for a device
+        update at the next load) share the boundary activations' memory: up to the activations' size less host
+        memory, at the speed of a buffer each (docs/findings.md). Speculating: every block, or the first ones
+        where the host cannot afford all (each speculating block needs its speculated parameters and a gradient
+        buffer of its own); `auto` also weighs not speculating, and takes what prices faster by more than
+        SPECULATION_MARGIN. Not by default (docs/findings.md)."""
+        poolable = self.run.activations == HOST and not o.disk_boundaries
+        pooled = poolable if o.share_grads is None else bool(o.share_grads) and poolable
+        speculating = o.speculate in (True, "auto") and self.run.clips
+        return [(pooled, False)] + ([(False, True), *((False, round(f * self.shapes.num_blocks)) for f in SPECULATED)]
+                                    if speculating else [])
+
+
+# (whether an override is open, how it is resolved), in the order they are resolved
+RESOLVES = (
+    (lambda s, o: s.run.activations == "auto", _Planning.activations),
+    (lambda s, o: not s.run.clips and o.defer_updates is None and s.run.ranks == 1, _Planning.update_timing),
+    (lambda s, o: o.nvme_fraction is None, _Planning.disk_fraction),
+    (lambda s, o: o.disk_loads is None or o.disk_grads is None, _Planning.disk_reads),
+)
 
 
 def disk_share(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets, machine: Machine,

@@ -33,11 +33,10 @@ from concurrent.futures import Future
 
 import torch
 
-from slide_io import NVMeStore
+from slide_io import Drives, Folders, NVMeStore
 from slide_memory import host_zeros
 
-from .drives import Drives, Folders
-from .sizes import DISK_STAGING_SLOTS as SLOTS  # (the placement's count: sizes.py)
+from ..plan.sizes import DISK_STAGING_SLOTS as SLOTS  # (the placement's count: sizes.py)
 
 
 def state_bytes(dtype: torch.dtype) -> int:

@@ -26,13 +26,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from slide_io import NVMeStore
+from slide_io import Drives, Folders, NVMeStore
 from slide_memory import host_empty
 
+from ..plan.sizes import SLOTS_PER_MICRO  # (the placement's count: sizes.py)
 from .disk_states import done_future
-from .drives import Drives, Folders
 from .lanes import FutureSignal, Lane, Signal
-from .sizes import SLOTS_PER_MICRO  # (the placement's count: sizes.py)
 
 Key = tuple[int, int]  # (boundary, micro-batch)
 

@@ -167,3 +167,27 @@ def load_weights(stack: Stack, units: list[Unit], edge_layout: FlatLayout, disk,
                 load_master(units, disk, i + 1, staged)
             if loaded is not None:
                 loaded(i)
+
+
+def tail_only_from(edges, layout: FlatLayout) -> int:
+    """Flat offset from which every edge parameter is one only the tail reads (`edges.tail_only`, a tuple of
+    parameter names; a parameter tied to one the head reads does not count), or the layout's end."""
+    names: dict[int, list[str]] = {}
+    for name, p in edges.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    declared = set(getattr(edges, "tail_only", ()))
+    tail = {n for group in names.values() if set(group) <= declared for n in group}
+    start = layout.numel
+    for entry in reversed(layout.entries):
+        if entry.name not in tail:
+            break
+        start = entry.offset
+    return start
+
+
+def buffers_to(edges, device: torch.device) -> None:
+    """The edges' buffers (rotary tables, say) to the device, where they stay."""
+    for module in edges.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
