@@ -707,3 +707,25 @@ def test_plan_longest_with_auto_activations_searches_every_tier_and_names_what_b
     binds = re.findall(rf"at {auto + 128:,} tokens, what binds: (\w+): needs ~[\d.]+ GiB, [\d.]+ GiB usable[^\n]*"
                        r"would lift it", out)
     assert binds and set(binds) <= {"gpu", "host", "disk"}
+
+
+def test_the_plan_names_each_blocks_attention_backend_in_its_text_and_json(capsys):
+    """Gemma-2-9B (soft-capped, head_dim 256) planned for the H100 host's GPU: every block takes a backend that
+    computes a soft-cap (flash-attn-4 where installed, else FlexAttention; never SDPA), `--json` lists it per
+    block and the text names the same; Llama-3.1-8B's plain causal layers take SDPA, and with packed documents a
+    backend that keeps them apart without an [S, S] mask."""
+    import json
+
+    from slide_train.cli import main
+
+    machine = pathlib.Path(__file__).parents[3] / "docs" / "machines" / "h100-host.yaml"
+    for model, pack, expected in (("gemma-2-9b", "false", {"fa4", "flex"}), ("llama-3.1-8b", "false", {"sdpa"}),
+                                  ("llama-3.1-8b", "true", {"fa4", "flex"})):
+        args = ["plan", f"--machine={machine}", f"--model={model}", "--seq_len=4096", "--engine.device=cuda",
+                "--engine.gpu_memory_limit_gb=24", "--engine.states_dtype=bf16", f"--data.pack={pack}"]
+        main([*args, "--json"])
+        listed = json.loads(capsys.readouterr().out)["attention"]
+        main(args)
+        text = capsys.readouterr().out
+        assert len(listed) == (42 if model == "gemma-2-9b" else 32) and set(listed) <= expected
+        assert f"attention: {listed[0]} for blocks 0..{len(listed) - 1}" in text

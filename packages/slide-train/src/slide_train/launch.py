@@ -54,6 +54,7 @@ from .distributed import join, rank_device, ranks_here
 from .errors import ConfigError, plural, size_text
 from .export import export_dtype, export_held_bytes, layout_tensors
 from .machines import resolve_machine
+from .models import backends
 from .models.build import check_fits, load_model
 from .outputs import check_outputs, check_space
 from .plan import MORE_TOKENS, refusal
@@ -97,7 +98,19 @@ def resolve_device(name: str) -> torch.device:
 # -- the config's words as the planner's ----------------------------------------------------------------------------
 
 
-def model_shapes(model, stack, ranks: int = 1) -> Shapes:
+def attention_candidates(cfg: TrainConfig, stack, cuda: bool, compute_bytes: int) -> tuple[tuple[str, ...], ...]:
+    """Each block's attention backends that compute its layer exactly on the run's device (rows of seq_len,
+    packed documents where data.pack is on), in the backends' order: the plan chooses among them."""
+    if not hasattr(stack, "attention_needs"):
+        return ()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if compute_bytes == 2 else torch.float32
+    needs = stack.attention_needs(cfg.seq_len, documents=cfg.data.pack)
+    per_kind = {kind: backends.candidates(n, device, dtype) for kind, n in needs.items()}
+    return tuple(per_kind[kind] for kind in stack.layer_types)
+
+
+def model_shapes(model, stack, ranks: int = 1, attention: tuple[tuple[str, ...], ...] = ()) -> Shapes:
     hf = model.hf_config
     intermediate = getattr(hf, "moe_intermediate_size", None) or getattr(hf, "intermediate_size", 0) or 0
     # A mixture of experts: each token's MLP activations and FLOPs are those of the experts it is routed to
@@ -111,7 +124,7 @@ def model_shapes(model, stack, ranks: int = 1) -> Shapes:
     windows = getattr(stack, "windows", None)
     kinds = getattr(stack, "layer_types", None)
     return dataclasses.replace(
-        shapes, attention_width=heads * head_dim,
+        shapes, attention_width=heads * head_dim, head_dim=head_dim, attention_backends=attention,
         windows=tuple(int(windows.get(kind) or 0) for kind in kinds) if windows and kinds else ())
 
 
@@ -302,9 +315,9 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True, ra
     kernels = e.kernels == "on" or (e.kernels == "auto" and device.cuda)
     stack = model.stack(kernels=kernels, aux_loss_mean_of=cfg.grad_accum * ranks  # (every rank's micro-batches)
                         if cfg.router_aux_loss == "per_micro_batch" else 1)
-    shapes = model_shapes(model, stack, ranks)
     run = dataclasses.replace(facts_of(cfg, device.name, ranks), host_extras=host_extras(
         cfg, layout_tensors(ckpt.unit_layouts(stack)), model.dtype))
+    shapes = model_shapes(model, stack, ranks, attention_candidates(cfg, stack, run.cuda, run.compute_bytes))
 
     def planned(machine: Machine) -> Plan:
         budgets = budgets_for(machine, device.cuda, e.gpu_memory_limit_gb, device.card_gib,
@@ -322,6 +335,8 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True, ra
         plan = planned(machine)
     host_problems(plan, cfg, shapes, machine, run, ranks)
     advise(plan, cfg, shapes, machine, run, plan.budgets)
+    if plan.attention:  # the blocks run the backend the plan chose for their layer type
+        stack.attention = dict(zip(stack.layer_types, plan.attention))
     if running:
         refuse(plan, cfg)
         warn_unused(plan, cfg)

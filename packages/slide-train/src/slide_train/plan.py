@@ -409,5 +409,20 @@ def describe(plan: Plan, machine: Machine | None = None, cfg: TrainConfig | None
     """The plan as a user reads it: residency, each tier's contents, the prediction and what binds it, with
     `machine` what a checkpoint costs, with `cfg` where the disk tier's folder is; where it does not fit, the
     settings near it that do, and where it fits but the GPU does not bind it, the grad_accum at which it would."""
-    return "\n".join([*residency_lines(plan.placement), *tier_lines(plan), *prediction_lines(plan),
-                      *disk_lines(plan, machine, cfg), *advice_lines(plan, cfg)])
+    return "\n".join([*residency_lines(plan.placement), *attention_lines(plan), *tier_lines(plan),
+                      *prediction_lines(plan), *disk_lines(plan, machine, cfg), *advice_lines(plan, cfg)])
+
+
+def attention_lines(plan: Plan) -> list[str]:
+    """The attention backend of each run of blocks the plan gave one (the field `--json` lists per block)."""
+    if not plan.attention:
+        return []
+    runs, start = [], 0
+    for i in range(1, len(plan.attention) + 1):
+        if i == len(plan.attention) or plan.attention[i] != plan.attention[start]:
+            runs.append(f"{plan.attention[start]} for block{'s' if i - start > 1 else ''} "
+                        + (f"{start}..{i - 1}" if i - start > 1 else f"{start}"))
+            start = i
+    return ["attention: " + ", ".join(runs) if len(runs) <= 4 else
+            "attention: " + ", ".join(f"{name} for {plan.attention.count(name)} blocks"
+                                      for name in dict.fromkeys(plan.attention))]

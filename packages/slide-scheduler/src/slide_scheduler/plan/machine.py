@@ -2,7 +2,8 @@
 
 The same figures a machine file holds (`slide-train probe` measures them; docs/machines/ has examples):
 
-    gpu:  {memory_gib, bf16_tflops, attention_tflops, experts_tflops, link_gbps}
+    gpu:  {memory_gib, bf16_tflops, attention_tflops, sdpa_tflops, fa4_tflops, flex_tflops, experts_tflops,
+           link_gbps}
     host: {memory_gib, cores, memory_gbps, adamw_gparams}
     pcie: {h2d_gbps, d2h_gbps, duplex_gbps}
     disk: {free_gib, read_gbps, write_gbps, path, path_reason, posix_read_gbps, posix_write_gbps,
@@ -17,6 +18,10 @@ Every figure is a number except the disk's path and its reason, which are words.
 `gpu.attention_tflops` is causal attention's rate, forward and backward at a long sequence through the fused
 kernels a step runs (SDPA's flash path, FlexAttention), in FLOPs as `causal_attention_flops` counts them: the
 FLOPs of a layer's attention over a row, divided by this rate, are its seconds. 0: not measured.
+
+`gpu.sdpa_tflops`, `fa4_tflops` and `flex_tflops` are each attention backend's own rate in the same count, at
+head_dim 256 (Gemma's), soft-capped at 50 where the backend can soft-cap (SDPA cannot): the rate of a layer whose
+head_dim is over 128 on the backend the plan chose for it. 0: not measured (such layers take `attention_tflops`).
 
 `gpu.experts_tflops` is a mixture of experts' routed MLP's rate, forward and backward: routing, dispatch by
 expert, the experts' grouped GEMMs and the weighted combine, in FLOPs as `routed_expert_flops` counts them (the
@@ -38,6 +43,10 @@ class Gpu:
     # causal attention forward + backward (bf16, fused kernels, long rows) in `causal_attention_flops`' count;
     # 0: not measured
     attention_tflops: float = 0.0
+    # each attention backend's rate at head_dim 256, soft-capped where it can, in the same count; 0: not measured
+    sdpa_tflops: float = 0.0
+    fa4_tflops: float = 0.0
+    flex_tflops: float = 0.0
     # a mixture's routed MLP forward + backward (bf16, grouped GEMMs) in `routed_expert_flops`' count; 0: not
     # measured
     experts_tflops: float = 0.0

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .attention import chosen as attention_backends
 from .choices import Budgets, Overrides, size_for_budget
 from .cost import Estimate, disk_traffic, price
 from .machine import Machine
@@ -51,6 +52,8 @@ class Plan:
     # compute binds it, the step at which the GPU would (`compute_bound_step`). Filled in by whoever asks.
     suggestions: list[Suggestion] = field(default_factory=list)
     compute_bound: Suggestion | None = None
+    # each block's attention backend, the fastest of its candidates on the machine (empty: the shapes name none)
+    attention: tuple[str, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -81,6 +84,7 @@ class Plan:
             "synchronous": p.synchronous,  # the reference schedule: every lane inline
             "run": dataclasses.asdict(p.run),
             "units": [dataclasses.asdict(u) for u in p.units],
+            "attention": list(self.attention),  # each block's attention backend
         }
 
 
@@ -157,7 +161,8 @@ class _Planning:
         if smaller is not None:
             return smaller
         unclipped = price(placement, self.machine, clipping_acts=False) if self.run.clips else estimate
-        plan = Plan(placement, estimate, unclipped, self.budgets)
+        plan = Plan(placement, estimate, unclipped, self.budgets,
+                    attention=attention_backends(placement.shapes, self.machine.gpu) if self.run.cuda else ())
         plan.problems = _problems(plan)
         if placement.on_disk and o.disk_staging is None and plan.fits:  # the disk tier's reads further ahead
             deeper = self.search(dataclasses.replace(o, disk_staging=DEEP_STAGING))

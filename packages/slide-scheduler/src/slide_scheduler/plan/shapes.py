@@ -31,6 +31,10 @@ class Shapes:
     routed_numels: tuple[int, ...] = ()
     attention_width: int = 0  # query heads x head dim (0: hidden)
     windows: tuple[int, ...] = ()  # each block's attention window in tokens (0: the whole causal row; empty: all)
+    head_dim: int = 0  # attention's head dim (0: not given)
+    # each block's attention backends that compute its layer exactly, the front end's order of preference (empty:
+    # not given; attention then runs at the machine's `attention_tflops`)
+    attention_backends: tuple[tuple[str, ...], ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -54,6 +58,10 @@ class Shapes:
     def window(self, unit: int) -> int:
         """The attention window of unit `unit` (1 + block), in tokens; 0 for the whole causal row."""
         return self.windows[unit - 1] if self.windows else 0
+
+    def backends(self, unit: int) -> tuple[str, ...]:
+        """The attention backends that can run unit `unit`'s (1 + block) layer, in order of preference."""
+        return self.attention_backends[unit - 1] if self.attention_backends else ()
 
     @property
     def mixed(self) -> bool:

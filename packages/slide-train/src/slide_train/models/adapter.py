@@ -322,6 +322,7 @@ class HFStack:
                         for kind in dict.fromkeys(self.layer_types)}
         heads = config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.attention: dict[str, str] = {}  # each layer type's attention backend, the plan's choice (else: the first)
         with torch.device("meta"):
             skeleton = transformers.AutoModelForCausalLM.from_config(config)
         self._layer_cls = type(skeleton.get_submodule(family.layers)[0])
@@ -360,6 +361,7 @@ class HFStack:
                       logits_divisor=float(divisor) if divisor != 1.0 else None, softcap=self.softcap,
                       head_dim=self.head_dim, attn_softcap=self.attn_softcap, routing=self.routing,
                       aux_loss_mean_of=self.aux_loss_mean_of)
+        edges.attention = dict(self.attention)
         if self.kernels:
             slide_kernels.apply_to(_Patchable(cfg, edges))
         return edges

@@ -196,7 +196,7 @@ class FlashAttn4(Backend):
             return "it runs on CUDA only"
         if importlib.util.find_spec(FA4_MODULE.split(".")[0]) is None or _fa4() is None:
             return "flash-attn-4 is not installed (pip install 'slide-train[fa4]')"
-        if torch.cuda.get_device_capability(device)[0] < 9:
+        if torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] < 9:  # (a plan on paper: as given)
             return "it needs a Hopper or newer GPU (its soft-cap backward refuses SM8x)"
         if dtype not in (torch.bfloat16, torch.float16):
             return f"it computes in bf16 or fp16, not {dtype}"

@@ -22,7 +22,8 @@ def attention_s(p: Placement, r: Rates, unit: int) -> float:
     (query, key) pair and attention width, every row."""
     s, seq = p.shapes, p.step.seq_len or p.step.tokens_per_micro
     rows = step_tokens(p) / seq
-    return 4 * attention_pairs(seq, s.window(unit)) * (s.attention_width or s.hidden) * rows / r.attention
+    rate = r.block_attention[unit - 1] if r.block_attention else r.attention  # (on the block's backend)
+    return 4 * attention_pairs(seq, s.window(unit)) * (s.attention_width or s.hidden) * rows / rate
 
 
 def gemms_s(p: Placement, r: Rates, unit: int) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..attention import chosen, rate_of
 from ..machine import Machine
 from ..placement import Placement
 
@@ -23,6 +24,7 @@ class Rates:
     pcie: bool  # whether copies cross PCIe (a CPU device copies within host memory)
     gemms: float  # a block's GEMMs (FLOP/s)
     attention: float  # causal attention, in causal_attention_flops' count
+    block_attention: tuple[float, ...]  # each block's, on the backend chosen for it (empty: all at `attention`)
     experts: float  # a mixture's routed experts; 0: as the GEMMs
     h2d: float
     d2h: float
@@ -46,10 +48,13 @@ def rates_of(p: Placement, machine: Machine) -> Rates:
     pcie = not p.device_is_host
     gemms = (g.bf16_tflops * 1e12 * BLOCK_EFFICIENCY if pcie and machine.has_gpu
              else CPU_FLOPS_PER_CORE * max(1, host.cores))
+    attention = g.attention_tflops * 1e12 if pcie and g.attention_tflops else gemms
+    backends = chosen(p.shapes, g) if pcie else ()
     return Rates(
         pcie=pcie, gemms=gemms,
         # attention and routed experts at their own rates where the machine file has them
-        attention=g.attention_tflops * 1e12 if pcie and g.attention_tflops else gemms,
+        attention=attention,
+        block_attention=tuple(rate_of(g, b, p.shapes.head_dim) * 1e12 or attention for b in backends),
         experts=g.experts_tflops * 1e12 if pcie and g.experts_tflops else 0.0,
         h2d=per_second(link.h2d_gbps), d2h=per_second(link.d2h_gbps),
         duplex=per_second(max(link.duplex_gbps, link.h2d_gbps, link.d2h_gbps)),
