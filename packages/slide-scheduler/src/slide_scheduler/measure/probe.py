@@ -24,6 +24,7 @@ from slide_io import NVMeStore, PathRates, choose_path, free_bytes, kvikio_choic
 from slide_memory import AdamWConfig, HostAdamW, host_empty
 
 from ..plan.machine import Disk, Gpu, Host, Machine, Pcie, causal_attention_flops, routed_expert_flops
+from .attention import attention_seconds, backend_rates
 from .host import host_cores, host_memory_bytes, last_level_cache_bytes
 
 GIB = 1 << 30
@@ -109,6 +110,7 @@ def probe_gpu(device: torch.device, sizes: Sizes = FULL) -> Gpu:
         memory_gib=_figure(total / GIB),
         bf16_tflops=_figure(_gemm_tflops(device, sizes)),
         attention_tflops=probe_attention(device, sizes),
+        **(backend_rates(device, sizes.attention_reps) if sizes.attention_flex else {}),
         experts_tflops=probe_experts(device, sizes),
     )
 
@@ -375,28 +377,9 @@ def _flex_causal(device: torch.device, seq: int) -> Callable[..., torch.Tensor]:
 def _attention_seconds(
     kernel: Callable[[torch.device, int], Callable[..., torch.Tensor]], device: torch.device, seq: int, reps: int
 ) -> float:
-    """Device seconds of one forward and backward of `kernel`'s attention over one row of `seq` tokens (the mean
-    of `reps` after an untimed one, which picks or compiles the kernel)."""
-    shape = (1, ATTENTION_HEADS, seq, ATTENTION_HEAD_DIM)
-    kv_shape = (1, ATTENTION_KV_HEADS, seq, ATTENTION_HEAD_DIM)
-    q = torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(kv_shape, device=device, dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(kv_shape, device=device, dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(shape, device=device, dtype=torch.bfloat16)
-    attend = kernel(device, seq)
-
-    def step() -> None:
-        torch.autograd.grad(attend(q, k, v), (q, k, v), grad)
-
-    step()
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        step()
-    end.record()
-    end.synchronize()
-    return max(start.elapsed_time(end) / 1e3 / reps, 1e-9)
+    """Device seconds of one forward and backward of `kernel`'s attention over one row of `seq` tokens at
+    ATTENTION_HEADS' shape."""
+    return attention_seconds(kernel, device, seq, reps, ATTENTION_HEADS, ATTENTION_KV_HEADS, ATTENTION_HEAD_DIM)
 
 
 # -- host memory under a step's mix ---------------------------------------------------------------------------
