@@ -64,10 +64,11 @@ def flex(window, cap, documents, flash: bool):
     from torch.nn.attention.flex_attention import flex_attention
 
     from slide_train.models import attention as at
+    from slide_train.models import backends
 
     compiled = torch.compile(flex_attention, dynamic=False)
     mask = at.block_mask(document_ids("cuda") if documents else None, window, SEQ, "cuda")
-    score_mod = at._soft_cap(cap) if cap is not None else None
+    score_mod = backends._soft_cap(cap) if cap is not None else None
     options = {"BACKEND": "FLASH"} if flash else None
 
     def run(q, k, v, scale):

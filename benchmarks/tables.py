@@ -256,7 +256,7 @@ def attention_table(doc: dict) -> list[str]:
                 if provider.startswith("_"):
                     continue
                 if "error" in f:
-                    lines.append(f"| {case} | {provider} | error: {f['error'][:80]} | | | | |")
+                    lines.append(f"| {case} | {provider} | error: {f['error'].splitlines()[0][:80]} | | | | |")
                 else:
                     lines.append(f"| {case} | {provider} | {f['ms']:.3f} | {f['tflops']:.0f} | {f['fwd_tflops']:.0f} "
                                  f"| {max(f['rel_error'].values()):.2e} | {num(eager, '.2e')} |")
