@@ -26,10 +26,8 @@ CASES = {
 
 
 def causal_flops(backward: bool = True) -> float:
-    try:
-        from slide_scheduler.plan.machine import causal_attention_flops
-    except ImportError:
-        from slide_scheduler.machine import causal_attention_flops
+    from slide_scheduler import causal_attention_flops
+
     return causal_attention_flops(SEQ, HEADS, HEAD_DIM, backward=backward)
 
 

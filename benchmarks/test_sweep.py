@@ -297,7 +297,7 @@ def test_runs_plan_with_the_gpu_rates_their_machine_file_lacks(tmp_path, capsys)
     a rate the file has stays, and another GPU's figures, or none, leave the file as it is."""
     import run
 
-    from slide_scheduler.machine import Gpu, Machine
+    from slide_scheduler import Gpu, Machine
     from slide_train.machines import load_machine, save_machine
 
     source, results = tmp_path / "host.yaml", tmp_path / "results"

@@ -396,9 +396,9 @@ def tier_rates(store, tier_gib: float, cuda: bool, file_mib: int = 512) -> dict:
 
 def run_probe(spec: dict) -> dict:
     try:
-        from slide_scheduler.probe import probe
-    except ModuleNotFoundError as e:
-        return {"status": "failed", "reason": f"slide_scheduler.probe is not in this checkout ({e}): the probe "
+        from slide_scheduler import probe_machine as probe
+    except ImportError as e:
+        return {"status": "failed", "reason": f"slide_scheduler has no probe in this checkout ({e}): the probe "
                                               "suite needs a slide-scheduler that measures machines"}
     machine = probe(disk_dir=spec["disk_dir"])
     return {"machine": machine.to_dict()}
@@ -409,7 +409,7 @@ def run_gpu_rates(spec: dict) -> dict:
     fresh: the probe's GPU part."""
     import dataclasses
 
-    from slide_scheduler.probe import probe_gpu
+    from slide_scheduler import probe_gpu
 
     return {"gpu": dataclasses.asdict(probe_gpu(torch.device("cuda")))}
 

@@ -35,7 +35,7 @@ def test_every_overrides_field_but_the_planners_own_is_a_key_that_reaches_the_pl
 
 
 def test_a_field_added_to_overrides_is_a_key_checked_by_its_type_and_reaches_the_planner(monkeypatch):
-    from slide_scheduler.choices import expert
+    from slide_scheduler import expert
 
     wider = dataclasses.make_dataclass(
         "Overrides", [("prefetch_depth", int | None, dataclasses.field(

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 import slide_train.machines as machines
-from slide_scheduler.machine import Disk, Gpu, Host, Machine, Pcie
+from slide_scheduler import Disk, Gpu, Host, Machine, Pcie
 from slide_train.errors import ConfigError
 from slide_train.machines import cache_dir, fingerprint, load_machine, resolve_machine, save_machine, this_machine
 

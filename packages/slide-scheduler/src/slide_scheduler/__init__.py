@@ -21,7 +21,7 @@ from .plan.facts import (
     resolve_device,
     run_facts,
 )
-from .plan.machine import Disk, Gpu, Host, Machine, Pcie
+from .plan.machine import Disk, Gpu, Host, Machine, Pcie, causal_attention_flops, routed_expert_flops
 from .plan.placement import Allocation, Placement, UnitPlacement
 from .plan.planner import (
     Plan,
@@ -80,6 +80,7 @@ __all__ = [
     "block_shapes",
     "boundary_share",
     "budget_problems",
+    "causal_attention_flops",
     "compute_bound_step",
     "disk_share",
     "disk_traffic",
@@ -98,6 +99,7 @@ __all__ = [
     "probe_machine",
     "register_tier",
     "resolve_device",
+    "routed_expert_flops",
     "run_facts",
     "seconds_on",
     "shapes_of",

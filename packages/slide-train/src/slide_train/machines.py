@@ -182,7 +182,7 @@ def _write(sections: dict, path: str | os.PathLike[str], measured_by: str) -> No
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"# Slide machine file: measured by {measured_by}, {when}.\n"
               "# Sizes in GiB, rates in GB/s (1e9 bytes/s), bf16_tflops of dense matrix work, attention_tflops of\n"
-              "# causal attention forward and backward (in slide_scheduler.machine.causal_attention_flops' count; 0:\n"
+              "# causal attention forward and backward (in slide_scheduler.causal_attention_flops' count; 0:\n"
               "# not measured), sdpa_tflops, fa4_tflops and flex_tflops each attention backend's at head_dim 256\n"
               "# (soft-capped at 50 where it can), experts_tflops of a mixture's routed MLP forward and backward (in\n"
               "# routed_expert_flops' count; 0: not measured), adamw_gparams in billions of fp32 parameters updated\n"
