@@ -159,6 +159,29 @@ WHEELS = {
     "pluggy": "1.7.0",
     "iniconfig": "2.3.1",
 }
+# flash-attn-4 (an optional attention backend) and its CuTe DSL, which the image lacks: the DSL's Python is in
+# libs-core, its CUDA 13 libraries (the image's torch is cu130) in libs-cu13, a wheel larger than one transfer to the
+# GPU machine; `--fetch-wheels` cuts such wheels into parts that travel in separate runs (`parts_dirs`), and a
+# sitting joins them once every part has arrived (`gather_parts`).
+FA4_WHEELS = {
+    "flash-attn-4": "4.0.0b36",
+    "nvidia-cutlass-dsl": "4.8.1",  # (its .pth puts the DSL's packages on the path: `site_hook`)
+    "nvidia-cutlass-dsl-libs-base": "4.8.1",
+    "nvidia-cutlass-dsl-libs-core": "4.8.1",
+    "nvidia-cutlass-dsl-libs-cu13": "4.8.1",
+    "cuda-bindings": "13.5.0",
+    "cuda-pathfinder": "1.5.0",
+    "quack-kernels": "0.6.5",
+    "apache-tvm-ffi": "0.1.15.post2",
+    "torch-c-dlpack-ext": "0.1.5",
+    "einops": "0.8.2",
+}
+WHEELS.update(FA4_WHEELS)
+# The largest part of a wheel: two parts, or the other wheels and one part, travel with the working tree in one
+# run (the limit is 64 MiB)
+PART_BYTES = 30 << 20
+# Where a sitting keeps the parts of a large wheel between runs on a warm GPU machine, and the wheels it joined
+WHEEL_STAGE = pathlib.Path(tempfile.gettempdir()) / "slide-sweep-stage"
 # The GPU machine's Python and platform, as pip download names them
 WHEEL_TARGET = ("--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
                 "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64")
@@ -754,16 +777,72 @@ def wheel_command(folder: pathlib.Path, name: str, version: str) -> list[str]:
 
 
 def fetch_wheels(folder: pathlib.Path) -> None:
-    """WHEELS downloaded into `folder` for the GPU machine (where an index is reachable), one by one."""
+    """WHEELS downloaded into `folder` for the GPU machine (where an index is reachable), one by one; a wheel over
+    PART_BYTES is cut into parts, each in a folder of its own beside `folder` (`parts_dirs`), so that the parts
+    travel in runs of their own (two at a time) before the run that carries `folder` and the last part."""
     folder.mkdir(parents=True, exist_ok=True)
     for name, version in WHEELS.items():
         command = wheel_command(folder, name, version)
         print(shlex.join(command[2:]), flush=True)
         if subprocess.run(command).returncode != 0:
             raise SystemExit(f"pip could not download {name}=={version} (its output above)")
-    wheels = sorted(folder.glob("*.whl"))
-    size = sum(w.stat().st_size for w in wheels)
-    print(f"{folder}: {len(wheels)} wheels, {size / 2**20:.1f} MiB (copied along with the working tree)")
+    for wheel in sorted(folder.glob("*.whl")):
+        if wheel.stat().st_size > PART_BYTES:
+            split_wheel(wheel, parts_dirs(folder))
+    for d in [folder, *parts_dirs(folder)]:
+        if d.is_dir():
+            size = sum(f.stat().st_size for f in d.iterdir())
+            print(f"{d}: {len(list(d.iterdir()))} files, {size / 2**20:.1f} MiB (one run's carry each)")
+
+
+def parts_dirs(folder: pathlib.Path, count: int = 4) -> list[pathlib.Path]:
+    """The folders beside `folder` that hold the later parts of its large wheels: `<folder>-2`, `<folder>-3`..."""
+    return [folder.with_name(f"{folder.name}-{i}") for i in range(2, count + 2)]
+
+
+def split_wheel(wheel: pathlib.Path, folders: list[pathlib.Path]) -> list[pathlib.Path]:
+    """`wheel` cut into parts of at most PART_BYTES (`<wheel>.part-I-of-N`), the I-th in `folders[I - 1]`; the
+    wheel itself is removed."""
+    data = wheel.read_bytes()
+    pieces = [data[i:i + PART_BYTES] for i in range(0, len(data), PART_BYTES)]
+    if len(pieces) > len(folders):
+        raise SystemExit(f"{wheel.name} needs {len(pieces)} parts, more than the {len(folders)} folders for them")
+    out = []
+    for i, (piece, where) in enumerate(zip(pieces, folders)):
+        where.mkdir(parents=True, exist_ok=True)
+        out.append(where / f"{wheel.name}.part-{i + 1}-of-{len(pieces)}")
+        out[-1].write_bytes(piece)
+    wheel.unlink()
+    return out
+
+
+def gather_parts(folder: pathlib.Path, stage: pathlib.Path | None = None) -> list[pathlib.Path]:
+    """The parts `folder` and the folders beside it carry, kept in `stage` (which a warm GPU machine keeps between
+    runs), and every wheel whose parts have all arrived, joined there; returns the joined wheels (those of earlier
+    runs too). `python3 benchmarks/sweep.py --gather-parts` in a run that carries some parts only keeps them."""
+    stage = stage or WHEEL_STAGE
+    stage.mkdir(parents=True, exist_ok=True)
+    for where in [folder, *parts_dirs(folder)]:
+        for part in where.glob("*.whl.part-*-of-*") if where.is_dir() else ():
+            shutil.copyfile(part, stage / part.name)
+    sets: dict[str, list[pathlib.Path]] = {}
+    for part in stage.glob("*.whl.part-*-of-*"):
+        sets.setdefault(part.name.split(".part-")[0], []).append(part)
+    for name, parts in sets.items():
+        total = int(parts[0].name.rsplit("-of-", 1)[1])
+        if len(parts) == total and not (stage / name).exists():
+            ordered = sorted(parts, key=lambda p: int(p.name.split(".part-")[1].split("-of-")[0]))
+            with open(stage / name, "wb") as out:
+                for part in ordered:
+                    out.write(part.read_bytes())
+    return sorted(stage.glob("*.whl"))
+
+
+def site_hook(site: pathlib.Path) -> None:
+    """A `sitecustomize` in `site` that reads its .pth files (as site-packages' are read; a folder on PYTHONPATH's
+    are not): the CuTe DSL's .pth puts its packages on the path."""
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(site)!r})\n")
 
 
 def missing_here(names) -> list[str]:
@@ -782,7 +861,7 @@ def missing_here(names) -> list[str]:
 def install_wheels(folder: pathlib.Path) -> list[str]:
     """The WHEELS this Python lacks, installed from `folder` (no index, no dependencies: the image has those) into
     WHEEL_SITE; says which it lacks and `folder` has no wheel of."""
-    present = {dist_name(w.name.split("-")[0]): w for w in folder.glob("*.whl")}
+    present = {dist_name(w.name.split("-")[0]): w for w in [*folder.glob("*.whl"), *gather_parts(folder)]}
     lacking = missing_here(WHEELS)
     wanted = [name for name in lacking if name in present]
     absent = [name for name in lacking if name not in present]
@@ -796,6 +875,7 @@ def install_wheels(folder: pathlib.Path) -> list[str]:
                            *(str(present[name]) for name in wanted)])
     if done.returncode != 0:
         raise SystemExit(f"installing {', '.join(wanted)} from {folder} failed (pip's output above)")
+    site_hook(WHEEL_SITE)
     print(f"wheels: installed {', '.join(wanted)} from {folder}", flush=True)
     return wanted
 
@@ -902,6 +982,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--results", type=pathlib.Path, default=RESULTS, help="the sweep's state file")
     p.add_argument("--fetch-wheels", type=pathlib.Path, metavar="DIR",
                    help="where pip reaches an index: download the GPU machine's wheels (WHEELS) into DIR")
+    p.add_argument("--gather-parts", action="store_true",
+                   help="keep the parts of large wheels the --wheels folder and those beside it carry (a run of its "
+                        "own on a warm GPU machine, before the sitting's)")
     p.add_argument("--pack-baseline", action="store_true",
                    help=f"where git is: unpack {BASELINE}'s packages/ into {BASELINE_DIR} and print what to copy along")
     args = p.parse_args(argv)
@@ -910,6 +993,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.fetch_wheels:
         fetch_wheels(args.fetch_wheels)
+        return
+    if args.gather_parts:
+        print("joined:", ", ".join(w.name for w in gather_parts(args.wheels)) or "none yet")
         return
     start, since = time.monotonic(), time.time()
     steps = build_steps(QUICK if args.quick else STEPS)

@@ -722,6 +722,8 @@ def test_a_sitting_installs_only_the_wheels_the_image_lacks(tmp_path, monkeypatc
                  "pytest-9.2.0-py3-none-any.whl"):
         (tmp_path / name).write_bytes(b"")
     monkeypatch.setattr(sweep, "missing_here", lambda names: ["datasets", "dill", "liger-kernel"])
+    monkeypatch.setattr(sweep, "WHEEL_STAGE", tmp_path / "stage")
+    monkeypatch.setattr(sweep, "WHEEL_SITE", tmp_path / "site")
     ran = []
     monkeypatch.setattr(sweep.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(
         cmd, 0))
@@ -748,3 +750,45 @@ def test_runs_that_differ_only_in_their_steps_merge_into_one_file(tmp_path):
                                  {"system": "slide", "mode": "none", "warmup": 1, "steps": 3}]
     other = {"config": {"model": "other", "warmup": 2, "steps": 5}, "figures": []}
     assert run.merge(tmp_path / "b8.json", other)["figures"] == []  # (another shape replaces)
+
+
+def test_a_wheel_larger_than_one_run_travels_in_parts_and_is_joined_once_all_arrived(tmp_path, monkeypatch):
+    """--fetch-wheels cuts a wheel over PART_BYTES into parts, each in a folder beside the wheels' own; a run that
+    carries some of them keeps them in the stage (a warm machine keeps it), and the run that brings the last joins
+    them into the very wheel, which the sitting installs with the others."""
+    monkeypatch.setattr(sweep, "PART_BYTES", 1000)
+    wheels = tmp_path / ".whl"
+    wheels.mkdir()
+    big = bytes(range(256)) * 10  # 2,560 bytes: three parts
+    (wheels / "big_libs-1.0-py3-none-any.whl").write_bytes(big)
+    (wheels / "small-1.0-py3-none-any.whl").write_bytes(b"small")
+    parts = sweep.split_wheel(wheels / "big_libs-1.0-py3-none-any.whl", sweep.parts_dirs(wheels))
+    assert [p.parent.name for p in parts] == [".whl-2", ".whl-3", ".whl-4"]
+    assert not (wheels / "big_libs-1.0-py3-none-any.whl").exists()
+    assert max(p.stat().st_size for p in parts) <= 1000
+
+    stage = tmp_path / "stage"
+    carried = tmp_path / "first-run" / ".whl"  # the first run carries two parts only
+    for p in parts[:2]:
+        (carried.parent / p.parent.name).mkdir(parents=True, exist_ok=True)
+        (carried.parent / p.parent.name / p.name).write_bytes(p.read_bytes())
+    assert sweep.gather_parts(carried, stage) == []
+    second = tmp_path / "second-run" / ".whl"  # the next, the wheels' folder and the last part
+    second.mkdir(parents=True)
+    (second / "small-1.0-py3-none-any.whl").write_bytes(b"small")
+    (second.parent / ".whl-4").mkdir()
+    (second.parent / ".whl-4" / parts[2].name).write_bytes(parts[2].read_bytes())
+    (joined,) = sweep.gather_parts(second, stage)
+    assert joined.name == "big_libs-1.0-py3-none-any.whl" and joined.read_bytes() == big
+
+    monkeypatch.setattr(sweep, "WHEEL_STAGE", stage)
+    monkeypatch.setattr(sweep, "WHEEL_SITE", tmp_path / "site")
+    monkeypatch.setattr(sweep, "missing_here", lambda names: ["big-libs", "small"])
+    ran = []
+    monkeypatch.setattr(sweep.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(
+        cmd, 0))
+    (tmp_path / "site").mkdir()
+    assert sorted(sweep.install_wheels(second)) == ["big-libs", "small"]
+    assert str(joined) in ran[0] and str(second / "small-1.0-py3-none-any.whl") in ran[0]
+    # the site reads its .pth files (the CuTe DSL's puts its packages on the path)
+    assert "site.addsitedir" in (tmp_path / "site" / "sitecustomize.py").read_text()
