@@ -23,7 +23,6 @@ from slide_scheduler import DISK, GPU, HOST, Overrides, activation_tier
 
 from .data import FORMATS, DataConfig
 from .data.config import check_config as check_data_config
-from .disk_tier import parse_folders
 from .errors import ConfigError
 
 
@@ -321,6 +320,17 @@ def _coerce(kind, value, key: str):
                               f"put it in quotes")
         return value
     return value
+
+
+def parse_folders(value: str | list[str]) -> str | list[str]:
+    """engine.nvme.dir as given, `~` expanded: one folder, or a list of folders, one per drive (each named once)."""
+    folders = [value] if isinstance(value, str) else value
+    if not folders or any(not isinstance(f, str) or not f.strip() for f in folders):
+        raise ConfigError(f"engine.nvme.dir must be a folder or a list of folders (one per drive), got {value!r}")
+    folders = [os.path.expanduser(f) for f in folders]
+    if len({os.path.normpath(f) for f in folders}) < len(folders):
+        raise ConfigError(f"engine.nvme.dir names a folder twice: {', '.join(folders)} (one folder per drive)")
+    return folders[0] if isinstance(value, str) else folders
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:

@@ -22,24 +22,13 @@ from slide_scheduler import (
 from .errors import ConfigError
 from .space import Size, check_writable
 
-if TYPE_CHECKING:  # (config.py reads engine.nvme.dir with `parse_folders`)
+if TYPE_CHECKING:
     from .config import TrainConfig
 
 # The default home of the NVMe tier (engine.nvme.dir), under output_dir: scratch, whose contents the checkpoints
 # hold, so what a killed process left there is removed when the next run in the folder starts.
 NVME_DIR = "nvme"
 STATES_DIR, ACTIVATIONS_DIR = "states", "activations"  # its two folders
-
-
-def parse_folders(value: str | list[str]) -> str | list[str]:
-    """engine.nvme.dir as given, `~` expanded: one folder, or a list of folders, one per drive (each named once)."""
-    folders = [value] if isinstance(value, str) else value
-    if not folders or any(not isinstance(f, str) or not f.strip() for f in folders):
-        raise ConfigError(f"engine.nvme.dir must be a folder or a list of folders (one per drive), got {value!r}")
-    folders = [os.path.expanduser(f) for f in folders]
-    if len({os.path.normpath(f) for f in folders}) < len(folders):
-        raise ConfigError(f"engine.nvme.dir names a folder twice: {', '.join(folders)} (one folder per drive)")
-    return folders[0] if isinstance(value, str) else folders
 
 
 def nvme_dirs(cfg: TrainConfig, machine: Machine | None = None) -> list[pathlib.Path]:
