@@ -33,7 +33,7 @@ from .plan.planner import (
     place,
     suggest,
 )
-from .plan.shapes import Shapes, StepShape, block_shapes, make_block, shapes_of
+from .plan.shapes import Layouts, Shapes, StepShape, block_shapes, layouts_of, make_block, shapes_of
 from .plan.stripe import Share, boundary_share, drive_shares, seconds_on, stripe, unit_share
 from .run.activations import ActivationStore
 from .run.engine import EngineConfig, SlidingEngine, StepStats
@@ -59,6 +59,7 @@ __all__ = [
     "Estimate",
     "Gpu",
     "Host",
+    "Layouts",
     "Machine",
     "RunFacts",
     "Overrides",
@@ -90,6 +91,7 @@ __all__ = [
     "host_cores",
     "host_memory_bytes",
     "longest_rows",
+    "layouts_of",
     "make_block",
     "place",
     "plot_timeline",

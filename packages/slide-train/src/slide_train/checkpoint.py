@@ -357,12 +357,7 @@ def read_masters(path: pathlib.Path, layouts: dict[str, object]) -> dict[str, di
 
 
 def unit_layouts(stack) -> dict[str, object]:
-    """Unit name -> the `FlatLayout` of its master, as the engine lays out `stack`'s units."""
-    from slide_memory import FlatLayout
-    from slide_scheduler import block_shapes, make_block
+    """Unit name -> the `FlatLayout` of its master, as the engine lays out `stack`'s units (unsharded)."""
+    from slide_scheduler import layouts_of
 
-    shapes = block_shapes(stack)
-    blocks = {k: FlatLayout(make_block(stack, k)) for k in dict.fromkeys(shapes)}  # (a layout per block shape)
-    layouts = {"edges": FlatLayout(stack.make_edges())}
-    layouts.update({f"block.{i}": blocks[k] for i, k in enumerate(shapes)})
-    return layouts
+    return layouts_of(stack).units()

@@ -87,6 +87,27 @@ def shapes_of(stack, hidden: int = 0, intermediate: int = 0, vocab: int = 0, ran
                   routed_numels=routes if any(routes) else ())
 
 
+@dataclass(frozen=True)
+class Layouts:
+    """How a stack's units lie in flat buffers: the edges', one layout per block shape, and each block's shape."""
+
+    edges: FlatLayout
+    blocks: dict
+    shapes: list
+
+    def units(self) -> dict[str, FlatLayout]:
+        """Unit name ('edges', 'block.<i>') -> its layout."""
+        return {"edges": self.edges, **{f"block.{i}": self.blocks[k] for i, k in enumerate(self.shapes)}}
+
+
+def layouts_of(stack, shards: int = 1, edges=None) -> Layouts:
+    """The stack's units laid out as the engine lays them, each padded to split into `shards` (`edges`: the edges
+    module the caller already made, else one is made)."""
+    shapes = block_shapes(stack)
+    blocks = {k: FlatLayout(make_block(stack, k), shards=shards) for k in dict.fromkeys(shapes)}
+    return Layouts(FlatLayout(edges if edges is not None else stack.make_edges(), shards=shards), blocks, shapes)
+
+
 def block_shapes(stack) -> list:
     """Each block's shape, as the stack names it (None for all where its blocks have one shape)."""
     shape_of = getattr(stack, "block_shape", None)

@@ -43,7 +43,7 @@ from slide_memory import AdamWConfig, FlatLayout, Slot, SlotQueue
 
 from ..plan.facts import DISK
 from ..plan.placement import Placement
-from ..plan.shapes import block_shapes, make_block
+from ..plan.shapes import layouts_of, make_block
 from .activations import ActivationStore
 from .disk_states import DiskStates
 from .homes import GradientHomes
@@ -110,10 +110,9 @@ class SlidingEngine:
         getattr(stack, "tile_sequence", lambda tile: None)(placement.sequence_tile)  # (before any block is made)
         self.edges = stack.make_edges()
         self.calls = StackCalls(stack, self.edges)  # (the stack's hooks: each block's context, the tail's)
-        edge_layout = FlatLayout(self.edges, shards=ranks.size)
         # Blocks may come in several shapes (the stack's `block_shape`): a layout per shape, a slot holds any
-        self.block_shapes = block_shapes(stack)
-        layouts = {k: FlatLayout(make_block(stack, k), shards=ranks.size) for k in dict.fromkeys(self.block_shapes)}
+        laid = layouts_of(stack, ranks.size, self.edges)
+        edge_layout, layouts, self.block_shapes = laid.edges, laid.blocks, laid.shapes
         _check(placement, (edge_layout.numel,) + tuple(layouts[k].numel for k in self.block_shapes), config, ranks)
         self.placement = placement
         self.lanes = Lanes(self.device, inline=placement.synchronous)
