@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import pathlib
+import sys
 import threading
 import time
 
@@ -120,7 +122,7 @@ def random_steps(seed: int, shapes: list[tuple[int, int]], device: str = "cpu"):
 
 PLACEMENT_KEYS = ("window", "resident", "device_update_share", "held_grads", "split_update",
                   "grads_share_activations", "nvme_fraction", "disk_loads", "speculate", "landing", "edges_early",
-                  "disk_boundaries", "disk_grads", "staging", "speculation_pause", "defer_updates")
+                  "disk_boundaries", "disk_grads", "staging", "speculation_pause", "defer_updates", "device_first")
 FACT_KEYS = ("device", "compute_dtype", "states_dtype", "max_grad_norm", "activation_offload")
 
 
@@ -130,7 +132,8 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
     `resident` (a count: the edges, then blocks from 0; or units), `device_update_share` (0), `held_grads` (0),
     `split_update` (True), `grads_share_activations` (False), `nvme_fraction` (0), `disk_loads` (False),
     `speculate` (False), `landing` (0: the rule), `edges_early` (True), `disk_boundaries` (0), `disk_grads`
-    (False), `staging` (0: the disk tier's default), `speculation_pause` (True), `defer_updates` (False)."""
+    (False), `staging` (0: the disk tier's default), `speculation_pause` (True), `defer_updates` (False: none; True:
+    all; a number: the first that many sliding blocks), `device_first` (False)."""
     choices = {k: kwargs.pop(k) for k in PLACEMENT_KEYS if k in kwargs}
     loaded = kwargs.pop("loaded", None)
     run = run_facts(**{k: kwargs.pop(k) for k in FACT_KEYS if k in kwargs})
@@ -145,7 +148,8 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
                         disk_boundaries=choices.get("disk_boundaries", 0),
                         disk_grads=choices.get("disk_grads", False), staging=choices.get("staging", 0),
                         speculation_pause=choices.get("speculation_pause", True),
-                        defer=choices.get("defer_updates", False))
+                        defer=choices.get("defer_updates", False),
+                        device_first=choices.get("device_first", False))
     return SlidingEngine(stack, placement, EngineConfig(**kwargs), loaded=loaded)
 
 
@@ -280,7 +284,7 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
                held: int = 0, split: bool = True, shared: bool = False, steps_data=None, nvme=None, acts_dir=None,
                states: str = "fp32", speculate: bool = False, disk_loads: bool = False, device: str = "cpu",
                landing: int = 0, edges_early: bool = True, disk_grads: bool = False, staging: int = 0,
-               defer: bool = False):
+               defer: bool | int = False, device_first: bool = False):
     torch.manual_seed(0)
     model = Model(tied=tied)
     engine = make_engine(ToyStack(model), device=device, window=window,
@@ -294,7 +298,8 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
                                                          speculate=speculate, disk_loads=disk_loads,
                                                          landing=landing, edges_early=edges_early,
                                                          disk_grads=disk_grads, staging=staging,
-                                                         defer_updates=defer, **on_disk(nvme))
+                                                         defer_updates=defer, device_first=device_first,
+                                                         **on_disk(nvme))
     for name, seconds in (delays or {}).items():
         getattr(engine, name).delay = seconds
     if patch:
@@ -793,6 +798,10 @@ UNCLIPPED = {
     "streamed, held and pooled, resident": {"device_share": 1.0, "held": 2, "shared": True, "resident": 2},
     "deferred, pooled": {"defer": True, "shared": True},
     "deferred, split, streamed": {"defer": True, "device_share": 0.5},
+    # the first blocks' updates wait for the step's end, the later ones' run during the backward
+    "first deferred": {"defer": 2},
+    "first deferred, pooled": {"defer": 1, "shared": True},
+    "first deferred, streamed first": {"defer": 3, "device_share": 0.5, "device_first": True},
 }
 
 
@@ -801,12 +810,17 @@ def expect_unclipped(choices):
     host updates."""
     def check(engine):
         p = engine.placement
-        assert not p.clips and p.defer_updates == choices.get("defer", False)
+        assert not p.clips and bool(p.deferred - {0}) == bool(choices.get("defer", False))
         assert len(p.streamed - {0}) == int((DEPTH - max(choices.get("resident", 0) - 1, 0))
                                              * choices.get("device_share", 0.0))
         assert bool(p.pooled) == choices.get("shared", False) and bool(p.held) == bool(choices.get("held"))
         # (deferred updates split where their gradient has a host buffer of its own, as clipped ones do)
-        assert any(u.split for u in p.units[1:]) == (choices.get("defer", False) and not choices.get("shared"))
+        assert any(u.split for u in p.units[1:]) == (bool(choices.get("defer")) and not choices.get("shared"))
+        deferring = choices.get("defer", 0)
+        first = [u for u in range(1, DEPTH + 1) if not p.units[u].resident][:DEPTH if deferring is True else deferring]
+        assert p.deferred - {0} == {u for u in first if p.units[u].update == "host"}
+        if choices.get("device_first"):  # (the first block of each group streams)
+            assert 1 in p.streamed
     return check
 
 
@@ -824,14 +838,38 @@ def test_unclipped_device_updates_and_pooled_gradients_equal_host_updates(monkey
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
+@pytest.mark.parametrize("slow", [None, "updater", "d2h", "store"])
+def test_a_clipped_placement_run_unclipped_gives_the_weights_of_updates_during_the_backward(monkeypatch, slow):
+    """The planner's unclipped plan may be the clipped run's placement, run without clipping (`run_unclipped`):
+    the block that speculated updates during the backward, the other host-updated one at the step's end, split,
+    and the streamed blocks split too. Bit for bit the synchronous engine's weights with every update during the
+    backward."""
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=None)
+
+    def clipped_then_unclipped(shapes, step, run, **kwargs):
+        return choices.run_unclipped(choices.arrange(shapes, step, dataclasses.replace(run, clip=1.0), **kwargs))
+
+    def check(engine):
+        p = engine.placement
+        assert not p.clips and not p.speculated and p.deferred - {0} == {3} and p.streamed == {0, 2, 4}
+        assert {u for u, unit in enumerate(p.units) if unit.split} == {2, 3, 4}
+
+    monkeypatch.setattr(sys.modules[__name__], "arrange", clipped_then_unclipped)
+    losses, got = run_engine(pipeline=True, window=2, clip=None, device_share=0.5, speculate=1, patch=check,
+                             delays={slow: 0.003} if slow else None)
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
+
+
 @pytest.mark.parametrize("choices", UNCLIPPED.values(), ids=UNCLIPPED)
 def test_unclipped_device_updates_and_pooled_gradients_match_plain_pytorch(choices):
     """The same placements against torch's AdamW over the whole model (fp32 on the CPU, no clipping)."""
     names = {"device_share": "device_update_share", "shared": "grads_share_activations", "held": "held_grads",
-             "defer": "defer_updates", "resident": "resident"}
+             "defer": "defer_updates", "resident": "resident", "device_first": "device_first"}
     engine, ref, stats, ref_losses, ref_norms = run_both(2, "host", None, tied=False,
                                                          **{names[k]: v for k, v in choices.items()})
-    assert engine.placement.streamed or engine.placement.defer_updates
+    assert engine.placement.streamed or engine.placement.deferred
     assert [s.loss for s in stats] == pytest.approx(ref_losses, rel=1e-6)
     masters = engine.named_masters()
     engine.close()
@@ -1284,6 +1322,29 @@ def test_masters_and_moments_on_disk_give_the_host_memory_result(tmp_path, monke
     assert losses == ref_losses
     assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
     assert not list(tmp_path.glob("slide-io-*")), "closing the engine removes its files"
+
+
+@pytest.mark.parametrize("fraction, defer, slow", [(0.5, 2, None), (1.0, 2, "updater"), (1.0, 3, "disk"),
+                                                   (0.5, 3, "d2h"), (1.0, True, "updater")])
+def test_the_first_blocks_deferred_with_moments_on_disk_give_the_host_memory_result(tmp_path, monkeypatch, fraction,
+                                                                                    defer, slow):
+    """Unclipped, the first blocks' updates wait for the step's end and the others' run during the backward, some
+    of either with their states on disk (read in the order the updates run): bit for bit the synchronous engine's
+    result with every update during the backward and everything in memory."""
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=None)
+    seen = {}
+
+    def record(engine):
+        seen["deferred"], seen["on_disk"] = engine.placement.deferred - {0}, set(engine.on_disk)
+
+    if slow == "disk":
+        slow_disk(monkeypatch)
+    losses, got = run_engine(pipeline=True, window=2, clip=None, defer=defer, nvme=(fraction, tmp_path), patch=record,
+                             delays={slow: 0.004} if slow not in (None, "disk") else None)
+    assert seen["deferred"] == set(range(1, 1 + (DEPTH if defer is True else defer)))
+    assert seen["on_disk"] == set(range(DEPTH + 1 - round(fraction * DEPTH), DEPTH + 1))
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
 @pytest.mark.parametrize("clip", [0.05, None])

@@ -78,6 +78,19 @@ def expected_outcomes(clip: float, reference, pause: bool = True) -> list[str]:
     return ["off" if pause and t and acted[t - 1] else "discarded" if a else "held" for t, a in enumerate(acted)]
 
 
+@pytest.mark.parametrize("slow", [None, "updater", "d2h"])
+@pytest.mark.parametrize("clips", ["never", "mixed"])
+def test_the_first_blocks_speculating_give_the_result_without_it_bit_for_bit(clips, slow):
+    """Clipped, only the first blocks speculate (their updates run during the backward where clipping does not
+    act), the others' wait for the norm: the weights without speculation, and those of every block speculating."""
+    clip = {"never": 1e6, "mixed": mixed_clip()}[clips]
+    reference = run(clip, speculate=False)
+    first = run(clip, speculate=2, slow=slow)
+    every = run(clip, speculate=True, slow=slow)
+    assert same(first, reference) and same(every, reference)
+    assert [o for o, _ in first[1]] == expected_outcomes(clip, reference)
+
+
 @pytest.mark.parametrize("clips", ["always", "mixed"])
 def test_speculating_right_after_a_clipped_step_gives_the_result_without_it_bit_for_bit(clips):
     """Without the pause (`speculation_pause` off) every step speculates, also after one whose clipping acted:

@@ -23,7 +23,7 @@ VALUES = {"window": ("3", 3), "resident": ("[edges, block.1]", (0, 2)), "device_
 def test_every_overrides_field_but_the_planners_own_is_a_key_that_reaches_the_planner():
     planner_only = {f.name for f in dataclasses.fields(Overrides) if "planner_only" in f.metadata}
     assert planner_only == {"held_grads", "share_grads", "split", "nvme_fraction", "disk_loads", "disk_boundaries",
-                            "defer_updates"}
+                            "defer_updates", "device_first"}
     keys = placement_keys()
     assert set(keys) == {f.name for f in dataclasses.fields(Overrides)} - planner_only == set(VALUES)
     assert all(keys.values())  # each with its help, which --help lists too

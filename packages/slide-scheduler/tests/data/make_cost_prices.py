@@ -187,6 +187,8 @@ CHOICES = {
     "resident first 3, landing 1": dict(resident=range(3), landing=1),
     "edges streamed": dict(share=1.0),
     "deferred": dict(defer=True),
+    "deferred first 8": dict(defer=8),
+    "streamed share, device first": dict(share=0.5, device_first=True),
     "window 4, disk some": dict(window=4, nvme_fraction=0.3),
 }
 RUNS = {

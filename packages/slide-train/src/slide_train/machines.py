@@ -186,8 +186,9 @@ def _write(sections: dict, path: str | os.PathLike[str], measured_by: str) -> No
               "# not measured), sdpa_tflops, fa4_tflops and flex_tflops each attention backend's at head_dim 256\n"
               "# (soft-capped at 50 where it can), experts_tflops of a mixture's routed MLP forward and backward (in\n"
               "# routed_expert_flops' count; 0: not measured), adamw_gparams in billions of fp32 parameters updated\n"
-              "# per second; disk.path is slide-io's path the disk rates are of (chosen from both paths' measured\n"
-              "# rates, disk.path_reason says why).\n")
+              "# per second (adamw_beside_copies: the share of it kept beside copies both ways); disk.path is\n"
+              "# slide-io's path the disk rates are of (chosen from both paths' measured rates, disk.path_reason\n"
+              "# says why).\n")
     body = yaml.safe_dump(sections, default_flow_style=None, sort_keys=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)

@@ -108,15 +108,22 @@ class Overrides:
     # none, or with `activations: auto` the fewest that fit host memory)
     disk_boundaries: int | None = field(default=None, metadata=planner_only(
         "engine.activation_offload=auto chooses it"))
-    # without clipping, host updates wait for the step's end (None: where the cost model prices that faster)
-    defer_updates: bool | None = field(default=None, metadata=planner_only(
-        "the planner prices both and takes the faster"))
+    # without clipping, host updates wait for the step's end: all (True), none (False) or those of the first that
+    # many sliding blocks, whose loads the next forward needs first (None: the split the cost model prices fastest)
+    defer_updates: bool | int | None = field(default=None, metadata=planner_only(
+        "the planner prices splits of the blocks and takes the fastest"))
+    # streamed blocks come first in each group of sliding blocks, host-updated ones after them (None: the planner
+    # prices both orders)
+    device_first: bool | None = field(default=None, metadata=planner_only(
+        "the planner prices both orders and takes the faster"))
 
 
-def device_updated(sliding: int, share: float) -> list[int]:
+def device_updated(sliding: int, share: float, device_first: bool = False) -> list[int]:
     """Which of `sliding` blocks (0 = the first to slide) a step updates on the device at `share`:
-    int(sliding * share) of them, spread evenly over the forward order, host blocks first."""
-    return [j for j in range(sliding) if int((j + 1) * share) > int(j * share)]
+    int(sliding * share) of them, spread evenly over the forward order, host blocks first in each group (or, with
+    `device_first`, last: the mirror image, counted from the last block)."""
+    last = [j for j in range(sliding) if int((j + 1) * share) > int(j * share)]
+    return sorted(sliding - 1 - j for j in last) if device_first else last
 
 
 def on_disk_blocks(num_blocks: int, sliding: int, fraction: float) -> list[int]:
@@ -139,22 +146,26 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
             speculate: bool | int = False, nvme_fraction: float = 0.0, disk_loads: bool = False,
             disk_grads: bool = False, staging: int = 0,
             sequence_tile: int = 0, landing: int = 0, edges_early: bool = True, disk_boundaries: int = 0,
-            speculation_pause: bool = True, threads: int | None = None, defer: bool = False,
-            synchronous: bool = False) -> Placement:
+            speculation_pause: bool = True, threads: int | None = None, defer: bool | int = False,
+            device_first: bool = False, synchronous: bool = False) -> Placement:
     """The placement these choices make: `resident` units on the device; of the sliding blocks, the last
     `nvme_fraction` with masters and moments on disk, `share` of the rest (spread out) updated on the device,
     `held` of those keeping their gradient there, the others' gradients pooled (`shared`; where host updates run
     during backward, unclipped and not `defer`red, only the device-updated ones) or in the ring, where with
     `speculate` their clipped updates speculate (a number: only the first that many such blocks, whose loads the
-    next forward needs soonest); `synchronous`: the reference schedule."""
+    next forward needs soonest); without clipping `defer` (all, or a number: the first that many sliding blocks)
+    has host updates wait for the step's end; `device_first`: streamed blocks first in each group; `synchronous`:
+    the reference schedule."""
     o, n = run, shapes.num_blocks
     if o.ranks > 1:  # what data parallelism runs so far: host updates of host states, gradients in the ring
         share, shared, defer = 0.0, False, False
-    waits = o.clips or defer  # (host updates wait for the step's end)
     resident = set(resident)
     sliding = [u for u in range(1, n + 1) if u not in resident]
     disk = {1 + b for b in on_disk_blocks(n, len(sliding), nvme_fraction)} & set(sliding)
-    streamed = {sliding[j] for j in device_updated(len(sliding), share)} - disk
+    streamed = {sliding[j] for j in device_updated(len(sliding), share, device_first)} - disk
+    deferring = set() if o.clips else set(sliding if defer is True else sliding[:int(defer)]) - streamed
+    waits = {u: o.clips or u in deferring for u in range(n + 1)}  # (host updates that wait for the step's end)
+    waits[0] = o.clips or bool(deferring)  # (the edges' update waits anyway: it splits where blocks defer)
     shared = shared and bool(sliding)
     on_device = set(held_on_device(sorted(streamed), held, shared))
     eligible = [u for u in sliding if o.clips and not shared and u not in streamed and u not in disk]
@@ -166,23 +177,23 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
         elif u == 0:
             stream = share > 0 and o.state_bytes == 4
             units.append(UnitPlacement(False, "stream" if stream else "host", "slot" if stream else "own", HOST,
-                                       split=waits and split and not stream))
+                                       split=waits[0] and split and not stream,
+                                       defer=waits[0] and not stream and not o.clips))
         else:
             grad = "held" if u in on_device else "disk" if disk_grads and o.clips and u in disk \
-                else "pool" if shared and (waits or u in streamed) else "ring"
+                else "pool" if shared and (waits[u] or u in streamed) else "ring"
             host = u not in streamed
             units.append(UnitPlacement(False, "host" if host else "stream", grad, DISK if u in disk else HOST,
-                                       split=waits and split and grad == "ring" and u not in disk,
+                                       split=waits[u] and split and grad == "ring" and u not in disk,
                                        speculate=u in speculating, master=DISK if u in disk else "",
-                                       loads=DISK if disk_loads and u in disk else ""))
+                                       loads=DISK if disk_loads and u in disk else "", defer=u in deferring))
     extra = {} if threads is None else {"threads": threads}
     # the first `disk_boundaries` blocks' input activations on disk (written earliest, read last), the rest in
     # the run's tier
     boundaries = (DISK,) * disk_boundaries + (run.activations,) * (n - disk_boundaries) if disk_boundaries else ()
     return Placement(shapes, step, tuple(units), window, run, sequence_tile=sequence_tile, landing=landing,
                      edges_early=edges_early, boundaries=boundaries, staging=staging,
-                     speculation_pause=speculation_pause, defer_updates=defer and not o.clips,
-                     synchronous=synchronous, **extra)
+                     speculation_pause=speculation_pause, synchronous=synchronous, **extra)
 
 
 def resident_units(resident: int | Iterable[int]) -> set[int]:
@@ -207,7 +218,8 @@ def size_for_budget(shapes: Shapes, step: StepShape, run: RunFacts, budget: floa
                        edges_early=overrides.edges_early is not False,
                        disk_boundaries=overrides.disk_boundaries or 0,
                        speculation_pause=overrides.speculation_pause is not False,
-                       defer=bool(overrides.defer_updates), synchronous=bool(overrides.synchronous))
+                       defer=overrides.defer_updates or False, device_first=bool(overrides.device_first),
+                       synchronous=bool(overrides.synchronous))
 
     if overrides.resident is not None:
         chosen = make(resident_units(overrides.resident))
@@ -233,6 +245,17 @@ def size_for_budget(shapes: Shapes, step: StepShape, run: RunFacts, budget: floa
         held = int(max(0.0, room) // (run.compute_bytes * shapes.block_numel))
         chosen = make(chosen.resident, held)
     return chosen
+
+
+def run_unclipped(p: Placement) -> Placement | None:
+    """Clipped placement `p` run without clipping, as it runs where clipping does not act (a scale of exactly 1):
+    its host updates wait for the step's end but for those that speculate, which run during the backward as their
+    gradients land. None where it has what an unclipped run cannot (gradients waiting on disk for the norm)."""
+    if p.grads_on_disk:
+        return None
+    units = tuple(dataclasses.replace(unit, speculate=False, split=unit.split and not unit.speculate,
+                                      defer=unit.update == "host" and not unit.speculate) for unit in p.units)
+    return dataclasses.replace(p, run=dataclasses.replace(p.run, clip=None), units=units)
 
 
 def with_units(p: Placement, **changes) -> Placement:

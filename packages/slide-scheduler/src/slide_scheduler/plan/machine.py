@@ -4,7 +4,7 @@ The same figures a machine file holds (`slide-train probe` measures them; docs/m
 
     gpu:  {memory_gib, bf16_tflops, attention_tflops, sdpa_tflops, fa4_tflops, flex_tflops, experts_tflops,
            link_gbps}
-    host: {memory_gib, cores, memory_gbps, adamw_gparams}
+    host: {memory_gib, cores, memory_gbps, adamw_gparams, adamw_beside_copies}
     pcie: {h2d_gbps, d2h_gbps, duplex_gbps}
     disk: {free_gib, read_gbps, write_gbps, path, path_reason, posix_read_gbps, posix_write_gbps,
            kvikio_read_gbps, kvikio_write_gbps, tbw, dir}
@@ -88,6 +88,9 @@ class Host:
     # or written counted once)
     memory_gbps: float = 10.0
     adamw_gparams: float = 0.1  # fused AdamW over fp32 masters, billions of parameters per second
+    # the share of that rate it keeps beside a step's DMA copies both ways (the fused kernel is bound by host
+    # memory, which the copies share); the probe measures it, files without it take 0.73, an H200 host's
+    adamw_beside_copies: float = 0.73
 
 
 @dataclass(frozen=True)

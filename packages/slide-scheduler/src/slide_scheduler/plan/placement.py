@@ -58,6 +58,9 @@ class UnitPlacement:
     # Where its loads read its parameters: the master's tier, or host memory where a master on disk keeps a copy
     # there. "": the device's where resident, else host memory.
     loads: str = ""
+    # Without clipping: its host update waits for the step's end and runs in the next forward's order, rather than
+    # as soon as its gradient lands (with clipping every host update waits for the norm)
+    defer: bool = False
 
     def __post_init__(self):
         for name in ("master", "loads"):
@@ -101,9 +104,6 @@ class Placement:
     # speculating blocks sit out the step after one whose clipping acted (its norm is most likely over the limit
     # too, and a discarded speculation costs host time), until a step's clipping does not act again
     speculation_pause: bool = True
-    # without clipping: host updates wait for the step's end all the same and run in the next forward's order, as
-    # clipped ones do (under the forward rather than the backward; the same weights, the scale being 1)
-    defer_updates: bool = False
     # the synchronous reference schedule: every lane inline and the optimizer on the calling thread (the pipelined
     # engine is tested against it, bit for bit)
     synchronous: bool = False
@@ -117,10 +117,15 @@ class Placement:
     def clips(self) -> bool:
         return self.run.clips
 
+    def waits(self, unit: int) -> bool:
+        """Whether `unit`'s update waits for the step's end (with clipping, for the norm; without, where the unit
+        defers it), split where placed so."""
+        return self.clips or self.units[unit].defer
+
     @property
-    def deferred(self) -> bool:
-        """Whether host updates wait for the step's end (with clipping, for the norm), split where placed so."""
-        return self.clips or self.defer_updates
+    def deferred(self) -> set[int]:
+        """Units whose host update waits for the step's end."""
+        return {u for u in self.where("update", "host") if self.waits(u)}
 
     @property
     def activations(self) -> str:
@@ -231,11 +236,13 @@ class Placement:
 
     @property
     def ring(self) -> int:
-        """Host gradient buffers the sliding blocks without a place of their own take turns in: one each where a
-        gradient waits (with clipping for the norm; for a streamed update, the next load), else three (host
-        updates empty them during backward)."""
-        ringed = self.where("grad", "ring")
-        return len(ringed) if self.deferred or ringed & self.streamed else min(3, len(ringed))
+        """Host gradient buffers the sliding blocks without a place of their own take turns in (in the backward's
+        order, round the ring): three where host updates empty them during backward; from the first gradient that
+        waits (for the step's end, or for a streamed update's next load) on, one each, so that none is taken again
+        within the step."""
+        ringed = sorted(self.where("grad", "ring"), reverse=True)
+        first = next((k for k, u in enumerate(ringed) if self.waits(u) or u in self.streamed), len(ringed))
+        return max(min(3, first), len(ringed) - first)
 
     @property
     def landing_sets(self) -> int:
@@ -397,8 +404,12 @@ def _master(p: Placement, u: int, unit: UnitPlacement) -> str | None:
 def _update(p: Placement, u: int, unit: UnitPlacement) -> str | None:
     if unit.update == "stream" and p.state_bytes != 4:
         return "updates streamed through the device need fp32 AdamW states"
-    if unit.split and (not p.deferred or unit.grad not in ("ring", "own")):
-        return "only a deferred update (clipped, or `defer_updates`) whose gradient has a host buffer of its own splits"
+    # (a streamed update runs at the unit's next load whenever its gradient came: its moments may follow that load)
+    if unit.split and (not (p.waits(u) or unit.update == "stream") or unit.grad not in ("ring", "own")):
+        return "only an update that waits for the step's end (clipped, deferred, or streamed) whose gradient has a " \
+            "host buffer of its own splits"
+    if unit.defer and (p.clips or unit.update != "host"):
+        return "only an unclipped host update defers to the step's end (clipped ones all wait for the norm)"
     if unit.speculate and (not p.clips or u == 0 or unit.update != "host" or unit.grad != "ring"
                            or kind_of(unit.moments) != "memory"):
         return ("only a clipped sliding block updated on the host, its gradient in the ring and its moments in host "

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .attention import chosen as attention_backends
-from .choices import Budgets, Overrides, size_for_budget
+from .choices import Budgets, Overrides, run_unclipped, size_for_budget
 from .cost import Estimate, disk_traffic, price
 from .machine import Machine
 from .placement import (
@@ -33,6 +33,8 @@ from .stripe import stripe
 SHARES = (0.0, 0.25, 0.375, 0.5, 0.5625, 0.625, 0.75, 1.0)
 WINDOWS = (2, 3)
 SPECULATED = (0.75, 0.5, 0.25)  # shares of the blocks tried where speculating for every block does not fit
+# shares of the blocks (the first ones) whose unclipped host updates wait for the step's end, tried
+DEFERRED_SHARES = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)
 TIE = 0.05
 # How much the cost model has underpriced a speculating step where clipping does not act (docs/findings.md):
 # `speculate: auto` takes a speculating plan only where it is faster by more than that
@@ -80,7 +82,8 @@ class Plan:
             "window": p.window,
             "landing_sets": p.landing_sets,
             "sequence_tile": p.sequence_tile,
-            "defer_updates": p.defer_updates,  # (unclipped) host updates wait for the step's end
+            # (unclipped) the blocks whose host update waits for the step's end
+            "deferred_blocks": [u - 1 for u in sorted(p.deferred) if u and not p.clips],
             "synchronous": p.synchronous,  # the reference schedule: every lane inline
             "run": dataclasses.asdict(p.run),
             "units": [dataclasses.asdict(u) for u in p.units],
@@ -122,11 +125,34 @@ class _Planning:
         return _activation_tier(self.shapes, self.step, self.run, self.budgets, self.machine, o)
 
     def update_timing(self, o: Overrides, rest: int) -> Plan:
-        """Host updates during backward, or waiting for the step's end as clipped ones do (under the next forward,
-        in its order; they need a gradient buffer each, so the least share on disk may differ): each planned
-        whole."""
-        eager, deferred = (self.plan(dataclasses.replace(o, defer_updates=d), rest) for d in (False, True))
-        return deferred if _better(_rank(deferred), _rank(eager)) else eager
+        """Which blocks' host updates run during the backward as their gradients land and which wait for the
+        step's end as clipped ones do (under the next forward, in its order; they need a gradient buffer each, so
+        the least share on disk may differ): the first k sliding blocks wait, whose loads the next forward needs
+        first, the later ones (whose gradients come first) run in the backward, k over DEFERRED_SHARES, each
+        planned whole. Then the clipped run's plan, run without clipping (its scale being exactly 1), where that
+        is faster: an unclipped plan is never predicted slower than the clipped one."""
+        n = self.shapes.num_blocks
+        best = None
+        for k in sorted({round(share * n) for share in DEFERRED_SHARES}):
+            plan = self.plan(dataclasses.replace(o, defer_updates=k), rest)
+            best = plan if best is None or _better(_rank(plan), _rank(best)) else best
+        clipped = self.clipped_unclipped(o)
+        if clipped is not None and clipped.fits and clipped.estimate.step_s < best.estimate.step_s:
+            return clipped
+        return best
+
+    def clipped_unclipped(self, o: Overrides) -> Plan | None:
+        """The plan a clipped run would make, run without clipping (`run_unclipped`); None where it cannot."""
+        clipped = place(self.shapes, self.step, dataclasses.replace(self.run, clip=1.0), self.budgets, self.machine,
+                        o)
+        placement = run_unclipped(clipped.placement)
+        if placement is None:
+            return None
+        placement = dataclasses.replace(placement, run=self.run)
+        estimate = price(placement, self.machine)
+        plan = Plan(placement, estimate, estimate, self.budgets)
+        plan.problems = _problems(plan)
+        return plan
 
     def disk_fraction(self, o: Overrides, rest: int) -> Plan:
         """Nothing on disk where host memory holds it all, else the least share that fits."""
@@ -199,19 +225,34 @@ class _Planning:
         forced = o.speculate is True
         best: tuple[bool, bool, float, float, Placement, Estimate] | None = None
         for window, share, (shared, speculate) in itertools.product(windows, shares, self.kinds(o)):
-            p = stripe(size_for_budget(self.shapes, self.step, run, budgets.gpu, window=window, share=share,
-                                       shared=shared, overrides=o, speculate=speculate), machine.drives)
-            gpu_fits = budgets.gpu is None or p.bytes(GPU) <= budgets.gpu
-            host_fits = budgets.host is None or p.bytes(HOST) <= budgets.host
-            est = price(p, machine)
-            # Speculating, the step that matters is the usual one of a fine-tune: clipping does not act; and it
-            # must win by more than its price's error against the speculating steps measured
-            ranked = price(p, machine, clipping_acts=False).step_s * (1 + SPECULATION_MARGIN) if p.speculated \
-                else est.step_s
-            key = (not gpu_fits, not host_fits, forced and not p.speculated, ranked, p.bytes(HOST))
-            if best is None or _better(key, best[:5]):
-                best = (*key, p, est)
+            for order in self.orders(o, share):
+                candidate = stripe(size_for_budget(self.shapes, self.step, run, budgets.gpu, window=window,
+                                                   share=share, shared=shared, speculate=speculate,
+                                                   overrides=dataclasses.replace(o, device_first=order)),
+                                   machine.drives)
+                best = self.weighed(candidate, forced, best)
         return best[0], best[5], best[6]
+
+    @staticmethod
+    def orders(o: Overrides, share: float) -> tuple[bool, ...]:
+        """Streamed blocks last in each group of sliding blocks, and first, where both kinds share the groups
+        (the cost model picks: the host's updates and the copies wait for each other differently)."""
+        if o.device_first is not None or share in (0.0, 1.0):
+            return (bool(o.device_first),)
+        return (False, True)
+
+    def weighed(self, p: Placement, forced: bool, best: tuple | None) -> tuple:
+        """The better of candidate `p` and the `best` so far, as best()'s key, placement and price."""
+        budgets, machine = self.budgets, self.machine
+        gpu_fits = budgets.gpu is None or p.bytes(GPU) <= budgets.gpu
+        host_fits = budgets.host is None or p.bytes(HOST) <= budgets.host
+        est = price(p, machine)
+        # Speculating, the step that matters is the usual one of a fine-tune: clipping does not act; and it must
+        # win by more than its price's error against the speculating steps measured
+        ranked = price(p, machine, clipping_acts=False).step_s * (1 + SPECULATION_MARGIN) if p.speculated \
+            else est.step_s
+        key = (not gpu_fits, not host_fits, forced and not p.speculated, ranked, p.bytes(HOST))
+        return (*key, p, est) if best is None or _better(key, best[:5]) else best
 
     def kinds(self, o: Overrides) -> list[tuple[bool, bool | int]]:
         """(gradients pooled, speculating) pairs tried. Host gradients that wait (for the norm, or for a device

@@ -153,13 +153,14 @@ class Resident(UpdateKind):
 
 class Host(UpdateKind):
     """Units updated on the optimizer thread. Without clipping a block's update starts as soon as its gradient
-    reaches the host, unless the placement defers it (`defer_updates`); with clipping, or deferred, every update
-    waits for the step's end (the norm), split where the placement says (the next forward waits only for new
-    masters), and runs in the next forward's order. A speculating block also runs its clipped update during
-    backward as if clipping will not act, writing only its parameters; when it does not act its next loads take
-    those, and the update proper runs whole after the others. A step whose clipping acted is followed by one that
-    does not speculate (the next norm is most likely over the limit too), until a step's clipping does not act
-    again, where the placement says so (`speculation_pause`).
+    reaches the host, unless the placement defers it (`UnitPlacement.defer`); with clipping, or deferred, an
+    update waits for the step's end (the norm), split where the placement says (the next forward waits only for
+    new masters), and runs in the next forward's order, after those that started during the backward. A
+    speculating block also runs its clipped update during backward as if clipping will not act, writing only its
+    parameters; when it does not act its next loads take those, and the update proper runs whole after the
+    others. A step whose clipping acted is followed by one that does not speculate (the next norm is most likely
+    over the limit too), until a step's clipping does not act again, where the placement says so
+    (`speculation_pause`).
     Blocks whose moments (and master) live on disk have them read in ahead of their updates."""
 
     def __init__(self, units, updater: HostUpdater, *, placement: Placement, states: list, lanes: Lanes, disk,
@@ -178,22 +179,25 @@ class Host(UpdateKind):
         self.from_speculation: set[int] = set()  # blocks whose loads take their speculated parameters
         self.speculating = True
         self.speculation = "off"  # the last step's: held, discarded, or off
-        self.deferred = p.deferred  # (without clipping the grad_scale is 1.0: waiting is only where the updates run)
+        # Units whose update waits for the step's end (without clipping the grad_scale is 1.0: waiting is only
+        # where the updates run); the others' start during the backward
+        self.deferred = {u for u in self.units if p.waits(u)}
 
     def before_backward(self) -> None:
         if self.disk is None:
             return
-        if not self.deferred:  # moments from disk, in the order backward will submit their updates
-            for u in reversed(self.on_disk):
-                self.disk.fetch(u)
-        else:  # the first clipped updates' states are read under the backward (where nothing the backward waits
-            for u in self.on_disk[:self.early_reads]:  # for reads the disk then), one per staging slot
-                self.disk.fetch(u)
+        # moments from disk in the order the updates will be submitted: the backward's, then the deferred ones
+        # (the first of those read under the backward where nothing the backward waits for reads the disk then,
+        # one per staging slot, and no update of the backward's waits behind them)
+        eager = [u for u in reversed(self.on_disk) if u not in self.deferred]
+        early = [] if eager else [u for u in self.on_disk if u in self.deferred][:self.early_reads]
+        for u in eager + early:
+            self.disk.fetch(u)
 
     def gradient_ready(self, unit: int, grad: Gradient, lr: float) -> None:
         if unit == 0:  # (the edges' update waits for the step's end: nothing reads their gradient before)
             return
-        if not self.deferred:  # the update starts as soon as its first piece is on the host
+        if unit not in self.deferred:  # the update starts as soon as its first piece is on the host
             self.updater.submit(unit, grad.buffer, grad.arrived, lr, 1.0, into=self.states[unit].params)
         elif unit in self.speculative and self.speculating:
             # As if clipping will not act: only new parameters are written (over the ones its loads took: until
@@ -208,13 +212,14 @@ class Host(UpdateKind):
         tried = (self.clips and self.speculative and self.speculating)
         held = set(self.speculative) if tried and not acted else set()
         self._speculated(tried, held, acted)
-        if self.deferred and self.disk:  # their moments start coming in, in the order the updates below will run
+        if self.disk:  # their moments start coming in, in the order the updates below will run
             for u in self.on_disk:
-                self.disk.fetch(u)
+                if u in self.deferred:
+                    self.disk.fetch(u)
         for u in self.units:
             if u in held:
                 continue  # below, after the updates the next forward waits for
-            if u == 0 or self.deferred:  # otherwise sliding blocks were submitted during backward
+            if u == 0 or u in self.deferred:  # the other sliding blocks were submitted during backward
                 g, split = grads[u], u in self.split
                 self.updater.submit(u, g.buffer, g.arrived, lr, grad_scale, part="params" if split else "all",
                                     into=self.states[u].params)

@@ -3,9 +3,11 @@
 Each lane's work per step comes from FLOPs and bytes; its time from the machine's measured rates. The overlap
 rules are the engine's: a block loads into a slot once the block `window` places before it has left that slot,
 and runs once it has loaded (and, where host updates wait for the step's end, once its host update has written
-its master); the host optimizer works through its blocks in order; host memory carries every PCIe, AdamW and disk
-byte. With clipping (or deferred without it) the updates run under the next forward (a quarter of the compute),
-otherwise under the backward.
+its master); the host optimizer is one queue, worked through in the order the engine submits to it (updates that
+run during the backward as their gradients land, then at the step's end those that wait for it, in the next
+forward's order); host memory carries every PCIe, AdamW and disk byte. With clipping every update waits for the
+step's end (the norm) and runs under the next forward (a quarter of the compute); without, each block's update
+runs under the backward or, deferred, under the next forward, as the placement says.
 
 With data-parallel ranks the estimate is one rank's: its shard of each unit crosses its own PCIe link, the rest
 of the parameters arrive by all-gather and the gradients leave by reduce-scatter over the GPUs' link, and the
@@ -19,10 +21,10 @@ from __future__ import annotations
 
 from ..machine import Machine
 from ..placement import Placement
-from .adamw import SPECULATIVE_PASS, block_updates, edge_update, exposed_s, ready_s
+from .adamw import SPECULATIVE_PASS, block_updates, edge_update, host_lane
 from .compute import LAUNCH_S, attention_pairs, block_compute, tail_s
 from .disk import block_disk, boundary_disk, disk_traffic
-from .estimate import BOUND_SHARE, LANES, Estimate, compute_lane, estimate_of
+from .estimate import BOUND_SHARE, LANES, Estimate, compute_lane, estimate_of, phase_lanes, phase_length
 from .rates import ADAMW_BESIDE_COPIES, BLOCK_EFFICIENCY, CPU_FLOPS_PER_CORE, rates_of
 from .transfers import block_copies, boundary_copies, edge_copies, through_host_memory
 from .window import backward_pass, forward_pass
@@ -43,6 +45,8 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
             + boundary_disk(p, r))
     forward, backward = block_compute(p, r)
     work.forward.gpu, work.backward.gpu = sum(forward), sum(backward)
-    passes = {"forward": forward_pass(p, loads.forward, forward, ready_s(p, updates)),
-              "backward": backward_pass(p, loads.backward, backward)}
-    return estimate_of(p, r, work, passes, tail_s(p, r), exposed_s(p, r, updates))
+    tail = tail_s(p, r)
+    bwd = backward_pass(p, loads.backward, backward)
+    host = host_lane(p, r, updates, bwd, phase_length(phase_lanes(work.backward, bwd.length, r), bwd), tail)
+    passes = {"forward": forward_pass(p, loads.forward, forward, host.ready), "backward": bwd}
+    return estimate_of(p, r, work, passes, tail, host.exposed)

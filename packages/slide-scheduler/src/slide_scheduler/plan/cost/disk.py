@@ -22,20 +22,23 @@ def write(w: PhaseWork, nbytes: float, r: Rates, drive: int = 0) -> None:
 
 
 def block_disk(p: Placement, r: Rates) -> Work:
-    """Deferred (with clipping), a block's states are read under the next forward, ahead of its update, and
-    written back after it; the first updates' reads run under the backward, one per staging slot, where nothing
-    the backward waits for reads the disk then. Not deferred, both run under the backward."""
+    """Where its update waits for the step's end (with clipping, or deferred), a block's states are read under the
+    next forward, ahead of its update, and written back after it; the first updates' reads run under the backward,
+    one per staging slot, where nothing the backward waits for reads the disk then. Where it runs in the backward,
+    both run under the backward."""
     work = Work()
     fwd, bwd = work.forward, work.backward
-    staged_early, waits = 0, p.deferred
+    staged_early = 0
+    # (the first waiting updates' reads run early only where no update of the backward's reads before them)
+    eager = any(not p.waits(u) for u in p.on_disk)
     for u in p.sliding_blocks:
-        unit, numel, drive = p.units[u], p.shapes.unit_numels[u], p.drive_of(u)
+        unit, numel, drive, waits = p.units[u], p.shapes.unit_numels[u], p.drive_of(u), p.waits(u)
         if loads_from_disk(unit):  # its master as it loads, each pass
             read(fwd, 4 * numel, r, drive)
             read(bwd, 4 * numel, r, drive)
         if kind_of(unit.moments) != "files":
             continue
-        early = waits and staged_early < p.staging_slots and not early_reads_wait(p)
+        early = waits and not eager and staged_early < p.staging_slots and not early_reads_wait(p)
         staged_early += early
         reads, writes = (bwd if early or not waits else fwd), work.update_phase(waits)
         states = p.disk_state_bytes(u) * numel

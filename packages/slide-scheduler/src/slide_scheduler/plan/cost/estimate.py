@@ -1,7 +1,7 @@
 """A step's estimate from its work: each phase lasts as long as its slowest lane. Of its length, the compute is
 the compute lane's; what the phase lasts beyond it is set by that slowest lane or, where the compute is slowest
-because it waited, by what it waited for: the loads (PCIe, or the GPUs' link) or the host updates a deferred
-forward's loads wait for."""
+because it waited, by what it waited for: the loads (PCIe, or the GPUs' link) or the host updates the forward's
+loads wait for. Where the loads' lane is the slowest, the time it idles for those updates counts too."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from ..placement import Placement
 from .adamw import host_backlog
 from .rates import Rates
 from .transfers import copy_lanes
+from .window import PassTimes
 from .work import PhaseWork, Work
 
 BOUND_SHARE = 0.05  # a lane that adds less than this share of the step to the GPU's work binds nothing
@@ -51,26 +52,42 @@ def phase_lanes(w: PhaseWork, length: float, r: Rates) -> dict[str, float]:
             "disk": w.disk}
 
 
-def phase_setters(lanes: dict[str, float], w: PhaseWork, waits: dict[str, float]) -> dict[str, float]:
+def loads_lane(lanes: dict[str, float]) -> str:
+    """The lane the blocks' loads cross last: the GPUs' link where it is busier than PCIe."""
+    return "gpu_link" if lanes["gpu_link"] > lanes["pcie_h2d"] else "pcie_h2d"
+
+
+def phase_length(lanes: dict[str, float], times: PassTimes) -> float:
+    """A pass lasts as long as its slowest lane; the loads' lane also idles while loads wait for their blocks'
+    host updates."""
+    return max(max(lanes.values()), lanes[loads_lane(lanes)] + times.copies_idle)
+
+
+def phase_setters(lanes: dict[str, float], w: PhaseWork, times: PassTimes) -> dict[str, float]:
     """The compute's time, and what the slowest lane adds beyond it or, where that is the compute because it
-    waited, what it waited for."""
+    waited, what it waited for; where the loads' lane is slowest counting its idle time, that idle time is the
+    host updates'."""
     top = max(lanes, key=lanes.get)  # (the GPU first among equals)
+    loads = loads_lane(lanes)
+    if lanes[loads] + times.copies_idle > lanes[top]:
+        beyond = lanes[loads] + times.copies_idle - w.gpu
+        waited = min(times.copies_idle, beyond)
+        return {"gpu": w.gpu, loads: beyond - waited, "host_adamw": waited}
     if top == "gpu":
-        loads = "gpu_link" if lanes["gpu_link"] > lanes["pcie_h2d"] else "pcie_h2d"
-        return {"gpu": w.gpu, loads: waits["loads"], "host_adamw": waits["updates"]}
+        return {"gpu": w.gpu, loads: times.waits["loads"], "host_adamw": times.waits["updates"]}
     return {"gpu": w.gpu, top: lanes[top] - w.gpu}
 
 
-def estimate_of(p: Placement, r: Rates, work: Work, passes: dict[str, tuple[float, dict[str, float]]],
-                tail: float, exposed: float) -> Estimate:
-    """The estimate of a step whose `work` the forward and backward `passes` (each its length and the compute's
-    waits) carry out, then the `tail`, then the `exposed` host updates."""
+def estimate_of(p: Placement, r: Rates, work: Work, passes: dict[str, PassTimes], tail: float,
+                exposed: float) -> Estimate:
+    """The estimate of a step whose `work` the forward and backward `passes` carry out, then the `tail`, then the
+    `exposed` host updates (those the next forward's start waits for)."""
     phases, setters, by_phase = {}, {}, {}
     busy = dict.fromkeys(LANES, 0.0)
     for name, w in (("forward", work.forward), ("backward", work.backward)):
-        length, waits = passes[name]
-        by_phase[name] = lanes = phase_lanes(w, length, r)
-        phases[name], setters[name] = max(lanes.values()), phase_setters(lanes, w, waits)
+        times = passes[name]
+        by_phase[name] = lanes = phase_lanes(w, times.length, r)
+        phases[name], setters[name] = phase_length(lanes, times), phase_setters(lanes, w, times)
         for lane, seconds in lanes.items():
             busy[lane] += seconds
     phases["tail"], setters["tail"] = tail, {"gpu": tail}

@@ -12,8 +12,9 @@ from ..placement import Placement
 # element-wise kernels between the GEMMs)
 BLOCK_EFFICIENCY = 0.71
 CPU_FLOPS_PER_CORE = 2e10  # fp32 on a CPU device
-# The host AdamW rate beside a step's DMA copies, as a share of the machine file's (measured alone): the fused
-# kernel is bound by host memory, which the copies share (docs/findings.md)
+# The host AdamW rate beside a step's DMA copies, as a share of the machine file's (measured alone), where the
+# file does not say (`host.adamw_beside_copies`): the fused kernel is bound by host memory, which the copies share
+# (docs/findings.md)
 ADAMW_BESIDE_COPIES = 0.73
 
 
@@ -59,5 +60,5 @@ def rates_of(p: Placement, machine: Machine) -> Rates:
         h2d=per_second(link.h2d_gbps), d2h=per_second(link.d2h_gbps),
         duplex=per_second(max(link.duplex_gbps, link.h2d_gbps, link.d2h_gbps)),
         link=per_second(g.link_gbps or link.h2d_gbps), memory=per_second(host.memory_gbps),
-        adamw=per_second(host.adamw_gparams) * (ADAMW_BESIDE_COPIES if pcie else 1.0),
+        adamw=per_second(host.adamw_gparams) * (host.adamw_beside_copies if pcie else 1.0),
         drives=tuple((per_second(d.read_gbps), per_second(d.write_gbps)) for d in drives))

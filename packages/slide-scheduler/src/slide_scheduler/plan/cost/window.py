@@ -1,44 +1,64 @@
-"""The window's overlap: when a pass's compute ends as its blocks slide through the device slots, and what the
-compute waited for."""
+"""The window's overlap: when a pass's compute ends as its blocks slide through the device slots, what the compute
+waited for, and how long the copies to the device idled for updates."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from ..placement import Placement
 
 
+@dataclass
+class PassTimes:
+    """One pass over the blocks: when its compute ends, what the compute waited for (`loads`: the copies;
+    `updates`: a load that had waited for its block's update), how long the copies to the device idled waiting
+    for updates (`copies_idle`), and when each block's compute ended (block order, from the pass's start)."""
+
+    length: float
+    waits: dict[str, float] = field(default_factory=lambda: {"loads": 0.0, "updates": 0.0})
+    copies_idle: float = 0.0
+    ends: list[float] = field(default_factory=list)
+
+
 def slide(loads: list[float], compute: list[float], ready: list[float], window: int,
-          resident: list[bool]) -> tuple[float, dict[str, float]]:
+          resident: list[bool]) -> PassTimes:
     """When the last of these blocks (in running order) finishes: each sliding one loads after the previous load
     and once the slot it takes (`window` sliding blocks back) is free and its update is `ready`; each runs after
     the previous one and its own load. Also how long the compute waited: for `updates` where the late load had
-    waited for its block's update, for `loads` otherwise."""
+    waited for its block's update, for `loads` otherwise; and how long the copies idled for updates (a load that
+    could have started, its slot free, but for its block's update). `ends` are in running order."""
     load_end, done = 0.0, 0.0
-    waits = {"loads": 0.0, "updates": 0.0}
+    times = PassTimes(0.0)
     finished: list[float] = []  # compute end of each sliding block, in order
     for load, run, at, res in zip(loads, compute, ready, resident):
         if res:
             done += run
+            times.ends.append(done)
             continue
         slot_free = finished[-window] if len(finished) >= window else 0.0
         cause = "updates" if at > max(load_end, slot_free) else "loads"
+        times.copies_idle += max(0.0, at - max(load_end, slot_free))
         load_end = max(load_end, slot_free, at) + load
         if load_end > done:
-            waits[cause] += load_end - done
+            times.waits[cause] += load_end - done
         done = max(done, load_end) + run
         finished.append(done)
-    return done, waits
+        times.ends.append(done)
+    times.length = done
+    return times
 
 
-def forward_pass(p: Placement, loads: list[float], compute: list[float],
-                 ready: list[float]) -> tuple[float, dict[str, float]]:
-    """The forward: blocks in order, each load also waiting for its block's host update where that is `ready`
-    only then (deferred)."""
+def forward_pass(p: Placement, loads: list[float], compute: list[float], ready: list[float]) -> PassTimes:
+    """The forward: blocks in order, each load also waiting until its block's host update is `ready` (seconds
+    from the forward's start; 0 or less: ready when the forward starts)."""
     resident = [unit.resident for unit in p.units[1:]]
     return slide(loads, compute, ready, p.window, resident)
 
 
-def backward_pass(p: Placement, loads: list[float], compute: list[float]) -> tuple[float, dict[str, float]]:
+def backward_pass(p: Placement, loads: list[float], compute: list[float]) -> PassTimes:
     """The backward: blocks in reverse; host updates follow their gradients on the host thread and hold back no
-    load."""
+    load. Its `ends` are in block order."""
     resident = [unit.resident for unit in p.units[1:]]
-    return slide(loads[::-1], compute[::-1], [0.0] * len(loads), p.window, resident[::-1])
+    times = slide(loads[::-1], compute[::-1], [0.0] * len(loads), p.window, resident[::-1])
+    times.ends.reverse()
+    return times
