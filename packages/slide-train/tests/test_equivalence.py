@@ -9,6 +9,7 @@ import torch
 import transformers
 from conftest import save_tiny_model, write_token_rows
 
+from slide_scheduler.plan import planner as planner_module
 from slide_train.config import load_config
 from slide_train.export import hf_tensors
 from slide_train.trainer import Trainer
@@ -195,6 +196,34 @@ def test_activation_offload_and_no_clipping_match(tmp_path):
         finally:
             CLIP = saved
         compare(trainer, ref_model)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_unclipped_updates_in_the_backward_at_the_steps_end_and_mixed_match(tmp_path, monkeypatch, share):
+    """Without clipping the planner defers the first sliding blocks' host updates to the step's end and runs the
+    others' during the backward; held to one share of deferred blocks (none, half, all), the weights are the
+    plain loop's (whose clipping never acts)."""
+    monkeypatch.setattr(planner_module, "DEFERRED_SHARES", (share,))
+    # (the clipped run's placement, run unclipped, defers every host update: kept out to hold the share)
+    monkeypatch.setattr(planner_module._Planning, "clipped_unclipped", lambda self, o: None)
+    model = save_tiny_model(tmp_path / "model", "llama")
+    rows, labels = make_rows(seed=2, n=STEPS * MICRO * ACCUM)
+    write_token_rows(tmp_path / "data.jsonl", rows, labels)
+    trainer = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl", max_grad_norm="null"),
+                      progress=False)
+    p = trainer.engine.placement
+    sliding = p.sliding_blocks
+    assert not p.clips and p.deferred - {0} == set(sliding[:round(share * p.shapes.num_blocks)]) & p.deferred
+    assert bool(p.deferred - {0}) == (share > 0) and (share < 1) == any(not p.waits(u) for u in sliding)
+    for _ in range(STEPS):
+        trainer.step()
+    global CLIP
+    saved, CLIP = CLIP, 1e9
+    try:
+        ref_model, _, _ = reference_run(model, rows, labels)
+    finally:
+        CLIP = saved
+    compare(trainer, ref_model)
 
 
 def test_export_loads_in_transformers_with_same_logits(tmp_path, family):
