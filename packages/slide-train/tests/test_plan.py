@@ -729,3 +729,29 @@ def test_the_plan_names_each_blocks_attention_backend_in_its_text_and_json(capsy
         text = capsys.readouterr().out
         assert len(listed) == (42 if model == "gemma-2-9b" else 32) and set(listed) <= expected
         assert f"attention: {listed[0]} for blocks 0..{len(listed) - 1}" in text
+
+
+def test_where_the_tie_rule_took_a_slower_plan_the_text_and_the_json_say_so(capsys):
+    """Llama-3.2-3B, clip 1.0, under 16 GiB on the H100 host: among candidates priced within the cost model's
+    uncertainty the planner takes the one with less host memory, here not the fastest; `--json` gives the faster
+    one's step and the text names the same figure. Where the fastest was taken, neither says anything."""
+    import json
+
+    from slide_train.cli import main
+
+    machine = pathlib.Path(__file__).parents[3] / "docs" / "machines" / "h100-host.yaml"
+    base = ["plan", f"--machine={machine}", "--model=llama-3.2-3b", "--seq_len=4096", "--micro_batch_size=1",
+            "--grad_accum=8", "--engine.device=cuda", "--max_grad_norm=1.0"]
+    for cap, tied in ((16, True), (24, False)):
+        args = [*base, f"--engine.gpu_memory_limit_gb={cap}"]
+        main([*args, "--json"])
+        plan = json.loads(capsys.readouterr().out)
+        main(args)
+        text = capsys.readouterr().out
+        passed = plan["tie_passed_over_s"]
+        assert (passed is not None) == tied
+        if tied:
+            assert passed < plan["predicted_step_s"] <= passed * 1.05
+            assert f"took this plan over one priced {passed:.2f} s" in text
+        else:
+            assert "took this plan over one priced" not in text

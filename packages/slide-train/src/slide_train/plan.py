@@ -212,7 +212,10 @@ def prediction_lines(plan: Plan) -> list[str]:
     lines.append("    busy per step: " + ", ".join(f"{lane_word(lane)} {num(busy)} {unit}"
                                                   for lane, busy in e.lanes.items()))
     why = why_line(plan, num, unit)
-    return lines + ([f"    {why}"] if why else [])
+    tie = plan.tie_passed_over_s
+    tied = [f"    the planner took this plan over one priced {num(tie)} {unit} ({1 - tie / e.step_s:.1%} faster, "
+            "within the cost model's uncertainty), for its smaller host memory"] if tie is not None else []
+    return lines + ([f"    {why}"] if why else []) + tied
 
 
 def why_line(plan: Plan, num, unit: str) -> str | None:

@@ -56,6 +56,9 @@ class Plan:
     compute_bound: Suggestion | None = None
     # each block's attention backend, the fastest of its candidates on the machine (empty: the shapes name none)
     attention: tuple[str, ...] = ()
+    # the step of a faster plan within TIE that the search passed over for this one's smaller host memory (None:
+    # this is the fastest it found)
+    tie_passed_over_s: float | None = None
 
     @property
     def fits(self) -> bool:
@@ -88,6 +91,7 @@ class Plan:
             "run": dataclasses.asdict(p.run),
             "units": [dataclasses.asdict(u) for u in p.units],
             "attention": list(self.attention),  # each block's attention backend
+            "tie_passed_over_s": self.tie_passed_over_s,  # a faster plan within TIE, taken over for host memory
         }
 
 
@@ -182,13 +186,14 @@ class _Planning:
     def search(self, o: Overrides) -> Plan:
         """The best of the candidates; where it does not fit the GPU, tiles or one landing set where they need
         less; where its disk tier's reads may run further ahead, deeper staging where that is faster."""
-        misses_gpu, placement, estimate = self.best(o)
+        misses_gpu, placement, estimate, passed = self.best(o)
         smaller = self.smaller(o, placement) if misses_gpu else None
         if smaller is not None:
             return smaller
         unclipped = price(placement, self.machine, clipping_acts=False) if self.run.clips else estimate
         plan = Plan(placement, estimate, unclipped, self.budgets,
-                    attention=attention_backends(placement.shapes, self.machine.gpu) if self.run.cuda else ())
+                    attention=attention_backends(placement.shapes, self.machine.gpu) if self.run.cuda else (),
+                    tie_passed_over_s=passed)
         plan.problems = _problems(plan)
         if placement.on_disk and o.disk_staging is None and plan.fits:  # the disk tier's reads further ahead
             deeper = self.search(dataclasses.replace(o, disk_staging=DEEP_STAGING))
@@ -211,9 +216,10 @@ class _Planning:
                 return lean
         return None
 
-    def best(self, o: Overrides) -> tuple[bool, Placement, Estimate]:
+    def best(self, o: Overrides) -> tuple[bool, Placement, Estimate, float | None]:
         """Over windows, shares of device updates and kinds of gradient home: the candidate that fits and prices
-        fastest (whether it misses the GPU budget, the placement, its price)."""
+        fastest (whether it misses the GPU budget, the placement, its price), and the step of a faster one within
+        TIE that it was taken over for its host memory (None: it is the fastest)."""
         run, budgets, machine = self.run, self.budgets, self.machine
         windows = (o.window,) if o.window else WINDOWS if run.cuda else (2,)
         if o.device_update_share is not None:
@@ -224,14 +230,21 @@ class _Planning:
             shares = SHARES
         forced = o.speculate is True
         best: tuple[bool, bool, float, float, Placement, Estimate] | None = None
+        fastest: dict[tuple, tuple] = {}  # per kind of fit, the candidate that ranks fastest
         for window, share, (shared, speculate) in itertools.product(windows, shares, self.kinds(o)):
             for order in self.orders(o, share):
                 candidate = stripe(size_for_budget(self.shapes, self.step, run, budgets.gpu, window=window,
                                                    share=share, shared=shared, speculate=speculate,
                                                    overrides=dataclasses.replace(o, device_first=order)),
                                    machine.drives)
-                best = self.weighed(candidate, forced, best)
-        return best[0], best[5], best[6]
+                entry = self.weighed(candidate, forced)
+                if entry[:3] not in fastest or entry[3] < fastest[entry[:3]][3]:
+                    fastest[entry[:3]] = entry
+                if best is None or _better(entry[:5], best[:5]):
+                    best = entry
+        quicker = fastest[best[:3]]
+        passed = quicker[6].step_s if quicker[3] < best[3] and quicker[6].step_s < best[6].step_s else None
+        return best[0], best[5], best[6], passed
 
     @staticmethod
     def orders(o: Overrides, share: float) -> tuple[bool, ...]:
@@ -241,8 +254,8 @@ class _Planning:
             return (bool(o.device_first),)
         return (False, True)
 
-    def weighed(self, p: Placement, forced: bool, best: tuple | None) -> tuple:
-        """The better of candidate `p` and the `best` so far, as best()'s key, placement and price."""
+    def weighed(self, p: Placement, forced: bool) -> tuple:
+        """Candidate `p` as best() weighs it: its key, placement and price."""
         budgets, machine = self.budgets, self.machine
         gpu_fits = budgets.gpu is None or p.bytes(GPU) <= budgets.gpu
         host_fits = budgets.host is None or p.bytes(HOST) <= budgets.host
@@ -252,7 +265,7 @@ class _Planning:
         ranked = price(p, machine, clipping_acts=False).step_s * (1 + SPECULATION_MARGIN) if p.speculated \
             else est.step_s
         key = (not gpu_fits, not host_fits, forced and not p.speculated, ranked, p.bytes(HOST))
-        return (*key, p, est) if best is None or _better(key, best[:5]) else best
+        return (*key, p, est)
 
     def kinds(self, o: Overrides) -> list[tuple[bool, bool | int]]:
         """(gradients pooled, speculating) pairs tried. Host gradients that wait (for the norm, or for a device
