@@ -158,7 +158,7 @@ def uses():
                     yield seq, window, docs, grad
 
 
-def call_all(compiled_call):
+def run_uses(attend):
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)
     for seq, window, docs, grad in uses():
@@ -166,17 +166,17 @@ def call_all(compiled_call):
         ids = documents(seq)[:1] if docs else None
         mask = attention.block_mask(ids, window, seq, "cpu")
         with torch.set_grad_enabled(grad):
-            compiled_call((window, docs, 5.0), q, q, q, backends._soft_cap(5.0), mask, 0.5, False)
+            attend((window, docs, 5.0), q, q, q, backends._soft_cap(5.0), mask, 0.5, False)
 
 
 def test_flex_uses_never_reach_the_eager_kernel():
-    """Through the real wrapper with a counting backend: every use of the run above compiles within its own
+    """Through the real wrapper with a counting backend: every use above compiles within its own
     limit (at most twice: static, then dynamic lengths), so none falls back to the eager kernel; the same calls
     through one static compiled function (the wrapper this replaces) run past the limit, which the guard turns
     into an error, so this test would catch it."""
     counter = Counter()
     wrapper = backends.CompiledFlex(kernel=_kernel, backend=counter)
-    call_all(wrapper)
+    run_uses(wrapper)
     assert len(wrapper.entries) == 8  # window x documents x grad mode
     assert counter.compiles <= 2 * len(wrapper.entries)
 
@@ -187,7 +187,7 @@ def test_flex_uses_never_reach_the_eager_kernel():
             return single(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
     with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
-        call_all(one_function)
+        run_uses(one_function)
 
 
 def test_a_use_past_its_limit_stops_with_a_clear_error():
@@ -234,7 +234,7 @@ def test_on_the_gpu_each_backend_is_within_twice_hf_eager_bf16s_error(window, so
     """Each backend that runs here: out, dq, dk and dv in bf16 against an fp32 reference, within twice the error
     of HF's eager attention in bf16 (flash-attn-4 where it is installed; its absence is said, not skipped)."""
     if not torch.cuda.is_available():
-        pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
+        pytest.fail("this test needs a CUDA device: run it with a CUDA GPU (it is marked `gpu`)")
     leaves, grad, ids = _bf16_case(window, softcap, docs)
     seq, dim = leaves[0].shape[1], leaves[0].shape[-1]
     scale = dim ** -0.5
@@ -298,7 +298,7 @@ def test_on_the_gpu_gemma2_at_three_lengths_with_eval_and_documents_never_runs_e
     from slide_train.trainer import Trainer
 
     if not torch.cuda.is_available():
-        pytest.fail("this test needs a CUDA device: run it on the GPU machine (it is marked `gpu`)")
+        pytest.fail("this test needs a CUDA device: run it with a CUDA GPU (it is marked `gpu`)")
     ran = set()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
