@@ -171,7 +171,7 @@ def run_uses(attend):
 
 def test_flex_uses_never_reach_the_eager_kernel():
     """Through the real wrapper with a counting backend: every use above compiles within its own
-    limit (at most twice: static, then dynamic lengths), so none falls back to the eager kernel; the same calls
+    limit (at most twice: static, then dynamic lengths), so none falls back to the eager kernel; the same uses
     through one static compiled function (the wrapper this replaces) run past the limit, which the guard turns
     into an error, so this test would catch it."""
     counter = Counter()
