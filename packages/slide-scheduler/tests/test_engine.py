@@ -122,7 +122,8 @@ def random_steps(seed: int, shapes: list[tuple[int, int]], device: str = "cpu"):
 
 PLACEMENT_KEYS = ("window", "resident", "device_update_share", "held_grads", "split_update",
                   "grads_share_activations", "nvme_fraction", "disk_loads", "speculate", "landing", "edges_early",
-                  "disk_boundaries", "disk_grads", "staging", "speculation_pause", "defer_updates", "device_first")
+                  "disk_boundaries", "disk_grads", "staging", "speculation_pause", "defer_updates", "device_first",
+                  "early_streams")
 FACT_KEYS = ("device", "compute_dtype", "states_dtype", "max_grad_norm", "activation_offload")
 
 
@@ -133,7 +134,8 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
     `split_update` (True), `grads_share_activations` (False), `nvme_fraction` (0), `disk_loads` (False),
     `speculate` (False), `landing` (0: the rule), `edges_early` (True), `disk_boundaries` (0), `disk_grads`
     (False), `staging` (0: the disk tier's default), `speculation_pause` (True), `defer_updates` (False: none; True:
-    all; a number: the first that many sliding blocks), `device_first` (False)."""
+    all; a number: the first that many sliding blocks), `device_first` (False), `early_streams` (0: the share of
+    the streamed blocks, the last ones, that update early without clipping)."""
     choices = {k: kwargs.pop(k) for k in PLACEMENT_KEYS if k in kwargs}
     loaded = kwargs.pop("loaded", None)
     run = run_facts(**{k: kwargs.pop(k) for k in FACT_KEYS if k in kwargs})
@@ -149,7 +151,8 @@ def make_engine(stack, **kwargs) -> SlidingEngine:
                         disk_grads=choices.get("disk_grads", False), staging=choices.get("staging", 0),
                         speculation_pause=choices.get("speculation_pause", True),
                         defer=choices.get("defer_updates", False),
-                        device_first=choices.get("device_first", False))
+                        device_first=choices.get("device_first", False),
+                        early_streams=choices.get("early_streams", 0.0))
     return SlidingEngine(stack, placement, EngineConfig(**kwargs), loaded=loaded)
 
 
@@ -284,7 +287,7 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
                held: int = 0, split: bool = True, shared: bool = False, steps_data=None, nvme=None, acts_dir=None,
                states: str = "fp32", speculate: bool = False, disk_loads: bool = False, device: str = "cpu",
                landing: int = 0, edges_early: bool = True, disk_grads: bool = False, staging: int = 0,
-               defer: bool | int = False, device_first: bool = False):
+               defer: bool | int = False, device_first: bool = False, early: float = 0.0):
     torch.manual_seed(0)
     model = Model(tied=tied)
     engine = make_engine(ToyStack(model), device=device, window=window,
@@ -299,7 +302,7 @@ def run_engine(pipeline: bool, window: int, clip, delays: dict | None = None, st
                                                          landing=landing, edges_early=edges_early,
                                                          disk_grads=disk_grads, staging=staging,
                                                          defer_updates=defer, device_first=device_first,
-                                                         **on_disk(nvme))
+                                                         early_streams=early, **on_disk(nvme))
     for name, seconds in (delays or {}).items():
         getattr(engine, name).delay = seconds
     if patch:
@@ -345,6 +348,28 @@ def test_the_plans_other_choices_give_the_same_weights(monkeypatch, slow, clip):
         for unit, params in ref.items():
             for name, t in params.items():
                 assert got[unit][name].equal(t), f"{choice}: {unit}.{name}"
+
+
+@pytest.mark.parametrize("slow", ["h2d", "d2h", "land", "updater"])
+@pytest.mark.parametrize("early, held, defer", [(1.0, 0, False), (0.5, 0, 1), (1.0, 2, 2), (0.5, 1, True)])
+def test_streamed_blocks_updated_early_in_the_backward_give_the_same_weights(monkeypatch, slow, early, held, defer):
+    """Unclipped, the last streamed blocks' device updates run in the backward as soon as their gradients are home
+    (from a host buffer or one held on the device), beside host updates in the backward or deferred; their next
+    loads take the new master. Bit for bit the synchronous engine's weights with every streamed update at its next
+    load, whichever lane is slow."""
+    monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
+    ref_losses, ref = run_engine(pipeline=False, window=2, clip=None, device_share=0.5)
+    seen = {}
+
+    def record(engine):
+        seen["early"], seen["streamed"] = engine.placement.early, engine.placement.streamed - {0}
+
+    losses, got = run_engine(pipeline=True, window=2, clip=None, device_share=0.5, held=held, defer=defer,
+                             early=early, delays={slow: 0.004}, patch=record)
+    assert seen["early"] == set(sorted(seen["streamed"])[len(seen["streamed"]) - round(early * len(seen["streamed"])):])
+    assert seen["early"]
+    assert losses == ref_losses
+    assert all(got[u][n].equal(t) for u, params in ref.items() for n, t in params.items())
 
 
 @pytest.mark.parametrize("tier", ["host", "gpu"])

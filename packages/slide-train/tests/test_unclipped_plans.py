@@ -61,3 +61,19 @@ def test_no_clipped_plan_is_faster_than_its_unclipped_one(machine_file):
                 slower.append(f"{name} at {cap} GiB: unclipped {step:.3f} s (fits: {unclipped.fits}), clipped where "
                               f"it does not act {limit:.3f} s")
     assert not slower, "\n".join(slower)
+
+
+def test_where_the_backward_has_room_some_streamed_blocks_update_in_it():
+    """OLMoE-1B-7B at 24 GiB on the H100 host, unclipped: the forward's copies are the step's longest lane, and the
+    plan moves the last streamed blocks' device updates into the backward. The same placement with every streamed
+    update at its next load prices slower."""
+    from slide_scheduler.plan.cost import price
+
+    machine = load_machine(FOLDER / "h100-host.yaml")
+    cfg = load_config(None, ["--model=olmoe-1b-7b", *STEP, "--engine.gpu_memory_limit_gb=24", "--max_grad_norm=null"])
+    plan = make_plan(cfg, shapes_of_preset("olmoe-1b-7b"), machine, facts_of(cfg, "cuda"), budgets_for(machine, True, 24))
+    p = plan.placement
+    streamed = sorted(p.streamed - {0})
+    assert p.early and sorted(p.early) == streamed[len(streamed) - len(p.early):]
+    at_load = dataclasses.replace(p, units=tuple(dataclasses.replace(u, early=False) for u in p.units))
+    assert price(at_load, machine).step_s > plan.estimate.step_s * 1.02

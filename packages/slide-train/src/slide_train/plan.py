@@ -253,6 +253,10 @@ def unit_lines(p) -> list[str]:
         name = "edges" if last == 0 else (f"edges, {blocks}" if first == 0 else blocks)
         update = {"device": f"AdamW on {device}", "stream": "AdamW on the GPU as it loads",
                   "host": "AdamW on the CPU"}.get(u.update, u.update)
+        if u.early:
+            update = "AdamW on the GPU in the backward, once its gradient is home"
+        elif u.defer:
+            update += ", after the backward"
         states = (f"master and AdamW moments {where.get(u.master, u.master)}" if u.master == u.moments else
                   f"master {where.get(u.master, u.master)}, AdamW moments {where.get(u.moments, u.moments)}")
         parts = [f"resident on {device}" if u.resident else "sliding", update, GRADIENT_WORDS.get(u.grad, u.grad),

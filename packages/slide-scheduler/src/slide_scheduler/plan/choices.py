@@ -116,6 +116,11 @@ class Overrides:
     # prices both orders)
     device_first: bool | None = field(default=None, metadata=planner_only(
         "the planner prices both orders and takes the faster"))
+    # without clipping, the share of the streamed blocks (the last ones, whose gradients come first) whose device
+    # updates run during the backward, the others' at their next load (None: the share the cost model prices
+    # fastest)
+    early_streams: float | None = field(default=None, metadata=planner_only(
+        "the planner prices shares of the streamed blocks and takes the fastest"))
 
 
 def device_updated(sliding: int, share: float, device_first: bool = False) -> list[int]:
@@ -147,15 +152,16 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
             disk_grads: bool = False, staging: int = 0,
             sequence_tile: int = 0, landing: int = 0, edges_early: bool = True, disk_boundaries: int = 0,
             speculation_pause: bool = True, threads: int | None = None, defer: bool | int = False,
-            device_first: bool = False, synchronous: bool = False) -> Placement:
+            device_first: bool = False, early_streams: float = 0.0, synchronous: bool = False) -> Placement:
     """The placement these choices make: `resident` units on the device; of the sliding blocks, the last
     `nvme_fraction` with masters and moments on disk, `share` of the rest (spread out) updated on the device,
     `held` of those keeping their gradient there, the others' gradients pooled (`shared`; where host updates run
     during backward, unclipped and not `defer`red, only the device-updated ones) or in the ring, where with
     `speculate` their clipped updates speculate (a number: only the first that many such blocks, whose loads the
     next forward needs soonest); without clipping `defer` (all, or a number: the first that many sliding blocks)
-    has host updates wait for the step's end; `device_first`: streamed blocks first in each group; `synchronous`:
-    the reference schedule."""
+    has host updates wait for the step's end; `device_first`: streamed blocks first in each group; without
+    clipping `early_streams` of the streamed blocks (the last ones) update during the backward; `synchronous`: the
+    reference schedule."""
     o, n = run, shapes.num_blocks
     if o.ranks > 1:  # what data parallelism runs so far: host updates of host states, gradients in the ring
         share, shared, defer = 0.0, False, False
@@ -164,6 +170,7 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
     disk = {1 + b for b in on_disk_blocks(n, len(sliding), nvme_fraction)} & set(sliding)
     streamed = {sliding[j] for j in device_updated(len(sliding), share, device_first)} - disk
     deferring = set() if o.clips else set(sliding if defer is True else sliding[:int(defer)]) - streamed
+    early = set() if o.clips else set(sorted(streamed)[len(streamed) - round(early_streams * len(streamed)):])
     waits = {u: o.clips or u in deferring for u in range(n + 1)}  # (host updates that wait for the step's end)
     waits[0] = o.clips or bool(deferring)  # (the edges' update waits anyway: it splits where blocks defer)
     shared = shared and bool(sliding)
@@ -186,7 +193,8 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
             units.append(UnitPlacement(False, "host" if host else "stream", grad, DISK if u in disk else HOST,
                                        split=waits[u] and split and grad == "ring" and u not in disk,
                                        speculate=u in speculating, master=DISK if u in disk else "",
-                                       loads=DISK if disk_loads and u in disk else "", defer=u in deferring))
+                                       loads=DISK if disk_loads and u in disk else "", defer=u in deferring,
+                                       early=u in early))
     extra = {} if threads is None else {"threads": threads}
     # the first `disk_boundaries` blocks' input activations on disk (written earliest, read last), the rest in
     # the run's tier
@@ -219,6 +227,7 @@ def size_for_budget(shapes: Shapes, step: StepShape, run: RunFacts, budget: floa
                        disk_boundaries=overrides.disk_boundaries or 0,
                        speculation_pause=overrides.speculation_pause is not False,
                        defer=overrides.defer_updates or False, device_first=bool(overrides.device_first),
+                       early_streams=overrides.early_streams or 0.0,
                        synchronous=bool(overrides.synchronous))
 
     if overrides.resident is not None:

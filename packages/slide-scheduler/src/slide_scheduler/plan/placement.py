@@ -61,6 +61,9 @@ class UnitPlacement:
     # Without clipping: its host update waits for the step's end and runs in the next forward's order, rather than
     # as soon as its gradient lands (with clipping every host update waits for the norm)
     defer: bool = False
+    # Without clipping, a streamed block: its device update runs during the backward once its gradient is home,
+    # where the copies have room, rather than at its next load (which then takes the new master)
+    early: bool = False
 
     def __post_init__(self):
         for name in ("master", "loads"):
@@ -187,6 +190,11 @@ class Placement:
     @property
     def streamed(self) -> set[int]:
         return self.where("update", "stream")
+
+    @property
+    def early(self) -> set[int]:
+        """Streamed blocks whose device update runs during the backward (unclipped)."""
+        return self.where("early", True)
 
     @property
     def on_disk(self) -> set[int]:
@@ -410,6 +418,8 @@ def _update(p: Placement, u: int, unit: UnitPlacement) -> str | None:
             "host buffer of its own splits"
     if unit.defer and (p.clips or unit.update != "host"):
         return "only an unclipped host update defers to the step's end (clipped ones all wait for the norm)"
+    if unit.early and (p.clips or u == 0 or unit.update != "stream"):
+        return "only an unclipped streamed block updates early, in the backward (clipped ones wait for the norm)"
     if unit.speculate and (not p.clips or u == 0 or unit.update != "host" or unit.grad != "ring"
                            or kind_of(unit.moments) != "memory"):
         return ("only a clipped sliding block updated on the host, its gradient in the ring and its moments in host "

@@ -35,6 +35,8 @@ WINDOWS = (2, 3)
 SPECULATED = (0.75, 0.5, 0.25)  # shares of the blocks tried where speculating for every block does not fit
 # shares of the blocks (the first ones) whose unclipped host updates wait for the step's end, tried
 DEFERRED_SHARES = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)
+# shares of the streamed blocks (the last ones) whose device updates the unclipped search tries early
+EARLY_SHARES = (0.125, 0.25, 0.5, 0.75, 1.0)
 TIE = 0.05
 # How much the cost model has underpriced a speculating step where clipping does not act (docs/findings.md):
 # `speculate: auto` takes a speculating plan only where it is faster by more than that
@@ -133,13 +135,20 @@ class _Planning:
         step's end as clipped ones do (under the next forward, in its order; they need a gradient buffer each, so
         the least share on disk may differ): the first k sliding blocks wait, whose loads the next forward needs
         first, the later ones (whose gradients come first) run in the backward, k over DEFERRED_SHARES, each
-        planned whole. Then the clipped run's plan, run without clipping (its scale being exactly 1), where that
-        is faster: an unclipped plan is never predicted slower than the clipped one."""
+        planned whole; with the split taken, the share of the streamed blocks whose device updates run early, in
+        the backward (the last ones, over EARLY_SHARES). Then the clipped run's plan, run without clipping (its
+        scale being exactly 1), where that is faster: an unclipped plan is never predicted slower than the clipped
+        one."""
         n = self.shapes.num_blocks
-        best = None
+        best, chosen = None, 0
         for k in sorted({round(share * n) for share in DEFERRED_SHARES}):
-            plan = self.plan(dataclasses.replace(o, defer_updates=k), rest)
-            best = plan if best is None or _better(_rank(plan), _rank(best)) else best
+            plan = self.plan(dataclasses.replace(o, defer_updates=k, early_streams=o.early_streams or 0.0), rest)
+            if best is None or _better(_rank(plan), _rank(best)):
+                best, chosen = plan, k
+        if o.early_streams is None and best.placement.streamed - {0}:  # (then, with that split, early streams)
+            for share in EARLY_SHARES:
+                plan = self.plan(dataclasses.replace(o, defer_updates=chosen, early_streams=share), rest)
+                best = plan if _better(_rank(plan), _rank(best)) else best
         clipped = self.clipped_unclipped(o)
         if clipped is not None and clipped.fits and clipped.estimate.step_s < best.estimate.step_s:
             return clipped

@@ -262,8 +262,9 @@ class Host(UpdateKind):
 
 
 class Streamed(UpdateKind):
-    """Units updated on the device as they next load: master, moments and gradient streamed in piece by piece
-    over h2d, stepped on the land lane, the new master (and moments, unless split) home on the store lane. The
+    """Units updated on the device as they next load (or, unclipped and placed `early`, as soon as their gradient
+    is home): master, moments and gradient streamed in piece by piece over h2d, stepped on the land lane, the new
+    master (and moments, unless split) home on the store lane. The
     edges' tail-only part (final norm, untied lm head) updates apart from the rest: its gradient is final after the
     tail and nothing reads it before the next tail, so without clipping it updates during backward, and with
     clipping after the next forward's loads; only the part the head reads stands between one step and the next."""
@@ -276,6 +277,7 @@ class Streamed(UpdateKind):
         self.optimizer, self.lanes, self.moments, self.waits = optimizer, lanes, moments, waits
         self.edge_slot, self.edges, self.clips = edge_slot, edges, p.clips
         self.split = {u for u in self.units if p.units[u].split}
+        self.early = p.early & set(self.units)  # (unclipped: updated as soon as their gradient is home)
         self.tail = list(tail_chunks)  # the edges' optimizer chunks only the tail reads
         self.buffers = [StreamedStep(p.stream_piece_numel, config, torch.device(p.run.device), p.run.compute_dtype)
                         for _ in range(p.stream_buffers if self.units else 0)]
@@ -309,9 +311,12 @@ class Streamed(UpdateKind):
 
     def gradient_ready(self, unit: int, grad: Gradient, lr: float) -> None:
         """Without clipping a block's update needs no norm: it is due once its gradient is home, at a grad_scale of
-        1.0, and runs at the block's next load."""
+        1.0, and runs at the block's next load, or now where the placement has it update early (its pieces queue
+        behind the loads already staged; the next load takes the new master)."""
         if not self.clips:
             self.pending[unit] = self._due(unit, grad, lr, 1.0)
+            if unit in self.early:
+                self.update_on_device(unit, None)
 
     def norm_known(self, grads: dict[int, Gradient], lr: float, grad_scale: float) -> None:
         for u in self.units:

@@ -7,7 +7,9 @@ its master); the host optimizer is one queue, worked through in the order the en
 run during the backward as their gradients land, then at the step's end those that wait for it, in the next
 forward's order); host memory carries every PCIe, AdamW and disk byte. With clipping every update waits for the
 step's end (the norm) and runs under the next forward (a quarter of the compute); without, each block's update
-runs under the backward or, deferred, under the next forward, as the placement says.
+runs under the backward or, deferred, under the next forward, as the placement says; a streamed block's device
+update runs as it next loads or, early, in the backward once its gradient is home, its copies queued behind the
+loads staged before it.
 
 With data-parallel ranks the estimate is one rank's: its shard of each unit crosses its own PCIe link, the rest
 of the parameters arrive by all-gather and the gradients leave by reduce-scatter over the GPUs' link, and the
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from ..machine import Machine
 from ..placement import Placement
-from .adamw import SPECULATIVE_PASS, block_updates, edge_update, host_lane
+from .adamw import SPECULATIVE_PASS, block_updates, edge_update, gradient_s, host_lane
 from .compute import LAUNCH_S, attention_pairs, block_compute, tail_s
 from .disk import block_disk, boundary_disk, disk_traffic
 from .estimate import BOUND_SHARE, LANES, Estimate, compute_lane, estimate_of, phase_lanes, phase_length
@@ -46,7 +48,8 @@ def price(p: Placement, machine: Machine, clipping_acts: bool = True) -> Estimat
     forward, backward = block_compute(p, r)
     work.forward.gpu, work.backward.gpu = sum(forward), sum(backward)
     tail = tail_s(p, r)
-    bwd = backward_pass(p, loads.backward, backward)
+    lag = [0.0 if p.units[b + 1].grad == "held" else gradient_s(p, r, b) for b in range(len(backward))]
+    bwd = backward_pass(p, loads.backward, backward, loads.early, lag)
     host = host_lane(p, r, updates, bwd, phase_length(phase_lanes(work.backward, bwd.length, r), bwd), tail)
     passes = {"forward": forward_pass(p, loads.forward, forward, host.ready), "backward": bwd}
     return estimate_of(p, r, work, passes, tail, host.exposed)

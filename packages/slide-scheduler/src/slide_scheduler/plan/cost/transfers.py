@@ -4,7 +4,7 @@ theirs. Host memory carries every rank's copies."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..placement import GPU, Placement, UnitPlacement
 from .rates import Rates
@@ -14,11 +14,13 @@ from .work import PhaseWork, Work, loads_compact
 @dataclass
 class Loads:
     """Each block's load seconds (PCIe, then the link) in the forward and in the backward, in block order (0 for a
-    resident block), and the bytes the blocks' copies move."""
+    resident block), the seconds an early streamed update puts on the copies to the device in the backward (0
+    where it has none), and the bytes the blocks' copies move."""
 
     forward: list[float]
     backward: list[float]
     work: Work
+    early: list[float] = field(default_factory=list)
 
 
 def shard(p: Placement) -> float:
@@ -31,12 +33,19 @@ def gathered(p: Placement, numel: int) -> float:
 
 
 def forward_load(p: Placement, unit: UnitPlacement, numel: int, compact: bool) -> tuple[float, float]:
-    """Bytes a block's forward load takes in and gives back over PCIe: its parameters (a streamed update brings
-    its master, m, v and the gradient in, and takes the new master, or that and the moments, back out)."""
-    c, stream = p.compute_bytes, unit.update == "stream"
-    into = numel * (c if compact else 4 + (8 + (0 if unit.grad == "held" else c) if stream else 0)) * shard(p)
-    back = numel * ((4 if unit.split else 12) if stream else 0) * shard(p)
-    return into, back
+    """Bytes a block's forward load takes in and gives back over PCIe: its parameters (a streamed update at the
+    load brings its master, m, v and the gradient in, and takes the new master, or that and the moments, back
+    out; an early one ran in the backward, so the load takes the new master)."""
+    if unit.update == "stream" and not unit.early:
+        return stream_update(p, unit, numel)
+    return numel * (p.compute_bytes if compact else 4) * shard(p), 0.0
+
+
+def stream_update(p: Placement, unit: UnitPlacement, numel: int) -> tuple[float, float]:
+    """Bytes a streamed update takes in (master, m, v, and the gradient unless held on the device) and gives back
+    (the new master, and the moments unless split)."""
+    into = numel * (12 + (0 if unit.grad == "held" else p.compute_bytes)) * shard(p)
+    return into, numel * (4 if unit.split else 12) * shard(p)
 
 
 def load_s(r: Rates, into: float, gathered_bytes: float) -> float:
@@ -46,7 +55,7 @@ def load_s(r: Rates, into: float, gathered_bytes: float) -> float:
 def block_copies(p: Placement, r: Rates, clipping_acts: bool) -> Loads:
     """The blocks' loads, each pass, and their gradients home (unless held for a device update)."""
     n = p.shapes.num_blocks
-    loads = Loads([0.0] * n, [0.0] * n, Work())
+    loads = Loads([0.0] * n, [0.0] * n, Work(), [0.0] * n)
     fwd, bwd = loads.work.forward, loads.work.backward
     for u in p.sliding_blocks:
         unit, numel = p.units[u], p.shapes.unit_numels[u]
@@ -61,6 +70,11 @@ def block_copies(p: Placement, r: Rates, clipping_acts: bool) -> Loads:
         bwd.h2d += again
         bwd.d2h += 0 if unit.grad == "held" else numel * p.compute_bytes * shard(p)
         bwd.link += 2 * gathered(p, numel)  # the load's all-gather, the gradient's reduce-scatter
+        if unit.early:
+            into, back = stream_update(p, unit, numel)
+            loads.early[u - 1] = load_s(r, into, 0.0)
+            bwd.h2d += into
+            bwd.d2h += back
     return loads
 
 

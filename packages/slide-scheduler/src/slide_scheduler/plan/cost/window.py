@@ -21,20 +21,35 @@ class PassTimes:
 
 
 def slide(loads: list[float], compute: list[float], ready: list[float], window: int,
-          resident: list[bool]) -> PassTimes:
+          resident: list[bool], after: list[float] | None = None, lag: list[float] | None = None) -> PassTimes:
     """When the last of these blocks (in running order) finishes: each sliding one loads after the previous load
     and once the slot it takes (`window` sliding blocks back) is free and its update is `ready`; each runs after
-    the previous one and its own load. Also how long the compute waited: for `updates` where the late load had
-    waited for its block's update, for `loads` otherwise; and how long the copies idled for updates (a load that
-    could have started, its slot free, but for its block's update). `ends` are in running order."""
+    the previous one and its own load. Where a block has copies of its own `after` it runs (an early update: they
+    start `lag` after its compute ends), they queue on the copies to the device ahead of the load `window` blocks
+    later, and the pass lasts until they are done. Also how long the compute waited: for `updates` where the late
+    load had waited for its block's update, for `loads` otherwise; and how long the copies idled for updates (a
+    load that could have started, its slot free, but for its block's update). `ends` are in running order."""
+    after, lag = after or [0.0] * len(loads), lag or [0.0] * len(loads)
     load_end, done = 0.0, 0.0
     times = PassTimes(0.0)
     finished: list[float] = []  # compute end of each sliding block, in order
-    for load, run, at, res in zip(loads, compute, ready, resident):
+    queued = 0  # blocks whose copies after them are queued
+
+    def copies_after(upto: int) -> float:
+        nonlocal queued
+        end = load_end
+        for k in range(queued, upto):
+            if after[k]:
+                end = max(end, times.ends[k] + lag[k]) + after[k]
+        queued = max(queued, upto)
+        return end
+
+    for j, (load, run, at, res) in enumerate(zip(loads, compute, ready, resident)):
         if res:
             done += run
             times.ends.append(done)
             continue
+        load_end = copies_after(j - window + 1)
         slot_free = finished[-window] if len(finished) >= window else 0.0
         cause = "updates" if at > max(load_end, slot_free) else "loads"
         times.copies_idle += max(0.0, at - max(load_end, slot_free))
@@ -44,7 +59,10 @@ def slide(loads: list[float], compute: list[float], ready: list[float], window: 
         done = max(done, load_end) + run
         finished.append(done)
         times.ends.append(done)
-    times.length = done
+    load_end = copies_after(len(loads))
+    if load_end > done:
+        times.waits["loads"] += load_end - done
+    times.length = max(done, load_end)
     return times
 
 
@@ -55,10 +73,12 @@ def forward_pass(p: Placement, loads: list[float], compute: list[float], ready: 
     return slide(loads, compute, ready, p.window, resident)
 
 
-def backward_pass(p: Placement, loads: list[float], compute: list[float]) -> PassTimes:
+def backward_pass(p: Placement, loads: list[float], compute: list[float], early: list[float],
+                  lag: list[float]) -> PassTimes:
     """The backward: blocks in reverse; host updates follow their gradients on the host thread and hold back no
-    load. Its `ends` are in block order."""
+    load; an early streamed update's copies (`early`) queue on the copies to the device once its gradient is home
+    (`lag` after its compute). Its `ends` are in block order."""
     resident = [unit.resident for unit in p.units[1:]]
-    times = slide(loads[::-1], compute[::-1], [0.0] * len(loads), p.window, resident[::-1])
+    times = slide(loads[::-1], compute[::-1], [0.0] * len(loads), p.window, resident[::-1], early[::-1], lag[::-1])
     times.ends.reverse()
     return times
