@@ -8,14 +8,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_host_lane import MACHINE
 
 from slide_scheduler import HOST, RunFacts, arrange
 from slide_scheduler.plan.cost.rates import rates_of
 from slide_scheduler.plan.cost.transfers import block_copies
 from slide_scheduler.plan.cost.window import slide
 from slide_scheduler.plan.placement import Shapes, StepShape
-
-from test_host_lane import MACHINE
 
 BLOCK = 100_000_000
 

@@ -71,7 +71,8 @@ def test_where_the_backward_has_room_some_streamed_blocks_update_in_it():
 
     machine = load_machine(FOLDER / "h100-host.yaml")
     cfg = load_config(None, ["--model=olmoe-1b-7b", *STEP, "--engine.gpu_memory_limit_gb=24", "--max_grad_norm=null"])
-    plan = make_plan(cfg, shapes_of_preset("olmoe-1b-7b"), machine, facts_of(cfg, "cuda"), budgets_for(machine, True, 24))
+    budgets = budgets_for(machine, True, 24)
+    plan = make_plan(cfg, shapes_of_preset("olmoe-1b-7b"), machine, facts_of(cfg, "cuda"), budgets)
     p = plan.placement
     streamed = sorted(p.streamed - {0})
     assert p.early and sorted(p.early) == streamed[len(streamed) - len(p.early):]
