@@ -12,8 +12,15 @@ import warnings
 import pytest
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-SUITES = ("b1", "b3", "b8", "gemma2", "moe", "moe-256k", "long", "nvme")
+SUITES = ("b1", "b3", "b8", "gemma2", "moe", "moe-96k", "moe-256k", "long", "nvme")
 WITHIN = 0.10
+# Figures the cost model is known to miss by more than WITHIN, and why: strict, so a model that comes within WITHIN
+# of one fails here until it is taken off this list
+KNOWN_GAPS = {
+    **dict.fromkeys(("moe-clip-none", "moe-clip-1.0", "moe-96k-clip-1.0"),
+                    "OLMoE's host AdamW runs slower beside the streamed updates' copies than the plan prices it: "
+                    "host memory is shared, and the plan takes the probe's rate beside plain copies"),
+}
 
 
 def figures() -> list:
@@ -25,7 +32,9 @@ def figures() -> list:
         for f in json.loads(path.read_text())["figures"]:
             if f.get("system") == "slide" and f.get("status") == "ok" and f.get("machine") and f.get("args"):
                 name = f"{suite}-{f.get('variant') or f.get('bench') or ''}-clip-{f.get('mode')}".replace("--", "-")
-                found.append(pytest.param(f, id=name))
+                gap = KNOWN_GAPS.get(name)
+                marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
+                found.append(pytest.param(f, id=name, marks=marks))
     return found
 
 

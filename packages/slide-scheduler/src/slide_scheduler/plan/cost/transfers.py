@@ -70,9 +70,9 @@ def block_copies(p: Placement, r: Rates, clipping_acts: bool) -> Loads:
         bwd.h2d += again
         bwd.d2h += 0 if unit.grad == "held" else numel * p.compute_bytes * shard(p)
         bwd.link += 2 * gathered(p, numel)  # the load's all-gather, the gradient's reduce-scatter
-        if unit.early:
+        if unit.early:  # (its pieces cross both ways at once: the slower of h2d alone and the duplex rate)
             into, back = stream_update(p, unit, numel)
-            loads.early[u - 1] = load_s(r, into, 0.0)
+            loads.early[u - 1] = max(into / r.h2d, (into + back) / r.duplex) if r.pcie else 0.0
             bwd.h2d += into
             bwd.d2h += back
     return loads
