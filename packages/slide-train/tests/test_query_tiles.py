@@ -6,10 +6,13 @@ placement's workspace; a tile's block mask is the dense mask's rows."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from conftest import tiny_config
 
+from slide_scheduler import Shapes, StepShape, block_workspace
 from slide_train.models import attention, backends
 from slide_train.models.adapter import HFStack
 
@@ -147,3 +150,64 @@ def test_a_tiles_block_mask_is_the_dense_masks_rows():
         assert allowed.equal(dense[:, :, start:end, :end])
     with pytest.raises(ValueError, match="multiple of 128"):
         attention.tile_block_mask(rows, 100, 228)
+
+
+class _LiveSaved:
+    """Saved-tensor hooks that count the bytes autograd holds for backward at any time (each storage once, the
+    parameters and the block's input left out) and their peak."""
+
+    def __init__(self, skip: set[int]):
+        self.skip, self.live, self.peak = skip, {}, 0
+
+    def pack(self, t: torch.Tensor):
+        key = t.untyped_storage().data_ptr()
+        if key in self.skip:
+            return t
+        holder = _Held(t)
+        nbytes, count = self.live.get(key, (t.untyped_storage().nbytes(), 0))
+        self.live[key] = (nbytes, count + 1)
+        weakref.finalize(holder, self._released, key)
+        self.peak = max(self.peak, sum(n for n, _ in self.live.values()))
+        return holder
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+    def _released(self, key: int) -> None:
+        nbytes, count = self.live[key]
+        if count == 1:
+            del self.live[key]
+        else:
+            self.live[key] = (nbytes, count - 1)
+
+
+class _Held:
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_what_a_tiled_block_keeps_stays_within_the_placements_workspace(kv_heads):
+    """A Llama block's recompute and backward over one row of 256 positions in tiles of 32 (float64): the peak of
+    what autograd saves (the keys and values, the residual after attention, one tile's graph) plus the gradient
+    accumulators the backward keeps stays within the placement's workspace figure less the engine's three whole
+    rows (the block's output, its gradient, the input's gradient), and fills at least 60% of it (the figure is
+    not loose). Grouped heads (2 of 4) add HF's repeated keys of the CPU path, which CUDA kernels do not make."""
+    seq, tile = 256, 32
+    (_, tiled), stack, edges = _blocks("llama", {"num_key_value_heads": kv_heads}, tile)
+    cfg = stack.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    x = torch.randn(1, seq, cfg.hidden_size, dtype=torch.float64, requires_grad=True)
+    with torch.no_grad():
+        _, ctx = edges.head({"input_ids": torch.zeros(1, seq, dtype=torch.long),
+                             "position_ids": torch.arange(seq)[None]})
+    hooks = _LiveSaved({p.untyped_storage().data_ptr() for p in tiled.parameters()} | {x.untyped_storage().data_ptr()})
+    with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+        out = tiled(x, stack.block_context(0, ctx))
+        out.sum().backward()
+    kept = hooks.peak + 2 * seq * kv_heads * head_dim * 8  # (and the keys' and values' accumulators)
+    shapes = Shapes((0, 1), cfg.hidden_size, cfg.intermediate_size, attention_width=cfg.hidden_size,
+                    kv_width=kv_heads * head_dim)
+    figure = block_workspace(shapes, StepShape(seq, 1, seq), tile, 8) - 3 * seq * cfg.hidden_size * 8
+    assert 0.6 * figure <= kept <= figure, (kept, figure)
