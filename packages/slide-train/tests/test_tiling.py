@@ -168,8 +168,8 @@ def test_training_with_tiled_mlps_equals_hf_and_whole_rows(tmp_path, monkeypatch
 
 
 def test_the_planner_tiles_where_whole_rows_do_not_fit_the_gpu():
-    """Llama-3.1-8B, one row of 32k tokens under 14 GiB: whole rows' MLP intermediates do not fit (even with one
-    activation landing set), tiles of 4096 do; forced off, the plan says it does not fit."""
+    """Llama-3.1-8B, one row of 32k tokens under 14 GiB: whole rows' intermediates do not fit (even with one
+    activation landing set), tiles of 16,384 (the largest tried) do; forced off, the plan says it does not fit."""
     machine = load_machine(pathlib.Path(__file__).parents[3] / "docs" / "machines" / "h200-host.yaml")
     model = load_model("llama-3.1-8b", 0, need_tokenizer=False, need_weights=False)
     args = ["--model=llama-3.1-8b", "--seq_len=32768", "--micro_batch_size=1", "--grad_accum=1",
@@ -177,10 +177,10 @@ def test_the_planner_tiles_where_whole_rows_do_not_fit_the_gpu():
     chosen = plan_run(load_config(None, args), model, machine, running=False)[0]
     whole = plan_run(load_config(None, [*args, "--engine.placement.sequence_tile=0"]), model, machine,
                      running=False)[0]
-    assert chosen.fits and chosen.placement.sequence_tile == 4096
+    assert chosen.fits and chosen.placement.sequence_tile == 16384
     assert not whole.fits and whole.placement.sequence_tile == 0
     work = [p.placement.tiers()["gpu"]["workspace"] for p in (whole, chosen)]
-    assert work[0] - work[1] == (32768 - 4096) * 4 * 14336 * 2  # the MLP's intermediates
+    assert work[0] - work[1] >= (32768 - 16384) * 4 * 14336 * 2  # at least the MLP's intermediates past a tile
 
 
 # Tiled against whole rows: rows of four tiles, three steps clipped at 1.0, the same weights (fp32)
