@@ -338,7 +338,7 @@ def plan_json(capsys, *args: str) -> tuple[int, dict]:
     ("pc", [*LLAMA_70B, "--engine.nvme.fraction=0"]),  # the host's memory
     ("32 GiB host", ["--model=llama-3.2-3b", "--seq_len=4096", "--micro_batch_size=2", "--grad_accum=4",
                      "--engine.nvme.fraction=0"]),
-    ("8 GiB GPU", ["--model=llama-3.2-3b", "--seq_len=32768", "--micro_batch_size=2", "--grad_accum=1"]),  # its GPU
+    ("8 GiB GPU", ["--model=llama-3.2-3b", "--seq_len=65536", "--micro_batch_size=2", "--grad_accum=1"]),  # its GPU
 ])
 def test_every_setting_a_refused_plan_offers_fits_when_applied_at_the_step_time_it_says(tmp_path, capsys, machine,
                                                                                          run):
@@ -577,11 +577,12 @@ def test_a_step_of_milliseconds_is_printed_in_milliseconds_phase_by_phase(capsys
 
 def test_plan_longest_finds_the_longest_rows_that_fit(capsys):
     """`plan --longest`: rows of the length it names fit the machine, rows 128 tokens longer do not; Llama-3.1-8B
-    (its -256k preset, whose positions go past 131,072) under a 24 GiB cap on the H200 host fits 131,072 or more."""
+    (its -256k preset, whose positions go past 131,072) under a 24 GiB cap on the H200 host fits 131,072 or more
+    (with query tiles its limit, 262,144, where nothing longer is asked)."""
     from slide_train.cli import main
 
     machine = pathlib.Path(__file__).parents[3] / "docs" / "machines" / "h200-host.yaml"
-    args = ["--model=llama-3.2-1b", "--micro_batch_size=1", "--grad_accum=1", "--engine.gpu_memory_limit_gb=8"]
+    args = ["--model=llama-3.2-1b", "--micro_batch_size=1", "--grad_accum=1", "--engine.gpu_memory_limit_gb=6"]
     assert main(["plan", "--longest", f"--machine={machine}", *args]) == 0
     out = capsys.readouterr().out
     found = int(re.search(r"longest: rows of ([\d,]+) tokens fit", out).group(1).replace(",", ""))
@@ -596,9 +597,31 @@ def test_plan_longest_finds_the_longest_rows_that_fit(capsys):
     found = int(re.search(r"longest: rows of ([\d,]+) tokens fit", capsys.readouterr().out).group(1).replace(",", ""))
     assert found >= 131072
     model = load_model("llama-3.1-8b-256k", 0, need_tokenizer=False, need_weights=False)
-    for seq_len, fits in ((found, True), (found + 128, False)):
+    limit = model.hf_config.max_position_embeddings
+    for seq_len, fits in ((found, True), (found + 128, False))[:1 if found == limit else 2]:
         cfg = load_config(None, [*args, f"--seq_len={seq_len}"])
         assert plan_run(cfg, model, m, running=False)[0].fits == fits, seq_len
+
+
+def test_8b_rows_of_262144_tokens_fit_a_24_gib_cap_on_the_h100_host(capsys):
+    """Llama-3.1-8B's -256k preset under a 24 GiB cap on the H100 host's file: `plan --longest` answers the
+    model's limit, 262,144 tokens (whole-row attention stopped at 131,968), and the plan of rows that long fits
+    with each block's attention by query tiles and its MLP by row tiles, the text saying so; without tiles it does
+    not fit."""
+    from slide_train.cli import main
+
+    machine = str(DOCS / "h100-host.yaml")
+    args = ["--model=llama-3.1-8b-256k", "--micro_batch_size=1", "--grad_accum=1", "--engine.gpu_memory_limit_gb=24",
+            f"--machine={machine}"]
+    assert main(["plan", "--longest", *args]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"longest: rows of ([\d,]+) tokens fit", out).group(1) == "262,144"
+    assert "each block's attention runs by query tiles and its MLP over tiles of" in out
+    code, plan = plan_json(capsys, *args, "--seq_len=262144")
+    assert code == 0 and plan["fits"], plan["problems"]
+    assert plan["sequence_tile"] and plan["gpu_bytes"] <= 24 * GIB
+    code, whole = plan_json(capsys, *args, "--seq_len=262144", "--engine.placement.sequence_tile=0")
+    assert not whole["fits"]
 
 
 @pytest.mark.parametrize("bench", [
@@ -621,17 +644,16 @@ def test_speculate_auto_takes_no_speculation_for_b3_and_b8_on_the_h200_host(caps
 
 
 def test_8b_at_131072_tokens_per_row_fits_a_24_gib_cap_on_the_h200_host(capsys):
-    """Rows of 131,072 tokens of Llama-3.1-8B under a 24 GiB cap, with fp32 states: the plan tiles each MLP over
-    the sequence, takes one set of activation landing buffers, and puts the states that host memory cannot hold
-    on disk; each of those is needed (the plan without them does not fit)."""
+    """Rows of 131,072 tokens of Llama-3.1-8B under a 24 GiB cap, with fp32 states: the plan tiles each block's
+    attention and MLP over the sequence (by 16,384 positions, the largest tile tried, which fits) and puts the
+    states that host memory cannot hold on disk; each of those is needed (the plan without them does not fit)."""
     run = ["--model=llama-3.1-8b", "--seq_len=131072", "--micro_batch_size=1", "--grad_accum=1",
            "--engine.gpu_memory_limit_gb=24", "--machine", str(DOCS / "h200-host.yaml")]
     code, plan = plan_json(capsys, *run)
     assert code == 0 and plan["fits"], plan["problems"]
-    assert plan["landing_sets"] == 1 and plan["sequence_tile"] == 4096 and plan["disk_bytes"] > 0
+    assert plan["sequence_tile"] == 16384 and plan["disk_bytes"] > 0
     assert plan["run"]["state_bytes"] == 4 and plan["gpu_bytes"] <= 0.92 * 24 * GIB
-    for without in ("--engine.placement.landing_sets=3", "--engine.placement.sequence_tile=0",
-                    "--engine.nvme.fraction=0"):
+    for without in ("--engine.placement.sequence_tile=0", "--engine.nvme.fraction=0"):
         code, other = plan_json(capsys, *run, without)
         assert not other["fits"], without
 
@@ -692,7 +714,7 @@ def test_plan_longest_with_auto_activations_searches_every_tier_and_names_what_b
     from slide_train.cli import main
 
     machine = pathlib.Path(__file__).parents[3] / "docs" / "machines" / "h100-host.yaml"
-    base = ["--model=llama-3.2-1b", "--micro_batch_size=1", "--grad_accum=1", "--engine.gpu_memory_limit_gb=8",
+    base = ["--model=llama-3.2-1b", "--micro_batch_size=1", "--grad_accum=1", "--engine.gpu_memory_limit_gb=6",
             "--seq_len=1024"]
 
     def longest(tier: str) -> tuple[int, str]:

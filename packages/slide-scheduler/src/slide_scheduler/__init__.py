@@ -24,6 +24,7 @@ from .plan.facts import (
 from .plan.machine import Disk, Gpu, Host, Machine, Pcie, causal_attention_flops, routed_expert_flops
 from .plan.placement import Allocation, Placement, UnitPlacement
 from .plan.planner import (
+    SEQUENCE_TILES,
     Plan,
     Suggestion,
     budget_problems,
@@ -35,6 +36,7 @@ from .plan.planner import (
 )
 from .plan.shapes import Layouts, Shapes, StepShape, block_shapes, layouts_of, make_block, shapes_of
 from .plan.stripe import Share, boundary_share, drive_shares, seconds_on, stripe, unit_share
+from .plan.workspace import block_workspace
 from .run.activations import ActivationStore
 from .run.engine import EngineConfig, SlidingEngine, StepStats
 from .run.ranks import Ranks
@@ -43,6 +45,7 @@ from .run.timeline import plot as plot_timeline
 from .run.timeline import write_trace
 
 __all__ = [
+    "SEQUENCE_TILES",
     "DISK",
     "DTYPES",
     "GPU",
@@ -79,6 +82,7 @@ __all__ = [
     "activation_tier",
     "arrange",
     "block_shapes",
+    "block_workspace",
     "boundary_share",
     "budget_problems",
     "causal_attention_flops",

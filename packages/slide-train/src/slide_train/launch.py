@@ -16,6 +16,7 @@ from slide_io import prefer_path
 from slide_scheduler import (
     DISK,
     HOST,
+    SEQUENCE_TILES,
     Budgets,
     EngineConfig,
     Machine,
@@ -98,19 +99,22 @@ def resolve_device(name: str) -> torch.device:
 # -- the config's words as the planner's ----------------------------------------------------------------------------
 
 
-def attention_candidates(cfg: TrainConfig, stack, cuda: bool, compute_bytes: int) -> tuple[tuple[str, ...], ...]:
+def attention_candidates(cfg: TrainConfig, stack, cuda: bool, compute_bytes: int,
+                         tile: int = 0) -> tuple[tuple[str, ...], ...]:
     """Each block's attention backends that compute its layer exactly on the run's device (rows of seq_len,
-    packed documents where data.pack is on), in the backends' order: the plan chooses among them."""
+    packed documents where data.pack is on; `tile`: by query tiles of that many positions), in the backends'
+    order: the plan chooses among them."""
     if not hasattr(stack, "attention_needs"):
         return ()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if compute_bytes == 2 else torch.float32
-    needs = stack.attention_needs(cfg.seq_len, documents=cfg.data.pack)
+    needs = stack.attention_needs(cfg.seq_len, documents=cfg.data.pack, tile=tile)
     per_kind = {kind: backends.candidates(n, device, dtype) for kind, n in needs.items()}
     return tuple(per_kind[kind] for kind in stack.layer_types)
 
 
-def model_shapes(model, stack, ranks: int = 1, attention: tuple[tuple[str, ...], ...] = ()) -> Shapes:
+def model_shapes(model, stack, ranks: int = 1, attention: tuple[tuple[str, ...], ...] = (),
+                 tiled: tuple[tuple[str, ...], ...] = ()) -> Shapes:
     hf = model.hf_config
     intermediate = getattr(hf, "moe_intermediate_size", None) or getattr(hf, "intermediate_size", 0) or 0
     # A mixture of experts: each token's MLP activations and FLOPs are those of the experts it is routed to
@@ -123,8 +127,10 @@ def model_shapes(model, stack, ranks: int = 1, attention: tuple[tuple[str, ...],
     head_dim = getattr(hf, "head_dim", None) or (hf.hidden_size // heads if heads else 0)
     windows = getattr(stack, "windows", None)
     kinds = getattr(stack, "layer_types", None)
+    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
     return dataclasses.replace(
-        shapes, attention_width=heads * head_dim, head_dim=head_dim, attention_backends=attention,
+        shapes, attention_width=heads * head_dim, kv_width=kv_heads * head_dim, head_dim=head_dim,
+        attention_backends=attention, tile_backends=tiled,
         windows=tuple(int(windows.get(kind) or 0) for kind in kinds) if windows and kinds else ())
 
 
@@ -317,7 +323,10 @@ def plan_run(cfg: TrainConfig, model, machine: Machine, running: bool = True, ra
                         if cfg.router_aux_loss == "per_micro_batch" else 1)
     run = dataclasses.replace(facts_of(cfg, device.name, ranks), host_extras=host_extras(
         cfg, layout_tensors(ckpt.unit_layouts(stack)), model.dtype))
-    shapes = model_shapes(model, stack, ranks, attention_candidates(cfg, stack, run.cuda, run.compute_bytes))
+    # (the planner's tiles are multiples of its smallest; an expert's tile as given)
+    tile = cfg.engine.placement.get("sequence_tile") or min(SEQUENCE_TILES)
+    shapes = model_shapes(model, stack, ranks, attention_candidates(cfg, stack, run.cuda, run.compute_bytes),
+                          attention_candidates(cfg, stack, run.cuda, run.compute_bytes, tile))
 
     def planned(machine: Machine) -> Plan:
         budgets = budgets_for(machine, device.cuda, e.gpu_memory_limit_gb, device.card_gib,

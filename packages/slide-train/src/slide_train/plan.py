@@ -342,15 +342,16 @@ def residency_lines(p) -> list[str]:
 
 
 def tier_lines(plan: Plan) -> list[str]:
-    """Where the boundary activations wait, the MLP's sequence tiles, and each tier's bytes by what they hold."""
+    """Where the boundary activations wait, the blocks' sequence tiles, and each tier's bytes by what they hold."""
     p, b, tiers = plan.placement, plan.budgets, plan.placement.tiers()
     lines = [block_sizes_line(p)] if p.shapes.mixed else []
     where = {tier: p.boundaries_in(tier) for tier in ACTIVATIONS_WHERE if p.boundaries_in(tier)}
     lines.append("  boundary activations: " + (f"{ACTIVATIONS_WHERE[p.activations]}" if len(where) == 1 else ", ".join(
         f"{counted(n, 'block', 'blocks')}' {ACTIVATIONS_WHERE[tier]}" for tier, n in where.items())))
     if p.sequence_tile:
-        lines.append(f"  each block's MLP runs over tiles of {p.sequence_tile:,} positions (rows of "
-                     f"{p.step.seq_len or p.step.tokens_per_micro:,}), each recomputed in the backward")
+        lines.append(f"  each block's attention runs by query tiles and its MLP over tiles of {p.sequence_tile:,} "
+                     f"positions (rows of {p.step.seq_len or p.step.tokens_per_micro:,}; a mixture's experts whole), "
+                     "each tile recomputed in the backward")
     for tier, budget in ((GPU, b.gpu), (HOST, b.host), (DISK, b.disk)):
         if (tier == GPU and p.device_is_host) or (tier == DISK and not p.bytes(DISK)):
             continue

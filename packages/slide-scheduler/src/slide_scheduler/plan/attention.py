@@ -16,10 +16,11 @@ def rate_of(gpu: Gpu, backend: str, head_dim: int) -> float:
     return own or gpu.attention_tflops
 
 
-def chosen(shapes: Shapes, gpu: Gpu) -> tuple[str, ...]:
-    """Each block's attention backend (empty where the shapes name none): the fastest of its candidates on `gpu`,
-    the first of them where rates tie."""
+def chosen(shapes: Shapes, gpu: Gpu, tiled: bool = False) -> tuple[str, ...]:
+    """Each block's attention backend (empty where the shapes name none): the fastest of its candidates on `gpu`
+    (`tiled`: of those that run query tiles), the first of them where rates tie."""
     if not shapes.attention_backends:
         return ()
+    lists = (shapes.backends_tiled(u) if tiled else shapes.backends(u) for u in range(1, shapes.num_blocks + 1))
     return tuple(max(names, key=lambda n: (rate_of(gpu, n, shapes.head_dim), -names.index(n))) if names else ""
-                 for names in shapes.attention_backends)
+                 for names in lists)

@@ -23,6 +23,7 @@ from .facts import ACTIVATION_TIERS, DISK, GPU, HOST, TIER_KINDS, TIERS, RunFact
 from .shapes import Shapes, StepShape
 from .sizes import DISK_STAGING_SLOTS, GRADS_TO_DISK, PIECE_ALIGN, SLOTS_PER_MICRO, pool_bytes
 from .sizes import LOAD_SLOTS as DISK_LOAD_SLOTS
+from .workspace import block_workspace
 
 GIB = 2**30
 STREAM_PIECE = 1 << 23  # elements per device-update piece: each buffer ~150 MB on the device
@@ -89,7 +90,8 @@ class Placement:
     stream_piece: int = field(default_factory=lambda: STREAM_PIECE)  # (read when made: tests shrink them)
     stream_buffers: int = field(default_factory=lambda: STREAM_BUFFERS)
     threads: int = field(default_factory=torch.get_num_threads)  # host optimizer threads (its scratch)
-    # positions per tile where a block's MLP runs over tiles of the sequence (0: whole rows)
+    # positions per tile where a block runs its attention by query tiles and its MLP over tiles of the sequence
+    # (0: whole rows)
     sequence_tile: int = 0
     # sets of device buffers the backward fetches boundary activations into (0: one per slot and one more)
     landing: int = 0
@@ -133,6 +135,17 @@ class Placement:
     @property
     def activations(self) -> str:
         return self.run.activations
+
+    @property
+    def tiles(self) -> int:
+        """Sequence tiles per row (1: whole rows)."""
+        seq = self.step.seq_len or self.step.tokens_per_micro
+        return -(-seq // self.sequence_tile) if self.sequence_tile else 1
+
+    @property
+    def tiled(self) -> bool:
+        """Whether the blocks run their rows by tiles (rows longer than a tile)."""
+        return self.tiles > 1
 
     @property
     def compute_bytes(self) -> int:
@@ -579,11 +592,7 @@ def _waiting(p: Placement, out: _Counted) -> None:
 def _working_sets(p: Placement, out: _Counted) -> None:
     """The working set of one block's recompute and backward, the tail's loss chunk, the allocator's margin, the
     process's runtime and the caller's extras: estimates, not buffers the engine holds."""
-    s, t, c = p.shapes, p.step, p.compute_bytes
-    seq = t.seq_len or t.tokens_per_micro
-    mlp_tokens = t.tokens_per_micro // seq * min(seq, p.sequence_tile or seq)  # (one tile's, where tiled)
-    work = 3 * t.micro_batches * _activation_bytes(p) + (t.tokens_per_micro * 10 * s.hidden
-                                                         + mlp_tokens * 4 * s.intermediate) * c
+    work = block_workspace(p.shapes, p.step, p.sequence_tile, p.compute_bytes)
     out.add(_device_of(p), "workspace", work, transient=True)
     if not p.device_is_host:
         out.add(GPU, "loss chunk + margin", LOSS_CHUNK + MARGIN, transient=True)

@@ -42,7 +42,10 @@ TIE = 0.05
 # `speculate: auto` takes a speculating plan only where it is faster by more than that
 SPECULATION_MARGIN = 0.15
 DEEP_STAGING = 4  # the disk tier's staging slots tried beside the default two, where host memory has room
-SEQUENCE_TILE = 4096  # positions per tile of a block's MLP, where whole rows' intermediates do not fit the GPU
+# Positions per sequence tile tried, largest first, where whole rows' intermediates do not fit the GPU (the
+# largest that fits prices fastest: fewer tiles, fewer launches); multiples of FlexAttention's 128
+SEQUENCE_TILES = (16384, 4096, 1024)
+SEQUENCE_TILE = SEQUENCE_TILES[1]
 
 
 @dataclass
@@ -201,7 +204,8 @@ class _Planning:
             return smaller
         unclipped = price(placement, self.machine, clipping_acts=False) if self.run.clips else estimate
         plan = Plan(placement, estimate, unclipped, self.budgets,
-                    attention=attention_backends(placement.shapes, self.machine.gpu) if self.run.cuda else (),
+                    attention=attention_backends(placement.shapes, self.machine.gpu, placement.tiled)
+                    if self.run.cuda else (),
                     tie_passed_over_s=passed)
         plan.problems = _problems(plan)
         if placement.on_disk and o.disk_staging is None and plan.fits:  # the disk tier's reads further ahead
@@ -214,16 +218,25 @@ class _Planning:
         """Where whole rows do not fit the GPU: tiles of the sequence; still too big, one set of landing buffers
         (each block's activations fetched after the next one's backward). Either, fitting or not, where it needs
         less of the GPU."""
-        seq = self.step.seq_len or self.step.tokens_per_micro
-        if o.sequence_tile is None and seq > SEQUENCE_TILE:
-            tiled = self.search(dataclasses.replace(o, sequence_tile=SEQUENCE_TILE))
-            if tiled.placement.bytes(GPU) < placement.bytes(GPU):
-                return tiled
+        tiled = self.tiled(o) if o.sequence_tile is None else None
+        if tiled is not None and tiled.placement.bytes(GPU) < placement.bytes(GPU):
+            return tiled
         if o.landing_sets is None and placement.landing_sets > 1 and self.run.activations != GPU:
             lean = self.search(dataclasses.replace(o, landing_sets=1))
             if lean.placement.bytes(GPU) < placement.bytes(GPU):
                 return lean
         return None
+
+    def tiled(self, o: Overrides) -> Plan | None:
+        """The plan with the largest sequence tile that fits, else with the smallest tile (None where rows are no
+        longer than a tile, or some block's attention has no backend that runs query tiles)."""
+        seq = self.step.seq_len or self.step.tokens_per_micro
+        plan = None
+        for tile in (t for t in SEQUENCE_TILES if t < seq) if self.shapes.tileable else ():
+            plan = self.search(dataclasses.replace(o, sequence_tile=tile))
+            if self.budgets.gpu is None or plan.placement.bytes(GPU) <= self.budgets.gpu:
+                break
+        return plan
 
     def best(self, o: Overrides) -> tuple[bool, Placement, Estimate, float | None]:
         """Over windows, shares of device updates and kinds of gradient home: the candidate that fits and prices

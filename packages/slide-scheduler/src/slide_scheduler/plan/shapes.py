@@ -30,11 +30,14 @@ class Shapes:
     # of those, each block's that run as a mixture's routed experts (grouped GEMMs; empty: none)
     routed_numels: tuple[int, ...] = ()
     attention_width: int = 0  # query heads x head dim (0: hidden)
+    kv_width: int = 0  # key-value heads x head dim (0: attention_width)
     windows: tuple[int, ...] = ()  # each block's attention window in tokens (0: the whole causal row; empty: all)
     head_dim: int = 0  # attention's head dim (0: not given)
     # each block's attention backends that compute its layer exactly, the front end's order of preference (empty:
     # not given; attention then runs at the machine's `attention_tflops`)
     attention_backends: tuple[tuple[str, ...], ...] = ()
+    # of those, each block's that also run its attention by query tiles (empty: not given, all of them)
+    tile_backends: tuple[tuple[str, ...], ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -62,6 +65,25 @@ class Shapes:
     def backends(self, unit: int) -> tuple[str, ...]:
         """The attention backends that can run unit `unit`'s (1 + block) layer, in order of preference."""
         return self.attention_backends[unit - 1] if self.attention_backends else ()
+
+    def backends_tiled(self, unit: int) -> tuple[str, ...]:
+        """Those of unit `unit`'s (1 + block) backends that run its attention by query tiles."""
+        return self.tile_backends[unit - 1] if self.tile_backends else self.backends(unit)
+
+    @property
+    def tileable(self) -> bool:
+        """Whether every block has a backend that runs its attention by query tiles (or none is named)."""
+        return not self.attention_backends or all(self.backends_tiled(u) for u in range(1, len(self.unit_numels)))
+
+    @property
+    def queries(self) -> int:
+        """A token's query width (heads x head dim)."""
+        return self.attention_width or self.hidden
+
+    @property
+    def kv(self) -> int:
+        """A token's key (or value) width after grouping (key-value heads x head dim)."""
+        return self.kv_width or self.queries
 
     @property
     def mixed(self) -> bool:

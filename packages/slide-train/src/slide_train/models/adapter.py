@@ -40,6 +40,7 @@ import slide_kernels
 from . import attention, backends
 from .families import FAMILIES, Family, family_of, kernel_note, layer_types, supported_text
 from .loss import causal_lm_loss
+from .query_tiles import tile_layer_attention
 from .tiling import tile_layer
 
 __all__ = ["FAMILIES", "DecoderBlock", "Edges", "HFStack", "block_hf_name", "check_supported",
@@ -131,7 +132,8 @@ class Edges(nn.Module):
                  windows: dict[str, int | None] | None = None, *, embed_scale: float | None = None,
                  embed_scale_rounded: bool = False, logits_divisor: float | None = None, softcap: float | None = None,
                  head_dim: int = 0, attn_softcap: float | None = None,
-                 routing: tuple[float | None, int] | None = None, aux_loss_mean_of: int = 1):
+                 routing: tuple[float | None, int] | None = None, aux_loss_mean_of: int = 1,
+                 sequence_tile: int = 0):
         super().__init__()
         # A mixture of experts' (router_aux_loss_coef where its load-balancing loss is on, else None; number of
         # experts): the routing is counted either way, for the metrics
@@ -146,6 +148,7 @@ class Edges(nn.Module):
         # What each layer type's attention needs, and the backend running it: the plan's choice where given
         # (`attention`), else the first that computes it exactly on the rows' device (`backends.candidates`)
         self.head_dim, self.attn_softcap = head_dim, attn_softcap
+        self.sequence_tile = sequence_tile  # the blocks' query tiles: their backend must run them
         self.attention: dict[str, str] = {}
         self._chosen: dict[tuple, backends.Backend] = {}
         # Gemma 3 keeps a rotary table per layer type (local and global bases)
@@ -198,7 +201,8 @@ class Edges(nn.Module):
         key = (kind, seq, documents, dtype, device.type)
         chosen = self._chosen.get(key)
         if chosen is None:
-            needs = backends.layer_needs(self.windows, self.head_dim, self.attn_softcap, seq, documents)[kind]
+            needs = backends.layer_needs(self.windows, self.head_dim, self.attn_softcap, seq, documents,
+                                         self.sequence_tile)[kind]
             name = self.attention.get(kind) or backends.candidates(needs, device, dtype)[0]
             why = backends.get(name).why_not(needs, device, dtype)
             if why is not None:
@@ -360,22 +364,24 @@ class HFStack:
                       embed_scale_rounded=family.embed_sqrt_hidden,
                       logits_divisor=float(divisor) if divisor != 1.0 else None, softcap=self.softcap,
                       head_dim=self.head_dim, attn_softcap=self.attn_softcap, routing=self.routing,
-                      aux_loss_mean_of=self.aux_loss_mean_of)
+                      aux_loss_mean_of=self.aux_loss_mean_of, sequence_tile=self.sequence_tile)
         edges.attention = dict(self.attention)
         if self.kernels:
             slide_kernels.apply_to(_Patchable(cfg, edges))
         return edges
 
-    def attention_needs(self, seq: int, documents: bool) -> dict[str, backends.Needs]:
-        """What each layer type's attention needs over rows of `seq` tokens (`documents`: packed rows)."""
-        return backends.layer_needs(self.windows, self.head_dim, self.attn_softcap, seq, documents)
+    def attention_needs(self, seq: int, documents: bool, tile: int = 0) -> dict[str, backends.Needs]:
+        """What each layer type's attention needs over rows of `seq` tokens (`documents`: packed rows; `tile`:
+        queries per tile, where the blocks run attention by query tiles)."""
+        return backends.layer_needs(self.windows, self.head_dim, self.attn_softcap, seq, documents, tile)
 
     def block_shape(self, index: int) -> str:
         """Block `index`'s shape: "dense", "experts", or with a number where more shapes share a kind."""
         return self._shapes[index]
 
     def tile_sequence(self, tile: int) -> None:
-        """Blocks made from here on run their MLP over tiles of `tile` positions (0: whole rows)."""
+        """Blocks made from here on run their attention by query tiles and their dense MLP over tiles of `tile`
+        positions (0: whole rows); edges made from here on choose attention backends that run such tiles."""
         self.sequence_tile = tile
 
     def make_block(self, shape: str | None = None) -> DecoderBlock:
@@ -391,6 +397,7 @@ class HFStack:
         if self.kernels:
             slide_kernels.apply_to(_Patchable(self.config, block), experts="moe_experts" in self.family.fused)
         if self.sequence_tile:  # (after the kernels: the tiles run the fused ops)
+            tile_layer_attention(layer, self.sequence_tile)
             tile_layer(layer, self.sequence_tile)
         return block
 

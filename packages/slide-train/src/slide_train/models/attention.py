@@ -12,6 +12,8 @@ backend (backends.py) the head prepared.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import transformers
@@ -19,7 +21,8 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from ..data import document_attention_mask
 
-__all__ = ["IMPLEMENTATION", "TILE", "additive_mask", "attend", "attention_mask", "block_mask", "register"]
+__all__ = ["IMPLEMENTATION", "TILE", "RowMask", "additive_mask", "attend", "attention_mask", "block_mask", "register",
+           "row_mask", "tile_block_mask", "tile_of"]
 
 IMPLEMENTATION = "slide"  # the name `attend` is registered under in transformers' attention functions
 TILE = 128  # FlexAttention's default block of queries and keys
@@ -49,7 +52,23 @@ def additive_mask(allowed: torch.Tensor | None, seq: int, dtype: torch.dtype, de
 
 
 def block_mask(document_ids: torch.Tensor | None, window: int | None, seq: int, device) -> BlockMask:
-    """The same rule as `attention_mask` as a FlexAttention BlockMask (batch 1, broadcast, without documents).
+    """The same rule as `attention_mask` as a FlexAttention BlockMask (batch 1, broadcast, without documents)."""
+    return row_mask(document_ids, window, seq, device).block
+
+
+@dataclass(frozen=True)
+class RowMask:
+    """A micro-batch's rows as FlexAttention sees them: the whole rows' BlockMask, and what a tile of queries
+    makes its own from (each pair of `TILE`-position blocks partly or wholly seen, and the per-position rule)."""
+
+    block: BlockMask
+    partial: torch.Tensor  # [B or 1, blocks, blocks] bool, query block by key block
+    whole: torch.Tensor
+    rule: Callable
+
+
+def row_mask(document_ids: torch.Tensor | None, window: int | None, seq: int, device) -> RowMask:
+    """The same rule as `attention_mask` for FlexAttention.
 
     Each tile's lowest and highest document id decide it: a tile pair whose id ranges do not meet, or that lies
     above the diagonal or beyond the window, is skipped; one whose two tiles hold the same single document and no
@@ -89,13 +108,43 @@ def block_mask(document_ids: torch.Tensor | None, window: int | None, seq: int, 
             ok = (q >= kv) & (ids[b, q] == ids[b, kv])
             return ok & (q - kv < window) if window is not None else ok
 
+    return RowMask(_from_tables(partial, whole, rule, seq, seq), partial, whole, rule)
+
+
+def tile_block_mask(rows: RowMask, start: int, end: int) -> BlockMask:
+    """The BlockMask of queries [start, end) against keys [0, end) of `rows` (`start` a multiple of `TILE`): the
+    tables' rows of the tile's query blocks up to its last key block, the rule at the tile's offset (a tensor, so
+    one compiled kernel serves every tile)."""
+    if start % TILE:
+        raise ValueError(f"a FlexAttention query tile starts at a multiple of {TILE} positions, not at {start}")
+    first, last = start // TILE, -(-end // TILE)
+    offset = torch.tensor(start, device=rows.partial.device)
+    rule = rows.rule
+
+    def shifted(b, h, q, kv):
+        return rule(b, h, q + offset, kv)
+
+    return _from_tables(rows.partial[:, first:last, :last], rows.whole[:, first:last, :last], shifted,
+                        end - start, end)
+
+
+def _from_tables(partial: torch.Tensor, whole: torch.Tensor, rule: Callable, queries: int, keys: int) -> BlockMask:
     def ordered(dense):  # per query tile: how many key tiles, and their indices first
         dense = dense[:, None].to(torch.int32)
         order = torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
         return dense.sum(dim=-1, dtype=torch.int32), order
 
     return BlockMask.from_kv_blocks(*ordered(partial), *ordered(whole), BLOCK_SIZE=TILE, mask_mod=rule,
-                                    seq_lengths=(seq, seq))
+                                    seq_lengths=(queries, keys))
+
+
+def tile_of(allowed: torch.Tensor | None, start: int, end: int, device) -> torch.Tensor:
+    """The [B, 1, end - start, end] rows of queries [start, end) of a dense boolean mask, or of the causal one
+    where `allowed` is None: queries at an offset see keys up to their own position."""
+    if allowed is not None:
+        return allowed[:, :, start:end, :end]
+    q, kv = torch.arange(start, end, device=device), torch.arange(end, device=device)
+    return (q[:, None] >= kv[None, :])[None, None]
 
 
 @functools.cache
@@ -109,9 +158,13 @@ def _causal_rule(window: int | None):
 
 def attend(module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
     """A transformers attention function: the backend the head prepared for this layer kind runs it (its
-    `attention_mask` is a `backends.Prepared`)."""
+    `attention_mask` is a `backends.Prepared`, or a query tile's `query_tiles.Tile`, whose keys and values
+    become those of every position up to the tile's end)."""
     if not hasattr(attention_mask, "backend"):
         raise TypeError(f"the {IMPLEMENTATION} attention runs what a Slide head prepared, got {type(attention_mask)}")
+    if hasattr(attention_mask, "extend"):
+        key, value = attention_mask.extend(key, value)
+        attention_mask = attention_mask.prepared
     return attention_mask.backend.attend(module, query, key, value, attention_mask, scaling, softcap, **kwargs)
 
 

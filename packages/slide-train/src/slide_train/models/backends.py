@@ -9,6 +9,7 @@ mask) and `attention.attend` runs the backend it names.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -34,6 +35,7 @@ class Needs:
     window: int | None = None  # a sliding window shorter than the rows (None: the whole causal row)
     softcap: float | None = None  # the attention logits' soft-cap (Gemma 2)
     documents: bool = False  # packed rows: a query sees only its own document
+    tile: int = 0  # queries per tile where the block runs its attention by query tiles (0: whole rows)
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,9 @@ class Prepared:
 
 class Backend:
     """A way to run a layer's attention. `why_not(needs, device, dtype)`: None where it computes `needs` exactly
-    there, else the reason; `prepare(...)`: its context for a micro-batch; `attend(...)`: transformers' attention
-    function signature, returning (out [B, S, H, D], None)."""
+    there, else the reason; `prepare(...)`: its context for a micro-batch; `tile(...)`: the context of a tile of
+    queries [start, end) against keys [0, end) (where `why_not` allows `needs.tile`); `attend(...)`:
+    transformers' attention function signature, returning (out [B, S, H, D], None)."""
 
     name = ""
 
@@ -60,6 +63,14 @@ class Backend:
 
     def prepare(self, documents: torch.Tensor | None, window: int | None, seq: int, dtype, device) -> object:
         return None
+
+    def tile_context(self, context: object, start: int, end: int, device) -> object:
+        raise NotImplementedError(f"attention backend {self.name} runs no query tiles")
+
+    def tile(self, prepared: Prepared, start: int, end: int, device) -> Prepared:
+        """`prepared` for the queries [start, end) of its rows, against the keys [0, end)."""
+        return Prepared(self, self.tile_context(prepared.context, start, end, device), prepared.window,
+                        prepared.documents)
 
     def attend(self, module, query, key, value, prepared: Prepared, scaling, softcap, **kwargs):
         raise NotImplementedError
@@ -87,6 +98,8 @@ class Sdpa(Backend):
             return "it has no soft-cap"
         if needs.window is not None or needs.documents:
             return _quadratic(device)
+        if needs.tile and device.type != "cpu":
+            return "its CUDA kernels align the causal mask at the top left (is_causal), not at a query tile's offset"
         return None
 
     def prepare(self, documents, window, seq, dtype, device):
@@ -95,6 +108,9 @@ class Sdpa(Backend):
             raise ValueError("attention backend sdpa was planned for plain causal layers, but this micro-batch "
                              "has documents or a window shorter than its rows: plan the run with them")
         return mask
+
+    def tile_context(self, context, start, end, device):
+        return masks.tile_of(context, start, end, device)
 
     def attend(self, module, query, key, value, prepared, scaling, softcap, **kwargs):
         return sdpa_attention_forward(module, query, key, value, prepared.context, scaling=scaling, **kwargs)
@@ -110,6 +126,9 @@ class Eager(Backend):
 
     def prepare(self, documents, window, seq, dtype, device):
         return masks.additive_mask(masks.attention_mask(documents, window, seq, device), seq, dtype, device)
+
+    def tile_context(self, context, start, end, device):
+        return context[:, :, start:end, :end]
 
     def attend(self, module, query, key, value, prepared, scaling, softcap, **kwargs):
         eager = sys.modules[type(module).__module__].eager_attention_forward
@@ -169,15 +188,23 @@ class Flex(Backend):
         self.compiled = CompiledFlex()
 
     def why_not(self, needs, device, dtype):
-        return None if device.type == "cuda" else "its fused kernel runs on CUDA only"
+        if device.type != "cuda":
+            return "its fused kernel runs on CUDA only"
+        if needs.tile % masks.TILE:
+            return f"query tiles of {needs.tile} positions (its block masks take multiples of {masks.TILE})"
+        return None
 
     def prepare(self, documents, window, seq, dtype, device):
-        return masks.block_mask(documents, window, seq, device)
+        return masks.row_mask(documents, window, seq, device)
+
+    def tile_context(self, context, start, end, device):
+        return dataclasses.replace(context, block=masks.tile_block_mask(context, start, end))
 
     def attend(self, module, query, key, value, prepared, scaling, softcap, **kwargs):
         score_mod = _soft_cap(softcap) if softcap is not None else None
-        use = (prepared.window, prepared.documents, softcap)
-        out = self.compiled(use, query, key, value, score_mod, prepared.context, scaling,
+        # (tiles compile apart from whole rows: their lengths vary tile by tile)
+        use = (prepared.window, prepared.documents, softcap, query.shape[2] != key.shape[2])
+        out = self.compiled(use, query, key, value, score_mod, prepared.context.block, scaling,
                             query.shape[1] != key.shape[1])
         return out.transpose(1, 2).contiguous(), None
 
@@ -202,12 +229,17 @@ class FlashAttn4(Backend):
             return f"it computes in bf16 or fp16, not {dtype}"
         if needs.head_dim > 256 or needs.head_dim % 8:
             return f"head_dim {needs.head_dim} (it takes multiples of 8 up to 256)"
+        if needs.tile and needs.documents:
+            return "packed documents in query tiles need each tile's variable-length boundaries, not built"
         return None
 
     def prepare(self, documents, window, seq, dtype, device):
         if documents is None:
             return None
         return _boundaries(documents)
+
+    def tile_context(self, context, start, end, device):
+        return None  # (its causal mask and window are aligned at the bottom right: the tile's queries are last)
 
     def attend(self, module, query, key, value, prepared, scaling, softcap, **kwargs):
         fa4 = _fa4()
@@ -252,10 +284,12 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (Sdpa(), FlashAttn4(), Flex()
 
 
 def layer_needs(windows: dict[str, int | None], head_dim: int, softcap: float | None, seq: int,
-                documents: bool) -> dict[str, Needs]:
+                documents: bool, tile: int = 0) -> dict[str, Needs]:
     """Each layer type's needs over rows of `seq` tokens, from its window (None: full attention); a window no
-    shorter than the rows is plain causal attention."""
-    return {kind: Needs(head_dim, window if window is not None and window < seq else None, softcap, documents)
+    shorter than the rows is plain causal attention. `tile`: the queries per tile where the blocks run their
+    attention by query tiles (rows no longer than a tile run whole)."""
+    tile = tile if 0 < tile < seq else 0
+    return {kind: Needs(head_dim, window if window is not None and window < seq else None, softcap, documents, tile)
             for kind, window in windows.items()}
 
 

@@ -44,20 +44,32 @@ def forward_s(p: Placement, r: Rates, unit: int) -> float:
 
 
 def launches_s(p: Placement, r: Rates) -> float:
-    """One block's kernel launches in one pass, every micro-batch (none to speak of on a CPU device)."""
-    return LAUNCH_S * p.step.micro_batches if r.pcie else 0.0
+    """One block's kernel launches in one pass, every micro-batch and sequence tile (none to speak of on a CPU
+    device)."""
+    return LAUNCH_S * p.step.micro_batches * p.tiles if r.pcie else 0.0
+
+
+def tiled_recompute_s(p: Placement, r: Rates, unit: int) -> float:
+    """What sequence tiles add to block `unit`'s backward: the engine's recompute runs the tiles without keeping
+    their graphs, and the backward runs each tile's forward again with one, so the tiled work (all but a
+    mixture's routed experts, whose MLP stays whole) runs forward once more."""
+    if not p.tiled:
+        return 0.0
+    return 2 * (p.shapes.active(unit) - p.shapes.routed(unit)) * step_tokens(p) / r.gemms + attention_s(p, r, unit)
 
 
 def block_compute(p: Placement, r: Rates) -> tuple[list[float], list[float]]:
     """Each block's compute seconds in the forward and in the backward, which recomputes the forward and runs
-    back at twice its work. With one landing set of activation buffers the backward also waits for each block's
-    boundary activations to cross (only once the block after it is done)."""
+    back at twice its work (tiled: and runs each tile's forward once more). With one landing set of activation
+    buffers the backward also waits for each block's boundary activations to cross (only once the block after it
+    is done)."""
     offloaded = p.boundaries_in(GPU) < p.shapes.num_blocks
     fetch = p.boundary_bytes / r.h2d if r.pcie and offloaded and p.landing_sets == 1 else 0.0
     launch = launches_s(p, r)
     units = range(1, p.shapes.num_blocks + 1)
     forward = [forward_s(p, r, u) + launch for u in units]
-    backward = [3 * forward_s(p, r, u) + 2 * launch + fetch for u in units]
+    backward = [3 * forward_s(p, r, u) + tiled_recompute_s(p, r, u) + (3 if p.tiled else 2) * launch + fetch
+                for u in units]
     return forward, backward
 
 
