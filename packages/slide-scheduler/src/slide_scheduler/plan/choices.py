@@ -80,10 +80,12 @@ class Overrides:
     nvme_fraction: float | None = field(default=None, metadata=planner_only("engine.nvme.fraction sets it"))
     disk_loads: bool | None = field(default=None, metadata=planner_only(
         "where copies of the disk blocks' parameters do not fit host memory"))
-    # positions per tile of a block's MLP over the sequence (None: tiles where whole rows do not fit the GPU; 0: never)
+    # positions per tile of a block's attention (by queries) and MLP over the sequence (None: the planner's tile
+    # where whole rows do not fit the GPU; 0: never)
     sequence_tile: int | None = field(default=None, metadata=expert(
-        "positions per tile of each block's MLP over the sequence, recomputed tile by tile in the backward (0: whole "
-        "rows; unset: tiles of 4096 where whole rows do not fit the GPU)",
+        "positions per tile of each block's attention (by queries) and MLP over the sequence, recomputed tile by tile "
+        "in the backward (0: whole rows; unset: the largest of 16384, 4096 and 1024 that fits, where whole rows do "
+        "not fit the GPU)",
         must="a whole number of positions (0: none)"))
     # sets of activation landing buffers (None: one per slot and one more, one where that does not fit the GPU)
     landing_sets: int | None = field(default=None, metadata=expert(
