@@ -17,13 +17,13 @@ from slide_train.launch import overrides_of
 VALUES = {"window": ("3", 3), "resident": ("[edges, block.1]", (0, 2)), "device_update_share": ("0.5", 0.5),
           "speculate": ("auto", "auto"), "synchronous": ("true", True), "sequence_tile": ("1024", 1024),
           "landing_sets": ("2", 2), "edges_early": ("false", False), "disk_grads": ("true", True),
-          "disk_staging": ("4", 4), "speculation_pause": ("false", False)}
+          "disk_staging": ("4", 4), "speculation_pause": ("false", False), "query_tiles": ("true", True)}
 
 
 def test_every_overrides_field_but_the_planners_own_is_a_key_that_reaches_the_planner():
     planner_only = {f.name for f in dataclasses.fields(Overrides) if "planner_only" in f.metadata}
     assert planner_only == {"held_grads", "share_grads", "split", "nvme_fraction", "disk_loads", "disk_boundaries",
-                            "defer_updates", "device_first"}
+                            "defer_updates", "device_first", "early_streams"}
     keys = placement_keys()
     assert set(keys) == {f.name for f in dataclasses.fields(Overrides)} - planner_only == set(VALUES)
     assert all(keys.values())  # each with its help, which --help lists too

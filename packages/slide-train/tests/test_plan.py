@@ -644,18 +644,21 @@ def test_speculate_auto_takes_no_speculation_for_b3_and_b8_on_the_h200_host(caps
 
 
 def test_8b_at_131072_tokens_per_row_fits_a_24_gib_cap_on_the_h200_host(capsys):
-    """Rows of 131,072 tokens of Llama-3.1-8B under a 24 GiB cap, with fp32 states: the plan tiles each block's
-    attention and MLP over the sequence (by 16,384 positions, the largest tile tried, which fits) and puts the
-    states that host memory cannot hold on disk; each of those is needed (the plan without them does not fit)."""
+    """Rows of 131,072 tokens of Llama-3.1-8B under a 24 GiB cap, with fp32 states: the plan tiles each MLP over
+    the sequence (its attention whole), takes one set of activation landing buffers, and puts the states that host
+    memory cannot hold on disk; each of those is needed (the plan without them does not fit)."""
     run = ["--model=llama-3.1-8b", "--seq_len=131072", "--micro_batch_size=1", "--grad_accum=1",
            "--engine.gpu_memory_limit_gb=24", "--machine", str(DOCS / "h200-host.yaml")]
     code, plan = plan_json(capsys, *run)
     assert code == 0 and plan["fits"], plan["problems"]
-    assert plan["sequence_tile"] == 16384 and plan["disk_bytes"] > 0
+    assert plan["landing_sets"] == 1 and plan["sequence_tile"] == 4096 and plan["disk_bytes"] > 0
+    assert not plan["query_tiles"]
     assert plan["run"]["state_bytes"] == 4 and plan["gpu_bytes"] <= 0.92 * 24 * GIB
     for without in ("--engine.placement.sequence_tile=0", "--engine.nvme.fraction=0"):
         code, other = plan_json(capsys, *run, without)
         assert not other["fits"], without
+    code, more = plan_json(capsys, *run, "--engine.placement.landing_sets=3")  # (more sets: the attention by tiles)
+    assert more["fits"] and more["query_tiles"] and more["landing_sets"] == 3
 
 
 def test_the_plan_says_how_many_steps_the_drives_rated_endurance_lasts(tmp_path, capsys):

@@ -41,7 +41,7 @@ def _blocks(model_type: str, changes: dict, tile: int, layer: int = 0):
         stack = HFStack(config, None)
         if stack.family.experts:
             config._experts_implementation = "eager"  # (float64: the grouped kernels take no float64)
-        stack.tile_sequence(t)
+        stack.tile_sequence(t, queries=True)
         block = stack.make_block(stack.block_shape(layer))
         block.to_empty(device="cpu")
         g = torch.Generator().manual_seed(0)

@@ -28,10 +28,6 @@ from slide_train.trainer import Trainer
 MLP_NORMS = {"gemma2": ["pre_feedforward_layernorm", "post_feedforward_layernorm"],
              "gemma3_text": ["pre_feedforward_layernorm", "post_feedforward_layernorm"],
              "olmo2": ["post_feedforward_layernorm"], "olmo3": ["post_feedforward_layernorm"]}
-# And those its attention, by query tiles (test_query_tiles.py), applies tile by tile (Llama's: the input norm)
-ATTENTION_NORMS = {"gemma2": ["input_layernorm", "post_attention_layernorm"],
-                   "gemma3_text": ["input_layernorm", "post_attention_layernorm"],
-                   "olmo2": ["post_attention_layernorm"], "olmo3": ["post_attention_layernorm"]}
 # HF's Gemma norms scale by (1 + weight.float()): their weights' gradients are fp32 sums over the tokens, which
 # tiles add up in another order
 FP32_SUMS = {"gemma", "gemma2", "gemma3_text"}
@@ -86,10 +82,8 @@ def test_a_tiled_block_gives_the_whole_rows_outputs_and_gradients(model_type):
         assert not tile_layer(copy.deepcopy(whole.layer), 5) and mlp_norms(whole.layer)[1] is None
         assert "_tiled_own_forward" not in tiled.layer.post_attention_layernorm.__dict__
         return
-    norms = {*MLP_NORMS.get(model_type, ["post_attention_layernorm"]),
-             *ATTENTION_NORMS.get(model_type, ["input_layernorm"])}
-    assert [n for n, m in tiled.layer.named_children() if "_tiled_own_forward" in m.__dict__] == [
-        n for n, _ in tiled.layer.named_children() if n in norms]
+    norms = MLP_NORMS.get(model_type, ["post_attention_layernorm"])
+    assert [n for n, m in tiled.layer.named_children() if "_tiled_own_forward" in m.__dict__] == norms
     a, b = _run(whole, edges, stack, 13), _run(tiled, edges, stack, 13)
     torch.testing.assert_close(b[0], a[0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(b[1], a[1], rtol=1e-12, atol=1e-12)
@@ -169,7 +163,8 @@ def test_training_with_tiled_mlps_equals_hf_and_whole_rows(tmp_path, monkeypatch
 
 def test_the_planner_tiles_where_whole_rows_do_not_fit_the_gpu():
     """Llama-3.1-8B, one row of 32k tokens under 14 GiB: whole rows' intermediates do not fit (even with one
-    activation landing set), tiles of 16,384 (the largest tried) do; forced off, the plan says it does not fit."""
+    activation landing set), the MLP by tiles of 16,384 (the largest tried) does, its attention whole; forced off,
+    the plan says it does not fit."""
     machine = load_machine(pathlib.Path(__file__).parents[3] / "docs" / "machines" / "h200-host.yaml")
     model = load_model("llama-3.1-8b", 0, need_tokenizer=False, need_weights=False)
     args = ["--model=llama-3.1-8b", "--seq_len=32768", "--micro_batch_size=1", "--grad_accum=1",
@@ -177,10 +172,10 @@ def test_the_planner_tiles_where_whole_rows_do_not_fit_the_gpu():
     chosen = plan_run(load_config(None, args), model, machine, running=False)[0]
     whole = plan_run(load_config(None, [*args, "--engine.placement.sequence_tile=0"]), model, machine,
                      running=False)[0]
-    assert chosen.fits and chosen.placement.sequence_tile == 16384
+    assert chosen.fits and chosen.placement.sequence_tile == 16384 and not chosen.placement.query_tiles
     assert not whole.fits and whole.placement.sequence_tile == 0
     work = [p.placement.tiers()["gpu"]["workspace"] for p in (whole, chosen)]
-    assert work[0] - work[1] >= (32768 - 16384) * 4 * 14336 * 2  # at least the MLP's intermediates past a tile
+    assert work[0] - work[1] == (32768 - 16384) * 4 * 14336 * 2  # the MLP's intermediates past a tile
 
 
 # Tiled against whole rows: rows of four tiles, three steps clipped at 1.0, the same weights (fp32)
@@ -289,14 +284,16 @@ class LargeTensors(TorchDispatchMode):
 
 
 def _long_rows_run(tmp_path, model_type: str, seq: int, tile: int):
-    """A trainer of one row of `seq` tokens a step, its blocks tiled by `tile` (0: whole rows), on the CPU; the
-    loss's token chunks a quarter of the row (its chunks are sized by bytes, which one tiny row never fills)."""
+    """A trainer of one row of `seq` tokens a step, its blocks tiled by `tile` (0: whole rows), attention by query
+    tiles too, on the CPU; the loss's token chunks a quarter of the row (its chunks are sized by bytes, which one
+    tiny row never fills)."""
     save_tiny_model(tmp_path / "model", model_type, changes={"max_position_embeddings": seq})
     g = torch.Generator().manual_seed(0)
     write_token_rows(tmp_path / "data.jsonl", torch.randint(3, 259, (2, seq), generator=g).tolist())
     return Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl", seq_len=seq,
                                 micro_batch_size=1, grad_accum=1, steps=2, output_dir=tmp_path / f"run-{tile}",
-                                **{"engine.placement.sequence_tile": tile}), progress=False)
+                                **{"engine.placement.sequence_tile": tile, "engine.placement.query_tiles": "true"}),
+                   progress=False)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])
@@ -362,7 +359,8 @@ def test_on_the_gpu_a_tiled_step_makes_nothing_of_a_rows_length_squared(tmp_path
     for t in (tile, 0):
         trainer = Trainer(slide_config(tmp_path, tmp_path / "model", tmp_path / "data.jsonl", seq_len=seq,
                                        micro_batch_size=1, grad_accum=1, steps=3, output_dir=tmp_path / f"run-{t}",
-                                       **{"engine.device": "cuda", "engine.placement.sequence_tile": t}),
+                                       **{"engine.device": "cuda", "engine.placement.sequence_tile": t,
+                                          "engine.placement.query_tiles": "true"}),
                           progress=False)
         trainer.step()  # (compiles FlexAttention; one-time allocations)
         torch.cuda.synchronize()

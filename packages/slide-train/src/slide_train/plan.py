@@ -349,9 +349,10 @@ def tier_lines(plan: Plan) -> list[str]:
     lines.append("  boundary activations: " + (f"{ACTIVATIONS_WHERE[p.activations]}" if len(where) == 1 else ", ".join(
         f"{counted(n, 'block', 'blocks')}' {ACTIVATIONS_WHERE[tier]}" for tier, n in where.items())))
     if p.sequence_tile:
-        lines.append(f"  each block's attention runs by query tiles and its MLP over tiles of {p.sequence_tile:,} "
-                     f"positions (rows of {p.step.seq_len or p.step.tokens_per_micro:,}; a mixture's experts whole), "
-                     "each tile recomputed in the backward")
+        what = "attention runs by query tiles and its MLP" if p.query_tiles else "MLP runs"
+        lines.append(f"  each block's {what} over tiles of {p.sequence_tile:,} positions (rows of "
+                     f"{p.step.seq_len or p.step.tokens_per_micro:,}; a mixture's experts whole), each tile "
+                     "recomputed in the backward")
     for tier, budget in ((GPU, b.gpu), (HOST, b.host), (DISK, b.disk)):
         if (tier == GPU and p.device_is_host) or (tier == DISK and not p.bytes(DISK)):
             continue

@@ -80,13 +80,17 @@ class Overrides:
     nvme_fraction: float | None = field(default=None, metadata=planner_only("engine.nvme.fraction sets it"))
     disk_loads: bool | None = field(default=None, metadata=planner_only(
         "where copies of the disk blocks' parameters do not fit host memory"))
-    # positions per tile of a block's attention (by queries) and MLP over the sequence (None: the planner's tile
-    # where whole rows do not fit the GPU; 0: never)
+    # positions per tile of a block's MLP (and, with query_tiles, its attention's queries) over the sequence (None:
+    # the planner's tile where whole rows do not fit the GPU; 0: never)
     sequence_tile: int | None = field(default=None, metadata=expert(
-        "positions per tile of each block's attention (by queries) and MLP over the sequence, recomputed tile by tile "
-        "in the backward (0: whole rows; unset: the largest of 16384, 4096 and 1024 that fits, where whole rows do "
-        "not fit the GPU)",
+        "positions per tile of each block's MLP over the sequence (and of its attention's queries, with query_tiles), "
+        "recomputed tile by tile in the backward (0: whole rows; unset: the largest of 16384, 4096 and 1024 that "
+        "fits, where whole rows do not fit the GPU)",
         must="a whole number of positions (0: none)"))
+    # the attention half runs by query tiles of `sequence_tile` too (None: where the MLP's tiles alone do not fit)
+    query_tiles: bool | None = field(default=None, metadata=expert(
+        "each block's attention runs by query tiles of sequence_tile positions too (unset: where tiling the MLP "
+        "alone does not fit the GPU)"))
     # sets of activation landing buffers (None: one per slot and one more, one where that does not fit the GPU)
     landing_sets: int | None = field(default=None, metadata=expert(
         "sets of GPU buffers the backward fetches boundary activations into (unset: one per slot and one more, one "
@@ -152,7 +156,8 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
             share: float = 0.0, shared: bool = False, held: int = 0, split: bool = True,
             speculate: bool | int = False, nvme_fraction: float = 0.0, disk_loads: bool = False,
             disk_grads: bool = False, staging: int = 0,
-            sequence_tile: int = 0, landing: int = 0, edges_early: bool = True, disk_boundaries: int = 0,
+            sequence_tile: int = 0, query_tiles: bool = False, landing: int = 0, edges_early: bool = True,
+            disk_boundaries: int = 0,
             speculation_pause: bool = True, threads: int | None = None, defer: bool | int = False,
             device_first: bool = False, early_streams: float = 0.0, synchronous: bool = False) -> Placement:
     """The placement these choices make: `resident` units on the device; of the sliding blocks, the last
@@ -201,7 +206,8 @@ def arrange(shapes: Shapes, step: StepShape, run: RunFacts, *, resident: Iterabl
     # the first `disk_boundaries` blocks' input activations on disk (written earliest, read last), the rest in
     # the run's tier
     boundaries = (DISK,) * disk_boundaries + (run.activations,) * (n - disk_boundaries) if disk_boundaries else ()
-    return Placement(shapes, step, tuple(units), window, run, sequence_tile=sequence_tile, landing=landing,
+    return Placement(shapes, step, tuple(units), window, run, sequence_tile=sequence_tile,
+                     query_tiles=query_tiles and bool(sequence_tile), landing=landing,
                      edges_early=edges_early, boundaries=boundaries, staging=staging,
                      speculation_pause=speculation_pause, synchronous=synchronous, **extra)
 
@@ -224,7 +230,8 @@ def size_for_budget(shapes: Shapes, step: StepShape, run: RunFacts, budget: floa
                        speculate=overrides.speculate is True if speculate is None else speculate,
                        nvme_fraction=overrides.nvme_fraction or 0.0, disk_loads=bool(overrides.disk_loads),
                        disk_grads=bool(overrides.disk_grads), staging=overrides.disk_staging or 0,
-                       sequence_tile=overrides.sequence_tile or 0, landing=overrides.landing_sets or 0,
+                       sequence_tile=overrides.sequence_tile or 0, query_tiles=bool(overrides.query_tiles),
+                       landing=overrides.landing_sets or 0,
                        edges_early=overrides.edges_early is not False,
                        disk_boundaries=overrides.disk_boundaries or 0,
                        speculation_pause=overrides.speculation_pause is not False,

@@ -90,9 +90,10 @@ class Placement:
     stream_piece: int = field(default_factory=lambda: STREAM_PIECE)  # (read when made: tests shrink them)
     stream_buffers: int = field(default_factory=lambda: STREAM_BUFFERS)
     threads: int = field(default_factory=torch.get_num_threads)  # host optimizer threads (its scratch)
-    # positions per tile where a block runs its attention by query tiles and its MLP over tiles of the sequence
-    # (0: whole rows)
+    # positions per tile where a block runs its MLP over tiles of the sequence (0: whole rows)
     sequence_tile: int = 0
+    # its attention half by query tiles of `sequence_tile` too (against the keys and values up to each tile's end)
+    query_tiles: bool = False
     # sets of device buffers the backward fetches boundary activations into (0: one per slot and one more)
     landing: int = 0
     # streamed sliding edges: their tail-only part (final norm, untied lm head) updates apart, early
@@ -384,7 +385,13 @@ def _ranks(p: Placement) -> str | None:
     return None
 
 
-PLACEMENT_CHECKS = (_activation_tiers, _counts, _drives, _ranks)
+def _tiles(p: Placement) -> str | None:
+    if p.query_tiles and not p.sequence_tile:
+        return "a placement runs the attention by query tiles only of a sequence tile (sequence_tile > 0)"
+    return None
+
+
+PLACEMENT_CHECKS = (_activation_tiers, _counts, _drives, _ranks, _tiles)
 
 
 # -- each unit's checks (p, u, unit): the problem, which the unit's name will lead, or None ----------------------
@@ -592,7 +599,7 @@ def _waiting(p: Placement, out: _Counted) -> None:
 def _working_sets(p: Placement, out: _Counted) -> None:
     """The working set of one block's recompute and backward, the tail's loss chunk, the allocator's margin, the
     process's runtime and the caller's extras: estimates, not buffers the engine holds."""
-    work = block_workspace(p.shapes, p.step, p.sequence_tile, p.compute_bytes)
+    work = block_workspace(p.shapes, p.step, p.sequence_tile, p.compute_bytes, p.query_tiles)
     out.add(_device_of(p), "workspace", work, transient=True)
     if not p.device_is_host:
         out.add(GPU, "loss chunk + margin", LOSS_CHUNK + MARGIN, transient=True)

@@ -90,6 +90,7 @@ class Plan:
             "window": p.window,
             "landing_sets": p.landing_sets,
             "sequence_tile": p.sequence_tile,
+            "query_tiles": p.query_tiles,  # (the attention by query tiles too)
             # (unclipped) the blocks whose host update waits for the step's end
             "deferred_blocks": [u - 1 for u in sorted(p.deferred) if u and not p.clips],
             "synchronous": p.synchronous,  # the reference schedule: every lane inline
@@ -204,7 +205,8 @@ class _Planning:
             return smaller
         unclipped = price(placement, self.machine, clipping_acts=False) if self.run.clips else estimate
         plan = Plan(placement, estimate, unclipped, self.budgets,
-                    attention=attention_backends(placement.shapes, self.machine.gpu, placement.tiled)
+                    attention=attention_backends(placement.shapes, self.machine.gpu,
+                                                 placement.query_tiles and placement.tiled)
                     if self.run.cuda else (),
                     tie_passed_over_s=passed)
         plan.problems = _problems(plan)
@@ -218,7 +220,7 @@ class _Planning:
         """Where whole rows do not fit the GPU: tiles of the sequence; still too big, one set of landing buffers
         (each block's activations fetched after the next one's backward). Either, fitting or not, where it needs
         less of the GPU."""
-        tiled = self.tiled(o) if o.sequence_tile is None else None
+        tiled = self.tiled(o) if o.sequence_tile is None or o.query_tiles is None else None
         if tiled is not None and tiled.placement.bytes(GPU) < placement.bytes(GPU):
             return tiled
         if o.landing_sets is None and placement.landing_sets > 1 and self.run.activations != GPU:
@@ -228,12 +230,18 @@ class _Planning:
         return None
 
     def tiled(self, o: Overrides) -> Plan | None:
-        """The plan with the largest sequence tile that fits, else with the smallest tile (None where rows are no
-        longer than a tile, or some block's attention has no backend that runs query tiles)."""
+        """The first plan that fits of: the MLP by the largest sequence tile down to the smallest, then the
+        attention by query tiles too (the tiles' second forward then covers the attention, and the backend must run
+        query tiles), where every block has a backend that does; else the last tried (None where rows are no longer
+        than a tile)."""
         seq = self.step.seq_len or self.step.tokens_per_micro
+        if o.sequence_tile == 0:  # (whole rows, as the user asked)
+            return None
+        tiles = (o.sequence_tile,) if o.sequence_tile else tuple(t for t in SEQUENCE_TILES if t < seq)
+        queries = (o.query_tiles,) if o.query_tiles is not None else (False, True) if self.shapes.tileable else (False,)
         plan = None
-        for tile in (t for t in SEQUENCE_TILES if t < seq) if self.shapes.tileable else ():
-            plan = self.search(dataclasses.replace(o, sequence_tile=tile))
+        for query_tiles, tile in itertools.product(queries, tiles):
+            plan = self.search(dataclasses.replace(o, sequence_tile=tile, query_tiles=query_tiles))
             if self.budgets.gpu is None or plan.placement.bytes(GPU) <= self.budgets.gpu:
                 break
         return plan

@@ -18,15 +18,17 @@ from .shapes import Shapes, StepShape
 TILE_HIDDEN, TILE_QUERY, TILE_KV = 6, 8, 8
 
 
-def block_workspace(shapes: Shapes, step: StepShape, sequence_tile: int, compute_bytes: int) -> int:
-    """Device bytes of one block's recompute and backward over the step's micro-batches."""
+def block_workspace(shapes: Shapes, step: StepShape, sequence_tile: int, compute_bytes: int,
+                    query_tiles: bool = True) -> int:
+    """Device bytes of one block's recompute and backward over the step's micro-batches (tiled: the MLP by row
+    tiles, and with `query_tiles` the attention by query tiles too)."""
     c, tokens, m = compute_bytes, step.tokens_per_micro, step.micro_batches
     act = tokens * shapes.hidden * c
     seq = step.seq_len or tokens
-    if not sequence_tile or seq <= sequence_tile:
-        return 3 * m * act + tokens * (10 * shapes.hidden + 4 * shapes.intermediate) * c
     rows = tokens // seq
-    tile = rows * sequence_tile  # (tokens of one tile over the micro-batch's rows)
+    tile = rows * min(seq, sequence_tile or seq)  # (tokens of one tile over the micro-batch's rows)
+    if not sequence_tile or seq <= sequence_tile or not query_tiles:  # (the attention half whole)
+        return 3 * m * act + (tokens * 10 * shapes.hidden + tile * 4 * shapes.intermediate) * c
     kv = tokens * shapes.kv
     whole = (3 * m + 1) * act + kv * (2 * c + 2 * max(c, 4) + 2 * c)
     attention = tile * (TILE_HIDDEN * shapes.hidden + TILE_QUERY * shapes.queries + TILE_KV * shapes.kv) * c

@@ -107,7 +107,8 @@ class SlidingEngine:
         if not config.pipeline and not placement.synchronous:  # (the config's word for it, as slide-train says it)
             placement = dataclasses.replace(placement, synchronous=True)
         self.device = torch.device(placement.run.device)
-        getattr(stack, "tile_sequence", lambda tile: None)(placement.sequence_tile)  # (before any block is made)
+        if hasattr(stack, "tile_sequence"):  # (before any block is made)
+            stack.tile_sequence(placement.sequence_tile, placement.query_tiles)
         self.edges = stack.make_edges()
         self.calls = StackCalls(stack, self.edges)  # (the stack's hooks: each block's context, the tail's)
         # Blocks may come in several shapes (the stack's `block_shape`): a layout per shape, a slot holds any

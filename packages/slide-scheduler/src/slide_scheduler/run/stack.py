@@ -56,8 +56,9 @@ class Stack(Protocol):
     called for every block and micro-batch, in the forward and again in the backward's recompute, and must give
     the same context for the same arguments (cheap: a lookup, not a computation).
 
-    Optionally `tile_sequence(tile)`: the engine calls it with its placement's `sequence_tile` (positions per tile
-    of each block's per-token work; 0: none) before it makes any block.
+    Optionally `tile_sequence(tile, queries)`: the engine calls it with its placement's `sequence_tile` (positions
+    per tile of each block's per-token work; 0: none) and `query_tiles` (its attention by query tiles of that many
+    positions too) before it makes any block or the edges.
     """
 
     num_blocks: int

@@ -313,6 +313,7 @@ class HFStack:
                           stacklevel=2)
         self.kernels = kernels and family.kernels  # slide-kernels' fused ops (family.fused) in every block
         self.sequence_tile = 0  # positions per tile of each block's per-token work (0: none), the engine's word
+        self.query_tiles = False  # its attention by query tiles of as many positions too
         self.softcap = getattr(config, family.final_softcap, None) if family.final_softcap else None
         # Soft-capped attention: a fused backend on CUDA (backends.py), HF's eager path on the CPU
         self.attn_softcap = getattr(config, family.attn_softcap, None) if family.attn_softcap else None
@@ -364,7 +365,8 @@ class HFStack:
                       embed_scale_rounded=family.embed_sqrt_hidden,
                       logits_divisor=float(divisor) if divisor != 1.0 else None, softcap=self.softcap,
                       head_dim=self.head_dim, attn_softcap=self.attn_softcap, routing=self.routing,
-                      aux_loss_mean_of=self.aux_loss_mean_of, sequence_tile=self.sequence_tile)
+                      aux_loss_mean_of=self.aux_loss_mean_of,
+                      sequence_tile=self.sequence_tile if self.query_tiles else 0)
         edges.attention = dict(self.attention)
         if self.kernels:
             slide_kernels.apply_to(_Patchable(cfg, edges))
@@ -379,10 +381,11 @@ class HFStack:
         """Block `index`'s shape: "dense", "experts", or with a number where more shapes share a kind."""
         return self._shapes[index]
 
-    def tile_sequence(self, tile: int) -> None:
-        """Blocks made from here on run their attention by query tiles and their dense MLP over tiles of `tile`
-        positions (0: whole rows); edges made from here on choose attention backends that run such tiles."""
-        self.sequence_tile = tile
+    def tile_sequence(self, tile: int, queries: bool = False) -> None:
+        """Blocks made from here on run their dense MLP over tiles of `tile` positions (0: whole rows) and, with
+        `queries`, their attention by query tiles of as many; edges made from here on then choose attention backends
+        that run such tiles."""
+        self.sequence_tile, self.query_tiles = tile, queries and bool(tile)
 
     def make_block(self, shape: str | None = None) -> DecoderBlock:
         with torch.device("meta"):
@@ -397,7 +400,8 @@ class HFStack:
         if self.kernels:
             slide_kernels.apply_to(_Patchable(self.config, block), experts="moe_experts" in self.family.fused)
         if self.sequence_tile:  # (after the kernels: the tiles run the fused ops)
-            tile_layer_attention(layer, self.sequence_tile)
+            if self.query_tiles:
+                tile_layer_attention(layer, self.sequence_tile)
             tile_layer(layer, self.sequence_tile)
         return block
 

@@ -51,11 +51,17 @@ def launches_s(p: Placement, r: Rates) -> float:
 
 def tiled_recompute_s(p: Placement, r: Rates, unit: int) -> float:
     """What sequence tiles add to block `unit`'s backward: the engine's recompute runs the tiles without keeping
-    their graphs, and the backward runs each tile's forward again with one, so the tiled work (all but a
-    mixture's routed experts, whose MLP stays whole) runs forward once more."""
+    their graphs, and the backward runs each tile's forward again with one, so the tiled work runs forward once
+    more: the MLP (but a mixture's routed experts, whose MLP stays whole), and with query tiles the attention
+    half's projections and attention too."""
     if not p.tiled:
         return 0.0
-    return 2 * (p.shapes.active(unit) - p.shapes.routed(unit)) * step_tokens(p) / r.gemms + attention_s(p, r, unit)
+    s = p.shapes
+    projections = s.hidden * 2 * (s.queries + s.kv)  # (q, k, v and o)
+    mlp = s.active(unit) - s.routed(unit) - projections
+    if not p.query_tiles:
+        return 2 * mlp * step_tokens(p) / r.gemms
+    return 2 * (mlp + projections) * step_tokens(p) / r.gemms + attention_s(p, r, unit)
 
 
 def block_compute(p: Placement, r: Rates) -> tuple[list[float], list[float]]:

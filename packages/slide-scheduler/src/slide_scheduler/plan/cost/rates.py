@@ -50,7 +50,7 @@ def rates_of(p: Placement, machine: Machine) -> Rates:
     gemms = (g.bf16_tflops * 1e12 * BLOCK_EFFICIENCY if pcie and machine.has_gpu
              else CPU_FLOPS_PER_CORE * max(1, host.cores))
     attention = g.attention_tflops * 1e12 if pcie and g.attention_tflops else gemms
-    backends = chosen(p.shapes, g, p.tiled) if pcie else ()
+    backends = chosen(p.shapes, g, p.query_tiles and p.tiled) if pcie else ()
     return Rates(
         pcie=pcie, gemms=gemms,
         # attention and routed experts at their own rates where the machine file has them
