@@ -19,20 +19,21 @@ from slide_scheduler.plan.placement import Shapes, StepShape
 BLOCK = 100_000_000
 
 
-def test_an_early_update_queues_ahead_of_the_load_a_window_later():
-    """Three blocks, loads of 1 s, compute of 2 s, two slots: the third load is queued after the first block's
-    update, which starts once that block's compute is done and its gradient home (3 s + 0.25 s). A 0.5 s update
-    ends at 3.75 s, before the third load needs the link (its slot frees at 3 s, the compute reaches it at 5 s):
-    hidden. A 2 s one ends at 5.25 s, and the third block's compute waits 1.25 s for its load. An update after the
-    last block ends the pass only when it is done."""
-    loads, compute, ready, resident = [1.0] * 3, [2.0] * 3, [0.0] * 3, [False] * 3
-    assert slide(loads, compute, ready, 2, resident).length == 7.0
-    hidden = slide(loads, compute, ready, 2, resident, after=[0.5, 0.0, 0.0], lag=[0.25, 0.0, 0.0])
-    assert hidden.length == 7.0 and hidden.waits["loads"] == 1.0  # (the first load only)
-    late = slide(loads, compute, ready, 2, resident, after=[2.0, 0.0, 0.0], lag=[0.25, 0.0, 0.0])
-    assert late.length == pytest.approx(8.25) and late.waits["loads"] == pytest.approx(1.0 + 1.25)
-    last = slide(loads, compute, ready, 2, resident, after=[0.0, 0.0, 1.0], lag=[0.0] * 3)
-    assert last.length == 8.0 and last.ends[-1] == 7.0
+def test_an_early_update_queues_behind_the_load_staged_after_its_block():
+    """Four blocks, loads of 1 s, compute of 2 s, two slots: the third load is staged after the first block's
+    backward, then the first block's update, which starts once that block's compute is done and its gradient home
+    (3 s + 0.25 s), then the fourth load. A 2 s update ends at 6 s (the third load ended at 4 s), before the fourth
+    load needs the link (its slot frees at 5 s, the compute reaches it at 7 s): hidden. A 3.5 s one ends at 7.5 s,
+    and the fourth block's compute waits 1.5 s for its load. An update after the last load ends the pass only when
+    it is done."""
+    loads, compute, ready, resident = [1.0] * 4, [2.0] * 4, [0.0] * 4, [False] * 4
+    assert slide(loads, compute, ready, 2, resident).length == 9.0
+    hidden = slide(loads, compute, ready, 2, resident, after=[2.0, 0.0, 0.0, 0.0], lag=[0.25, 0.0, 0.0, 0.0])
+    assert hidden.length == 9.0 and hidden.waits["loads"] == 1.0  # (the first load only)
+    late = slide(loads, compute, ready, 2, resident, after=[3.5, 0.0, 0.0, 0.0], lag=[0.25, 0.0, 0.0, 0.0])
+    assert late.length == pytest.approx(10.5) and late.waits["loads"] == pytest.approx(1.0 + 1.5)
+    last = slide(loads, compute, ready, 2, resident, after=[0.0, 0.0, 0.0, 1.0], lag=[0.0] * 4)
+    assert last.length == 10.0 and last.ends[-1] == 9.0
 
 
 def two_streamed(early: float, held: int = 0):

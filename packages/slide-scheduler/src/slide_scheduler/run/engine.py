@@ -352,8 +352,10 @@ class SlidingEngine:
             seat = staged.pop(i) if i in staged else self.stage(i)
             acts, landed = fetched.pop(i) if i in fetched else self.fetch_boundary(i, m)
             self._block_backward(i, seat, acts, landed, contexts, grads)
-            gradients[i + 1] = self._hand_over(i + 1, seat, lr)
+            gradients[i + 1] = self._send_home(i + 1, seat)
             self._prefetch(staged, range(i - 1, max(i - self.window - 1, -1), -1), fetched, ahead, m)
+            # (after the next load is staged: an update that streams now queues behind it, not ahead)
+            self.update_of[i + 1].gradient_ready(i + 1, gradients[i + 1], lr)
         self._edges_tail(None)
         with self.timeline.span("compute", "head backward", self.compute.stream):
             for j, batch in enumerate(batches):
@@ -377,11 +379,10 @@ class SlidingEngine:
             self._gradient_made(i + 1, seat)
         seat.free = self._act_landing[i % len(self._act_landing)].free = self.compute.record()
 
-    def _hand_over(self, unit: int, seat: Seat, lr: float) -> Gradient:
-        """Send a block's gradient home once made, and hand it to the unit's update."""
+    def _send_home(self, unit: int, seat: Seat) -> Gradient:
+        """Send a block's gradient home once made; the slot takes a load once it has left."""
         gradient = self.homes.send(unit, seat, seat.free)
         seat.drained = gradient.arrived[-1]
-        self.update_of[unit].gradient_ready(unit, gradient, lr)
         return gradient
 
     def _readout_and_commit(self, gradients: dict[int, Gradient], lr: float) -> tuple[float, float]:

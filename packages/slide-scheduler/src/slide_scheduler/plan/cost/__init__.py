@@ -9,7 +9,7 @@ forward's order); host memory carries every PCIe, AdamW and disk byte. With clip
 step's end (the norm) and runs under the next forward (a quarter of the compute); without, each block's update
 runs under the backward or, deferred, under the next forward, as the placement says; a streamed block's device
 update runs as it next loads or, early, in the backward once its gradient is home, its copies queued behind the
-loads staged before it.
+loads staged before it and the one staged after its backward.
 
 With data-parallel ranks the estimate is one rank's: its shard of each unit crosses its own PCIe link, the rest
 of the parameters arrive by all-gather and the gradients leave by reduce-scatter over the GPUs' link, and the

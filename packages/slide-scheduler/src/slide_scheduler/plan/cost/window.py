@@ -25,10 +25,11 @@ def slide(loads: list[float], compute: list[float], ready: list[float], window: 
     """When the last of these blocks (in running order) finishes: each sliding one loads after the previous load
     and once the slot it takes (`window` sliding blocks back) is free and its update is `ready`; each runs after
     the previous one and its own load. Where a block has copies of its own `after` it runs (an early update: they
-    start `lag` after its compute ends), they queue on the copies to the device ahead of the load `window` blocks
-    later, and the pass lasts until they are done. Also how long the compute waited: for `updates` where the late
-    load had waited for its block's update, for `loads` otherwise; and how long the copies idled for updates (a
-    load that could have started, its slot free, but for its block's update). `ends` are in running order."""
+    start `lag` after its compute ends), they queue on the copies to the device behind the load `window` blocks
+    later (staged first) and ahead of the next one, and the pass lasts until they are done. Also how long the
+    compute waited: for `updates` where the late load had waited for its block's update, for `loads` otherwise;
+    and how long the copies idled for updates (a load that could have started, its slot free, but for its block's
+    update). `ends` are in running order."""
     after, lag = after or [0.0] * len(loads), lag or [0.0] * len(loads)
     load_end, done = 0.0, 0.0
     times = PassTimes(0.0)
@@ -49,7 +50,7 @@ def slide(loads: list[float], compute: list[float], ready: list[float], window: 
             done += run
             times.ends.append(done)
             continue
-        load_end = copies_after(j - window + 1)
+        load_end = copies_after(j - window)
         slot_free = finished[-window] if len(finished) >= window else 0.0
         cause = "updates" if at > max(load_end, slot_free) else "loads"
         times.copies_idle += max(0.0, at - max(load_end, slot_free))
