@@ -56,6 +56,33 @@ def tiny_config(model_type: str) -> transformers.PretrainedConfig:
         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-5, **extra)
 
 
+def whole_and_tiled(config_of, tile: int, queries: bool = False, shape_of=lambda stack: None):
+    """One layer's block whole and tiled by `tile` (with `queries`, its attention by query tiles too), made from
+    `config_of()` with the same float64 parameters, the stack and its float64 edges (the head's rotary tables and
+    masks are what the blocks use); `shape_of(stack)` picks the block's shape."""
+    from slide_train.models.adapter import HFStack
+
+    blocks = []
+    for t in (0, tile):
+        config = config_of()
+        stack = HFStack(config, None)
+        if stack.family.experts:
+            config._experts_implementation = "eager"  # (float64: the grouped kernels take no float64)
+        stack.tile_sequence(t, queries)
+        block = stack.make_block(shape_of(stack))
+        block.to_empty(device="cpu")
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        blocks.append(block.double())
+    edges = stack.make_edges()
+    edges.embed_tokens.to_empty(device="cpu")
+    torch.nn.init.zeros_(edges.embed_tokens.weight)
+    edges.double()
+    return blocks, stack, edges
+
+
 def save_tiny_model(directory: pathlib.Path, model_type: str, seed: int = 0,
                     changes: dict | None = None) -> transformers.PreTrainedModel:
     """A tiny random model of `model_type` (its config with `changes`), saved with the built-in tokenizer."""

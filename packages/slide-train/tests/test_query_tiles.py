@@ -10,11 +10,10 @@ import weakref
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import tiny_config, whole_and_tiled
 
 from slide_scheduler import Shapes, StepShape, block_workspace
 from slide_train.models import attention, backends
-from slide_train.models.adapter import HFStack
 
 # Families and what their tiny configs change: a window shorter than the rows where the family slides one
 FAMILY_CHANGES = {
@@ -32,28 +31,15 @@ TILE, SEQ = 5, 13  # rows of three tiles, the last one short
 
 
 def _blocks(model_type: str, changes: dict, tile: int, layer: int = 0):
-    """Layer `layer`'s block whole and tiled by `tile`, with the same float64 parameters, the stack and edges."""
-    blocks = []
-    for t in (0, tile):
+    """Layer `layer`'s block whole and tiled by query tiles of `tile`, with the same float64 parameters, the stack
+    and edges."""
+    def config_of():
         config = tiny_config(model_type)
         for key, value in changes.items():
             setattr(config, key, value)
-        stack = HFStack(config, None)
-        if stack.family.experts:
-            config._experts_implementation = "eager"  # (float64: the grouped kernels take no float64)
-        stack.tile_sequence(t, queries=True)
-        block = stack.make_block(stack.block_shape(layer))
-        block.to_empty(device="cpu")
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in block.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        blocks.append(block.double())
-    edges = stack.make_edges()
-    edges.embed_tokens.to_empty(device="cpu")
-    torch.nn.init.zeros_(edges.embed_tokens.weight)  # (the head's rotary tables and masks are what is used)
-    edges.double()
-    return blocks, stack, edges
+        return config
+
+    return whole_and_tiled(config_of, tile, queries=True, shape_of=lambda stack: stack.block_shape(layer))
 
 
 def _documents(seq: int) -> torch.Tensor:

@@ -11,7 +11,15 @@ import traceback
 
 import pytest
 import torch
-from conftest import FAMILIES, MOE_FAMILIES, NEW_FAMILIES, save_tiny_model, tiny_config, write_token_rows
+from conftest import (
+    FAMILIES,
+    MOE_FAMILIES,
+    NEW_FAMILIES,
+    save_tiny_model,
+    tiny_config,
+    whole_and_tiled,
+    write_token_rows,
+)
 from test_equivalence import compare, make_rows, reference_run, slide_config
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -36,25 +44,13 @@ FP32_SUMS = {"gemma", "gemma2", "gemma3_text"}
 def _blocks(model_type: str, shape: str | None, tile: int):
     """Block 0's layer (or the first of `shape`) whole and tiled by `tile`, with the same float64 parameters,
     and its context from the head (float64 rotary tables and masks)."""
-    blocks = []
-    for t in (0, tile):
+    def config_of():
         config = tiny_config(model_type)
         if model_type == "qwen3_moe":
             config.mlp_only_layers = [0]  # (a dense layer of a mixture, then sparse ones)
-        stack = HFStack(config, None)
-        stack.tile_sequence(t)
-        block = stack.make_block(shape)
-        block.to_empty(device="cpu")
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in block.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        blocks.append(block.double())
-    edges = stack.make_edges()
-    edges.embed_tokens.to_empty(device="cpu")
-    torch.nn.init.zeros_(edges.embed_tokens.weight)  # (the head's rotary tables and masks are what is used)
-    edges.double()
-    return blocks, stack, edges
+        return config
+
+    return whole_and_tiled(config_of, tile, shape_of=lambda stack: shape)
 
 
 def _run(block, edges, stack, seq: int):
