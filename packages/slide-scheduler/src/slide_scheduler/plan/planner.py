@@ -149,7 +149,9 @@ class _Planning:
             plan = self.plan(dataclasses.replace(o, defer_updates=k, early_streams=o.early_streams or 0.0), rest)
             if best is None or _better(_rank(plan), _rank(best)):
                 best, chosen = plan, k
-        if o.early_streams is None and best.placement.streamed - {0}:  # (then, with that split, early streams)
+        # (then, with that split, early streams: only where the forward waits on its copies to the GPU, which
+        # early updates move into the backward)
+        if o.early_streams is None and best.placement.streamed - {0} and _copies_hold_forward(best.estimate):
             for share in EARLY_SHARES:
                 plan = self.plan(dataclasses.replace(o, defer_updates=chosen, early_streams=share), rest)
                 best = plan if _better(_rank(plan), _rank(best)) else best
@@ -238,13 +240,23 @@ class _Planning:
         if o.sequence_tile == 0:  # (whole rows, as the user asked)
             return None
         tiles = (o.sequence_tile,) if o.sequence_tile else tuple(t for t in SEQUENCE_TILES if t < seq)
+        if not tiles:
+            return None
         queries = (o.query_tiles,) if o.query_tiles is not None else (False, True) if self.shapes.tileable else (False,)
         plan = None
-        for query_tiles, tile in itertools.product(queries, tiles):
-            plan = self.search(dataclasses.replace(o, sequence_tile=tile, query_tiles=query_tiles))
-            if self.budgets.gpu is None or plan.placement.bytes(GPU) <= self.budgets.gpu:
-                break
+        for query_tiles in queries:  # (the smallest tile first: where it does not fit, no larger one does)
+            plan = self.search(dataclasses.replace(o, sequence_tile=min(tiles), query_tiles=query_tiles))
+            if not self.fits_gpu(plan):
+                continue
+            for tile in sorted(tiles, reverse=True)[:-1]:
+                larger = self.search(dataclasses.replace(o, sequence_tile=tile, query_tiles=query_tiles))
+                if self.fits_gpu(larger):
+                    return larger
+            return plan
         return plan
+
+    def fits_gpu(self, plan: Plan) -> bool:
+        return self.budgets.gpu is None or plan.placement.bytes(GPU) <= self.budgets.gpu
 
     def best(self, o: Overrides) -> tuple[bool, Placement, Estimate, float | None]:
         """Over windows, shares of device updates and kinds of gradient home: the candidate that fits and prices
@@ -309,6 +321,11 @@ class _Planning:
         speculating = o.speculate in (True, "auto") and self.run.clips
         return [(pooled, False)] + ([(False, True), *((False, round(f * self.shapes.num_blocks)) for f in SPECULATED)]
                                     if speculating else [])
+
+
+def _copies_hold_forward(estimate: Estimate) -> bool:
+    """Whether the copies to the GPU lengthen the forward beyond its compute."""
+    return estimate.setters.get("forward", {}).get("pcie_h2d", 0.0) > 0.0
 
 
 # (whether an override is open, how it is resolved), in the order they are resolved
