@@ -68,9 +68,13 @@ class Backend:
         raise NotImplementedError(f"attention backend {self.name} runs no query tiles")
 
     def tile(self, prepared: Prepared, start: int, end: int, device) -> Prepared:
-        """`prepared` for the queries [start, end) of its rows, against the keys [0, end)."""
-        return Prepared(self, self.tile_context(prepared.context, start, end, device), prepared.window,
-                        prepared.documents)
+        """`prepared` for the queries [start, end) of its rows, against the keys [0, end): made once per micro-batch
+        and tile, then shared by every layer and by the backward's recompute."""
+        tiles = prepared.__dict__.setdefault("_tiles", {})
+        if (start, end) not in tiles:
+            tiles[start, end] = Prepared(self, self.tile_context(prepared.context, start, end, device),
+                                         prepared.window, prepared.documents)
+        return tiles[start, end]
 
     def attend(self, module, query, key, value, prepared: Prepared, scaling, softcap, **kwargs):
         raise NotImplementedError
