@@ -16,6 +16,9 @@ ROOT = pathlib.Path(__file__).parent
 PACKAGES = ["slide-kernels", "slide-memory", "slide-io", "slide-scheduler", "slide-train"]
 # The CPU build of torch lies on CI's disk; a plain `torch` would pull a multi-GB CUDA build.
 TORCH = "torch==2.13.0"
+# The CPU sessions spread their tests over every core (pytest-xdist): most of the long ones are the planner's
+# searches, pure Python on one core each.
+SPREAD = ["-n", "auto"]
 
 nox.options.sessions = ["lint", "tests", "benchmarks"]
 nox.options.reuse_existing_virtualenvs = True
@@ -47,7 +50,7 @@ def tests(session: nox.Session, package: str) -> None:
     local = [arg for sib in siblings(package) for arg in ("-e", f"packages/{sib}")]
     session.install(TORCH)
     session.install(*local, "-e", f"packages/{package}[test]")
-    session.run("pytest", f"packages/{package}/tests", "-m", "not gpu", *session.posargs)
+    session.run("pytest", f"packages/{package}/tests", "-m", "not gpu", *SPREAD, *session.posargs)
 
 
 @nox.session
@@ -56,8 +59,9 @@ def benchmarks(session: nox.Session) -> None:
     the committed GPU figures against their plans made again."""
     session.install(TORCH)
     session.install(*[arg for sib in [*siblings("slide-train"), "slide-train"] for arg in ("-e", f"packages/{sib}")],
-                    "pytest")
-    session.run("pytest", "benchmarks/test_sweep.py", "benchmarks/test_plans_measured.py", *session.posargs)
+                    "pytest", "pytest-xdist>=3.5")
+    session.run("pytest", "benchmarks/test_sweep.py", "benchmarks/test_plans_measured.py", *SPREAD,
+                *session.posargs)
 
 
 @nox.session(python=False)
