@@ -16,7 +16,6 @@ from .adamw import (
     device_scratch,
     device_scratch_bytes,
     host_scratch_bytes,
-    optimizer_threads,
     streamed_step_bytes,
 )
 from .host import HostArena, StagingRing, can_pin, host_empty, host_zeros
@@ -44,7 +43,6 @@ __all__ = [
     "device_scratch_bytes",
     "host_empty",
     "host_scratch_bytes",
-    "optimizer_threads",
     "host_zeros",
     "streamed_step_bytes",
 ]

@@ -38,14 +38,6 @@ CHUNK = 1 << 25  # elements per update chunk: the granule of "this part of the g
 BLOCK_PER_THREAD = 1 << 18
 
 
-def optimizer_threads(threads: int | None = None) -> int:
-    """Threads of a host AdamW that runs beside a training thread (`threads`: torch's now): all but one where
-    there are more than two, so that the training thread, which launches the device's kernels and queues its
-    copies, keeps a core of its own instead of waiting for a turn among the optimizer's."""
-    threads = threads or torch.get_num_threads()
-    return threads - 1 if threads > 2 else threads
-
-
 def host_block(chunk: int, threads: int | None = None) -> int:
     """Elements per host kernel call: every thread's share of the scratch stays in its core's cache (`threads`:
     torch's now)."""
@@ -298,19 +290,17 @@ class HostAdamW:
     """AdamW over a list of flat fp32 host masters, one per unit, sharing one fp32 scratch.
 
     A unit given as None has no host optimizer (the engine updates it elsewhere, e.g. resident on the device);
-    an `external` one keeps no m and v here (they are bound before each of its steps). `threads`: the torch
-    threads its steps run on (default: the calling thread's now), a cache-sized block of the scratch for each.
+    an `external` one keeps no m and v here (they are bound before each of its steps).
     """
 
     def __init__(self, masters: list[torch.Tensor | None], config: AdamWConfig,
                  states_dtype: torch.dtype = torch.float32, pinned: list[bool] | None = None,
-                 bounds: list[tuple[int, ...]] | None = None, external: list[bool] | None = None,
-                 threads: int | None = None):
+                 bounds: list[tuple[int, ...]] | None = None, external: list[bool] | None = None):
         present = [m for m in masters if m is not None]
         for m in present:
             if m.dtype != torch.float32 or m.device.type != "cpu" or m.dim() != 1:
                 raise ValueError("master weights must be flat fp32 tensors on the host")
-        size = scratch_numel(max((m.numel() for m in present), default=1), True, threads)  # (the threads it runs on)
+        size = scratch_numel(max((m.numel() for m in present), default=1), True)
         scratch = torch.empty(size)  # one thread updates one unit at a time: every unit shares the scratch
         wide = torch.zeros(HOST_ROWS, size)
         self.masters = masters

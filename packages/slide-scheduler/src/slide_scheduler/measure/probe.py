@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from slide_io import NVMeStore, PathRates, choose_path, free_bytes, kvikio_choice
-from slide_memory import AdamWConfig, HostAdamW, host_empty, optimizer_threads
+from slide_memory import AdamWConfig, HostAdamW, host_empty
 
 from ..plan.machine import Disk, Gpu, Host, Machine, Pcie, causal_attention_flops, routed_expert_flops
 from .attention import attention_seconds, backend_rates
@@ -470,19 +470,9 @@ def _adamw_lane(numel: int) -> Lane:
     # (the kernel's time does not depend on the values, and filling is quicker than drawing random numbers)
     master = torch.full((numel,), 0.5)
     grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16)
-    threads = optimizer_threads()  # the engine's updater's, whichever thread calls the lane
-    optimizer = HostAdamW([master], AdamWConfig(lr=1e-4, weight_decay=0.01), threads=threads)
+    optimizer = HostAdamW([master], AdamWConfig(lr=1e-4, weight_decay=0.01))
     moved = numel * (3 * 2 * master.element_size() + grad.element_size())
-
-    def op() -> None:
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            optimizer.step_unit(0, grad, lr=1e-4)
-        finally:
-            torch.set_num_threads(before)
-
-    return Lane("adamw", op, moved, warmup=2)
+    return Lane("adamw", lambda: optimizer.step_unit(0, grad, lr=1e-4), moved, warmup=2)
 
 
 def _host_copy_lane(name: str, nbytes: int) -> Lane:

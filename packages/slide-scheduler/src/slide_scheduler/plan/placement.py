@@ -15,7 +15,9 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from slide_memory import device_scratch_bytes, host_scratch_bytes, optimizer_threads, streamed_step_bytes
+import torch
+
+from slide_memory import device_scratch_bytes, host_scratch_bytes, streamed_step_bytes
 
 from .facts import ACTIVATION_TIERS, DISK, GPU, HOST, TIER_KINDS, TIERS, RunFacts, kind_of
 from .shapes import Shapes, StepShape
@@ -87,7 +89,7 @@ class Placement:
     run: RunFacts = field(default_factory=RunFacts)
     stream_piece: int = field(default_factory=lambda: STREAM_PIECE)  # (read when made: tests shrink them)
     stream_buffers: int = field(default_factory=lambda: STREAM_BUFFERS)
-    threads: int = field(default_factory=optimizer_threads)  # host optimizer threads (and its scratch)
+    threads: int = field(default_factory=torch.get_num_threads)  # host optimizer threads (its scratch)
     # positions per tile where a block runs its MLP over tiles of the sequence (0: whole rows)
     sequence_tile: int = 0
     # its attention half by query tiles of `sequence_tile` too (against the keys and values up to each tile's end)

@@ -170,7 +170,7 @@ class SlidingEngine:
 
     def _update_kinds(self, p: Placement, units: list[Unit], optimizer, tail_from: int) -> None:
         """The host updater, and each unit's update kind (updates.py) over it."""
-        self.updater = updater = HostUpdater(optimizer, inline=p.synchronous, disk=self.disk, threads=p.threads)
+        self.updater = updater = HostUpdater(optimizer, inline=p.synchronous, disk=self.disk)
         self.moments = Moments(updater)
         self.waits = UpdateWaits(updater, self.lanes.timeline, p.synchronous)  # (where the engine blocks for them)
         self.edges_load = EdgesLoad()  # set once the edges' latest parameters are queued to the device

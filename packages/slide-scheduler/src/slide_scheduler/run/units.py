@@ -138,7 +138,7 @@ def host_optimizer(units: list[Unit], p, config: AdamWConfig, disk, tail_from: i
                      pinned=[p.run.cuda and u in p.streamed for u in range(n)],
                      bounds=[tuple(b - units[0].start for b in (tail_from,) if units[0].start < b < units[0].end)]
                      + [()] * (n - 1),
-                     external=[u in p.on_disk for u in range(n)], threads=p.threads)
+                     external=[u in p.on_disk for u in range(n)])
 
 
 def load_weights(stack: Stack, units: list[Unit], edge_layout: FlatLayout, disk,

@@ -5,8 +5,7 @@ and then sets the unit's signals: `params` (the master is new), which every late
 `done` (the AdamW states too), which every later reuse of its gradient buffer waits for. A split update sets
 them one part at a time (`FlatAdamW.step`'s "params", later "moments"). A speculative update ("speculate") changes
 no state and sets the unit's `speculated` signal once the parameters it wrote are ready. One thread, because
-torch's CPU AdamW already uses the cores inside one call (`threads` of them: the placement's); jobs run in the
-order they were submitted.
+torch's CPU AdamW already uses every core inside one call; jobs run in the order they were submitted.
 """
 
 from __future__ import annotations
@@ -40,9 +39,8 @@ getattr(threading, "_register_atexit", atexit.register)(_finish_at_exit)
 
 
 class HostUpdater:
-    def __init__(self, optimizer, inline: bool = False, disk=None, threads: int | None = None):
+    def __init__(self, optimizer, inline: bool = False, disk=None):
         self.optimizer = optimizer
-        self.threads = threads  # the worker's torch threads (None: torch's default for a new thread)
         self.disk = disk  # DiskStates: units whose m and v are brought from disk for each update
         self.params = [HostSignal() for _ in optimizer.units]
         self.done = [HostSignal() for _ in optimizer.units]
@@ -87,8 +85,6 @@ class HostUpdater:
             signal.wait_host()
 
     def _loop(self) -> None:
-        if self.threads:  # (torch's thread count is the calling thread's own: the training thread keeps its)
-            torch.set_num_threads(self.threads)
         while True:
             item = self._queue.get()
             if item is None:
