@@ -32,6 +32,10 @@ class Budgets:
     def of(self, tier: str) -> float | None:
         return {GPU: self.gpu, HOST: self.host, DISK: self.disk, **dict(self.others)}.get(tier)
 
+    def holds(self, p: Placement, *tiers: str) -> bool:
+        """Whether what `p` keeps in each of `tiers` is within that tier's budget (none: any amount)."""
+        return all(self.of(t) is None or p.bytes(t) <= self.of(t) for t in tiers)
+
 
 def expert(what: str, *, least: float = 0, most: float | None = None, must: str = "",
            words: tuple[str, ...] = ()) -> dict:

@@ -246,17 +246,14 @@ class _Planning:
         plan = None
         for query_tiles in queries:  # (the smallest tile first: where it does not fit, no larger one does)
             plan = self.search(dataclasses.replace(o, sequence_tile=min(tiles), query_tiles=query_tiles))
-            if not self.fits_gpu(plan):
+            if not self.budgets.holds(plan.placement, GPU):
                 continue
             for tile in sorted(tiles, reverse=True)[:-1]:
                 larger = self.search(dataclasses.replace(o, sequence_tile=tile, query_tiles=query_tiles))
-                if self.fits_gpu(larger):
+                if self.budgets.holds(larger.placement, GPU):
                     return larger
             return plan
         return plan
-
-    def fits_gpu(self, plan: Plan) -> bool:
-        return self.budgets.gpu is None or plan.placement.bytes(GPU) <= self.budgets.gpu
 
     def best(self, o: Overrides) -> tuple[bool, Placement, Estimate, float | None]:
         """Over windows, shares of device updates and kinds of gradient home: the candidate that fits and prices
@@ -299,8 +296,7 @@ class _Planning:
     def weighed(self, p: Placement, forced: bool) -> tuple:
         """Candidate `p` as best() weighs it: its key, placement and price."""
         budgets, machine = self.budgets, self.machine
-        gpu_fits = budgets.gpu is None or p.bytes(GPU) <= budgets.gpu
-        host_fits = budgets.host is None or p.bytes(HOST) <= budgets.host
+        gpu_fits, host_fits = budgets.holds(p, GPU), budgets.holds(p, HOST)
         est = price(p, machine)
         # Speculating, the step that matters is the usual one of a fine-tune: clipping does not act; and it must
         # win by more than its price's error against the speculating steps measured
@@ -359,8 +355,7 @@ def disk_share(shapes: Shapes, step: StepShape, run: RunFacts, budgets: Budgets,
         return math.ceil(100 * blocks / sliding) / 100
 
     def fits_in_memory(candidate: Plan) -> bool:  # the disk aside: more on disk only ever needs more of it
-        p, b = candidate.placement, candidate.budgets
-        return (b.host is None or p.bytes(HOST) <= b.host) and (b.gpu is None or p.bytes(GPU) <= b.gpu)
+        return candidate.budgets.holds(candidate.placement, HOST, GPU)
 
     grads = (False, True) if run.clips and o.disk_grads is None else (bool(o.disk_grads),)
     for loads, grads_away in [(loads, g) for g in grads for loads in (False, True)]:

@@ -15,7 +15,7 @@ import importlib
 import importlib.util
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn.attention.flex_attention import flex_attention
@@ -48,6 +48,8 @@ class Prepared:
     context: object
     window: int | None
     documents: bool
+    # its tiles' own (`Backend.tile`), by (start, end): made once, shared by every layer and the recompute
+    tiles: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 class Backend:
@@ -70,11 +72,10 @@ class Backend:
     def tile(self, prepared: Prepared, start: int, end: int, device) -> Prepared:
         """`prepared` for the queries [start, end) of its rows, against the keys [0, end): made once per micro-batch
         and tile, then shared by every layer and by the backward's recompute."""
-        tiles = prepared.__dict__.setdefault("_tiles", {})
-        if (start, end) not in tiles:
-            tiles[start, end] = Prepared(self, self.tile_context(prepared.context, start, end, device),
-                                         prepared.window, prepared.documents)
-        return tiles[start, end]
+        if (start, end) not in prepared.tiles:
+            prepared.tiles[start, end] = Prepared(self, self.tile_context(prepared.context, start, end, device),
+                                                  prepared.window, prepared.documents)
+        return prepared.tiles[start, end]
 
     def attend(self, module, query, key, value, prepared: Prepared, scaling, softcap, **kwargs):
         raise NotImplementedError
