@@ -58,8 +58,9 @@ def benchmarks(session: nox.Session) -> None:
     """benchmarks/sweep.py's planning and bookkeeping, run.py's plans of the long runs (slide-train's planner), and
     the committed GPU figures against their plans made again."""
     session.install(TORCH)
-    session.install(*[arg for sib in [*siblings("slide-train"), "slide-train"] for arg in ("-e", f"packages/{sib}")],
-                    "pytest", "pytest-xdist>=3.5")
+    # (slide-train's test extra brings pytest and xdist)
+    session.install(*[arg for sib in siblings("slide-train") for arg in ("-e", f"packages/{sib}")],
+                    "-e", "packages/slide-train[test]")
     session.run("pytest", "benchmarks/test_sweep.py", "benchmarks/test_plans_measured.py", *SPREAD,
                 *session.posargs)
 
