@@ -231,8 +231,9 @@ def test_each_block_visits_a_slot_once_per_pass():
     engine.stage = spy
     step = batches(seed=2, steps=1, micro=3)[0]
     engine.step(step, lr=1e-3, normalizer=10)
-    # Layer-major: one visit per block in forward, one in backward, whatever the number of micro-batches.
-    assert loads == [0, 1, 2, 3, 3, 2, 1, 0]
+    # Layer-major: one visit per block in forward, one in backward, whatever the number of micro-batches; the
+    # backward's first block is the forward's last, still in its slot
+    assert loads == [0, 1, 2, 3, 2, 1, 0]
 
 
 @pytest.mark.parametrize("resident, order", [
@@ -907,8 +908,11 @@ def test_unclipped_device_updates_and_pooled_gradients_match_plain_pytorch(choic
 
 def test_a_device_update_still_on_its_way_home_is_waited_for(monkeypatch):
     """Drop the wait for a device update's store before the block's backward load, slow the store lane down,
-    and the backward reads a stale master: the delay test above would see it."""
+    and the backward reads a stale master: the delay test above would see it. (Buffers enough that the copies in
+    never wait for a store: with few, the last pieces' stores alone are in flight, and those are of the last
+    block, which the backward does not load again.)"""
     monkeypatch.setattr(placement_module, "STREAM_PIECE", 64)
+    monkeypatch.setattr(placement_module, "STREAM_BUFFERS", 64)
     _, ref = run_engine(pipeline=False, window=2, clip=0.05)
 
     class Forgetful(dict):

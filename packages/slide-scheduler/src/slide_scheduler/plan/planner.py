@@ -139,22 +139,21 @@ class _Planning:
         step's end as clipped ones do (under the next forward, in its order; they need a gradient buffer each, so
         the least share on disk may differ): the first k sliding blocks wait, whose loads the next forward needs
         first, the later ones (whose gradients come first) run in the backward, k over DEFERRED_SHARES, each
-        planned whole; with the split taken, the share of the streamed blocks whose device updates run early, in
-        the backward (the last ones, over EARLY_SHARES). Then the clipped run's plan, run without clipping (its
-        scale being exactly 1), where that is faster: an unclipped plan is never predicted slower than the clipped
-        one."""
+        planned whole; with each split, the share of the streamed blocks whose device updates run early, in the
+        backward (the last ones, over EARLY_SHARES). The two are weighed together: which split is best depends
+        on how much of the streamed blocks' traffic leaves the forward. Then the clipped run's plan, run without
+        clipping (its scale being exactly 1), where that is faster: an unclipped plan is never predicted slower
+        than the clipped one."""
         n = self.shapes.num_blocks
-        best, chosen = None, 0
+        plans = []
         for k in sorted({round(share * n) for share in DEFERRED_SHARES}):
             plan = self.plan(dataclasses.replace(o, defer_updates=k, early_streams=o.early_streams or 0.0), rest)
-            if best is None or _better(_rank(plan), _rank(best)):
-                best, chosen = plan, k
-        # (then, with that split, early streams: only where the forward waits on its copies to the GPU, which
-        # early updates move into the backward)
-        if o.early_streams is None and best.placement.streamed - {0} and _copies_hold_forward(best.estimate):
-            for share in EARLY_SHARES:
-                plan = self.plan(dataclasses.replace(o, defer_updates=chosen, early_streams=share), rest)
-                best = plan if _better(_rank(plan), _rank(best)) else best
+            plans.append(plan)
+            # (early streams only where the forward waits on its copies to the GPU: they move it into the backward)
+            if o.early_streams is None and plan.placement.streamed - {0} and _copies_hold_forward(plan.estimate):
+                plans += [self.plan(dataclasses.replace(o, defer_updates=k, early_streams=share), rest)
+                          for share in EARLY_SHARES]
+        best = _pick(plans)
         clipped = self.clipped_unclipped(o)
         if clipped is not None and clipped.fits and clipped.estimate.step_s < best.estimate.step_s:
             return clipped
@@ -547,6 +546,17 @@ def _training_changes(s: _Setting) -> list[list[_Setting]]:
 def _rank(plan: Plan) -> tuple:
     """A plan's key for `_better`: fitting, its step, its host memory."""
     return (not plan.fits, False, False, plan.estimate.step_s, plan.placement.bytes(HOST))
+
+
+def _pick(plans: list[Plan]) -> Plan:
+    """The plan `_better` prefers among `plans`, whatever their order: of the best-fitting ones, those within
+    TIE of the fastest; of those, the least host memory, and at that memory the fastest."""
+    ranked = [(_rank(plan), plan) for plan in plans]
+    fit = min(key[:3] for key, _ in ranked)
+    ranked = [(key, plan) for key, plan in ranked if key[:3] == fit]
+    fastest = min(key[3] for key, _ in ranked)
+    return min(((key, plan) for key, plan in ranked if key[3] <= fastest * (1 + TIE)),
+               key=lambda entry: (entry[0][4], entry[0][3]))[1]
 
 
 def _better(key: tuple, than: tuple) -> bool:

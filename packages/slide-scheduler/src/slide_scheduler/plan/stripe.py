@@ -33,11 +33,13 @@ class Share:
 
 def unit_share(p: Placement, unit: int) -> Share:
     """What `unit`'s files move per step: its states (moments, and master where there) read ahead of its update
-    and written back, its master read for each load (forward and backward) where host memory has no copy, and
-    its gradient written in the backward and read back where it waits on disk."""
+    and written back, its master read for each load (forward and backward, but the last block's backward, which
+    finds it still in its slot) where host memory has no copy, and its gradient written in the backward and read
+    back where it waits on disk."""
     numel = p.shapes.unit_numels[unit]
     states = p.disk_state_bytes(unit) * numel
-    loads = 2 * 4 * numel if unit in p.loads_from_disk else 0
+    passes = 1 if unit == p.shapes.num_blocks else 2
+    loads = passes * 4 * numel if unit in p.loads_from_disk else 0
     grads = p.compute_bytes * numel if unit in p.grads_on_disk else 0
     return Share(states + loads + grads, states + grads, states + grads)
 

@@ -323,20 +323,22 @@ class SlidingEngine:
         clock = self._begin()
         batches = self._to_device(micro_batches)
         self.activations.trim(len(batches))
-        hidden, contexts = self._forward(batches)
+        hidden, contexts, kept = self._forward(batches)
         self.moments.submit()
         clock.lap("forward")
         grads = self._tail(hidden, batches, contexts, normalizer)
         del hidden
         self.stream.tail_final(lr)
         clock.lap("tail")
-        gradients = self._backward(batches, contexts, grads, lr)
+        gradients = self._backward(batches, contexts, grads, lr, kept)
         clock.lap("backward")
         loss, grad_norm = self._readout_and_commit(gradients, lr)
         return self._end(clock, loss, grad_norm)
 
-    def _backward(self, batches: list[Batch], contexts: list, grads: list, lr: float) -> dict[int, Gradient]:
-        """Blocks in reverse, then the head; each unit's gradient sent home and handed to its update."""
+    def _backward(self, batches: list[Batch], contexts: list, grads: list, lr: float,
+                  kept: dict[int, Seat]) -> dict[int, Gradient]:
+        """Blocks in reverse, then the head; each unit's gradient sent home and handed to its update. `kept`: the
+        blocks the forward left in their slots (its last), which run again from there."""
         for kind in self.updates:
             kind.before_backward()
         gradients: dict[int, Gradient] = {}
@@ -344,9 +346,9 @@ class SlidingEngine:
         # Parameters are staged a window ahead; boundary activations as far ahead as the landing sets allow (a set
         # is free once the backward of the block that used it last is queued, so sets - 1 blocks ahead)
         ahead = len(self._act_landing) - 1
-        staged: dict[int, Seat] = {}
+        staged: dict[int, Seat] = dict(kept)
         fetched: dict[int, tuple[list, Signal]] = {}
-        self._prefetch(staged, [n - 1], fetched, 1, m)
+        self._prefetch(staged, range(n - 1, max(n - 1 - self.window, -1), -1), fetched, 1, m)
         for i in reversed(range(n)):
             self._edges_tail()  # a piece of the edges' early update: backward's loads leave room for it
             seat = staged.pop(i) if i in staged else self.stage(i)
@@ -482,7 +484,7 @@ class SlidingEngine:
         """The loss over `micro_batches` (normalized by `normalizer`) with no gradient and no update."""
         batches = self._to_device(micro_batches)
         with torch.no_grad():
-            hidden, contexts = self._forward(batches, keep=False)
+            hidden, contexts, _ = self._forward(batches, keep=False)
             self.moments.submit()
             loss = sum((self.calls.loss(h, batch, normalizer, ctx).float() for h, batch, ctx in zip(hidden, batches,
                                                                                                     contexts)),
@@ -498,7 +500,9 @@ class SlidingEngine:
 
     @torch.no_grad()
     def _forward(self, batches: list[Batch], keep: bool = True):
-        """Head and blocks, layer-major: each block visits a slot once and sees every micro-batch there."""
+        """Head and blocks, layer-major: each block visits a slot once and sees every micro-batch there. Returns
+        the last hidden states, each micro-batch's context, and the last block's seat (by block), which still
+        holds it: the backward starts there without loading it again."""
         n, acts = self.num_blocks, self.activations
         self._load_edges()
         hidden, contexts = [], []
@@ -535,7 +539,7 @@ class SlidingEngine:
             tail_ready = self.lanes.landed()
         if tail_ready is not None:  # the tail reads it
             self.compute.wait(tail_ready)
-        return hidden, contexts
+        return hidden, contexts, ({n - 1: seat} if n else {})
 
     def _prefetch(self, staged: dict[int, Seat], blocks: Iterable[int], fetched: dict | None = None,
                   fetches: int = 0, micro: int = 0) -> None:

@@ -1,15 +1,15 @@
 """The cost model: a placement's time per step on a machine, lane by lane, and what bounds it.
 
-Each lane's work per step comes from FLOPs and bytes; its time from the machine's measured rates. The overlap
-rules are the engine's: a block loads into a slot once the block `window` places before it has left that slot,
-and runs once it has loaded (and, where host updates wait for the step's end, once its host update has written
-its master); the host optimizer is one queue, worked through in the order the engine submits to it (updates that
-run during the backward as their gradients land, then at the step's end those that wait for it, in the next
-forward's order); host memory carries every PCIe, AdamW and disk byte. With clipping every update waits for the
-step's end (the norm) and runs under the next forward (a quarter of the compute); without, each block's update
-runs under the backward or, deferred, under the next forward, as the placement says; a streamed block's device
-update runs as it next loads or, early, in the backward once its gradient is home, its copies queued behind the
-loads staged before it and the one staged after its backward.
+Each lane's work per step comes from FLOPs and bytes; its time from the machine's measured rates. The overlap rules
+are the engine's: a block loads into a slot once the block `window` places before it has left that slot (the
+backward's first block is the forward's last, still in its slot), and runs once it has loaded (and, where host
+updates wait for the step's end, once its host update has written its master); the host optimizer is one queue,
+worked through in the order the engine submits to it (updates that run during the backward as their gradients land,
+then at the step's end those that wait for it, in the next forward's order); host memory carries every PCIe, AdamW
+and disk byte. With clipping every update waits for the step's end (the norm) and runs under the next forward (a
+quarter of the compute); without, each block's update runs under the backward or, deferred, under the next forward,
+as the placement says; a streamed block's device update runs as it next loads or, early, in the backward once its
+gradient is home, its copies queued behind the loads staged before it and the one staged after its backward.
 
 With data-parallel ranks the estimate is one rank's: its shard of each unit crosses its own PCIe link, the rest
 of the parameters arrive by all-gather and the gradients leave by reduce-scatter over the GPUs' link, and the

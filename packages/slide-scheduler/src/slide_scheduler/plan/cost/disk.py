@@ -33,9 +33,10 @@ def block_disk(p: Placement, r: Rates) -> Work:
     eager = any(not p.waits(u) for u in p.on_disk)
     for u in p.sliding_blocks:
         unit, numel, drive, waits = p.units[u], p.shapes.unit_numels[u], p.drive_of(u), p.waits(u)
-        if loads_from_disk(unit):  # its master as it loads, each pass
+        if loads_from_disk(unit):  # its master as it loads, each pass (the last block stays for the backward)
             read(fwd, 4 * numel, r, drive)
-            read(bwd, 4 * numel, r, drive)
+            if u < p.shapes.num_blocks:
+                read(bwd, 4 * numel, r, drive)
         if kind_of(unit.moments) != "files":
             continue
         early = waits and not eager and staged_early < p.staging_slots and not early_reads_wait(p)
@@ -73,9 +74,9 @@ def boundary_disk(p: Placement, r: Rates) -> Work:
 def disk_traffic(p: Placement, drive: int | None = None) -> tuple[int, int]:
     """Bytes the disk tier reads and writes per step, as `price` moves them: the states of each block there
     (its AdamW moments, and its master where that is there too) read and written back once, a master read for
-    each load (forward and backward) where its parameters have no copy in host memory, and the boundary
-    activations on disk written in the forward and read in the backward (stripe.py's shares, which count each
-    drive's). `drive`: that drive's bytes alone."""
+    each load (forward and backward, but the last block's backward) where its parameters have no copy in host
+    memory, and the boundary activations on disk written in the forward and read in the backward (stripe.py's
+    shares, which count each drive's). `drive`: that drive's bytes alone."""
     shares = drive_shares(p, None if drive is None else drive + 1)
     share = shares[drive] if drive is not None else sum(shares, Share())
     return share.read, share.written

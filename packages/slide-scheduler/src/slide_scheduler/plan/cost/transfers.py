@@ -65,11 +65,13 @@ def block_copies(p: Placement, r: Rates, clipping_acts: bool) -> Loads:
         fwd.h2d += into
         fwd.d2h += back
         fwd.link += gathered(p, numel)
-        again = numel * (p.compute_bytes if compact else 4) * shard(p)  # (the parameters, as the forward's)
-        loads.backward[u - 1] = load_s(r, again, gathered(p, numel))
+        # (the parameters, as the forward's; the last block's are still in their slot from the forward)
+        reloads = u < n
+        again = numel * (p.compute_bytes if compact else 4) * shard(p) if reloads else 0.0
+        loads.backward[u - 1] = load_s(r, again, gathered(p, numel) if reloads else 0.0)
         bwd.h2d += again
         bwd.d2h += 0 if unit.grad == "held" else numel * p.compute_bytes * shard(p)
-        bwd.link += 2 * gathered(p, numel)  # the load's all-gather, the gradient's reduce-scatter
+        bwd.link += (1 + reloads) * gathered(p, numel)  # the load's all-gather, the gradient's reduce-scatter
         if unit.early:  # (its pieces cross both ways at once: the slower of h2d alone and the duplex rate)
             into, back = stream_update(p, unit, numel)
             loads.early[u - 1] = max(into / r.h2d, (into + back) / r.duplex) if r.pcie else 0.0
