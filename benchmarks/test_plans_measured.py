@@ -17,9 +17,11 @@ WITHIN = 0.10
 # Figures the cost model is known to miss by more than WITHIN, and why: strict, so a model that comes within WITHIN
 # of one fails here until it is taken off this list
 KNOWN_GAPS = {
-    **dict.fromkeys(("moe-clip-none", "moe-clip-1.0", "moe-96k-clip-1.0"),
+    **dict.fromkeys(("moe-clip-1.0", "moe-96k-clip-1.0"),
                     "OLMoE's host AdamW runs slower beside the streamed updates' copies than the plan prices it: "
                     "host memory is shared, and the plan takes the probe's rate beside plain copies"),
+    "moe-clip-none": "OLMoE unclipped: the copies to the GPU set the plan and outlast it in the engine, with the GPU's "
+                     "compute and the host AdamW within 10% of theirs (docs/findings.md); the cause is not found",
 }
 
 
