@@ -132,8 +132,8 @@ FEW = "--warmup 1 --steps 3"
 QUICK = [
     {"name": "quick-b3-clip", "estimate_s": 110, "run": ["run.py b3 --systems slide,liger --modes 1.0"]},
     {"name": "quick-b8", "estimate_s": 205, "run": [f"run.py b8 --systems slide --modes none,1.0 {FEW}"]},
-    {"name": "quick-gemma2-none", "estimate_s": 120, "run": [f"run.py gemma2 --systems slide --modes none {FEW}"]},
-    {"name": "quick-moe-none", "estimate_s": 75, "run": [f"run.py moe --systems slide --modes none {FEW}"]},
+    {"name": "quick-gemma2-none", "estimate_s": 110, "run": [f"run.py gemma2 --systems slide --modes none {FEW}"]},
+    {"name": "quick-moe-none", "estimate_s": 85, "run": [f"run.py moe --systems slide --modes none {FEW}"]},
     {"name": "quick-long-8b-128k-clip", "estimate_s": 420, "alone": True,
      "run": [f"run.py long --variants 8b-128k --modes 1.0 {FEW}"]},
 ]
