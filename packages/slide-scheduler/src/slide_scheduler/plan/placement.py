@@ -128,6 +128,11 @@ class Placement:
         defers it), split where placed so."""
         return self.clips or self.units[unit].defer
 
+    def loads(self, unit: int) -> int:
+        """A sliding block's loads per step: forward and backward, but the last block's backward, which finds it
+        still in its slot from the forward."""
+        return 1 if unit == self.shapes.num_blocks else 2
+
     @property
     def deferred(self) -> set[int]:
         """Units whose host update waits for the step's end."""

@@ -38,8 +38,7 @@ def unit_share(p: Placement, unit: int) -> Share:
     back where it waits on disk."""
     numel = p.shapes.unit_numels[unit]
     states = p.disk_state_bytes(unit) * numel
-    passes = 1 if unit == p.shapes.num_blocks else 2
-    loads = passes * 4 * numel if unit in p.loads_from_disk else 0
+    loads = p.loads(unit) * 4 * numel if unit in p.loads_from_disk else 0
     grads = p.compute_bytes * numel if unit in p.grads_on_disk else 0
     return Share(states + loads + grads, states + grads, states + grads)
 

@@ -33,9 +33,9 @@ def block_disk(p: Placement, r: Rates) -> Work:
     eager = any(not p.waits(u) for u in p.on_disk)
     for u in p.sliding_blocks:
         unit, numel, drive, waits = p.units[u], p.shapes.unit_numels[u], p.drive_of(u), p.waits(u)
-        if loads_from_disk(unit):  # its master as it loads, each pass (the last block stays for the backward)
+        if loads_from_disk(unit):  # its master as it loads, each pass
             read(fwd, 4 * numel, r, drive)
-            if u < p.shapes.num_blocks:
+            if p.loads(u) > 1:  # (the last block's backward finds it still in its slot)
                 read(bwd, 4 * numel, r, drive)
         if kind_of(unit.moments) != "files":
             continue

@@ -65,10 +65,9 @@ def block_copies(p: Placement, r: Rates, clipping_acts: bool) -> Loads:
         fwd.h2d += into
         fwd.d2h += back
         fwd.link += gathered(p, numel)
-        # (the parameters, as the forward's; the last block's are still in their slot from the forward)
-        reloads = u < n
-        again = numel * (p.compute_bytes if compact else 4) * shard(p) if reloads else 0.0
-        loads.backward[u - 1] = load_s(r, again, gathered(p, numel) if reloads else 0.0)
+        reloads = p.loads(u) - 1  # (the parameters, as the forward's, where the forward did not leave them)
+        again = reloads * numel * (p.compute_bytes if compact else 4) * shard(p)
+        loads.backward[u - 1] = load_s(r, again, reloads * gathered(p, numel))
         bwd.h2d += again
         bwd.d2h += 0 if unit.grad == "held" else numel * p.compute_bytes * shard(p)
         bwd.link += (1 + reloads) * gathered(p, numel)  # the load's all-gather, the gradient's reduce-scatter
